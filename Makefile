@@ -1,0 +1,34 @@
+# Two commands from a fresh clone: `make demo` and `make test`. Each sets up .venv itself.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+EDGETP := $(VENV)/bin/edgetp
+CACHE ?= $(or $(EDGETP_CACHE_DIR),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/edgetp)
+WHEELS := $(CACHE)/wheels
+export OPENBLAS_NUM_THREADS ?= 1
+
+.PHONY: demo test bench clean
+
+$(VENV)/.base: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.base tools/llama_cpp_wheel.sh
+	$(PY) -m pip install -q -e '.[test]'
+	tools/llama_cpp_wheel.sh $(PY) $(WHEELS)
+	touch $@
+
+demo: $(VENV)/.base
+	$(EDGETP) ask --local --max-tokens 64 --temperature 0 "What is the capital of France?"
+
+test: $(VENV)/.test
+	$(EDGETP) model pull smollm2
+	$(PY) -m pytest -q -rs
+
+bench: $(VENV)/.test
+	$(PY) tools/bench_local.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

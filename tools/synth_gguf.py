@@ -1,0 +1,528 @@
+#!/usr/bin/env python3
+"""Write synthetic llama-family GGUF models with random weights.
+
+For tests and benchmarks: any shape, any of the common tensor types, a
+synthetic SentencePiece-style vocabulary, and the metadata llama.cpp needs to
+load the file.  The weights are random but scaled so a forward pass stays
+numerically sane (every linear layer's weights have std ~ 1/sqrt(fan_in),
+norm weights ~ 1), so logits are finite and of order one.
+
+Quantized tensors are produced directly as random, valid blocks (random quant
+bits, f16 scales chosen so the dequantized values have the intended std); no
+per-element Python loops, so the 1B preset in Q8_0 takes seconds, not minutes.
+
+    python tools/synth_gguf.py OUT.gguf --preset llama-3.2-1b --type q8_0
+    python tools/synth_gguf.py OUT.gguf --dim 96 --layers 3 --heads 6 \\
+        --kv-heads 3 --ffn 224 --vocab 600 --type q4_0
+
+Library use: ``write_model(path, dim=..., ...)`` or
+``write_preset(path, "tiny-odd", weight_type="q8_0")``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+import gguf
+from gguf import GGMLQuantizationType as QT
+from gguf import LlamaFileType, TokenType
+
+QK_K = 256
+
+#: name -> (ggml type, llama file type)
+TYPES: dict[str, tuple[QT, LlamaFileType]] = {
+    "f32": (QT.F32, LlamaFileType.ALL_F32),
+    "f16": (QT.F16, LlamaFileType.MOSTLY_F16),
+    "bf16": (QT.BF16, LlamaFileType.MOSTLY_BF16),
+    "q8_0": (QT.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+    "q4_0": (QT.Q4_0, LlamaFileType.MOSTLY_Q4_0),
+    "q4_1": (QT.Q4_1, LlamaFileType.MOSTLY_Q4_1),
+    "q4_k": (QT.Q4_K, LlamaFileType.MOSTLY_Q4_K_S),
+    "q6_k": (QT.Q6_K, LlamaFileType.MOSTLY_Q6_K),
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Real shapes (random weights): for benchmarks.
+    "llama-3.2-1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn=8192, vocab=128256,
+                         head_dim=64, ctx=8192, rope_theta=500000.0, norm_eps=1e-5, tied=True),
+    "llama-3.2-3b": dict(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn=8192, vocab=128256,
+                         head_dim=128, ctx=8192, rope_theta=500000.0, norm_eps=1e-5, tied=True),
+    "tinyllama-1.1b": dict(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn=5632, vocab=32000,
+                           ctx=2048, rope_theta=10000.0, norm_eps=1e-5, tied=False),
+    "smollm2-135m": dict(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn=1536, vocab=49152,
+                         ctx=8192, rope_theta=100000.0, norm_eps=1e-5, tied=True),
+    # Tiny shapes for tests.
+    # Heads (6), KV heads (3) and FFN width (224 = 7 blocks of 32) do not all
+    # split evenly over 2, 3 or 4 nodes; dim 96 = 3 blocks of 32.
+    "tiny-odd": dict(dim=96, n_layers=3, n_heads=6, n_kv_heads=3, head_dim=16, ffn=224, vocab=600,
+                     ctx=256, rope_theta=10000.0, tied=False),
+    # Prime counts everywhere: 5 heads, 1 KV head, FFN 11 blocks of 32.
+    "tiny-prime": dict(dim=160, n_layers=2, n_heads=5, n_kv_heads=1, head_dim=32, ffn=352, vocab=611,
+                       ctx=256, rope_theta=10000.0, tied=True),
+    # head_dim * n_heads != dim (needs key_length/value_length).
+    "tiny-headdim": dict(dim=128, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=32, ffn=256, vocab=512,
+                         ctx=256, rope_theta=10000.0, tied=False),
+    # Every input width a multiple of 256, so K-quants (q4_k, q6_k) work.
+    "tiny-k": dict(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn=512, vocab=640,
+                   ctx=256, rope_theta=10000.0, tied=False),
+}
+
+
+# ---------------------------------------------------------------------------
+# Random tensors
+# ---------------------------------------------------------------------------
+
+def _f16_bytes(x: np.ndarray) -> np.ndarray:
+    """float array of shape (n,) -> uint8 (n, 2) holding little-endian f16."""
+    return x.astype("<f2").view(np.uint8).reshape(-1, 2)
+
+
+def _block_scale(rng: np.random.Generator, n: int, base: float) -> np.ndarray:
+    """Per-block scales base * U(0.5, 1.5); E[u^2] = 13/12 is divided out by callers."""
+    return (base * rng.uniform(0.5, 1.5, n)).astype(np.float32)
+
+
+_EU2 = 13.0 / 12.0  # E[u^2] for u ~ U(0.5, 1.5)
+
+
+def _q8_0(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:
+    # qs uniform over int8 [-128, 127]: E[q^2] = (256^2 - 1)/12 + 0.25
+    blocks = rng.integers(0, 256, (n_blocks, 34), dtype=np.uint8)
+    eq2 = (256 ** 2 - 1) / 12 + 0.25
+    d = _block_scale(rng, n_blocks, std / np.sqrt(eq2 * _EU2))
+    blocks[:, 0:2] = _f16_bytes(d)
+    return blocks
+
+
+def _q4_0(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:
+    # value = d * (q - 8), q uniform 0..15: E[(q-8)^2] = 21.25 + 0.25; random sign of d
+    blocks = rng.integers(0, 256, (n_blocks, 18), dtype=np.uint8)
+    d = _block_scale(rng, n_blocks, std / np.sqrt(21.5 * _EU2))
+    d *= np.where(rng.integers(0, 2, n_blocks, dtype=np.uint8) == 1, 1.0, -1.0).astype(np.float32)
+    blocks[:, 0:2] = _f16_bytes(d)
+    return blocks
+
+
+def _q4_1(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:
+    # value = d * q + m with m = -7.5 d: zero-mean, E[(q-7.5)^2] = 21.25
+    blocks = rng.integers(0, 256, (n_blocks, 20), dtype=np.uint8)
+    d = _block_scale(rng, n_blocks, std / np.sqrt(21.25 * _EU2))
+    blocks[:, 0:2] = _f16_bytes(d)
+    blocks[:, 2:4] = _f16_bytes(-7.5 * d)
+    return blocks
+
+
+def pack_q4_k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """Pack 8 six-bit scales and 8 six-bit mins per block into ggml's 12 bytes.
+
+    Inverse of gguf.quants.Q4_K.get_scale_min; sc, mn: uint8 (n_blocks, 8) in 0..63.
+    """
+    sc = sc.astype(np.uint8)
+    mn = mn.astype(np.uint8)
+    out = np.empty((sc.shape[0], 12), dtype=np.uint8)
+    out[:, 0:4] = (sc[:, 0:4] & 0x3F) | ((sc[:, 4:8] >> 4) << 6)
+    out[:, 4:8] = (mn[:, 0:4] & 0x3F) | ((mn[:, 4:8] >> 4) << 6)
+    out[:, 8:12] = (sc[:, 4:8] & 0x0F) | ((mn[:, 4:8] & 0x0F) << 4)
+    return out
+
+
+def _q4_k(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:
+    # layout: d f16 | dmin f16 | scales 12 | qs 128. Sub-block j (32 values):
+    # value = d*sc_j*q - dmin*m_j, q in 0..15.  With dmin = 7.5 d and m_j = sc_j
+    # the value is d*sc_j*(q - 7.5): zero mean, E[...^2] = d^2 E[sc^2] 21.25.
+    blocks = rng.integers(0, 256, (n_blocks, 144), dtype=np.uint8)
+    sc = rng.integers(32, 64, (n_blocks, 8), dtype=np.uint8)
+    esc2 = float(np.mean(np.arange(32, 64, dtype=np.float64) ** 2))
+    d = _block_scale(rng, n_blocks, std / np.sqrt(esc2 * 21.25 * _EU2))
+    blocks[:, 0:2] = _f16_bytes(d)
+    blocks[:, 2:4] = _f16_bytes(7.5 * d)
+    blocks[:, 4:16] = pack_q4_k_scales(sc, sc)
+    return blocks
+
+
+def _q6_k(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:
+    # layout: ql 128 | qh 64 | scales int8 16 | d f16. value = d*sc*(q - 32), q in 0..63
+    blocks = rng.integers(0, 256, (n_blocks, 210), dtype=np.uint8)
+    mag = np.arange(32, 128, dtype=np.float64)
+    esc2 = float(np.mean(mag ** 2))
+    sc = rng.integers(32, 128, (n_blocks, 16), dtype=np.int16)
+    sc *= np.where(rng.integers(0, 2, (n_blocks, 16), dtype=np.uint8) == 1, 1, -1).astype(np.int16)
+    blocks[:, 192:208] = sc.astype(np.int8).view(np.uint8)
+    eq2 = (64 ** 2 - 1) / 12 + 0.25
+    d = _block_scale(rng, n_blocks, std / np.sqrt(esc2 * eq2 * _EU2))
+    blocks[:, 208:210] = _f16_bytes(d)
+    return blocks
+
+
+_BLOCK_GEN: dict[QT, Callable[[np.random.Generator, int, float], np.ndarray]] = {
+    QT.Q8_0: _q8_0,
+    QT.Q4_0: _q4_0,
+    QT.Q4_1: _q4_1,
+    QT.Q4_K: _q4_k,
+    QT.Q6_K: _q6_k,
+}
+
+
+def random_tensor(rng: np.random.Generator, rows: int, cols: int, qtype: QT, std: float) -> np.ndarray:
+    """A random weight of ggml shape [cols, rows] as the array GGUFWriter stores.
+
+    Float types: (rows, cols) float32/float16.  BF16 and quantized types:
+    uint8 (rows, bytes_per_row) to be written with raw_dtype=qtype.
+    """
+    if qtype in (QT.F32, QT.F16, QT.BF16):
+        w = rng.standard_normal((rows, cols), dtype=np.float32)
+        w *= np.float32(std)
+        if qtype == QT.F16:
+            return w.astype(np.float16)
+        if qtype == QT.BF16:
+            return gguf.quants.quantize(w, QT.BF16)
+        return w
+    gen = _BLOCK_GEN.get(qtype)
+    if gen is None:
+        raise ValueError(f"unsupported tensor type {qtype.name}")
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    if cols % block:
+        raise ValueError(f"{qtype.name} needs the input width to be a multiple of {block}, got {cols}")
+    n_blocks = rows * (cols // block)
+    return gen(rng, n_blocks, std).reshape(rows, (cols // block) * type_size)
+
+
+def dequantize_rows(data: np.ndarray, qtype: QT) -> np.ndarray:
+    """Dequantize a stored tensor array (as random_tensor returns it) to float32 rows."""
+    if qtype in (QT.F32, QT.F16):
+        return np.asarray(data, dtype=np.float32)
+    return gguf.quants.dequantize(data, qtype)
+
+
+def check_tensor(name: str, data: np.ndarray, qtype: QT, std: float, max_rows: int = 64) -> float:
+    """Dequantize (a sample of) a generated tensor with gguf-py; require finite values of the
+    intended scale.  Returns the measured std of the sample."""
+    sample = dequantize_rows(data[:max_rows], qtype)
+    if not np.all(np.isfinite(sample)):
+        raise AssertionError(f"{name}: non-finite values after dequantizing")
+    if sample.size >= 256:
+        got = float(np.sqrt(np.mean(sample.astype(np.float64) ** 2)))
+        if not (0.7 * std <= got <= 1.4 * std):
+            raise AssertionError(f"{name}: dequantized rms {got:.4g}, intended {std:.4g}")
+        return got
+    return float(np.std(sample))
+
+
+# ---------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------
+
+_COMMON = ("the of and to a in is that it was for on with as he she his her they at be this from "
+           "have or by one had not but what all were when we there can an your which their said if "
+           "do will each about how up out them then many some so these would other into has more "
+           "time two like him see could no make than first been its who now people my made over "
+           "did down only way find use may water long little very after words called just where "
+           "most know once upon day cat dog Lily Tom happy big small").split()
+
+
+def spm_vocab(vocab: int, seed: int = 0) -> tuple[list[str], list[float], list[int]]:
+    """A synthetic SentencePiece ("llama") vocabulary of exactly `vocab` entries.
+
+    <unk>, <s>, </s>, 256 byte tokens <0x00>..<0xFF> (type BYTE), then
+    normal tokens: "▁", letters and digits, "▁"+letter, common words, then
+    unique random words.  Scores decrease with the id, as in real SPM models.
+    """
+    n_fixed = 3 + 256
+    if vocab < n_fixed + 64:
+        raise ValueError(f"an spm vocabulary needs at least {n_fixed + 64} entries, got {vocab}")
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    types = [int(TokenType.UNKNOWN), int(TokenType.CONTROL), int(TokenType.CONTROL)] + [int(TokenType.BYTE)] * 256
+    normal: list[str] = ["▁"]
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    normal += list(letters) + list(letters.upper()) + list("0123456789.,!?'\"-:;()")
+    normal += ["▁" + c for c in letters + letters.upper()]
+    normal += ["▁" + w for w in _COMMON] + _COMMON[:40]
+    seen: set[str] = set()
+    uniq = []
+    for t in normal:
+        if t not in seen:
+            seen.add(t)
+            uniq.append(t)
+    rng = np.random.default_rng([seed, 7])
+    # letter frequencies roughly like English so words look word-like
+    freq = np.array([8.2, 1.5, 2.8, 4.3, 12.7, 2.2, 2.0, 6.1, 7.0, 0.2, 0.8, 4.0, 2.4,
+                     6.7, 7.5, 1.9, 0.1, 6.0, 6.3, 9.1, 2.8, 1.0, 2.4, 0.2, 2.0, 0.1])
+    freq /= freq.sum()
+    need = vocab - n_fixed
+    while len(uniq) < need:
+        k = need - len(uniq)
+        lens = rng.integers(2, 9, 2 * k + 16)
+        chars = rng.choice(26, size=int(lens.sum()), p=freq)
+        space = rng.random(lens.size) < 0.6
+        pos = 0
+        for ln, sp in zip(lens.tolist(), space.tolist()):
+            w = "".join(letters[c] for c in chars[pos:pos + ln])
+            pos += ln
+            if sp:
+                w = "▁" + w
+            if w not in seen:
+                seen.add(w)
+                uniq.append(w)
+                if len(uniq) == need:
+                    break
+    uniq = uniq[:need]
+    tokens += uniq
+    types += [int(TokenType.NORMAL)] * len(uniq)
+    scores = [0.0] * n_fixed + [-float(i) for i in range(len(uniq))]
+    return tokens, scores, types
+
+
+# ---------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------
+
+@dataclass
+class TensorSpec:
+    name: str
+    rows: int  # numpy rows = ggml ne[1] (output features); 0 for 1-D
+    cols: int  # numpy cols = ggml ne[0] (input features)
+    qtype: QT
+    std: float  # intended std (norms: 1-D ones + noise)
+
+    @property
+    def is_norm(self) -> bool:
+        return self.rows == 0
+
+    def shape_and_dtype(self) -> tuple[tuple[int, ...], np.dtype, int]:
+        """(numpy shape as passed to add_tensor_info, numpy dtype, nbytes)."""
+        if self.is_norm:
+            return (self.cols,), np.dtype(np.float32), self.cols * 4
+        if self.qtype == QT.F32:
+            return (self.rows, self.cols), np.dtype(np.float32), self.rows * self.cols * 4
+        if self.qtype == QT.F16:
+            return (self.rows, self.cols), np.dtype(np.float16), self.rows * self.cols * 2
+        block, type_size = gguf.GGML_QUANT_SIZES[self.qtype]
+        row_bytes = self.cols // block * type_size
+        return (self.rows, row_bytes), np.dtype(np.uint8), self.rows * row_bytes
+
+
+def _qtype(name: str | None, default: QT) -> QT:
+    if name is None:
+        return default
+    key = name.lower()
+    if key not in TYPES:
+        raise ValueError(f"unknown tensor type {name!r}; choose from {', '.join(TYPES)}")
+    return TYPES[key][0]
+
+
+def model_tensors(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn: int, vocab: int,
+                  head_dim: int | None = None, weight_type: str = "f32", embd_type: str | None = None,
+                  output_type: str | None = None, tied: bool = False) -> list[TensorSpec]:
+    """The tensors of a llama-family model, in file order, validated for the chosen types."""
+    if head_dim is None:
+        if dim % n_heads:
+            raise ValueError(f"dim {dim} is not divisible by n_heads {n_heads}; pass head_dim")
+        head_dim = dim // n_heads
+    if n_heads % n_kv_heads:
+        raise ValueError(f"n_heads {n_heads} must be a multiple of n_kv_heads {n_kv_heads}")
+    if head_dim % 2:
+        raise ValueError(f"head_dim {head_dim} must be even (rotary embedding)")
+    wt = _qtype(weight_type, QT.F32)
+    et = _qtype(embd_type, wt)
+    ot = _qtype(output_type, wt)
+    q_out, kv_out = n_heads * head_dim, n_kv_heads * head_dim
+    specs = [TensorSpec("token_embd.weight", vocab, dim, et, 1.0 / np.sqrt(dim)),
+             TensorSpec("output_norm.weight", 0, dim, QT.F32, 1.0)]
+    if not tied:
+        specs.append(TensorSpec("output.weight", vocab, dim, ot, 1.0 / np.sqrt(dim)))
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        specs += [
+            TensorSpec(p + "attn_norm.weight", 0, dim, QT.F32, 1.0),
+            TensorSpec(p + "attn_q.weight", q_out, dim, wt, 1.0 / np.sqrt(dim)),
+            TensorSpec(p + "attn_k.weight", kv_out, dim, wt, 1.0 / np.sqrt(dim)),
+            TensorSpec(p + "attn_v.weight", kv_out, dim, wt, 1.0 / np.sqrt(dim)),
+            TensorSpec(p + "attn_output.weight", dim, q_out, wt, 1.0 / np.sqrt(q_out)),
+            TensorSpec(p + "ffn_norm.weight", 0, dim, QT.F32, 1.0),
+            TensorSpec(p + "ffn_gate.weight", ffn, dim, wt, 1.0 / np.sqrt(dim)),
+            TensorSpec(p + "ffn_up.weight", ffn, dim, wt, 1.0 / np.sqrt(dim)),
+            TensorSpec(p + "ffn_down.weight", dim, ffn, wt, 1.0 / np.sqrt(ffn)),
+        ]
+    bad = []
+    for s in specs:
+        if s.is_norm or s.qtype in (QT.F32, QT.F16, QT.BF16):
+            continue
+        block = gguf.GGML_QUANT_SIZES[s.qtype][0]
+        if s.cols % block:
+            bad.append(f"{s.name} (input width {s.cols}, {s.qtype.name} needs a multiple of {block})")
+    if bad:
+        shown = "; ".join(bad[:4]) + (f"; ... {len(bad) - 4} more" if len(bad) > 4 else "")
+        raise ValueError(f"shape not quantizable: {shown}")
+    return specs
+
+
+def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_heads: int, n_kv_heads: int,
+                ffn: int, vocab: int, head_dim: int | None = None, ctx: int = 2048,
+                rope_theta: float = 10000.0, norm_eps: float = 1e-5, arch: str = "llama",
+                weight_type: str = "f32", embd_type: str | None = None, output_type: str | None = None,
+                tied: bool = False, seed: int = 0, tokenizer: str = "spm", name: str = "synthetic",
+                check: bool = True, progress: Callable[[str], None] | None = None) -> Path:
+    """Write a synthetic llama-family GGUF model to `path` (via path.part, then rename).
+
+    Norm weights are F32; token_embd uses `embd_type` and output.weight
+    `output_type` (both default to `weight_type`); output.weight is omitted
+    when `tied`.  `tokenizer`: "spm" (synthetic SentencePiece vocab) or
+    "none" (no tokenizer keys; llama.cpp will not load that).  With `check`,
+    every tensor is sampled back through gguf.quants.dequantize and must be
+    finite with the intended scale.  Returns the final path.
+    """
+    path = Path(path)
+    wt_key = weight_type.lower()
+    if wt_key not in TYPES:
+        raise ValueError(f"unknown weight_type {weight_type!r}; choose from {', '.join(TYPES)}")
+    hd = head_dim if head_dim is not None else (dim // n_heads if dim % n_heads == 0 else None)
+    specs = model_tensors(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn=ffn,
+                          vocab=vocab, head_dim=head_dim, weight_type=weight_type, embd_type=embd_type,
+                          output_type=output_type, tied=tied)
+    assert hd is not None
+
+    part = path.with_name(path.name + ".part")
+    writer = gguf.GGUFWriter(part, arch)
+    try:
+        writer.add_name(name)
+        writer.add_type("model")
+        writer.add_context_length(ctx)
+        writer.add_embedding_length(dim)
+        writer.add_block_count(n_layers)
+        writer.add_feed_forward_length(ffn)
+        writer.add_head_count(n_heads)
+        writer.add_head_count_kv(n_kv_heads)
+        writer.add_rope_freq_base(float(rope_theta))
+        writer.add_layer_norm_rms_eps(float(norm_eps))
+        writer.add_rope_dimension_count(hd)
+        if hd * n_heads != dim:
+            writer.add_key_length(hd)
+            writer.add_value_length(hd)
+        writer.add_file_type(int(TYPES[wt_key][1]))
+        writer.add_vocab_size(vocab)
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        if tokenizer == "spm":
+            tokens, scores, types = spm_vocab(vocab, seed)
+            writer.add_tokenizer_model("llama")
+            writer.add_token_list(tokens)
+            writer.add_token_scores(scores)
+            writer.add_token_types(types)
+            writer.add_unk_token_id(0)
+            writer.add_bos_token_id(1)
+            writer.add_eos_token_id(2)
+            writer.add_add_bos_token(True)
+            writer.add_add_eos_token(False)
+        elif tokenizer != "none":
+            raise ValueError(f"unknown tokenizer {tokenizer!r}: use 'spm' or 'none'")
+
+        for s in specs:
+            shape, dtype, nbytes = s.shape_and_dtype()
+            raw = None if dtype != np.uint8 else s.qtype
+            writer.add_tensor_info(s.name, shape, dtype, nbytes, raw_dtype=raw)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for idx, s in enumerate(specs):
+            rng = np.random.default_rng([seed, idx])
+            if s.is_norm:
+                data = (1.0 + 0.05 * rng.standard_normal(s.cols)).astype(np.float32)
+            else:
+                data = random_tensor(rng, s.rows, s.cols, s.qtype, s.std)
+                if check:
+                    check_tensor(s.name, data, s.qtype, s.std)
+            writer.write_tensor_data(data)
+            if progress is not None:
+                progress(s.name)
+            del data
+        writer.close()
+        os.replace(part, path)
+    except BaseException:
+        try:
+            writer.close()
+        except Exception:  # noqa: BLE001 - best effort before removing the partial file
+            pass
+        part.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_preset(path: str | os.PathLike[str], preset: str, **overrides: Any) -> Path:
+    """write_model with a named preset's shape; keyword arguments override it."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    kw: dict[str, Any] = dict(PRESETS[preset])
+    kw.setdefault("name", preset)
+    kw.update(overrides)
+    return write_model(path, **kw)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Write a synthetic llama-family GGUF model with random weights.")
+    ap.add_argument("out", nargs="?", help="output .gguf path")
+    ap.add_argument("--preset", choices=sorted(PRESETS), help="named shape (flags below override it)")
+    ap.add_argument("--list-presets", action="store_true", help="print the presets and exit")
+    ap.add_argument("--type", dest="weight_type", default="f32", choices=list(TYPES), help="type of the 2-D weights")
+    ap.add_argument("--embd-type", choices=list(TYPES), help="type of token_embd (default: --type)")
+    ap.add_argument("--output-type", choices=list(TYPES), help="type of output.weight (default: --type)")
+    ap.add_argument("--dim", type=int)
+    ap.add_argument("--layers", dest="n_layers", type=int)
+    ap.add_argument("--heads", dest="n_heads", type=int)
+    ap.add_argument("--kv-heads", dest="n_kv_heads", type=int)
+    ap.add_argument("--head-dim", type=int)
+    ap.add_argument("--ffn", type=int)
+    ap.add_argument("--vocab", type=int)
+    ap.add_argument("--ctx", type=int)
+    ap.add_argument("--rope-theta", type=float)
+    ap.add_argument("--norm-eps", type=float)
+    ap.add_argument("--arch", default="llama")
+    tie = ap.add_mutually_exclusive_group()
+    tie.add_argument("--tied", dest="tied", action="store_true", default=None, help="no output.weight")
+    tie.add_argument("--untied", dest="tied", action="store_false", help="write output.weight")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokenizer", default="spm", choices=["spm", "none"])
+    ap.add_argument("--no-check", action="store_true", help="skip dequantizing a sample of every tensor")
+    ap.add_argument("-q", "--quiet", action="store_true")
+    args = ap.parse_args(argv)
+
+    if args.list_presets:
+        for k, v in PRESETS.items():
+            print(f"{k}: " + ", ".join(f"{a}={b}" for a, b in v.items()))
+        return 0
+    if not args.out:
+        ap.error("the output path is required")
+    kw: dict[str, Any] = dict(PRESETS[args.preset]) if args.preset else {}
+    if args.preset:
+        kw["name"] = args.preset
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn", "vocab", "ctx",
+                "rope_theta", "norm_eps", "tied"):
+        val = getattr(args, key)
+        if val is not None:
+            kw[key] = val
+    missing = [k for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn", "vocab") if k not in kw]
+    if missing:
+        ap.error("give --preset or all of --dim --layers --heads --kv-heads --ffn --vocab (missing: "
+                 + ", ".join(missing) + ")")
+    kw.update(weight_type=args.weight_type, embd_type=args.embd_type, output_type=args.output_type,
+              arch=args.arch, seed=args.seed, tokenizer=args.tokenizer, check=not args.no_check)
+    t0 = time.perf_counter()
+    try:
+        out = write_model(args.out, **kw)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not args.quiet:
+        size = out.stat().st_size
+        print(f"wrote {out} ({size / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

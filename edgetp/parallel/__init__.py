@@ -1,0 +1,1 @@
+"""Tensor parallelism: the speed-weighted planner, weight slicing, collectives."""

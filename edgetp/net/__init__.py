@@ -1,0 +1,1 @@
+"""The network: frame codec, TCP links, cluster authentication."""

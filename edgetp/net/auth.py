@@ -1,0 +1,338 @@
+"""The cluster key and the HMAC proofs that a peer holds it.
+
+The key is 32 random bytes in a 0600 file, shared out of band. It never
+travels: peers see only `cluster_id(key)` (in mDNS TXT records) and
+HMAC-SHA256 proofs bound to fresh nonces from both sides.
+
+Link handshake (frames HELLO, CHALLENGE, AUTH, AUTH_OK):
+
+    initiator -> HELLO      {node_id, cluster_id, nonce Ni}
+    responder -> CHALLENGE  {node_id, nonce Nr, proof HMAC(key, "responder", Nr, Ni, ids)}
+    initiator -> AUTH       {proof HMAC(key, "initiator", Ni, Nr, ids)}
+    responder -> AUTH_OK    {}
+
+Each proof covers the other side's fresh nonce, so a recorded transcript
+replayed to a new peer fails. `Initiator`/`Responder` are transport-free;
+`initiate`/`respond` run them over frames with a timeout.
+
+HTTP requests carry a signature over method, path, timestamp, nonce and
+body hash; `NonceCache` refuses a nonce seen before and anything too old
+to be remembered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import heapq
+import hmac
+import math
+import os
+import secrets
+import stat
+import time
+from pathlib import Path
+from typing import Any
+
+from edgetp.net.frames import FrameError, FrameType, read_frame, write_frame
+
+KEY_BYTES = 32
+NONCE_BYTES = 32
+MAX_NODE_ID = 128
+HTTP_WINDOW = 30.0  # seconds a signed request stays valid
+HEADER_NONCE, HEADER_TS, HEADER_SIG = "X-Edgetp-Nonce", "X-Edgetp-Ts", "X-Edgetp-Signature"
+
+
+class AuthError(Exception):
+    """A peer or request failed authentication; the reason says how."""
+
+
+class KeyFileError(AuthError):
+    """The cluster key file is missing, unreadable, too open or malformed."""
+
+
+# --------------------------------------------------------------------------- key file
+
+
+def generate_key() -> bytes:
+    return secrets.token_bytes(KEY_BYTES)
+
+
+def write_key(path: str | os.PathLike[str], key: bytes | None = None, *, force: bool = False) -> bytes:
+    """Write a key (a new one by default) as hex to a 0600 file, atomically; returns the key."""
+    key = generate_key() if key is None else key
+    if len(key) < KEY_BYTES:
+        raise KeyFileError(f"a cluster key needs {KEY_BYTES} bytes, got {len(key)}")
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask
+        os.write(fd, key.hex().encode() + b"\n")
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        if force:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)  # atomic, and fails if the file is there
+            except FileExistsError:
+                raise KeyFileError(f"{path} exists; refusing to overwrite a cluster key (use force)") from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        tmp.unlink(missing_ok=True)
+    return key
+
+
+def read_key(path: str | os.PathLike[str]) -> bytes:
+    """The key in a key file, refusing files others can read."""
+    path = Path(path)
+    try:
+        st = path.stat()
+        if st.st_mode & 0o077:
+            raise KeyFileError(f"{path} is readable by group or others (mode {stat.S_IMODE(st.st_mode):04o}); "
+                               f"run: chmod 600 {path}")
+        text = path.read_text(encoding="ascii").strip()
+    except FileNotFoundError:
+        raise KeyFileError(f"cluster key file {path} does not exist; create one and copy it to every node") from None
+    except (PermissionError, IsADirectoryError, UnicodeDecodeError) as exc:
+        raise KeyFileError(f"cannot read cluster key file {path}: {exc}") from None
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        raise KeyFileError(f"{path} does not hold a hex cluster key") from None
+    if len(key) < KEY_BYTES:
+        raise KeyFileError(f"{path} holds a {len(key)}-byte key; cluster keys are {KEY_BYTES} bytes")
+    return key
+
+
+def cluster_id(key: bytes) -> str:
+    """A public name for the cluster derived from the key (never the key)."""
+    return hmac.new(key, b"edgetp-cluster-id", hashlib.sha256).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- handshake
+
+
+def _proof(key: bytes, role: bytes, own_nonce: bytes, peer_nonce: bytes, own_id: str, peer_id: str) -> bytes:
+    parts = [b"edgetp-auth-v1", role, own_nonce, peer_nonce, own_id.encode(), peer_id.encode()]
+    msg = b"".join(len(p).to_bytes(2, "big") + p for p in parts)  # unambiguous framing
+    return hmac.new(key, msg, hashlib.sha256).digest()
+
+
+def _field(msg: Any, name: str, kind: type, size: int | None = None) -> Any:
+    if not isinstance(msg, dict):
+        raise AuthError(f"handshake message is a {type(msg).__name__}, not a dict")
+    value = msg.get(name)
+    if not isinstance(value, kind):
+        raise AuthError(f"handshake field {name!r} missing or not {kind.__name__}")
+    if size is not None and len(value) != size:
+        raise AuthError(f"handshake field {name!r} is {len(value)} bytes, expected {size}")
+    if kind is str and not 0 < len(value) <= MAX_NODE_ID:
+        raise AuthError(f"handshake field {name!r} has a bad length")
+    return value
+
+
+class Initiator:
+    """The connecting side: hello() -> on_challenge(msg) -> on_ok(msg)."""
+
+    def __init__(self, key: bytes, node_id: str, nonce: bytes | None = None) -> None:
+        self._key, self.node_id = key, node_id
+        self._nonce = nonce or secrets.token_bytes(NONCE_BYTES)
+        self._state = "start"
+        self.peer_id: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._state == "done"
+
+    def hello(self) -> dict[str, Any]:
+        self._step("start", "hello")
+        return {"node_id": self.node_id, "cluster_id": cluster_id(self._key), "nonce": self._nonce}
+
+    def on_challenge(self, msg: Any) -> dict[str, Any]:
+        self._step("hello", "challenged")
+        peer_id = _field(msg, "node_id", str)
+        peer_nonce = _field(msg, "nonce", bytes, NONCE_BYTES)
+        want = _proof(self._key, b"responder", peer_nonce, self._nonce, peer_id, self.node_id)
+        if not hmac.compare_digest(_field(msg, "proof", bytes, 32), want):
+            raise AuthError(f"peer {peer_id!r} failed to prove the cluster key")
+        self.peer_id = peer_id
+        return {"proof": _proof(self._key, b"initiator", self._nonce, peer_nonce, self.node_id, peer_id)}
+
+    def on_ok(self, msg: Any) -> None:
+        self._step("challenged", "done")
+        if not isinstance(msg, dict):
+            raise AuthError("bad AUTH_OK message")
+
+    def _step(self, expect: str, then: str) -> None:
+        if self._state != expect:
+            raise AuthError(f"handshake out of order: at {self._state!r}, wanted {expect!r}")
+        self._state = then
+
+
+class Responder:
+    """The accepting side: on_hello(msg) -> challenge; on_auth(msg) -> ok."""
+
+    def __init__(self, key: bytes, node_id: str, nonce: bytes | None = None) -> None:
+        self._key, self.node_id = key, node_id
+        self._nonce = nonce or secrets.token_bytes(NONCE_BYTES)
+        self._state = "start"
+        self._peer_nonce = b""
+        self.peer_id: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._state == "done"
+
+    def on_hello(self, msg: Any) -> dict[str, Any]:
+        if self._state != "start":
+            raise AuthError(f"handshake out of order: hello at {self._state!r}")
+        self._state = "challenged"
+        peer_id = _field(msg, "node_id", str)
+        if _field(msg, "cluster_id", str) != cluster_id(self._key):
+            raise AuthError(f"peer {peer_id!r} belongs to another cluster ({msg['cluster_id']})")
+        self._peer_nonce = _field(msg, "nonce", bytes, NONCE_BYTES)
+        self.peer_id = peer_id
+        proof = _proof(self._key, b"responder", self._nonce, self._peer_nonce, self.node_id, peer_id)
+        return {"node_id": self.node_id, "nonce": self._nonce, "proof": proof}
+
+    def on_auth(self, msg: Any) -> dict[str, Any]:
+        if self._state != "challenged" or self.peer_id is None:
+            raise AuthError(f"handshake out of order: auth at {self._state!r}")
+        self._state = "failed"
+        want = _proof(self._key, b"initiator", self._peer_nonce, self._nonce, self.peer_id, self.node_id)
+        if not hmac.compare_digest(_field(msg, "proof", bytes, 32), want):
+            raise AuthError(f"peer {self.peer_id!r} failed to prove the cluster key")
+        self._state = "done"
+        return {}
+
+
+async def _expect(reader: asyncio.StreamReader, ftype: FrameType) -> dict[str, Any]:
+    frame = await read_frame(reader, max_frame=64 * 1024)
+    if frame is None:
+        raise AuthError(f"peer closed the connection before {ftype.name}")
+    if frame.type is FrameType.ERROR:
+        raise AuthError(f"peer refused: {frame.header.get('reason') or frame.header.get('message', '?')}")
+    if frame.type is not ftype:
+        raise AuthError(f"expected {ftype.name}, got {frame.type.name}")
+    return frame.header
+
+
+async def _run(coro, writer: asyncio.StreamWriter, timeout: float) -> str:
+    try:
+        async with asyncio.timeout(timeout):
+            return await coro
+    except TimeoutError:
+        raise AuthError(f"handshake timed out after {timeout} s") from None
+    except FrameError as exc:
+        raise AuthError(f"bad frame during handshake: {exc}") from None
+    except AuthError as exc:
+        try:  # tell the peer why, best effort
+            await asyncio.wait_for(write_frame(writer, FrameType.ERROR, {"reason": str(exc)}), 1.0)
+        except (OSError, TimeoutError):
+            pass
+        raise
+
+
+async def initiate(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes, node_id: str,
+                   timeout: float = 5.0) -> str:
+    """Authenticate an outgoing connection; returns the proven peer id or raises AuthError."""
+    side = Initiator(key, node_id)
+
+    async def go() -> str:
+        await write_frame(writer, FrameType.HELLO, side.hello())
+        await write_frame(writer, FrameType.AUTH, side.on_challenge(await _expect(reader, FrameType.CHALLENGE)))
+        side.on_ok(await _expect(reader, FrameType.AUTH_OK))
+        assert side.peer_id is not None
+        return side.peer_id
+
+    return await _run(go(), writer, timeout)
+
+
+async def respond(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes, node_id: str,
+                  timeout: float = 5.0) -> str:
+    """Authenticate an incoming connection; returns the proven peer id or raises AuthError."""
+    side = Responder(key, node_id)
+
+    async def go() -> str:
+        await write_frame(writer, FrameType.CHALLENGE, side.on_hello(await _expect(reader, FrameType.HELLO)))
+        await write_frame(writer, FrameType.AUTH_OK, side.on_auth(await _expect(reader, FrameType.AUTH)))
+        assert side.peer_id is not None
+        return side.peer_id
+
+    return await _run(go(), writer, timeout)
+
+
+# --------------------------------------------------------------------------- HTTP
+
+
+def sign_request(key: bytes, method: str, path: str, body: bytes, nonce: str, ts: float) -> str:
+    """Hex HMAC over method, path, timestamp, nonce and the body's hash."""
+    parts = [b"edgetp-http-v1", method.upper().encode(), path.encode(), repr(float(ts)).encode(),
+             nonce.encode(), hashlib.sha256(body).digest()]
+    msg = b"".join(len(p).to_bytes(4, "big") + p for p in parts)
+    return hmac.new(key, msg, hashlib.sha256).hexdigest()
+
+
+def signed_headers(key: bytes, method: str, path: str, body: bytes = b"", now: float | None = None) -> dict[str, str]:
+    """Headers for a signed cluster HTTP request with a fresh nonce."""
+    ts = time.time() if now is None else now
+    nonce = secrets.token_hex(16)
+    return {HEADER_NONCE: nonce, HEADER_TS: repr(float(ts)),
+            HEADER_SIG: sign_request(key, method, path, body, nonce, ts)}
+
+
+class NonceCache:
+    """Nonces seen recently, at most max_size; anything older than the oldest kept is refused."""
+
+    def __init__(self, max_size: int = 4096) -> None:
+        self.max_size = max_size
+        self._seen: set[str] = set()
+        self._heap: list[tuple[float, str]] = []
+        self.floor = float("-inf")  # newest timestamp forgotten
+
+    def add(self, nonce: str, ts: float) -> None:
+        """Remember a nonce, or raise AuthError if it was seen or cannot be checked."""
+        if nonce in self._seen:
+            raise AuthError("replayed request: nonce already used")
+        if ts <= self.floor:
+            raise AuthError("request older than the replay cache remembers")
+        self._seen.add(nonce)
+        heapq.heappush(self._heap, (ts, nonce))
+        while len(self._heap) > self.max_size:
+            old_ts, old = heapq.heappop(self._heap)
+            self._seen.discard(old)
+            self.floor = max(self.floor, old_ts)
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+
+def verify_request(key: bytes, method: str, path: str, body: bytes, nonce: str, ts: float, signature: str,
+                   cache: NonceCache, *, now: float | None = None, window: float = HTTP_WINDOW) -> None:
+    """Raise AuthError unless the signature is good, fresh, and its nonce new."""
+    now = time.time() if now is None else now
+    if not (isinstance(nonce, str) and 8 <= len(nonce) <= 128):
+        raise AuthError("missing or malformed request nonce")
+    if not (isinstance(ts, (int, float)) and math.isfinite(ts)):
+        raise AuthError("missing or malformed request timestamp")
+    if abs(now - ts) > window:
+        raise AuthError(f"stale request: timestamp {now - ts:+.1f} s from now, window is {window} s")
+    want = sign_request(key, method, path, body, nonce, ts)
+    if not isinstance(signature, str) or not hmac.compare_digest(signature.encode(), want.encode()):
+        raise AuthError("bad request signature")
+    cache.add(nonce, ts)
+
+
+def verify_headers(key: bytes, method: str, path: str, body: bytes, headers: Any, cache: NonceCache,
+                   *, now: float | None = None, window: float = HTTP_WINDOW) -> None:
+    """verify_request on the headers signed_headers made (any mapping with .get)."""
+    try:
+        ts = float(headers.get(HEADER_TS, ""))
+    except ValueError:
+        raise AuthError("missing or malformed request timestamp") from None
+    verify_request(key, method, path, body, headers.get(HEADER_NONCE), ts, headers.get(HEADER_SIG),
+                   cache, now=now, window=window)

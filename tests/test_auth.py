@@ -1,0 +1,379 @@
+"""Cluster key files, the mutual HMAC handshake, and signed HTTP requests."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import os
+import stat
+
+import pytest
+
+from edgetp.net.auth import (
+    KEY_BYTES,
+    AuthError,
+    Initiator,
+    KeyFileError,
+    NonceCache,
+    Responder,
+    cluster_id,
+    generate_key,
+    initiate,
+    read_key,
+    respond,
+    sign_request,
+    signed_headers,
+    verify_headers,
+    verify_request,
+    write_key,
+)
+from edgetp.net.frames import FrameType, read_frame, write_frame
+
+KEY = bytes(range(32))
+OTHER = bytes(range(1, 33))
+
+
+# --------------------------------------------------------------------------- key file
+
+
+def test_written_key_file_is_0600_and_reads_back(tmp_path):
+    path = tmp_path / "cluster.key"
+    key = write_key(path)
+    assert len(key) == KEY_BYTES
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert read_key(path) == key
+    assert [p.name for p in tmp_path.iterdir()] == ["cluster.key"]  # no temp file left behind
+
+
+def test_write_key_refuses_to_overwrite_unless_forced(tmp_path):
+    path = tmp_path / "cluster.key"
+    first = write_key(path)
+    with pytest.raises(KeyFileError, match="refusing to overwrite"):
+        write_key(path)
+    assert read_key(path) == first
+    second = write_key(path, force=True)
+    assert read_key(path) == second != first
+
+
+def test_write_key_is_0600_even_with_a_permissive_umask(tmp_path):
+    old = os.umask(0)
+    try:
+        write_key(tmp_path / "k")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "k").stat().st_mode) == 0o600
+
+
+def test_read_key_refuses_a_0644_file(tmp_path):
+    path = tmp_path / "k"
+    write_key(path)
+    path.chmod(0o644)
+    with pytest.raises(KeyFileError, match="readable by group or others .*chmod 600"):
+        read_key(path)
+
+
+def test_read_key_explains_a_missing_file(tmp_path):
+    with pytest.raises(KeyFileError, match="does not exist"):
+        read_key(tmp_path / "nope")
+
+
+def test_read_key_refuses_short_and_non_hex_keys(tmp_path):
+    path = tmp_path / "k"
+    path.write_text("ab" * 16)
+    path.chmod(0o600)
+    with pytest.raises(KeyFileError, match="16-byte key"):
+        read_key(path)
+    path.write_text("not hex at all")
+    with pytest.raises(KeyFileError, match="hex"):
+        read_key(path)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
+def test_read_key_explains_an_unreadable_file(tmp_path):
+    path = tmp_path / "k"
+    write_key(path)
+    path.chmod(0o200)
+    with pytest.raises(KeyFileError, match="cannot read"):
+        read_key(path)
+
+
+def test_generated_keys_are_32_random_bytes():
+    assert len(generate_key()) == 32 and generate_key() != generate_key()
+
+
+def test_cluster_id_is_the_documented_hmac_and_does_not_contain_the_key():
+    expected = hmac.new(KEY, b"edgetp-cluster-id", hashlib.sha256).hexdigest()[:16]
+    assert cluster_id(KEY) == expected
+    assert KEY.hex()[:16] not in cluster_id(KEY) and cluster_id(KEY) != cluster_id(OTHER)
+
+
+# --------------------------------------------------------------------------- handshake, pure
+
+
+def handshake(init: Initiator, resp: Responder) -> None:
+    challenge = resp.on_hello(init.hello())
+    ok = resp.on_auth(init.on_challenge(challenge))
+    init.on_ok(ok)
+
+
+def test_right_key_authenticates_both_sides_and_names_the_peers():
+    init, resp = Initiator(KEY, "pi-1"), Responder(KEY, "pi-2")
+    handshake(init, resp)
+    assert init.done and resp.done
+    assert init.peer_id == "pi-2" and resp.peer_id == "pi-1"
+
+
+def test_initiator_with_wrong_key_is_refused_by_responder():
+    init, resp = Initiator(OTHER, "pi-1"), Responder(KEY, "pi-2")
+    hello = init.hello()
+    hello["cluster_id"] = cluster_id(KEY)  # lie about the cluster to get past the first check
+    challenge = resp.on_hello(hello)
+    with pytest.raises(AuthError, match="failed to prove"):
+        init.on_challenge(challenge)  # the initiator already sees the responder's proof is wrong for it
+    forged = {"proof": hmac.new(OTHER, b"guess", hashlib.sha256).digest()}
+    with pytest.raises(AuthError, match="failed to prove"):
+        resp.on_auth(forged)
+    assert not resp.done
+
+
+def test_responder_with_wrong_key_is_refused_by_initiator():
+    init, resp = Initiator(KEY, "pi-1"), Responder(OTHER, "evil")
+    hello = init.hello()
+    hello["cluster_id"] = cluster_id(OTHER)
+    with pytest.raises(AuthError, match="'evil' failed to prove"):
+        init.on_challenge(resp.on_hello(hello))
+    assert not init.done
+
+
+def test_hello_from_another_cluster_is_refused_by_id_before_any_proof():
+    with pytest.raises(AuthError, match="another cluster"):
+        Responder(KEY, "pi-2").on_hello(Initiator(OTHER, "pi-1").hello())
+
+
+def test_recorded_initiator_transcript_replayed_to_a_fresh_responder_fails():
+    init, resp = Initiator(KEY, "pi-1"), Responder(KEY, "pi-2")
+    hello = init.hello()
+    auth = init.on_challenge(resp.on_hello(hello))
+    resp.on_auth(auth)  # the genuine run succeeds
+    fresh = Responder(KEY, "pi-2")
+    fresh.on_hello(hello)  # same hello, but fresh picks a new nonce
+    with pytest.raises(AuthError, match="failed to prove"):
+        fresh.on_auth(auth)
+
+
+def test_recorded_responder_challenge_replayed_to_a_fresh_initiator_fails():
+    init, resp = Initiator(KEY, "pi-1"), Responder(KEY, "pi-2")
+    challenge = resp.on_hello(init.hello())
+    fresh = Initiator(KEY, "pi-1")
+    fresh.hello()
+    with pytest.raises(AuthError, match="failed to prove"):
+        fresh.on_challenge(challenge)
+
+
+@pytest.mark.parametrize("field", ["node_id", "nonce", "proof"])
+def test_tampered_challenge_fields_fail(field):
+    init, resp = Initiator(KEY, "pi-1"), Responder(KEY, "pi-2")
+    challenge = resp.on_hello(init.hello())
+    challenge[field] = "pi-9" if field == "node_id" else bytes(32)
+    with pytest.raises(AuthError):
+        init.on_challenge(challenge)
+
+
+@pytest.mark.parametrize(("field", "value"), [("node_id", "mallory"), ("nonce", bytes(32))])
+def test_tampered_hello_makes_the_initiator_refuse_the_challenge(field, value):
+    init, resp = Initiator(KEY, "pi-1"), Responder(KEY, "pi-2")
+    hello = {**init.hello(), field: value}
+    with pytest.raises(AuthError, match="failed to prove"):
+        init.on_challenge(resp.on_hello(hello))
+
+
+@pytest.mark.parametrize("tamper", ["flip_proof", "short_proof", "not_a_dict"])
+def test_malformed_auth_message_fails(tamper):
+    init, resp = Initiator(KEY, "pi-1"), Responder(KEY, "pi-2")
+    auth = init.on_challenge(resp.on_hello(init.hello()))
+    msg = {
+        "flip_proof": {"proof": bytes([auth["proof"][0] ^ 1]) + auth["proof"][1:]},
+        "short_proof": {"proof": auth["proof"][:16]},
+        "not_a_dict": [auth["proof"]],
+    }[tamper]
+    with pytest.raises(AuthError):
+        resp.on_auth(msg)
+
+
+def test_handshake_steps_out_of_order_fail():
+    init, resp = Initiator(KEY, "pi-1"), Responder(KEY, "pi-2")
+    with pytest.raises(AuthError, match="out of order"):
+        init.on_challenge({})
+    with pytest.raises(AuthError, match="out of order"):
+        resp.on_auth({"proof": bytes(32)})
+
+
+# --------------------------------------------------------------------------- handshake over frames
+
+
+async def run_pair(init_key: bytes, resp_key: bytes):
+    results: dict[str, object] = {}
+
+    async def handle(reader, writer):
+        try:
+            results["responder"] = await respond(reader, writer, resp_key, "root", timeout=2)
+        except AuthError as exc:
+            results["responder"] = exc
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            results["initiator"] = await initiate(reader, writer, init_key, "worker", timeout=2)
+        except AuthError as exc:
+            results["initiator"] = exc
+        writer.close()
+        await writer.wait_closed()
+        for _ in range(100):
+            if "responder" in results:
+                break
+            await asyncio.sleep(0.01)
+    return results
+
+
+@pytest.mark.asyncio
+async def test_handshake_over_loopback_frames_succeeds_with_the_right_key():
+    results = await run_pair(KEY, KEY)
+    assert results == {"initiator": "root", "responder": "worker"}
+
+
+@pytest.mark.asyncio
+async def test_handshake_over_loopback_frames_fails_on_both_sides_with_a_wrong_key():
+    results = await run_pair(KEY, OTHER)
+    assert isinstance(results["initiator"], AuthError) and isinstance(results["responder"], AuthError)
+    assert "another cluster" in str(results["responder"])
+    assert "another cluster" in str(results["initiator"])  # told why through an ERROR frame
+
+
+@pytest.mark.asyncio
+async def test_silent_peer_times_out_with_auth_error():
+    release = asyncio.Event()
+
+    async def handle(reader, writer):
+        await release.wait()
+        writer.close()
+        await writer.wait_closed()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    async with server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+        with pytest.raises(AuthError, match="timed out"):
+            await initiate(reader, writer, KEY, "worker", timeout=0.2)
+        release.set()
+        writer.close()
+        await writer.wait_closed()
+        await asyncio.sleep(0.05)  # let the handler finish closing its side
+
+
+@pytest.mark.asyncio
+async def test_garbage_instead_of_a_hello_is_an_auth_error():
+    reader = asyncio.StreamReader()
+    reader.feed_data(b"GET / HTTP/1.1\r\n\r\n")
+    reader.feed_eof()
+
+    class Sink:
+        def writelines(self, parts):
+            pass
+
+        async def drain(self):
+            pass
+
+    with pytest.raises(AuthError, match="bad frame"):
+        await respond(reader, Sink(), KEY, "root", timeout=1)
+
+
+@pytest.mark.asyncio
+async def test_wrong_frame_type_during_handshake_is_refused():
+    server_result = []
+
+    async def handle(reader, writer):
+        try:
+            await respond(reader, writer, KEY, "root", timeout=2)
+        except AuthError as exc:
+            server_result.append(exc)
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    async with server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+        await write_frame(writer, FrameType.STEP, {"token": 1})
+        reply = await asyncio.wait_for(read_frame(reader), 2)
+        assert reply.type is FrameType.ERROR and "expected HELLO" in reply.header["reason"]
+        writer.close()
+    assert server_result
+
+
+# --------------------------------------------------------------------------- HTTP signatures
+
+
+def signed(key=KEY, nonce="n" * 16, ts=1000.0, body=b'{"x": 1}'):
+    return dict(method="POST", path="/cluster/join", body=body, nonce=nonce, ts=ts,
+                signature=sign_request(key, "POST", "/cluster/join", body, nonce, ts))
+
+
+def test_signed_request_verifies_once_and_its_replay_is_refused():
+    cache = NonceCache()
+    verify_request(KEY, **signed(), cache=cache, now=1001.0)
+    with pytest.raises(AuthError, match="replayed"):
+        verify_request(KEY, **signed(), cache=cache, now=1002.0)
+
+
+def test_stale_and_future_timestamps_are_refused():
+    with pytest.raises(AuthError, match="stale"):
+        verify_request(KEY, **signed(ts=1000.0), cache=NonceCache(), now=1031.0)
+    with pytest.raises(AuthError, match="stale"):
+        verify_request(KEY, **signed(ts=1100.0), cache=NonceCache(), now=1000.0)
+
+
+def test_wrong_key_or_changed_request_is_refused():
+    with pytest.raises(AuthError, match="bad request signature"):
+        verify_request(KEY, **signed(key=OTHER), cache=NonceCache(), now=1000.0)
+    req = signed()
+    for change in ({"body": b'{"x": 2}'}, {"path": "/cluster/leave"}, {"method": "GET"}, {"ts": 1000.5}):
+        with pytest.raises(AuthError, match="bad request signature"):
+            verify_request(KEY, **{**req, **change}, cache=NonceCache(), now=1000.0)
+
+
+def test_a_refused_request_does_not_burn_its_nonce():
+    cache = NonceCache()
+    with pytest.raises(AuthError):
+        verify_request(KEY, **signed(key=OTHER), cache=cache, now=1000.0)
+    verify_request(KEY, **signed(), cache=cache, now=1000.0)
+
+
+def test_nonce_cache_is_bounded_and_refuses_what_it_has_forgotten():
+    cache = NonceCache(max_size=3)
+    for i in range(5):
+        verify_request(KEY, **signed(nonce=f"nonce-{i:04d}", ts=1000.0 + i), cache=cache, now=1005.0)
+    assert len(cache) == 3
+    with pytest.raises(AuthError, match="older than the replay cache"):  # nonce-0000 was evicted
+        verify_request(KEY, **signed(nonce="nonce-0000", ts=1000.0), cache=cache, now=1005.0)
+    with pytest.raises(AuthError, match="replayed"):
+        verify_request(KEY, **signed(nonce="nonce-0004", ts=1004.0), cache=cache, now=1005.0)
+
+
+def test_signed_headers_verify_against_the_same_request_once():
+    h = signed_headers(KEY, "POST", "/cluster/plan", b"body", now=500.0)
+    cache = NonceCache()
+    verify_headers(KEY, "POST", "/cluster/plan", b"body", h, cache, now=501.0)
+    with pytest.raises(AuthError, match="replayed"):
+        verify_headers(KEY, "POST", "/cluster/plan", b"body", h, cache, now=501.0)
+
+
+@pytest.mark.parametrize("missing", ["X-Edgetp-Nonce", "X-Edgetp-Ts", "X-Edgetp-Signature"])
+def test_missing_or_garbled_signature_headers_are_refused(missing):
+    h = signed_headers(KEY, "GET", "/cluster/state", now=500.0)
+    del h[missing]
+    with pytest.raises(AuthError):
+        verify_headers(KEY, "GET", "/cluster/state", b"", h, NonceCache(), now=500.0)
+    h = {**signed_headers(KEY, "GET", "/cluster/state", now=500.0), "X-Edgetp-Ts": "nan"}
+    with pytest.raises(AuthError, match="timestamp"):
+        verify_headers(KEY, "GET", "/cluster/state", b"", h, NonceCache(), now=500.0)

@@ -1,0 +1,152 @@
+"""The generation loop: prefill, then one token at a time, streamed as events.
+
+It drives a `Runner`, which turns token ids into sampling candidates. A
+single process uses `LocalRunner`; the tensor-parallel root has its own
+runner that spreads the same work over links. Both feed this one loop, so
+stopping, streaming and context limits behave the same everywhere.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator, Protocol, Sequence
+
+import numpy as np
+
+from edgetp.model import llama, sampling
+from edgetp.model.gguf import ModelFile
+from edgetp.model.sampling import Candidates, SamplingParams
+from edgetp.model.tokenizer import Tokenizer
+
+PREFILL_CHUNK = 128  # tokens per prefill batch: bounds the scratch memory of matmul
+
+
+class Runner(Protocol):
+    ctx: int
+
+    def begin(self, params: SamplingParams) -> None:
+        """A generation starts (a cluster readies its links)."""
+
+    def end(self) -> None:
+        """The generation is over, finished or not."""
+
+    def run(self, ids: Sequence[int], pos: int, history: Sequence[int], params: SamplingParams) -> Candidates:
+        """Feed ids at positions pos.., return candidates for the token after the last one."""
+
+    def logits(self, ids: Sequence[int], pos: int) -> np.ndarray:
+        """Feed ids at positions pos.., return the full logits of every position: (n, vocab)."""
+
+
+class LocalRunner:
+    """Every slice of every layer in this process."""
+
+    def __init__(self, mf: ModelFile, ctx: int, *, repack: bool = False) -> None:
+        self.mf = mf
+        self.ctx = ctx
+        base = llama.load_weights(mf)  # zero-copy views of the file
+        self.weights = llama.load_weights(mf, repack=True) if repack else base
+        self.weights_cost = (base.nbytes, self.weights.nbytes)  # bytes before/after repacking
+        self.shard = llama.Shard(self.weights, ctx)
+
+    def _forward(self, ids: Sequence[int], pos: int) -> np.ndarray:
+        h = None
+        for start in range(0, len(ids), PREFILL_CHUNK):
+            chunk = list(ids[start:start + PREFILL_CHUNK])
+            h = self.shard.forward(llama.embed(self.mf, chunk), pos + start)
+        return h
+
+    def begin(self, params):
+        return None
+
+    def end(self):
+        return None
+
+    def run(self, ids, pos, history, params):
+        h = self._forward(ids, pos)
+        return sampling.candidates(self.shard.logits(h[-1:])[0], 0, history, params)
+
+    def logits(self, ids, pos):
+        rows = []
+        for start in range(0, len(ids), PREFILL_CHUNK):
+            chunk = list(ids[start:start + PREFILL_CHUNK])
+            rows.append(self.shard.logits(self.shard.forward(llama.embed(self.mf, chunk), pos + start)))
+        return np.concatenate(rows)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    index: int                 # 0-based position in the answer
+    token_id: int
+    text: str                  # the new complete text this token adds ("" while a character is incomplete)
+    ms: float                  # wall time of this step (prefill included for index 0)
+    finish_reason: str | None  # None, "stop" (end token or stop string), "length" (max_tokens) or "context" (KV cache full)
+
+
+class ContextError(ValueError):
+    """The prompt and answer do not fit the context."""
+
+
+def generate(
+    runner: Runner,
+    tok: Tokenizer,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    max_tokens: int,
+    stop: Sequence[str] = (),
+) -> Iterator[TokenEvent]:
+    """Stream the answer to prompt_ids. Stops at an end token, a stop string or max_tokens."""
+    if not prompt_ids:
+        raise ContextError("the prompt is empty")
+    if len(prompt_ids) >= runner.ctx:
+        raise ContextError(f"the prompt has {len(prompt_ids)} tokens but the context holds {runner.ctx}")
+    runner.begin(params)
+    try:
+        yield from _loop(runner, tok, prompt_ids, params, max_tokens, stop)
+    finally:
+        runner.end()
+
+
+def _loop(runner: Runner, tok: Tokenizer, prompt_ids: Sequence[int], params: SamplingParams, max_tokens: int,
+          stop: Sequence[str]) -> Iterator[TokenEvent]:
+    sampler = sampling.Sampler(params)
+    history = list(prompt_ids)
+    decoder = tok.stream()
+    text = ""
+    pending = list(prompt_ids)
+    pos = 0
+    for index in range(max_tokens):
+        t0 = time.perf_counter()
+        cand = runner.run(pending, pos, history, params)
+        tid = sampler.pick(cand)
+        ms = (time.perf_counter() - t0) * 1000
+        pos += len(pending)
+        history.append(tid)
+        if tid in tok.stop_ids:
+            yield TokenEvent(index, tid, decoder.flush(), ms, "stop")
+            return
+        piece = decoder.feed(tid)
+        text += piece
+        hit = _stop_hit(text, piece, stop)
+        if hit is not None:
+            yield TokenEvent(index, tid, piece[: len(piece) - hit] if hit else piece, ms, "stop")
+            return
+        if pos >= runner.ctx:  # no room to feed this token back: stop, never wrap around
+            yield TokenEvent(index, tid, piece + decoder.flush(), ms, "context")
+            return
+        if index == max_tokens - 1:
+            yield TokenEvent(index, tid, piece + decoder.flush(), ms, "length")
+            return
+        yield TokenEvent(index, tid, piece, ms, None)
+        pending = [tid]
+
+
+def _stop_hit(text: str, piece: str, stop: Sequence[str]) -> int | None:
+    """If a stop string now ends inside text, how many chars of `piece` to drop (from its end)."""
+    for s in stop:
+        if not s:
+            continue
+        at = text.find(s, max(0, len(text) - len(piece) - len(s)))
+        if at >= 0:
+            return len(text) - at if len(text) - at <= len(piece) else len(piece)
+    return None

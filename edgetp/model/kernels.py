@@ -1,0 +1,497 @@
+"""Numba kernels over GGUF block formats (and our repacked 8-bit layouts).
+
+Every kernel reads the raw uint8 rows of a weight (never a dequantized copy
+of the whole matrix) and writes into a caller-owned `out`. Decode kernels
+keep one accumulator per lane of a block (32 or 16 lanes) so LLVM can
+vectorize without reassociating a float reduction; rows are handed out to
+threads in chunks so lane scratch is allocated once per chunk, not per row.
+
+Prefill decodes a tile of rows into f32 scratch with `dequant_rows_serial`
+and multiplies it by all tokens at once (quant.matmul, via BLAS sgemm).
+
+F16 block scales are decoded by a 65536-entry float32 table passed in as
+`tab` (exact: every f16 value is representable in f32). F16/BF16 weight
+matrices are widened with integer bit operations inside the vector loop.
+
+Measured on this machine (one hot core, 512x4096, GB/s of stored bytes):
+Q8_0 ~19, Q4_0 ~6.6, Q4_1 ~8, Q4_K ~5, Q6_K ~4.6, F16 ~20, repacked
+U8A32 ~22 and Q8S32 ~21 (see tools/bench_kernels.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+CHUNK = 16  # rows per thread work item in decode kernels
+
+_OPTS = dict(cache=True, nogil=True)
+# 'contract' lets LLVM fuse mul+add into FMA; nothing else is relaxed
+# (no reassociation: lane accumulators make vectorization explicit).
+_FM = {"contract"}
+
+
+def f16_table() -> np.ndarray:
+    """f32 value of every f16 bit pattern, shape (65536,)."""
+    return np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+def bf16_table() -> np.ndarray:
+    """f32 value of every bf16 bit pattern, shape (65536,)."""
+    return (np.arange(65536, dtype=np.uint32) << np.uint32(16)).view(np.float32)
+
+
+@njit(inline="always", **_OPTS)
+def _h(row, off, tab):
+    """f16 at byte offset `off` of a uint8 row, as f32."""
+    return tab[np.int64(row[off]) | (np.int64(row[off + 1]) << 8)]
+
+
+# ---------------------------------------------------------------- decode
+# Each kernel walks two rows at once (r and s = r+1, or r again at an odd
+# tail): the two lane-accumulator chains are independent, which hides the
+# store-to-load latency of the numba-allocated acc array (measured 7 -> 13
+# GB/s for Q8_0 on one hot core). x is read once per row pair.
+
+
+@njit(inline="always", **_OPTS)
+def _hw(w, r, off, tab):
+    """f16 at byte `off` of row r of a uint8 matrix, as f32."""
+    return tab[np.int64(w[r, off]) | (np.int64(w[r, off + 1]) << 8)]
+
+
+@njit(inline="always", **_OPTS)
+def _store2(acc, t0, t1, out, r, rows):
+    # out[r], out[r+1] = t + sum of the lanes of acc[0], acc[1]
+    for l in range(acc.shape[1]):
+        t0 += acc[0, l]
+        t1 += acc[1, l]
+    out[r] = t0
+    if r + 1 < rows:
+        out[r + 1] = t1
+
+
+@njit(inline="always", **_OPTS)
+def _nchunks(rows):
+    return (rows + CHUNK - 1) // CHUNK
+
+
+@njit(parallel=True, fastmath=_FM, **_OPTS)
+def matvec_f32(w, x, out):
+    # w: (rows, cols) f32, x: (cols,), out: (rows,); columns past a multiple of 32 take a scalar tail
+    rows, cols = w.shape
+    for c in prange(_nchunks(rows)):
+        acc = np.empty((2, 32), np.float32)
+        for r in range(c * CHUNK, min(rows, (c + 1) * CHUNK), 2):
+            s = min(r + 1, rows - 1)
+            acc[:] = 0.0
+            for b in range(cols // 32):
+                for l in range(32):
+                    acc[0, l] += w[r, b * 32 + l] * x[b * 32 + l]
+                    acc[1, l] += w[s, b * 32 + l] * x[b * 32 + l]
+            t0 = np.float32(0.0)
+            t1 = np.float32(0.0)
+            for k in range(cols - cols % 32, cols):
+                t0 += w[r, k] * x[k]
+                t1 += w[s, k] * x[k]
+            _store2(acc, t0, t1, out, r, rows)
+
+
+@njit(parallel=True, fastmath=_FM, **_OPTS)
+def matvec_half(w, tab, x, out, bf16):
+    # w: (rows, cols) uint16 bit patterns of f16 (bf16=False) or bf16 (bf16=True).
+    # Bits are widened with integer ops into a u32 scratch and read back through an f32 view:
+    # bf16 -> bits << 16; f16 -> (bits & 0x7fff) << 13 | sign, times 2^112 (exact for
+    # normal and subnormal f16; inf/nan weights would read as large finite values).
+    rows, cols = w.shape
+    mul = np.float32(1.0) if bf16 else np.float32(2.0**112)
+    for c in prange(_nchunks(rows)):
+        acc = np.empty((2, 32), np.float32)
+        u = np.empty((2, 32), np.uint32)
+        f = u.view(np.float32)
+        for r in range(c * CHUNK, min(rows, (c + 1) * CHUNK), 2):
+            s = min(r + 1, rows - 1)
+            acc[:] = 0.0
+            for b in range(cols // 32):
+                if bf16:
+                    for l in range(32):
+                        u[0, l] = np.uint32(w[r, b * 32 + l]) << np.uint32(16)
+                        u[1, l] = np.uint32(w[s, b * 32 + l]) << np.uint32(16)
+                else:
+                    for l in range(32):
+                        h0 = np.uint32(w[r, b * 32 + l])
+                        h1 = np.uint32(w[s, b * 32 + l])
+                        u[0, l] = ((h0 & np.uint32(0x7FFF)) << np.uint32(13)) | ((h0 & np.uint32(0x8000)) << np.uint32(16))
+                        u[1, l] = ((h1 & np.uint32(0x7FFF)) << np.uint32(13)) | ((h1 & np.uint32(0x8000)) << np.uint32(16))
+                for l in range(32):
+                    xv = x[b * 32 + l]
+                    acc[0, l] += (f[0, l] * mul) * xv
+                    acc[1, l] += (f[1, l] * mul) * xv
+            t0 = np.float32(0.0)
+            t1 = np.float32(0.0)
+            for k in range(cols - cols % 32, cols):  # tail past a multiple of 32: table decode
+                t0 += tab[w[r, k]] * x[k]
+                t1 += tab[w[s, k]] * x[k]
+            _store2(acc, t0, t1, out, r, rows)
+
+
+@njit(parallel=True, fastmath=_FM, **_OPTS)
+def matvec_q8_0(w, wi, tab, x, out):
+    # w/wi: (rows, nb*34) uint8/int8 views of the same bytes; block = f16 d, int8 q[32]
+    rows = w.shape[0]
+    nb = x.shape[0] // 32
+    for c in prange(_nchunks(rows)):
+        acc = np.empty((2, 32), np.float32)
+        for r in range(c * CHUNK, min(rows, (c + 1) * CHUNK), 2):
+            s = min(r + 1, rows - 1)
+            acc[:] = 0.0
+            for b in range(nb):
+                o = b * 34
+                d0 = _hw(w, r, o, tab)
+                d1 = _hw(w, s, o, tab)
+                for l in range(32):
+                    xv = x[b * 32 + l]
+                    acc[0, l] += (d0 * xv) * wi[r, o + 2 + l]
+                    acc[1, l] += (d1 * xv) * wi[s, o + 2 + l]
+            _store2(acc, np.float32(0.0), np.float32(0.0), out, r, rows)
+
+
+@njit(**_OPTS)
+def _block_sums(x, g):
+    # x: (cols,) -> (cols//g,) sum of each group of g
+    nb = x.shape[0] // g
+    sx = np.zeros(nb, np.float32)
+    for b in range(nb):
+        t = np.float32(0.0)
+        for l in range(g):
+            t += x[b * g + l]
+        sx[b] = t
+    return sx
+
+
+@njit(inline="always", **_OPTS)
+def _nibbles2(w, r, s, q, d0, d1, x, xo, acc):
+    # acc[0|1, :] += d * nibbles * x for the 16 bytes at w[r|s, q:q+16] and x[xo:xo+32];
+    # value j<16 is lo(byte j), j>=16 is hi(byte j-16)
+    for l in range(16):
+        xa = x[xo + l]
+        xb = x[xo + 16 + l]
+        q0 = w[r, q + l]
+        q1 = w[s, q + l]
+        acc[0, l] += (d0 * xa) * np.float32(np.int32(q0 & 15))
+        acc[0, l + 16] += (d0 * xb) * np.float32(np.int32(q0 >> 4))
+        acc[1, l] += (d1 * xa) * np.float32(np.int32(q1 & 15))
+        acc[1, l + 16] += (d1 * xb) * np.float32(np.int32(q1 >> 4))
+
+
+@njit(parallel=True, fastmath=_FM, **_OPTS)
+def matvec_q4_0(w, tab, x, out):
+    # block = f16 d, 16 B nibbles (18 B); value (q-8)*d
+    # sum_j v_j x_j = d * sum_j q_j x_j - 8d * sum_j x_j
+    rows = w.shape[0]
+    nb = x.shape[0] // 32
+    sx = _block_sums(x, 32)
+    for c in prange(_nchunks(rows)):
+        acc = np.empty((2, 32), np.float32)
+        for r in range(c * CHUNK, min(rows, (c + 1) * CHUNK), 2):
+            s = min(r + 1, rows - 1)
+            acc[:] = 0.0
+            t0 = np.float32(0.0)
+            t1 = np.float32(0.0)
+            for b in range(nb):
+                d0 = _hw(w, r, b * 18, tab)
+                d1 = _hw(w, s, b * 18, tab)
+                t0 -= 8.0 * d0 * sx[b]
+                t1 -= 8.0 * d1 * sx[b]
+                _nibbles2(w, r, s, b * 18 + 2, d0, d1, x, b * 32, acc)
+            _store2(acc, t0, t1, out, r, rows)
+
+
+@njit(parallel=True, fastmath=_FM, **_OPTS)
+def matvec_q4_1(w, tab, x, out):
+    # block = f16 d, f16 m, 16 B nibbles (20 B); value q*d + m
+    # sum_j v_j x_j = d * sum_j q_j x_j + m * sum_j x_j
+    rows = w.shape[0]
+    nb = x.shape[0] // 32
+    sx = _block_sums(x, 32)
+    for c in prange(_nchunks(rows)):
+        acc = np.empty((2, 32), np.float32)
+        for r in range(c * CHUNK, min(rows, (c + 1) * CHUNK), 2):
+            s = min(r + 1, rows - 1)
+            acc[:] = 0.0
+            t0 = np.float32(0.0)
+            t1 = np.float32(0.0)
+            for b in range(nb):
+                d0 = _hw(w, r, b * 20, tab)
+                d1 = _hw(w, s, b * 20, tab)
+                t0 += _hw(w, r, b * 20 + 2, tab) * sx[b]
+                t1 += _hw(w, s, b * 20 + 2, tab) * sx[b]
+                _nibbles2(w, r, s, b * 20 + 4, d0, d1, x, b * 32, acc)
+            _store2(acc, t0, t1, out, r, rows)
+
+
+@njit(inline="always", **_OPTS)
+def _q4k_scale_min(w, r, o, j):
+    # 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes at o+4 of row r
+    p = o + 4
+    if j < 4:
+        sc = w[r, p + j] & 63
+        mn = w[r, p + 4 + j] & 63
+    else:
+        sc = (w[r, p + 4 + j] & 15) | ((w[r, p + j - 4] >> 6) << 4)
+        mn = (w[r, p + 4 + j] >> 4) | ((w[r, p + j] >> 6) << 4)
+    return np.float32(sc), np.float32(mn)
+
+
+@njit(parallel=True, fastmath=_FM, **_OPTS)
+def matvec_q4_k(w, tab, x, out):
+    # block (256 values, 144 B) = f16 d, f16 dmin, 12 B scales/mins, 128 B qs.
+    # qs chunk cc (32 B) holds sub-block 2cc in low nibbles, 2cc+1 in high nibbles;
+    # value = (d*sc_j)*q - (dmin*m_j)
+    rows = w.shape[0]
+    nb = x.shape[0] // 256
+    sx = _block_sums(x, 32)
+    for c in prange(_nchunks(rows)):
+        acc = np.empty((2, 32), np.float32)
+        tt = np.empty(2, np.float32)
+        for r in range(c * CHUNK, min(rows, (c + 1) * CHUNK), 2):
+            s = min(r + 1, rows - 1)
+            acc[:] = 0.0
+            tt[:] = 0.0
+            for b in range(nb):
+                o = b * 144
+                dr = _hw(w, r, o, tab)
+                ds = _hw(w, s, o, tab)
+                mr = _hw(w, r, o + 2, tab)
+                ms = _hw(w, s, o + 2, tab)
+                for cc in range(4):
+                    xo = b * 256 + cc * 64
+                    qo = o + 16 + cc * 32
+                    # sub-blocks 2cc (low nibbles) and 2cc+1 (high nibbles) of rows r and s
+                    scr0, mnr0 = _q4k_scale_min(w, r, o, 2 * cc)
+                    scr1, mnr1 = _q4k_scale_min(w, r, o, 2 * cc + 1)
+                    scs0, mns0 = _q4k_scale_min(w, s, o, 2 * cc)
+                    scs1, mns1 = _q4k_scale_min(w, s, o, 2 * cc + 1)
+                    a0, a1, b0, b1 = dr * scr0, dr * scr1, ds * scs0, ds * scs1
+                    sx0 = sx[b * 8 + 2 * cc]
+                    sx1 = sx[b * 8 + 2 * cc + 1]
+                    tt[0] -= (mr * mnr0) * sx0 + (mr * mnr1) * sx1
+                    tt[1] -= (ms * mns0) * sx0 + (ms * mns1) * sx1
+                    for l in range(32):
+                        xa = x[xo + l]
+                        xb = x[xo + 32 + l]
+                        q0 = w[r, qo + l]
+                        q1 = w[s, qo + l]
+                        acc[0, l] += (a0 * xa) * np.float32(np.int32(q0 & 15)) + (a1 * xb) * np.float32(np.int32(q0 >> 4))
+                        acc[1, l] += (b0 * xa) * np.float32(np.int32(q1 & 15)) + (b1 * xb) * np.float32(np.int32(q1 >> 4))
+            _store2(acc, tt[0], tt[1], out, r, rows)
+
+
+@njit(parallel=True, fastmath=_FM, **_OPTS)
+def matvec_q6_k(w, tab, x, out):
+    # block (256 values, 210 B) = ql 128 B, qh 64 B, int8 scales[16], f16 d.
+    # In half h (128 values), for l in 0..31, bytes A = ql[h*64 + l], B = ql[h*64 + 32 + l],
+    # C = qh[h*32 + l] give values h*128 + 32g + l (g = 0..3):
+    #   q0 = lo(A) | (C&3)<<4, q1 = lo(B) | (C>>2&3)<<4, q2 = hi(A) | (C>>4&3)<<4, q3 = hi(B) | (C>>6)<<4
+    # value = d*scales[(h*128 + 32g + l)//16] * (q - 32)
+    rows = w.shape[0]
+    nb = x.shape[0] // 256
+    for c in prange(_nchunks(rows)):
+        acc = np.empty((2, 32), np.float32)
+        for r in range(c * CHUNK, min(rows, (c + 1) * CHUNK), 2):
+            s = min(r + 1, rows - 1)
+            acc[:] = 0.0
+            for b in range(nb):
+                o = b * 210
+                for j in range(2):
+                    rj = r if j == 0 else s
+                    d = _hw(w, rj, o + 208, tab)
+                    for h in range(2):
+                        ql = o + h * 64
+                        qh = o + 128 + h * 32
+                        xo = b * 256 + h * 128
+                        so = o + 192 + h * 8
+                        for half in range(2):
+                            s0 = d * np.float32(np.int8(w[rj, so + half]))
+                            s1 = d * np.float32(np.int8(w[rj, so + 2 + half]))
+                            s2 = d * np.float32(np.int8(w[rj, so + 4 + half]))
+                            s3 = d * np.float32(np.int8(w[rj, so + 6 + half]))
+                            for l in range(half * 16, half * 16 + 16):
+                                qa = np.int32(w[rj, ql + l])
+                                qb = np.int32(w[rj, ql + 32 + l])
+                                qc = np.int32(w[rj, qh + l])
+                                q0 = np.float32(np.int32(((qa & 15) | ((qc & 3) << 4)) - 32))
+                                q1 = np.float32(np.int32(((qb & 15) | (((qc >> 2) & 3) << 4)) - 32))
+                                q2 = np.float32(np.int32(((qa >> 4) | (((qc >> 4) & 3) << 4)) - 32))
+                                q3 = np.float32(np.int32(((qb >> 4) | ((qc >> 6) << 4)) - 32))
+                                acc[j, l] += (
+                                    (s0 * x[xo + l]) * q0
+                                    + (s1 * x[xo + 32 + l]) * q1
+                                    + (s2 * x[xo + 64 + l]) * q2
+                                    + (s3 * x[xo + 96 + l]) * q3
+                                )
+            _store2(acc, np.float32(0.0), np.float32(0.0), out, r, rows)
+
+
+@njit(parallel=True, fastmath=_FM, **_OPTS)
+def matvec_s8(w, wf, g, x, out):
+    # repacked Q8S32/Q8S16, row = int8 q[cols] | f32 scale[cols//g]; w = (rows, row_bytes)
+    # int8 and wf = (rows, row_bytes//4) f32 views of the same bytes; value = scale[k//g] * q[k]
+    rows = w.shape[0]
+    cols = x.shape[0]
+    so = cols // 4  # first scale, in f32 units
+    for c in prange(_nchunks(rows)):
+        acc = np.empty((2, 32), np.float32)
+        for r in range(c * CHUNK, min(rows, (c + 1) * CHUNK), 2):
+            s = min(r + 1, rows - 1)
+            acc[:] = 0.0
+            for j in range(cols // 32):
+                k = j * 32
+                if g == 32:
+                    a0 = wf[r, so + j]
+                    a1 = wf[s, so + j]
+                    for l in range(32):
+                        acc[0, l] += (a0 * x[k + l]) * np.float32(w[r, k + l])
+                        acc[1, l] += (a1 * x[k + l]) * np.float32(w[s, k + l])
+                else:  # g == 16
+                    a0 = wf[r, so + 2 * j]
+                    a1 = wf[s, so + 2 * j]
+                    b0 = wf[r, so + 2 * j + 1]
+                    b1 = wf[s, so + 2 * j + 1]
+                    for l in range(16):
+                        acc[0, l] += (a0 * x[k + l]) * np.float32(w[r, k + l])
+                        acc[1, l] += (a1 * x[k + l]) * np.float32(w[s, k + l])
+                    for l in range(16, 32):
+                        acc[0, l] += (b0 * x[k + l]) * np.float32(w[r, k + l])
+                        acc[1, l] += (b1 * x[k + l]) * np.float32(w[s, k + l])
+            _store2(acc, np.float32(0.0), np.float32(0.0), out, r, rows)
+
+
+@njit(parallel=True, fastmath=_FM, **_OPTS)
+def matvec_a8(w, wf, x, out):
+    # repacked U8A32, row = uint8 q[cols] | f32 scale[nb] | f32 offset[nb] (nb = cols//32);
+    # w: (rows, row_bytes) uint8, wf: (rows, row_bytes//4) f32 view; value = scale*q + offset
+    rows = w.shape[0]
+    cols = x.shape[0]
+    so = cols // 4
+    mo = so + cols // 32
+    sx = _block_sums(x, 32)
+    for c in prange(_nchunks(rows)):
+        acc = np.empty((2, 32), np.float32)
+        for r in range(c * CHUNK, min(rows, (c + 1) * CHUNK), 2):
+            s = min(r + 1, rows - 1)
+            acc[:] = 0.0
+            t0 = np.float32(0.0)
+            t1 = np.float32(0.0)
+            for b in range(cols // 32):
+                a0 = wf[r, so + b]
+                a1 = wf[s, so + b]
+                t0 += wf[r, mo + b] * sx[b]
+                t1 += wf[s, mo + b] * sx[b]
+                for l in range(32):
+                    xv = x[b * 32 + l]
+                    acc[0, l] += (a0 * xv) * np.float32(np.int32(w[r, b * 32 + l]))
+                    acc[1, l] += (a1 * xv) * np.float32(np.int32(w[s, b * 32 + l]))
+            _store2(acc, t0, t1, out, r, rows)
+
+
+# ---------------------------------------------------------------- dequantize one row
+# Same float operations, in the same order, as gguf-py's numpy dequantizers, and
+# no FMA contraction, so results are bit-identical to that reference.
+
+
+@njit(**_OPTS)
+def deq_row(kind, ru, tab16, tabbf, dst):
+    # ru: (row_bytes,) uint8 -> dst: (cols,) f32; kind is the qtype code
+    cols = dst.shape[0]
+    if kind == 0:  # F32
+        dst[:] = ru.view(np.float32)
+    elif kind == 1 or kind == 30:  # F16 / BF16
+        tab = tab16 if kind == 1 else tabbf
+        h = ru.view(np.uint16)
+        for k in range(cols):
+            dst[k] = tab[h[k]]
+    elif kind == 8:  # Q8_0
+        qi = ru.view(np.int8)
+        for b in range(cols // 32):
+            d = _h(ru, b * 34, tab16)
+            for l in range(32):
+                dst[b * 32 + l] = np.float32(qi[b * 34 + 2 + l]) * d
+    elif kind == 2 or kind == 3:  # Q4_0 / Q4_1
+        bs = 18 if kind == 2 else 20
+        for b in range(cols // 32):
+            o = b * bs
+            d = _h(ru, o, tab16)
+            if kind == 2:
+                for l in range(16):
+                    q = ru[o + 2 + l]
+                    dst[b * 32 + l] = d * np.float32(np.int32(q & 15) - 8)
+                    dst[b * 32 + 16 + l] = d * np.float32(np.int32(q >> 4) - 8)
+            else:
+                m = _h(ru, o + 2, tab16)
+                for l in range(16):
+                    q = ru[o + 4 + l]
+                    dst[b * 32 + l] = d * np.float32(q & 15) + m
+                    dst[b * 32 + 16 + l] = d * np.float32(q >> 4) + m
+    elif kind == 12:  # Q4_K
+        w2 = ru.reshape((1, ru.shape[0]))
+        for b in range(cols // 256):
+            o = b * 144
+            d = _h(ru, o, tab16)
+            dmin = _h(ru, o + 2, tab16)
+            for j in range(8):
+                sc, mn = _q4k_scale_min(w2, 0, o, j)
+                dj = d * sc
+                mj = dmin * mn
+                qo = o + 16 + (j // 2) * 32
+                sh = 4 * (j % 2)
+                for l in range(32):
+                    dst[b * 256 + j * 32 + l] = dj * np.float32((ru[qo + l] >> sh) & 15) - mj
+    elif kind == 14:  # Q6_K
+        for b in range(cols // 256):
+            o = b * 210
+            d = _h(ru, o + 208, tab16)
+            for h in range(2):
+                for g in range(4):
+                    for l in range(32):
+                        e = h * 128 + 32 * g + l
+                        q = ((ru[o + h * 64 + (g % 2) * 32 + l] >> (4 * (g // 2))) & 15) | (
+                            ((ru[o + 128 + h * 32 + l] >> (2 * g)) & 3) << 4
+                        )
+                        dd = d * np.float32(np.int8(ru[o + 192 + e // 16]))
+                        dst[b * 256 + e] = dd * np.float32(np.int32(q) - 32)
+    elif kind == 1000 or kind == 1001:  # repacked int8 + f32 scale per g
+        q = ru.view(np.int8)  # q[0:cols]
+        s = ru.view(np.float32)  # scales at s[cols//4 :]
+        if kind == 1000:  # one scale per 32
+            for j in range(cols // 32):
+                sj = s[cols // 4 + j]
+                for l in range(32):
+                    dst[j * 32 + l] = sj * np.float32(q[j * 32 + l])
+        else:  # one scale per 16
+            for j in range(cols // 16):
+                sj = s[cols // 4 + j]
+                for l in range(16):
+                    dst[j * 16 + l] = sj * np.float32(q[j * 16 + l])
+    elif kind == 1002:  # repacked uint8 + f32 scale + f32 offset per 32
+        nb = cols // 32
+        sm = ru.view(np.float32)  # scales at sm[cols//4 :], offsets after them
+        for j in range(nb):
+            sj = sm[cols // 4 + j]
+            mj = sm[cols // 4 + nb + j]
+            for l in range(j * 32, j * 32 + 32):
+                dst[l] = sj * np.float32(ru[l]) + mj
+
+
+@njit(parallel=True, **_OPTS)
+def dequant_rows(kind, w, tab16, tabbf, out):
+    # w: (n, row_bytes) uint8 -> out: (n, cols) f32
+    for r in prange(w.shape[0]):
+        deq_row(kind, w[r], tab16, tabbf, out[r])
+
+
+@njit(**_OPTS)
+def dequant_rows_serial(kind, w, tab16, tabbf, out):
+    # as dequant_rows, on the calling thread (prefill workers run one each)
+    for r in range(w.shape[0]):
+        deq_row(kind, w[r], tab16, tabbf, out[r])

@@ -1,0 +1,246 @@
+"""Forward pass of one shard of a llama-family model (llama, mistral, qwen2).
+
+A shard holds a contiguous range of KV-head groups (with their query heads),
+a range of FFN columns and a range of vocabulary rows; a single node holds
+all of them. The forward pass knows nothing of the network: the two
+per-layer sums of partial results go through an injected `reduce`
+callable, which is the identity on a single node and an all-reduce in a
+cluster (Megatron-style: q/k/v/gate/up split by output rows, o/down by
+input columns).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from edgetp.model import ops, quant
+from edgetp.model.gguf import ModelConfig, ModelFile
+
+Range = tuple[int, int]
+Reduce = Callable[[np.ndarray], None]  # sums a (n, dim) partial in place across the shards
+
+
+class ContextFull(Exception):
+    """The KV cache cannot hold the requested positions."""
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Which slice of every layer this process computes."""
+
+    kv_groups: Range   # KV heads [start, stop); query heads follow by the group size
+    ffn_cols: Range    # FFN columns [start, stop)
+    vocab_rows: Range  # lm-head rows [start, stop)
+
+    @classmethod
+    def full(cls, cfg: ModelConfig) -> "ShardSpec":
+        return cls((0, cfg.n_kv_heads), (0, cfg.ffn), (0, cfg.vocab))
+
+
+@dataclass(frozen=True)
+class Layer:
+    attn_norm: np.ndarray              # (dim,)
+    wq: quant.Weight | None            # (heads_l * hd, dim)
+    wk: quant.Weight | None            # (kv_l * hd, dim)
+    wv: quant.Weight | None            # (kv_l * hd, dim)
+    bq: np.ndarray | None              # (heads_l * hd,) qwen2 only
+    bk: np.ndarray | None
+    bv: np.ndarray | None
+    wo: quant.Weight | None            # (dim, heads_l * hd)
+    ffn_norm: np.ndarray               # (dim,)
+    w_gate: quant.Weight | None        # (ffn_l, dim)
+    w_up: quant.Weight | None          # (ffn_l, dim)
+    w_down: quant.Weight | None        # (dim, ffn_l)
+
+
+@dataclass(frozen=True)
+class Weights:
+    cfg: ModelConfig
+    spec: ShardSpec
+    layers: tuple[Layer, ...]
+    out_norm: np.ndarray               # (dim,)
+    lm_head: quant.Weight | None       # (vocab_l, dim)
+    rope_freqs: np.ndarray | None      # llama-3 rope scaling factors, (rope_dims/2,)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this shard's matrices (what its matvecs stream per token)."""
+        mats = [w for layer in self.layers for w in (layer.wq, layer.wk, layer.wv, layer.wo,
+                                                     layer.w_gate, layer.w_up, layer.w_down)]
+        return sum(w.nbytes for w in mats + [self.lm_head] if w is not None)
+
+
+def _rows(w: quant.Weight, r: Range) -> quant.Weight | None:
+    return None if r[0] == r[1] else quant.slice_rows(w, *r)
+
+
+def _cols(w: quant.Weight, r: Range) -> quant.Weight | None:
+    """Input-column slice; exact f32 copy when the range splits a quant block."""
+    if r[0] == r[1]:
+        return None
+    if r == (0, w.cols):
+        return w
+    try:
+        return quant.slice_cols(w, *r)
+    except ValueError:
+        dense = np.ascontiguousarray(quant.dequantize_rows(w, 0, w.rows)[:, r[0]:r[1]])
+        return quant.Weight(int(GGMLQuantizationType.F32), w.rows, r[1] - r[0], dense.view(np.uint8))
+
+
+def load_weights(mf: ModelFile, spec: ShardSpec | None = None, *, repack: bool = False) -> Weights:
+    """Map this shard's slices of the file (zero-copy where the layout allows)."""
+    cfg = mf.config
+    spec = spec or ShardSpec.full(cfg)
+    hd, g = cfg.head_dim, cfg.group_size
+    kv = (spec.kv_groups[0] * hd, spec.kv_groups[1] * hd)
+    qh = (kv[0] * g, kv[1] * g)
+    prep = quant.repack if repack else (lambda w: w)
+
+    def mat(w: quant.Weight | None) -> quant.Weight | None:
+        return None if w is None else prep(w)
+
+    def bias(name: str, r: Range) -> np.ndarray | None:
+        return mf.vector(name)[r[0]:r[1]].copy() if mf.has(name) else None
+
+    layers = []
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        layers.append(Layer(
+            attn_norm=mf.vector(p + "attn_norm.weight"),
+            wq=mat(_rows(mf.weight(p + "attn_q.weight"), qh)),
+            wk=mat(_rows(mf.weight(p + "attn_k.weight"), kv)),
+            wv=mat(_rows(mf.weight(p + "attn_v.weight"), kv)),
+            bq=bias(p + "attn_q.bias", qh),
+            bk=bias(p + "attn_k.bias", kv),
+            bv=bias(p + "attn_v.bias", kv),
+            wo=mat(_cols(mf.weight(p + "attn_output.weight"), qh)),
+            ffn_norm=mf.vector(p + "ffn_norm.weight"),
+            w_gate=mat(_rows(mf.weight(p + "ffn_gate.weight"), spec.ffn_cols)),
+            w_up=mat(_rows(mf.weight(p + "ffn_up.weight"), spec.ffn_cols)),
+            w_down=mat(_cols(mf.weight(p + "ffn_down.weight"), spec.ffn_cols)),
+        ))
+    head = mf.weight("token_embd.weight" if cfg.tied else "output.weight")
+    return Weights(
+        cfg=cfg,
+        spec=spec,
+        layers=tuple(layers),
+        out_norm=mf.vector("output_norm.weight"),
+        lm_head=mat(_rows(head, spec.vocab_rows)),
+        rope_freqs=mf.vector("rope_freqs.weight") if mf.has("rope_freqs.weight") else None,
+    )
+
+
+def _no_reduce(partial: np.ndarray) -> None:
+    return None
+
+
+@dataclass
+class Shard:
+    """One shard's forward pass over its own KV cache."""
+
+    w: Weights
+    ctx: int
+    reduce: Reduce = _no_reduce
+    k_cache: list[np.ndarray] = field(init=False, repr=False)
+    v_cache: list[np.ndarray] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        cfg, spec = self.w.cfg, self.w.spec
+        self.n_kv = spec.kv_groups[1] - spec.kv_groups[0]
+        self.n_heads = self.n_kv * cfg.group_size
+        self.n_ffn = spec.ffn_cols[1] - spec.ffn_cols[0]
+        shape = (self.n_kv, self.ctx, cfg.head_dim)
+        self.k_cache = [np.zeros(shape, np.float32) for _ in range(cfg.n_layers)]
+        self.v_cache = [np.zeros(shape, np.float32) for _ in range(cfg.n_layers)]
+        self.cos, self.sin = ops.rope_table(self.ctx, cfg.rope_dims, cfg.rope_theta, self.w.rope_freqs)
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(c.nbytes for c in self.k_cache + self.v_cache)
+
+    def forward(self, x: np.ndarray, pos: int) -> np.ndarray:
+        """Run every layer on x: (n, dim) hidden states of positions pos..pos+n-1, in place.
+
+        Returns x after the final norm, (n, dim).
+        """
+        n = x.shape[0]
+        if pos + n > self.ctx:
+            raise ContextFull(f"context is full: {pos + n} positions needed, the KV cache holds {self.ctx}")
+        cfg = self.w.cfg
+        h = np.empty_like(x)
+        for i, layer in enumerate(self.w.layers):
+            ops.rmsnorm(x, layer.attn_norm, cfg.norm_eps, h)
+            partial = self._attention(i, layer, h, pos)
+            self.reduce(partial)
+            x += partial
+            ops.rmsnorm(x, layer.ffn_norm, cfg.norm_eps, h)
+            partial = self._ffn(layer, h)
+            self.reduce(partial)
+            x += partial
+        ops.rmsnorm(x, self.w.out_norm, cfg.norm_eps, h)
+        return h
+
+    def logits(self, h: np.ndarray) -> np.ndarray:
+        """This shard's vocabulary rows of the logits: (n, vocab_l)."""
+        head = self.w.lm_head
+        out = np.zeros((h.shape[0], 0 if head is None else head.rows), np.float32)
+        if head is not None:
+            _apply(head, h, out)
+        return out
+
+    def _attention(self, i: int, layer: Layer, h: np.ndarray, pos: int) -> np.ndarray:
+        cfg = self.w.cfg
+        n, hd = h.shape[0], cfg.head_dim
+        partial = np.zeros((n, cfg.dim), np.float32)
+        if self.n_kv == 0:
+            return partial
+        q = np.empty((n, self.n_heads * hd), np.float32)
+        k = np.empty((n, self.n_kv * hd), np.float32)
+        v = np.empty((n, self.n_kv * hd), np.float32)
+        _apply(layer.wq, h, q)
+        _apply(layer.wk, h, k)
+        _apply(layer.wv, h, v)
+        if layer.bq is not None:
+            q += layer.bq
+            k += layer.bk
+            v += layer.bv
+        ops.rope(q, self.n_heads, hd, cfg.rope_dims, pos, self.cos, self.sin, cfg.rope_neox)
+        ops.rope(k, self.n_kv, hd, cfg.rope_dims, pos, self.cos, self.sin, cfg.rope_neox)
+        kc, vc = self.k_cache[i], self.v_cache[i]
+        kc[:, pos:pos + n, :] = k.reshape(n, self.n_kv, hd).transpose(1, 0, 2)
+        vc[:, pos:pos + n, :] = v.reshape(n, self.n_kv, hd).transpose(1, 0, 2)
+        att = np.empty_like(q)
+        ops.attention(q, kc, vc, pos, cfg.group_size, att)
+        _apply(layer.wo, att, partial)
+        return partial
+
+    def _ffn(self, layer: Layer, h: np.ndarray) -> np.ndarray:
+        n = h.shape[0]
+        partial = np.zeros((n, self.w.cfg.dim), np.float32)
+        if self.n_ffn == 0:
+            return partial
+        gate = np.empty((n, self.n_ffn), np.float32)
+        up = np.empty((n, self.n_ffn), np.float32)
+        _apply(layer.w_gate, h, gate)
+        _apply(layer.w_up, h, up)
+        ops.silu_mul(gate, up)
+        _apply(layer.w_down, gate, partial)
+        return partial
+
+
+def _apply(w: quant.Weight, x: np.ndarray, out: np.ndarray) -> None:
+    """out = x @ w.T for (n, cols) x: matvec when decoding, matmul for batches."""
+    if x.shape[0] == 1:
+        quant.matvec(w, x[0], out[0])
+    else:
+        quant.matmul(w, x, out)
+
+
+def embed(mf: ModelFile, token_ids: list[int]) -> np.ndarray:
+    """Embedding rows for the given tokens: (n, dim) f32 (only those rows are read)."""
+    table = mf.weight("token_embd.weight")
+    return np.stack([quant.dequantize_rows(table, t, t + 1)[0] for t in token_ids]).astype(np.float32)

@@ -1,0 +1,110 @@
+"""The element-wise and attention kernels of the forward pass.
+
+Every kernel writes into an `out` (or in-place) buffer; none allocates in
+its hot loop beyond a per-thread scratch row. Shapes are in the comments;
+`n` is the number of tokens in the batch (1 when decoding).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+_JIT = dict(cache=True, nogil=True, fastmath=False)
+
+
+@njit(**_JIT)
+def rmsnorm(x, w, eps, out):  # pragma: no cover - compiled
+    # x: (n, dim) f32, w: (dim,) f32, out: (n, dim) f32
+    n, dim = x.shape
+    for i in range(n):
+        ss = 0.0
+        for j in range(dim):
+            ss += x[i, j] * x[i, j]
+        scale = np.float32(1.0 / math.sqrt(ss / dim + eps))
+        for j in range(dim):
+            out[i, j] = x[i, j] * scale * w[j]
+
+
+def rope_table(n_pos: int, rope_dims: int, theta: float, freq_factors: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin of every position and frequency: (n_pos, rope_dims // 2) each, f32."""
+    inv = theta ** (-np.arange(0, rope_dims, 2, dtype=np.float64) / rope_dims)
+    if freq_factors is not None:
+        inv = inv / freq_factors[: rope_dims // 2].astype(np.float64)
+    ang = np.arange(n_pos, dtype=np.float64)[:, None] * inv[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+@njit(**_JIT)
+def rope(x, n_heads, head_dim, rope_dims, pos0, cos, sin, neox):  # pragma: no cover - compiled
+    # x: (n, n_heads * head_dim) f32, rotated in place for positions pos0 .. pos0+n-1
+    # cos, sin: (n_pos, rope_dims // 2); neox pairs (i, i + rope_dims/2), else (2i, 2i+1)
+    n = x.shape[0]
+    half = rope_dims // 2
+    for t in range(n):
+        p = pos0 + t
+        for h in range(n_heads):
+            base = h * head_dim
+            for i in range(half):
+                c = cos[p, i]
+                s = sin[p, i]
+                if neox:
+                    a = base + i
+                    b = base + i + half
+                else:
+                    a = base + 2 * i
+                    b = a + 1
+                x0 = x[t, a]
+                x1 = x[t, b]
+                x[t, a] = x0 * c - x1 * s
+                x[t, b] = x0 * s + x1 * c
+
+
+@njit(parallel=True, **_JIT)
+def attention(q, k_cache, v_cache, pos0, group, out):  # pragma: no cover - compiled
+    # q: (n, n_heads * hd) roped queries for positions pos0 .. pos0+n-1
+    # k_cache, v_cache: (n_kv, ctx, hd); rows up to pos0+n-1 are filled
+    # out: (n, n_heads * hd); query head h reads KV head h // group (causal)
+    n = q.shape[0]
+    n_kv, ctx, hd = k_cache.shape
+    n_heads = n_kv * group
+    scale = np.float32(1.0 / math.sqrt(hd))
+    for job in prange(n * n_heads):
+        t = job // n_heads
+        h = job % n_heads
+        kv = h // group
+        last = pos0 + t  # attends to 0 .. last
+        scores = np.empty(last + 1, dtype=np.float32)
+        top = np.float32(-np.inf)
+        for s in range(last + 1):
+            acc = np.float32(0.0)
+            for d in range(hd):
+                acc += q[t, h * hd + d] * k_cache[kv, s, d]
+            acc *= scale
+            scores[s] = acc
+            if acc > top:
+                top = acc
+        total = np.float32(0.0)
+        for s in range(last + 1):
+            e = np.float32(math.exp(scores[s] - top))
+            scores[s] = e
+            total += e
+        inv = np.float32(1.0) / total
+        for d in range(hd):
+            out[t, h * hd + d] = 0.0
+        for s in range(last + 1):
+            p = scores[s] * inv
+            for d in range(hd):
+                out[t, h * hd + d] += p * v_cache[kv, s, d]
+
+
+@njit(**_JIT)
+def silu_mul(gate, up):  # pragma: no cover - compiled
+    # gate, up: (n, f); gate <- silu(gate) * up
+    n, f = gate.shape
+    for i in range(n):
+        for j in range(f):
+            g = gate[i, j]
+            gate[i, j] = g / (np.float32(1.0) + np.float32(math.exp(-g))) * up[i, j]

@@ -1,0 +1,372 @@
+"""Weights in GGUF block formats: the `Weight` value, slicing, repacking, dispatch.
+
+A `Weight` is a (rows, row_bytes) uint8 view of the bytes exactly as the
+GGUF file stores them (usually a read-only memmap), tagged with its qtype.
+Kernels in `kernels.py` compute on those bytes directly.
+
+Block formats (ggml), per row of `cols` values:
+  F32 / F16 / BF16   1 value per "block", 4 / 2 / 2 bytes
+  Q8_0   32 values, 34 B: f16 d, int8 q[32]                value q*d
+  Q4_0   32 values, 18 B: f16 d, 16 B nibbles              value (q-8)*d
+  Q4_1   32 values, 20 B: f16 d, f16 m, 16 B nibbles       value q*d + m
+         (nibbles: value j<16 is the low nibble of byte j, j>=16 the high nibble of byte j-16)
+  Q4_K  256 values, 144 B: f16 d, f16 dmin, 12 B 6-bit scales/mins, 128 B nibbles
+  Q6_K  256 values, 210 B: ql 128 B, qh 64 B, int8 scales[16], f16 d
+
+Repacked layouts (ours, codes >= 1000), one row = [q bytes (cols)] [f32 arrays]:
+  Q8S32  int8 q, f32 scale per 32            (from Q4_0)
+  Q8S16  int8 q, f32 scale per 16            (from Q6_K)
+  U8A32  uint8 q, f32 scale + f32 offset per 32  (from Q4_1 and Q4_K)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+from dataclasses import dataclass  # noqa: E402
+
+import numba  # noqa: E402
+import numpy as np  # noqa: E402
+from gguf import GGMLQuantizationType as QT  # noqa: E402
+
+from edgetp.model import kernels as K  # noqa: E402
+
+Q8S32 = 1000
+Q8S16 = 1001
+U8A32 = 1002
+
+# qtype -> (values per block, bytes per block)
+_BLOCK = {
+    QT.F32: (1, 4),
+    QT.F16: (1, 2),
+    QT.BF16: (1, 2),
+    QT.Q8_0: (32, 34),
+    QT.Q4_0: (32, 18),
+    QT.Q4_1: (32, 20),
+    QT.Q4_K: (256, 144),
+    QT.Q6_K: (256, 210),
+    Q8S32: (32, 36),
+    Q8S16: (16, 20),
+    U8A32: (32, 40),
+}
+SUPPORTED = frozenset(QT(t) for t in _BLOCK if t < 1000)
+
+_TAB16 = K.f16_table()  # (65536,) f32
+_TABBF = K.bf16_table()  # (65536,) f32
+
+
+class UnsupportedTensorType(ValueError):
+    """A tensor's GGML type has no kernel here."""
+
+
+def _type_name(qtype: int) -> str:
+    names = {Q8S32: "Q8S32", Q8S16: "Q8S16", U8A32: "U8A32"}
+    if qtype in names:
+        return names[qtype]
+    try:
+        return QT(qtype).name
+    except ValueError:
+        return f"unknown type {qtype}"
+
+
+def _check(qtype: int) -> None:
+    if qtype not in _BLOCK:
+        supported = ", ".join(sorted(_type_name(t) for t in SUPPORTED))
+        raise UnsupportedTensorType(f"tensor type {_type_name(qtype)} is not supported (supported: {supported})")
+
+
+def block_size(qtype: int) -> int:
+    """Values per block: 1 for float types, 32 (16 for Q8S16), 256 for K-quants."""
+    _check(qtype)
+    return _BLOCK[qtype][0]
+
+
+def row_bytes(qtype: int, cols: int) -> int:
+    bs, nbytes = _BLOCK[qtype]
+    return cols // bs * nbytes
+
+
+@dataclass(frozen=True, eq=False)
+class Weight:
+    qtype: int  # GGMLQuantizationType value or Q8S32 / Q8S16 / U8A32
+    rows: int  # output features
+    cols: int  # input features
+    data: np.ndarray  # (rows, row_bytes) uint8, C-contiguous
+
+    def __post_init__(self) -> None:
+        _check(self.qtype)
+        if self.cols % _BLOCK[self.qtype][0]:
+            raise ValueError(f"{self.cols} columns is not a multiple of the {_type_name(self.qtype)} block size")
+        if self.data.dtype != np.uint8 or self.data.shape != (self.rows, row_bytes(self.qtype, self.cols)):
+            raise ValueError(f"data must be uint8 {(self.rows, row_bytes(self.qtype, self.cols))}, got {self.data.dtype} {self.data.shape}")
+        if not self.data.flags.c_contiguous:
+            raise ValueError("weight data must be C-contiguous")
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+def weight_from_gguf(tensor) -> Weight:
+    """Wrap a 2-D gguf.ReaderTensor as a Weight, viewing its bytes without a copy."""
+    qtype = int(tensor.tensor_type)
+    try:
+        _check(qtype)
+    except UnsupportedTensorType as exc:
+        raise UnsupportedTensorType(f"{tensor.name}: {exc}") from None
+    shape = [int(s) for s in tensor.shape]  # ggml order: [cols, rows, 1...]
+    if len(shape) < 2 or any(s != 1 for s in shape[2:]):
+        raise ValueError(f"{tensor.name}: a Weight needs a 2-D tensor, got shape {shape}")
+    cols, rows = shape[0], shape[1]
+    data = np.asarray(tensor.data).view(np.uint8).reshape(rows, row_bytes(qtype, cols))
+    return Weight(qtype, rows, cols, data)
+
+
+def set_threads(n: int) -> None:
+    numba.set_num_threads(n)
+
+
+# ---------------------------------------------------------------- kernels
+
+
+def _check_io(w: Weight, x: np.ndarray, out: np.ndarray, n: int | None) -> None:
+    # numba does no bounds checks: a wrong shape would read or write past the buffers
+    want_x, want_out = ((w.cols,), (w.rows,)) if n is None else ((n, w.cols), (n, w.rows))
+    for name, a, shape in (("x", x, want_x), ("out", out, want_out)):
+        if a.dtype != np.float32 or a.shape != shape or not a.flags.c_contiguous:
+            raise ValueError(f"{name} must be C-contiguous float32 {shape}, got {a.dtype} {a.shape}")
+
+
+def matvec(w: Weight, x: np.ndarray, out: np.ndarray) -> None:
+    """out (rows,) = W @ x (cols,), all f32."""
+    _check_io(w, x, out, None)
+    d, t = w.data, w.qtype
+    if t == QT.Q8_0:
+        K.matvec_q8_0(d, d.view(np.int8), _TAB16, x, out)
+    elif t == QT.Q4_0:
+        K.matvec_q4_0(d, _TAB16, x, out)
+    elif t == QT.Q4_1:
+        K.matvec_q4_1(d, _TAB16, x, out)
+    elif t == QT.Q4_K:
+        K.matvec_q4_k(d, _TAB16, x, out)
+    elif t == QT.Q6_K:
+        K.matvec_q6_k(d, _TAB16, x, out)
+    elif t == QT.F32:
+        K.matvec_f32(d.view(np.float32), x, out)
+    elif t == QT.F16:
+        K.matvec_half(d.view(np.uint16), _TAB16, x, out, False)
+    elif t == QT.BF16:
+        K.matvec_half(d.view(np.uint16), _TABBF, x, out, True)
+    elif t in (Q8S32, Q8S16):
+        K.matvec_s8(d.view(np.int8), d.view(np.float32), _BLOCK[t][0], x, out)
+    elif t == U8A32:
+        K.matvec_a8(d, d.view(np.float32), x, out)
+    else:  # pragma: no cover - _check in Weight rules this out
+        _check(t)
+
+
+_SCRATCH_BYTES = 2 << 20  # f32 tile of W decoded per step (sgemm is fastest from ~128 rows)
+_pool: ThreadPoolExecutor | None = None  # prefill workers, created on first threaded matmul
+_pool_size = 0
+
+
+def matmul(w: Weight, x: np.ndarray, out: np.ndarray) -> None:
+    """out (n, rows) = x (n, cols) @ W.T; each tile of W is decoded once for all n tokens.
+
+    Workers (numba's thread count of them) take interleaved tiles of rows: a numba
+    kernel decodes the tile into an f32 scratch (tile, cols), single-threaded
+    OpenBLAS sgemm multiplies it by all tokens. A numba axpy micro-kernel reached
+    25-37 GFLOP/s per core here, sgemm 60-68.
+    """
+    _check_io(w, x, out, x.shape[0] if x.ndim == 2 else -1)
+    threads = numba.get_num_threads()
+    # rows per tile: scratch <= 2 MiB, at least one tile per thread, >= 32 rows for sgemm
+    tile = int(np.clip(min(_SCRATCH_BYTES // (4 * w.cols), -(-w.rows // threads)), 32, 1024))
+    starts = range(0, w.rows, tile)
+    nt = min(threads, len(starts))
+    _openblas_single_thread()
+    if nt == 1:
+        _matmul_tiles(w, x, out, starts, tile)
+        return
+    global _pool, _pool_size
+    if _pool is None or _pool_size < nt:
+        _pool, _pool_size = ThreadPoolExecutor(max_workers=nt, thread_name_prefix="edgetp-matmul"), nt
+    jobs = [_pool.submit(_matmul_tiles, w, x, out, starts[i::nt], tile) for i in range(nt)]
+    for job in jobs:
+        job.result()
+
+
+def _matmul_tiles(w: Weight, x: np.ndarray, out: np.ndarray, starts, tile: int) -> None:
+    scratch = np.empty((tile, w.cols), np.float32)  # (tile, cols) decoded rows of W
+    for r0 in starts:
+        r1 = min(w.rows, r0 + tile)
+        K.dequant_rows_serial(int(w.qtype), w.data[r0:r1], _TAB16, _TABBF, scratch[: r1 - r0])
+        np.matmul(x, scratch[: r1 - r0].T, out=out[:, r0:r1])
+
+
+@functools.cache
+def _openblas_single_thread() -> None:
+    """Pin numpy's OpenBLAS to one thread (our workers parallelise), even if numpy
+    was imported before OPENBLAS_NUM_THREADS=1 was set. Best effort."""
+    libs = Path(np.__file__).resolve().parent.parent / "numpy.libs"
+    for lib in libs.glob("libscipy_openblas*.so*"):
+        try:
+            dll = ctypes.CDLL(str(lib))
+        except OSError:
+            continue
+        for sym in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads", "openblas_set_num_threads"):
+            if hasattr(dll, sym):
+                getattr(dll, sym)(1)
+                return
+
+
+def dequantize_rows(w: Weight, start: int, stop: int) -> np.ndarray:
+    """Rows start..stop of W as f32 (stop-start, cols), bit-identical to gguf-py."""
+    out = np.empty((stop - start, w.cols), np.float32)
+    K.dequant_rows(int(w.qtype), w.data[start:stop], _TAB16, _TABBF, out)
+    return out
+
+
+# ---------------------------------------------------------------- slicing
+
+
+def slice_rows(w: Weight, start: int, stop: int) -> Weight:
+    """Rows start..stop, a zero-copy view."""
+    start, stop, _ = slice(start, stop).indices(w.rows)
+    return Weight(w.qtype, stop - start, w.cols, w.data[start:stop])
+
+
+def slice_cols(w: Weight, start: int, stop: int) -> Weight:
+    """Columns start..stop (block-aligned) as a contiguous copy of just those blocks."""
+    bs, nbytes = _BLOCK[w.qtype]
+    if start % bs or stop % bs or not 0 <= start < stop <= w.cols:
+        raise ValueError(f"columns {start}:{stop} are not whole {_type_name(w.qtype)} blocks of {bs} within 0:{w.cols}")
+    n = stop - start
+    if w.qtype < 1000:
+        data = np.ascontiguousarray(w.data[:, start // bs * nbytes : stop // bs * nbytes])
+    else:  # repacked: q bytes, then f32 arrays per group
+        nb = w.cols // bs
+        parts = [w.data[:, start:stop]]
+        f32 = w.data[:, w.cols :].view(np.float32).reshape(w.rows, -1, nb)
+        parts.append(np.ascontiguousarray(f32[:, :, start // bs : stop // bs]).reshape(w.rows, -1).view(np.uint8))
+        data = np.ascontiguousarray(np.concatenate(parts, axis=1))
+    return Weight(w.qtype, w.rows, n, data)
+
+
+# ---------------------------------------------------------------- repacking
+
+_REPACKED = {QT.Q4_0: Q8S32, QT.Q6_K: Q8S16, QT.Q4_1: U8A32, QT.Q4_K: U8A32}
+
+
+def repack_cost(w: Weight) -> tuple[int, int]:
+    """(bytes before, bytes after) repack(w)."""
+    new = _REPACKED.get(w.qtype, w.qtype)
+    return w.nbytes, w.rows * row_bytes(new, w.cols)
+
+
+def repack(w: Weight) -> Weight:
+    """Widen 4/6-bit blocks to an 8-bit layout whose dequantized values are bit-identical.
+
+    Memory per 256 values: Q4_0 144 -> 288 B (2.0x), Q4_1 160 -> 320 B (2.0x),
+    Q4_K 144 -> 320 B (2.2x), Q6_K 210 -> 320 B (1.5x). Other types are returned
+    unchanged. Scales become f32 products computed exactly as the reference
+    dequantizer computes them (d*sc for K-quants, -(dmin*m) as the offset).
+
+    Measured (one hot core, GB/s of the original bytes): Q4_0 6.6 -> ~10,
+    Q4_1 8 -> ~11, Q4_K 5 -> ~10, Q6_K 4.6 -> ~13. From RAM the wider rows cost
+    bandwidth, so it pays most for Q6_K and for weights that stay cached.
+    Works in tiles of 256 rows; each tile is checked bit-for-bit before use.
+    """
+    new = _REPACKED.get(w.qtype)
+    if new is None:
+        return w
+    out = np.empty((w.rows, row_bytes(new, w.cols)), np.uint8)
+    c = w.cols
+    for r0 in range(0, w.rows, 256):
+        part = slice_rows(w, r0, min(w.rows, r0 + 256))
+        q, scales = _integer_codes(part)  # (n, cols) codes, (n, k) f32
+        out[r0 : r0 + part.rows, :c] = q.view(np.uint8)
+        out[r0 : r0 + part.rows, c:] = scales.view(np.uint8)
+        packed = Weight(new, part.rows, c, out[r0 : r0 + part.rows])
+        want = dequantize_rows(part, 0, part.rows).view(np.uint32)
+        if not np.array_equal(dequantize_rows(packed, 0, part.rows).view(np.uint32), want):
+            raise AssertionError(f"repack of {_type_name(w.qtype)} is not bit-identical")  # guards the promise
+    return Weight(new, w.rows, w.cols, out)
+
+
+def _integer_codes(w: Weight) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, cols) integer codes and (rows, n_f32) f32 scale[/offset] arrays for repack."""
+    raw = w.data
+    rows, cols = w.rows, w.cols
+    f16 = lambda a: _TAB16[a[..., 0].astype(np.int64) | (a[..., 1].astype(np.int64) << 8)]  # noqa: E731
+    if w.qtype in (QT.Q4_0, QT.Q4_1):
+        bsz = 18 if w.qtype == QT.Q4_0 else 20
+        b = raw.reshape(rows, cols // 32, bsz)
+        d = f16(b[..., 0:2])
+        nib = b[..., bsz - 16 :]
+        q = np.concatenate([nib & 15, nib >> 4], axis=-1).reshape(rows, cols)  # (rows, cols)
+        if w.qtype == QT.Q4_0:
+            return (q.astype(np.int8) - 8), d.astype(np.float32)
+        return q, np.concatenate([d, f16(b[..., 2:4])], axis=1).astype(np.float32)
+    if w.qtype == QT.Q4_K:
+        b = raw.reshape(rows, cols // 256, 144)
+        d = f16(b[..., 0:2])[..., None]
+        dmin = f16(b[..., 2:4])[..., None]
+        s = b[..., 4:16]
+        lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+        sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=-1).astype(np.float32)
+        mn = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=-1).astype(np.float32)
+        qs = b[..., 16:].reshape(rows, cols // 256, 4, 1, 32)
+        q = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(rows, cols)
+        scale = (d * sc).reshape(rows, -1)  # (rows, cols//32)
+        offset = -(dmin * mn).reshape(rows, -1)
+        return q, np.concatenate([scale, offset], axis=1).astype(np.float32)
+    if w.qtype == QT.Q6_K:
+        b = raw.reshape(rows, cols // 256, 210)
+        ql = b[..., 0:128].reshape(rows, -1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+        ql = (ql & 15).reshape(rows, -1, 2, 4, 32)
+        qh = b[..., 128:192].reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)
+        qh = (qh & 3).reshape(rows, -1, 2, 4, 32)
+        q = ((ql | (qh << 4)).astype(np.int8) - 32).reshape(rows, cols)
+        d = f16(b[..., 208:210])[..., None]
+        scale = (d * b[..., 192:208].view(np.int8).astype(np.float32)).reshape(rows, -1)
+        return q, scale.astype(np.float32)
+    raise AssertionError(w.qtype)
+
+
+# ---------------------------------------------------------------- Q8_0 codec for activations
+
+
+def quantize_q8_0(x: np.ndarray) -> np.ndarray:
+    """f32 (n,) with n % 32 == 0 -> (n//32*34,) uint8, byte-identical to ggml's quantize_row_q8_0.
+
+    Per block: d = max|x|/127 (stored as f16), q = roundf(x/d) (half away from zero).
+    Blocks whose max |x| is below ~1e-36 make 1/d overflow, as in ggml.
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 1 or x.shape[0] % 32:
+        raise ValueError(f"quantize_q8_0 needs a 1-D array whose length is a multiple of 32, got {x.shape}")
+    blocks = x.reshape(-1, 32)  # (nb, 32)
+    d = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)  # (nb, 1) f32
+    with np.errstate(divide="ignore"):
+        inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+    a = np.abs(blocks * inv)
+    whole = np.floor(a)
+    q = np.copysign(whole + np.floor(2 * (a - whole)), blocks * inv)  # roundf: half away from zero
+    out = np.empty((blocks.shape[0], 34), np.uint8)
+    out[:, :2] = d.astype(np.float16).view(np.uint8)
+    out[:, 2:] = q.astype(np.int8).view(np.uint8)
+    return out.reshape(-1)
+
+
+def dequantize_q8_0(buf: np.ndarray, n: int) -> np.ndarray:
+    """(n//32*34,) uint8 Q8_0 blocks -> f32 (n,)."""
+    out = np.empty((1, n), np.float32)
+    K.dequant_rows(int(QT.Q8_0), np.frombuffer(buf, np.uint8).reshape(1, -1), _TAB16, _TABBF, out)
+    return out[0]

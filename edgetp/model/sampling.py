@@ -1,0 +1,136 @@
+"""Sampling: greedy, temperature, top-k, top-p, min-p, repetition penalty, seed.
+
+Sampling is split in two so that it stays exact when the vocabulary is
+spread over several nodes:
+
+1. `candidates()` runs where the logits are (each node, on its own rows):
+   it applies the repetition penalty, keeps the local top-k, and reports the
+   log-sum-exp of all its (penalised, temperature-scaled) logits.
+2. `merge()` + `Sampler.pick()` run on the root over the union of the
+   candidates. The global top-k is always inside the union of local top-ks,
+   and the log-sum-exp pieces give the exact softmax denominator, so top-p
+   and min-p see the same probabilities as on a single node.
+
+A single node runs the same two steps, so it samples identically to a
+cluster with the same seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+MAX_CANDIDATES = 256  # top_k == 0 ("all") is capped here; see Candidates.complete
+
+
+class SamplingError(ValueError):
+    """Sampling parameters out of range."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise SamplingError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise SamplingError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p < 1:
+            raise SamplingError(f"min_p must be in [0, 1), got {self.min_p}")
+        if not self.repeat_penalty > 0:
+            raise SamplingError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def k(self) -> int:
+        """How many candidates each shard must send."""
+        if self.greedy:
+            return 1
+        return min(self.top_k or MAX_CANDIDATES, MAX_CANDIDATES)
+
+
+@dataclass(frozen=True)
+class Candidates:
+    ids: np.ndarray      # (k,) int64, global token ids, best first (ties: lower id first)
+    logits: np.ndarray   # (k,) f32, penalised and divided by the temperature
+    lse: float           # log-sum-exp of every logit of the shard (after penalty and temperature)
+
+
+def penalise(logits: np.ndarray, offset: int, history: Sequence[int], params: SamplingParams) -> np.ndarray:
+    """llama.cpp's repetition penalty on the tokens of the last `repeat_last_n` (this shard's rows)."""
+    if params.repeat_penalty == 1.0 or not history:
+        return logits
+    out = logits.copy()
+    recent = np.unique(np.asarray(history[-params.repeat_last_n:], dtype=np.int64)) - offset
+    recent = recent[(recent >= 0) & (recent < out.shape[0])]
+    vals = out[recent]
+    out[recent] = np.where(vals > 0, vals / params.repeat_penalty, vals * params.repeat_penalty)
+    return out
+
+
+def candidates(logits: np.ndarray, offset: int, history: Sequence[int], params: SamplingParams) -> Candidates:
+    """A shard's best tokens; `logits` are rows offset .. offset+len of the vocabulary."""
+    x = penalise(np.asarray(logits, np.float32), offset, history, params)
+    if x.size == 0:  # a shard with no vocabulary rows
+        return Candidates(np.zeros(0, np.int64), np.zeros(0, np.float32), float("-inf"))
+    if params.greedy:
+        best = int(np.argmax(x))
+        return Candidates(np.array([best + offset]), x[best:best + 1].copy(), 0.0)
+    x = x / np.float32(params.temperature)
+    k = min(params.k, x.shape[0])
+    idx = np.argpartition(-x, k - 1)[:k]
+    order = np.lexsort((idx, -x[idx]))
+    idx = idx[order]
+    top = float(x.max())
+    lse = top + float(np.log(np.exp((x - top).astype(np.float64)).sum()))
+    return Candidates(idx.astype(np.int64) + offset, x[idx].astype(np.float32), lse)
+
+
+def merge(parts: Iterable[Candidates]) -> Candidates:
+    """The union of shard candidates, best first, with the total log-sum-exp."""
+    parts = [p for p in parts if p.ids.size]
+    ids = np.concatenate([p.ids for p in parts])
+    vals = np.concatenate([p.logits for p in parts])
+    order = np.lexsort((ids, -vals))
+    lses = np.array([p.lse for p in parts])
+    top = lses.max()
+    lse = float(top + np.log(np.exp(lses - top).sum()))
+    return Candidates(ids[order], vals[order], lse)
+
+
+class Sampler:
+    """Picks the next token from merged candidates; seeded for reproducibility."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+
+    def pick(self, c: Candidates) -> int:
+        p = self.params
+        if p.greedy:
+            return int(c.ids[0])
+        k = min(p.top_k or c.ids.size, c.ids.size)
+        ids, vals = c.ids[:k], c.logits[:k].astype(np.float64)
+        probs = np.exp(vals - c.lse)  # exact full-vocabulary softmax
+        keep = k
+        if p.top_p < 1.0:
+            cum = np.cumsum(probs)
+            keep = min(keep, int(np.searchsorted(cum, p.top_p)) + 1)
+        if p.min_p > 0:
+            keep = min(keep, max(1, int(np.count_nonzero(probs >= p.min_p * probs[0]))))
+        probs = probs[:keep] / probs[:keep].sum()
+        return int(ids[self.rng.choice(keep, p=probs)])

@@ -1,0 +1,83 @@
+"""Shared fixtures: where the real models are, and the llama.cpp reference.
+
+Models come from ../shared/models (stories260K), from the model cache that
+`edgetp model pull smollm2` fills (the Makefile runs it before the suite),
+or from tools/synth_gguf.py. The suite itself never downloads anything.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_MODELS = REPO.parent / "shared" / "models"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    if os.environ.get("EDGETP_CACHE_DIR"):
+        return Path(os.environ["EDGETP_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "edgetp"
+
+
+@pytest.fixture(scope="session")
+def stories_path() -> Path:
+    path = SHARED_MODELS / "stories260K.gguf"
+    if not path.exists():
+        pytest.fail(f"{path} is missing: the shared test model must sit beside the repo")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    path = cache_dir() / "models" / SMOLLM2_FILE
+    if not path.exists():
+        pytest.fail(f"{path} is missing: run `edgetp model pull smollm2` (make test does)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def llama_cpp():
+    """The llama-cpp-python module, or a loud skip when it cannot be imported."""
+    try:
+        import llama_cpp  # noqa: PLC0415
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        reason = f"LLAMA.CPP REFERENCE MISSING: llama-cpp-python cannot be imported ({exc}); reference tests skipped"
+        warnings.warn(reason, stacklevel=1)
+        pytest.skip(reason)
+    return llama_cpp
+
+
+# tools/ holds the synthetic model writer and the requantizer; tests use them as modules.
+import sys  # noqa: E402
+
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    """A per-session folder for models the tests write (synthetic, requantized)."""
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def synth_model(model_dir):
+    """Factory: synth_model(preset, weight_type, **overrides) -> path, written once per session."""
+    from tools import synth_gguf  # noqa: PLC0415
+
+    made: dict[tuple, Path] = {}
+
+    def make(preset: str, weight_type: str = "f32", **overrides) -> Path:
+        key = (preset, weight_type, tuple(sorted(overrides.items())))
+        if key not in made:
+            name = "-".join([preset, weight_type] + [f"{k}{v}" for k, v in sorted(overrides.items())])
+            made[key] = synth_gguf.write_preset(model_dir / f"{name}.gguf", preset, weight_type=weight_type, **overrides)
+        return made[key]
+
+    return make

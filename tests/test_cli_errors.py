@@ -1,0 +1,181 @@
+"""Bad input at the command line: one clear line, a non-zero exit, no traceback, nothing partial.
+
+Every case runs the real `edgetp` CLI in a subprocess, as a user would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from aiohttp import web
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
+
+
+def edgetp(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "edgetp", *args], capture_output=True, text=True,
+                          timeout=timeout, env=os.environ | (env or {}))
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str, progress: bool = False) -> None:
+    """One `edgetp: ...` line (a pull may print progress lines before it), nothing else."""
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    if progress:
+        lines = [line for line in lines if line.startswith("edgetp: ")] or lines
+    assert len(lines) == 1, f"expected one line, got:\n{result.stderr}"
+    assert lines[0].startswith("edgetp: ")
+    assert "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[0], f"{needle!r} not in {lines[0]!r}"
+
+
+def ask(model: Path | str, **kw) -> subprocess.CompletedProcess:
+    return edgetp("ask", "--local", "--model", str(model), "--max-tokens", "4", "hello", **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny(synth_model) -> Path:
+    return synth_model("tiny-odd", "f32")
+
+
+def test_a_truncated_gguf_is_named_and_refused(tiny, tmp_path):
+    bad = tmp_path / "truncated.gguf"
+    bad.write_bytes(tiny.read_bytes()[: tiny.stat().st_size // 2])
+    assert_one_line_error(ask(bad), str(bad), "truncated")
+
+
+def test_a_file_with_the_wrong_magic_is_named_and_refused(tiny, tmp_path):
+    bad = tmp_path / "magic.gguf"
+    bad.write_bytes(b"GGML" + tiny.read_bytes()[4:])
+    assert_one_line_error(ask(bad), str(bad), "not a GGUF file")
+
+
+def _tensor_offset_field(path: Path, name: str) -> int:
+    """Byte position of a tensor's data-offset field in the tensor table (GGUF v3 layout)."""
+    reader = GGUFReader(path)
+    raw = path.read_bytes()
+    key = struct.pack("<Q", len(name)) + name.encode()
+    at = raw.index(key) + len(key)
+    n_dims = struct.unpack_from("<I", raw, at)[0]
+    at += 4 + 8 * n_dims + 4  # dims, then the type
+    assert struct.unpack_from("<Q", raw, at)[0] + reader.data_offset == reader.tensors[
+        [t.name for t in reader.tensors].index(name)].data_offset
+    return at
+
+
+def test_lying_tensor_offsets_are_named_and_refused(tiny, tmp_path):
+    raw = bytearray(tiny.read_bytes())
+    at = _tensor_offset_field(tiny, "blk.0.attn_q.weight")
+    struct.pack_into("<Q", raw, at, 0)  # points at another tensor's bytes
+    bad = tmp_path / "overlap.gguf"
+    bad.write_bytes(bytes(raw))
+    assert_one_line_error(ask(bad), str(bad), "overlap")
+
+    struct.pack_into("<Q", raw, at, 1 << 40)  # far past the end of the file
+    bad2 = tmp_path / "beyond.gguf"
+    bad2.write_bytes(bytes(raw))
+    assert_one_line_error(ask(bad2), str(bad2))
+
+
+def _rewrite(src: Path, dst: Path, *, arch: str | None = None, retype: str | None = None) -> Path:
+    """A copy of src with another architecture name, or one tensor stored as Q5_0."""
+    reader = GGUFReader(src)
+    old_arch = reader.fields["general.architecture"].contents()
+    writer = GGUFWriter(dst, arch or old_arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value = field.contents()
+        key = name.replace(f"{old_arch}.", f"{arch}.", 1) if arch else name
+        vtype = field.types[0]
+        sub = field.types[-1] if len(field.types) > 1 else None
+        writer.add_key_value(key, value, vtype, sub_type=sub)
+    for t in reader.tensors:
+        data = np.asarray(t.data)
+        if t.name == retype:
+            q = quants.quantize(data.astype(np.float32), GGMLQuantizationType.Q5_0)
+            writer.add_tensor(t.name, q, raw_dtype=GGMLQuantizationType.Q5_0)
+        else:
+            writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def test_an_unsupported_architecture_is_named(tiny, tmp_path):
+    bad = _rewrite(tiny, tmp_path / "falcon.gguf", arch="falcon")
+    assert_one_line_error(ask(bad), str(bad), "unsupported architecture 'falcon'")
+
+
+def test_an_unsupported_tensor_type_is_named_with_its_tensor(tiny, tmp_path):
+    bad = _rewrite(tiny, tmp_path / "q5.gguf", retype="blk.0.ffn_up.weight")
+    assert_one_line_error(ask(bad), str(bad), "blk.0.ffn_up.weight", "Q5_0")
+
+
+def test_a_missing_model_says_what_was_looked_for(tmp_path):
+    result = ask("no-such-model", env={"EDGETP_CACHE_DIR": str(tmp_path)})
+    assert_one_line_error(result, "no-such-model", "edgetp model pull")
+
+
+def test_a_missing_model_path_is_named(tmp_path):
+    assert_one_line_error(ask(tmp_path / "gone.gguf"), "gone.gguf")
+
+
+class _DroppingServer:
+    """A local HTTP server that sends part of a GGUF body, then hangs up."""
+
+    def __init__(self, body: bytes, cut: int) -> None:
+        self.body, self.cut = body, cut
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Length": str(len(self.body))})
+        await resp.prepare(request)
+        await resp.write(self.body[: self.cut])
+        request.transport.close()
+        return resp
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        app = web.Application()
+        app.router.add_get("/{name}", self._handle)
+        self.runner = web.AppRunner(app)
+
+        async def start() -> int:
+            await self.runner.setup()
+            site = web.TCPSite(self.runner, "127.0.0.1", 0)
+            await site.start()
+            return site._server.sockets[0].getsockname()[1]
+
+        port = asyncio.run_coroutine_threadsafe(start(), self.loop).result(10)
+        return f"http://127.0.0.1:{port}"
+
+    def __exit__(self, *exc) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+def test_an_interrupted_download_leaves_no_file_under_the_final_name(tiny, tmp_path):
+    body = tiny.read_bytes()
+    with _DroppingServer(body, len(body) // 3) as url:
+        result = edgetp("model", "pull", f"{url}/tiny.gguf", env={"EDGETP_CACHE_DIR": str(tmp_path)})
+    assert_one_line_error(result, "tiny.gguf", "interrupted", progress=True)
+    assert result.stderr.strip().splitlines()[-1].startswith("edgetp: ")
+    models = tmp_path / "models"
+    assert not (models / "tiny.gguf").exists()
+    assert (models / "tiny.gguf.part").stat().st_size == len(body) // 3  # kept for a resume
+    listed = edgetp("model", "list", env={"EDGETP_CACHE_DIR": str(tmp_path)})
+    assert listed.returncode == 0 and "tiny.gguf" not in listed.stdout.replace("tiny.gguf.part", "")

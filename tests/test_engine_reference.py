@@ -1,0 +1,144 @@
+"""The single-node engine against two independent references.
+
+1. `reference.exact_logits`: the llama math written out in float64 numpy on
+   gguf-py's dequantizer. Our engine computes every dot product in f32 on the
+   exact dequantized weights, so it must agree to float rounding (EXACT).
+2. llama.cpp (llama-cpp-python). For quantized weights llama.cpp rounds the
+   activations to 8-bit blocks (Q8_0/Q8_1/Q8_K) before each dot product, for
+   F16/BF16 weights to F16/BF16. On SmolLM2 Q4_1 that moves its logits up to
+   7% of their spread away from the exact math (measured). So the bound is:
+   at every position, |ours - llama.cpp| <= |llama.cpp - exact| + EXACT; we
+   are never further from llama.cpp than llama.cpp is from the exact result.
+3. Greedy text must be token-identical to llama.cpp for 64 tokens where
+   llama.cpp is exact too: F32 weights, i.e. stories260K and SmolLM2's real
+   weights dequantized to F32. (On Q4_1 the two already part at token 6, on
+   a 0.12-logit near-tie inside llama.cpp's rounding noise; our Q4_1 text
+   is the F32 text.)
+
+Token ids come from llama.cpp's tokenizer, so these tests check the forward
+pass alone (the exactness test uses ours, which is checked against
+llama.cpp's in test_tokenizer.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgetp.model import gguf, sampling
+from edgetp.model.generate import LocalRunner
+from edgetp.model.tokenizer import Tokenizer
+from tests import reference
+
+STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park "
+         "with her friends. One day, she saw a big red ball under a tree and")
+QUESTION = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+            "<|im_start|>user\nWhat is the capital of France? Answer in one short sentence, and then tell "
+            "me one fact about its history.<|im_end|>\n<|im_start|>assistant\n")
+FOX = "the quick brown fox jumps over the lazy dog " * 4
+
+# f32 dot products over a few thousand terms and a few dozen layers: relative error ~1e-6.
+EXACT = 1e-4  # of the logits' spread (max - min) at each position
+
+
+def _ours(path, ids):
+    return LocalRunner(gguf.open_model(path), 256).logits(ids, 0)
+
+
+def _spread(ref: np.ndarray) -> np.ndarray:
+    return ref.max(axis=1) - ref.min(axis=1)
+
+
+def _error(a: np.ndarray, b: np.ndarray, spread: np.ndarray) -> np.ndarray:
+    """Per position: max |a - b| as a fraction of the spread."""
+    return np.abs(a - b).max(axis=1) / spread
+
+
+def _ids(path, text):
+    ids = reference.tokenize(path, text, special=True)
+    assert len(ids) >= 32, f"the prompt must be 32+ tokens, got {len(ids)}"
+    return ids
+
+
+@pytest.fixture(scope="module")
+def requantized(smollm2_path, model_dir):
+    from tools import requant_gguf  # noqa: PLC0415
+
+    def make(target: str):
+        out = model_dir / f"smollm2-{target}.gguf"
+        if not out.exists():
+            requant_gguf.requant(smollm2_path, out, target, all_tensors=target == "f32")
+        return out
+
+    return make
+
+
+def _models(which, stories_path, smollm2_path, requantized, synth_model):
+    kind, _, arg = which.partition(":")
+    if kind == "stories":
+        return stories_path, STORY
+    if kind == "smollm2":
+        return (smollm2_path if arg == "q4_1" else requantized(arg)), QUESTION
+    return synth_model("tiny-k", arg), FOX
+
+
+REAL = ["stories", "smollm2:q4_1", "smollm2:q8_0", "smollm2:q4_0"]
+SYNTH = [f"synth:{t}" for t in ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k")]
+
+
+@pytest.mark.parametrize("which", REAL + SYNTH)
+def test_logits_at_every_position_equal_the_exact_float64_math(which, stories_path, smollm2_path,
+                                                               requantized, synth_model):
+    path, text = _models(which, stories_path, smollm2_path, requantized, synth_model)
+    ids = Tokenizer.from_metadata(gguf.open_model(path).metadata).encode(text, parse_special=True)
+    exact = reference.exact_logits(path, ids)
+    err = _error(_ours(path, ids), exact, _spread(exact))
+    assert err.max() <= EXACT, f"max error {err.max():.2e} of the spread > {EXACT:.0e}"
+
+
+@pytest.mark.parametrize("which", REAL + SYNTH)
+def test_logits_are_never_further_from_llamacpp_than_llamacpp_is_from_exact(llama_cpp, which, stories_path,
+                                                                            smollm2_path, requantized, synth_model):
+    path, text = _models(which, stories_path, smollm2_path, requantized, synth_model)
+    ids = _ids(path, text)
+    cpp = reference.logits(path, ids)
+    exact = reference.exact_logits(path, ids)
+    ours = _ours(path, ids)
+    spread = _spread(exact)
+    ours_vs_cpp = _error(ours, cpp, spread)
+    cpp_vs_exact = _error(cpp, exact, spread)
+    worst = int(np.argmax(ours_vs_cpp - cpp_vs_exact))
+    assert np.all(ours_vs_cpp <= cpp_vs_exact + EXACT), (
+        f"position {worst}: ours vs llama.cpp {ours_vs_cpp[worst]:.2e} > llama.cpp vs exact "
+        f"{cpp_vs_exact[worst]:.2e} + {EXACT:.0e}")
+
+
+def _greedy_ours(path, ids, n):
+    runner = LocalRunner(gguf.open_model(path), 256)
+    params = sampling.SamplingParams(temperature=0)
+    history, out, pending, pos = list(ids), [], list(ids), 0
+    for _ in range(n):
+        tok = int(runner.run(pending, pos, history, params).ids[0])
+        pos += len(pending)
+        out.append(tok)
+        history.append(tok)
+        pending = [tok]
+    return out
+
+
+@pytest.mark.parametrize("which", ["stories", "smollm2:f32"])
+def test_greedy_continuation_is_token_identical_to_llamacpp_for_64_tokens(llama_cpp, which, stories_path,
+                                                                         smollm2_path, requantized, synth_model):
+    path, text = _models(which, stories_path, smollm2_path, requantized, synth_model)
+    ids = _ids(path, text)
+    assert _greedy_ours(path, ids, 64) == reference.greedy(path, ids, 64)
+
+
+def test_smollm2_answers_the_capital_of_france_with_paris(smollm2_path):
+    """A trained model reads as trained: FACTS.md's check of a correct forward pass."""
+    mf = gguf.open_model(smollm2_path)
+    tok = Tokenizer.from_metadata(mf.metadata)
+    ids = tok.encode(QUESTION.split("What is")[0] + "What is the capital of France?<|im_end|>\n"
+                     "<|im_start|>assistant\n", parse_special=True)
+    text = tok.decode(_greedy_ours(smollm2_path, ids, 8))
+    assert text.startswith("The capital of France is Paris")

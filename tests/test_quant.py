@@ -1,0 +1,274 @@
+"""Block formats and kernels, checked against gguf-py's independent numpy codecs.
+
+Reference: `gguf.quants.dequantize` / `gguf.quants.quantize` (numpy ports of
+ggml's C), never our own code. Products are compared with float64 matrix
+products of the reference values.
+
+Tolerance for matvec/matmul: every output is a sum of `cols` f32 products.
+The kernels accumulate in f32 with 32 independent lanes (matvec) or in
+blocked sgemm (matmul), so at most ~cols/32 + 40 sequential roundings of
+2^-24 each touch a term; the block rewrites (d*sum(q*x) + m*sum(x)) make
+intermediate terms at most 16x the size of |w*x| for 4-bit types. So
+|out - ref| <= 16 * (cols/32 + 40) * 2^-24 * sum|w*x| ~= 1.4e-4 * sum|w*x|
+for cols <= 512; we assert 2e-4 * sum_j |w_ij x_j| (float64).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QT
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from edgetp.model import quant as Q
+
+TYPES = [QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q6_K]
+QUANTIZED = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q6_K]
+REL_TOL = 2e-4
+
+
+def random_raw(qt: QT, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random *valid* blocks, (rows, row_bytes) uint8: random bytes, f16 scale fields finite and sane."""
+    rng = np.random.default_rng(seed)
+    if qt in (QT.F32, QT.F16, QT.BF16):
+        vals = rng.standard_normal((rows, cols)).astype(np.float32)
+        raw = {QT.F32: vals, QT.F16: vals.astype(np.float16), QT.BF16: (vals.view(np.uint32) >> 16).astype(np.uint16)}[qt]
+        return np.ascontiguousarray(raw).view(np.uint8).reshape(rows, -1)
+    bs, ts = GGML_QUANT_SIZES[qt]
+    raw = rng.integers(0, 256, size=(rows, cols // bs, ts), dtype=np.uint8)
+    fields = {QT.Q8_0: [(0, -0.1, 0.1)], QT.Q4_0: [(0, -0.1, 0.1)], QT.Q4_1: [(0, 0, 0.1), (2, -1, 1)],
+              QT.Q4_K: [(0, 0, 0.01), (2, 0, 0.01)], QT.Q6_K: [(208, -0.01, 0.01)]}[qt]  # fmt: skip
+    for off, lo, hi in fields:
+        f16 = rng.uniform(lo, hi, size=(rows, cols // bs)).astype(np.float16)
+        raw[..., off : off + 2] = f16.view(np.uint8).reshape(rows, cols // bs, 2)
+    return np.ascontiguousarray(raw.reshape(rows, -1))
+
+
+def reference(raw: np.ndarray, qt: QT, cols: int) -> np.ndarray:
+    return gguf.quants.dequantize(raw, qt).reshape(raw.shape[0], cols)
+
+
+def assert_product_close(got: np.ndarray, w_ref: np.ndarray, x: np.ndarray) -> None:
+    """got ~ x @ w_ref.T (x 1-D or 2-D), within REL_TOL of sum |w*x| per output."""
+    w64, x64 = w_ref.astype(np.float64), x.astype(np.float64)
+    want = x64 @ w64.T
+    scale = np.abs(x64) @ np.abs(w64).T
+    bad = np.abs(got - want) > REL_TOL * scale + 1e-30
+    assert not bad.any(), f"max err {np.abs(got - want).max()} vs scale {scale.max()}"
+
+
+def weight(qt, rows=67, cols=512, seed=0) -> tuple[Q.Weight, np.ndarray]:
+    raw = random_raw(qt, rows, cols, seed)
+    return Q.Weight(int(qt), rows, cols, raw), reference(raw, qt, cols)
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+def test_dequantize_rows_is_bit_identical_to_gguf_reference(qt):
+    w, ref = weight(qt)
+    got = Q.dequantize_rows(w, 5, 40)
+    assert got.dtype == np.float32 and got.shape == (35, w.cols)
+    np.testing.assert_array_equal(got.view(np.uint32), ref[5:40].view(np.uint32))
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+def test_matvec_equals_float64_product_of_reference_values(qt):
+    w, ref = weight(qt, seed=1)
+    x = np.random.default_rng(2).standard_normal(w.cols).astype(np.float32)
+    out = np.full(w.rows, np.nan, np.float32)
+    Q.matvec(w, x, out)
+    assert_product_close(out, ref, x)
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+def test_matmul_equals_float64_product_for_a_batch_of_tokens(qt):
+    w, ref = weight(qt, rows=301, cols=256, seed=3)
+    x = np.random.default_rng(4).standard_normal((37, w.cols)).astype(np.float32)
+    out = np.full((37, w.rows), np.nan, np.float32)
+    Q.matmul(w, x, out)
+    assert_product_close(out, ref, x)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_results_are_bit_identical_for_any_thread_count(threads):
+    w, _ = weight(QT.Q4_1, rows=301, cols=512)
+    x = np.random.default_rng(5).standard_normal((9, w.cols)).astype(np.float32)
+    outs = []
+    for n in (threads, 1):
+        Q.set_threads(n)
+        mv, mm = np.empty(w.rows, np.float32), np.empty((9, w.rows), np.float32)
+        Q.matvec(w, x[0], mv)
+        Q.matmul(w, x, mm)
+        outs.append((mv, mm))
+    Q.set_threads(2)
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    np.testing.assert_array_equal(outs[0][1], outs[1][1])
+
+
+def test_smollm2_q4_1_layer_and_q8_0_embeddings_match_reference(smollm2_path):
+    reader = gguf.GGUFReader(smollm2_path)
+    tensors = {t.name: t for t in reader.tensors}
+    names = [n for n in tensors if n.startswith("blk.0.") and tensors[n].tensor_type == QT.Q4_1]
+    assert len(names) == 7
+    rng = np.random.default_rng(6)
+    for name in names + ["token_embd.weight"]:
+        t = tensors[name]
+        w = Q.weight_from_gguf(t)
+        assert (w.cols, w.rows) == tuple(int(s) for s in t.shape[:2])
+        assert np.shares_memory(w.data, t.data)  # a view of the mmapped file, no copy
+        rows = min(w.rows, 2048)  # embeddings: a slice of the vocabulary keeps the test quick
+        ref = gguf.quants.dequantize(np.asarray(t.data[:rows]), t.tensor_type)
+        np.testing.assert_array_equal(Q.dequantize_rows(w, 0, rows), ref)
+        x = rng.standard_normal(w.cols).astype(np.float32)
+        out = np.empty(rows, np.float32)
+        Q.matvec(Q.slice_rows(w, 0, rows), x, out)
+        assert_product_close(out, ref, x)
+        xs = rng.standard_normal((19, w.cols)).astype(np.float32)
+        outm = np.empty((19, rows), np.float32)
+        Q.matmul(Q.slice_rows(w, 0, rows), xs, outm)
+        assert_product_close(outm, ref, xs)
+
+
+def test_stories260k_f32_weights_match_reference(stories_path):
+    reader = gguf.GGUFReader(stories_path)
+    x_rng = np.random.default_rng(7)
+    two_d = [t for t in reader.tensors if len(t.shape) == 2]
+    assert two_d and all(t.tensor_type == QT.F32 for t in two_d)
+    for t in two_d:
+        w = Q.weight_from_gguf(t)
+        ref = np.asarray(t.data, dtype=np.float32).reshape(w.rows, w.cols)
+        np.testing.assert_array_equal(Q.dequantize_rows(w, 0, w.rows), ref)
+        x = x_rng.standard_normal(w.cols).astype(np.float32)
+        out = np.empty(w.rows, np.float32)
+        Q.matvec(w, x, out)
+        assert_product_close(out, ref, x)
+
+
+def test_one_dimensional_tensors_are_not_weights(stories_path):
+    norm = next(t for t in gguf.GGUFReader(stories_path).tensors if len(t.shape) == 1)
+    with pytest.raises(ValueError, match="2-D"):
+        Q.weight_from_gguf(norm)
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+def test_slice_rows_is_a_view_of_the_same_rows(qt):
+    w, ref = weight(qt)
+    s = Q.slice_rows(w, 10, 30)
+    assert s.rows == 20 and np.shares_memory(s.data, w.data)
+    np.testing.assert_array_equal(Q.dequantize_rows(s, 0, 20), ref[10:30])
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+def test_slice_cols_equals_the_same_columns_of_the_reference(qt):
+    w, ref = weight(qt, cols=1024)
+    for packed in (w, Q.repack(w)):
+        s = Q.slice_cols(packed, 256, 768)
+        assert s.cols == 512 and s.data.flags.c_contiguous and not np.shares_memory(s.data, w.data)
+        assert s.nbytes == packed.nbytes // 2  # memory grows with the slice only
+        np.testing.assert_array_equal(Q.dequantize_rows(s, 0, w.rows), ref[:, 256:768])
+        x = np.random.default_rng(8).standard_normal(512).astype(np.float32)
+        out = np.empty(w.rows, np.float32)
+        Q.matvec(s, x, out)
+        assert_product_close(out, ref[:, 256:768], x)
+
+
+@pytest.mark.parametrize("qt", QUANTIZED, ids=lambda t: t.name)
+def test_slice_cols_rejects_bounds_that_split_a_block(qt):
+    w, _ = weight(qt, cols=1024)
+    bs = Q.block_size(int(qt))
+    with pytest.raises(ValueError, match="block"):
+        Q.slice_cols(w, bs // 2, 512)
+    with pytest.raises(ValueError, match="block"):
+        Q.slice_cols(w, 0, 512 + bs // 2)
+
+
+def test_block_size_per_type():
+    assert [Q.block_size(int(t)) for t in TYPES] == [1, 1, 1, 32, 32, 32, 256, 256]
+
+
+@pytest.mark.parametrize("qt", [QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+def test_repack_keeps_values_bit_identical_and_products_correct(qt):
+    w, ref = weight(qt, seed=9)
+    packed = Q.repack(w)
+    assert packed.qtype >= 1000 and (packed.rows, packed.cols) == (w.rows, w.cols)
+    np.testing.assert_array_equal(Q.dequantize_rows(packed, 0, w.rows).view(np.uint32), ref.view(np.uint32))
+    assert Q.repack_cost(w) == (w.nbytes, packed.nbytes)
+    per_256 = {QT.Q4_0: (144, 288), QT.Q4_1: (160, 320), QT.Q4_K: (144, 320), QT.Q6_K: (210, 320)}[qt]
+    assert Q.repack_cost(w) == tuple(w.rows * w.cols // 256 * b for b in per_256)
+    x = np.random.default_rng(10).standard_normal((5, w.cols)).astype(np.float32)
+    out = np.empty(w.rows, np.float32)
+    Q.matvec(packed, x[0], out)
+    assert_product_close(out, ref, x[0])
+    outm = np.empty((5, w.rows), np.float32)
+    Q.matmul(packed, x, outm)
+    assert_product_close(outm, ref, x)
+
+
+@pytest.mark.parametrize("qt", [QT.F32, QT.F16, QT.BF16, QT.Q8_0], ids=lambda t: t.name)
+def test_repack_returns_types_it_does_not_widen_unchanged(qt):
+    w, _ = weight(qt)
+    assert Q.repack(w) is w
+    assert Q.repack_cost(w) == (w.nbytes, w.nbytes)
+
+
+# Activations: |x| <= 1e6 keeps d = amax/127 in f16 range; |x| >= 1e-30 (or 0) keeps 1/d finite
+# (ggml itself casts NaN to int8, undefined behaviour, for blocks smaller than ~1e-36).
+finite_f32 = st.floats(width=32, allow_nan=False, allow_infinity=False, min_value=-1e6, max_value=1e6).filter(
+    lambda v: v == 0 or abs(v) >= 1e-30
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(hnp.arrays(np.float32, st.integers(1, 8).map(lambda b: b * 32), elements=finite_f32))
+def test_quantize_q8_0_is_byte_identical_to_ggml(x):
+    want = gguf.quants.quantize(x.reshape(-1, 32), QT.Q8_0).reshape(-1)
+    got = Q.quantize_q8_0(x)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(Q.dequantize_q8_0(got, x.shape[0]), gguf.quants.dequantize(want, QT.Q8_0).reshape(-1))
+
+
+def test_quantize_q8_0_handles_all_zero_and_tie_values():
+    x = np.zeros(64, np.float32)
+    x[32:] = np.arange(32, dtype=np.float32) - 15.5  # scale 16.5/127: ties and near-ties
+    np.testing.assert_array_equal(Q.quantize_q8_0(x), gguf.quants.quantize(x.reshape(2, 32), QT.Q8_0).reshape(-1))
+    with pytest.raises(ValueError):
+        Q.quantize_q8_0(np.zeros(33, np.float32))
+
+
+@pytest.mark.parametrize("qt", [QT.Q5_K, QT.IQ2_XXS, QT.Q5_0], ids=lambda t: t.name)
+def test_unsupported_type_raises_naming_the_type(qt):
+    class FakeTensor:  # the attributes weight_from_gguf reads from a gguf ReaderTensor
+        name = "blk.0.ffn_up.weight"
+        tensor_type = qt
+        shape = np.array([256, 4])
+        data = np.zeros((4, 256), np.uint8)
+
+    with pytest.raises(Q.UnsupportedTensorType, match=qt.name):
+        Q.weight_from_gguf(FakeTensor())
+    with pytest.raises(ValueError, match=qt.name):
+        Q.block_size(int(qt))
+
+
+@pytest.mark.parametrize("qt", [QT.F32, QT.F16, QT.BF16], ids=lambda t: t.name)
+def test_float_weights_of_any_width_and_subnormal_values_multiply_correctly(qt):
+    raw = random_raw(qt, 9, 72, seed=11)
+    if qt == QT.F16:  # subnormal, smallest, largest and signed-zero f16 values
+        raw.view(np.uint16)[0, :6] = [0x0001, 0x8001, 0x03FF, 0x7BFF, 0x8000, 0x0400]
+    w, ref = Q.Weight(int(qt), 9, 72, raw), reference(raw, qt, 72)
+    x = np.random.default_rng(12).standard_normal(72).astype(np.float32)
+    out = np.empty(9, np.float32)
+    Q.matvec(w, x, out)
+    assert_product_close(out, ref, x)
+
+
+def test_wrong_shapes_or_dtypes_are_refused_before_any_kernel_runs():
+    w, _ = weight(QT.Q8_0, rows=8, cols=64)
+    with pytest.raises(ValueError, match="x must be"):
+        Q.matvec(w, np.zeros(32, np.float32), np.zeros(8, np.float32))
+    with pytest.raises(ValueError, match="x must be"):
+        Q.matvec(w, np.zeros(64, np.float64), np.zeros(8, np.float32))
+    with pytest.raises(ValueError, match="out must be"):
+        Q.matmul(w, np.zeros((3, 64), np.float32), np.zeros((3, 7), np.float32))

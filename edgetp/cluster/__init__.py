@@ -1,0 +1,1 @@
+"""Cluster membership: discovery, election, device profiling."""

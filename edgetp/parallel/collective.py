@@ -1,0 +1,110 @@
+"""Collectives over links: the per-layer all-reduce and the candidate gather.
+
+Topology is a star around the root. Per all-reduce every worker sends its
+partial sum (n, dim) to the root; the root adds them **in node order** to its
+own and sends the total back. Every node then adds the very same bytes to
+its residual stream, so all nodes stay bit-identical whatever the sync type.
+
+Sync types (a plan setting):
+- "f32": 4 bytes per value, exact.
+- "q8_0": ggml's Q8_0 blocks, 34 bytes per 32 values, both directions; the
+  root applies the same rounded total it sends, so nodes still agree.
+
+Calls come from the compute thread. On a link in blocking mode they use the
+socket directly; in asyncio mode they hop through the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Sequence
+
+import numpy as np
+
+from edgetp.model import quant, sampling
+from edgetp.net.frames import Frame, FrameType
+from edgetp.net.link import BLOCKING, Link
+
+SYNC_TYPES = ("f32", "q8_0")
+
+
+def encode_sync(x: np.ndarray, sync: str) -> np.ndarray:
+    """A (n, dim) f32 array as the bytes that travel for this sync type."""
+    if sync == "f32":
+        return x
+    return quant.quantize_q8_0(x.reshape(-1))
+
+
+def decode_sync(frame: Frame, shape: tuple[int, int], sync: str) -> np.ndarray:
+    arr = frame.array()
+    if sync == "f32":
+        if arr.shape != shape:
+            raise ValueError(f"partial of shape {arr.shape}, expected {shape}")
+        return arr
+    return quant.dequantize_q8_0(arr, shape[0] * shape[1]).reshape(shape)
+
+
+def sync_bytes(n_values: int, sync: str) -> int:
+    """Payload bytes of one all-reduce message of n_values values."""
+    return n_values * 4 if sync == "f32" else n_values // 32 * 34
+
+
+class Hot:
+    """Send/receive from the compute thread, on whichever mode the link is in."""
+
+    def __init__(self, link: Link, loop: asyncio.AbstractEventLoop | None) -> None:
+        self.link = link
+        self.loop = loop
+
+    def send(self, ftype: FrameType, header: dict[str, Any], payload: Any = b"") -> None:
+        if self.link.mode == BLOCKING:
+            self.link.send_blocking(ftype, header, payload)
+        else:
+            asyncio.run_coroutine_threadsafe(self.link.send(ftype, header, payload), self.loop).result()
+
+    def recv(self, ftype: FrameType) -> Frame:
+        if self.link.mode == BLOCKING:
+            return self.link.recv_blocking(ftype)
+        return asyncio.run_coroutine_threadsafe(self.link.expect(ftype), self.loop).result()
+
+
+class RootReduce:
+    """The root's side of the star: gathers partials, sums in node order, sends the total."""
+
+    def __init__(self, workers: Sequence[Hot], sync: str) -> None:
+        self.workers = list(workers)
+        self.sync = sync
+
+    def __call__(self, partial: np.ndarray) -> None:
+        for w in self.workers:
+            partial += decode_sync(w.recv(FrameType.PARTIAL), partial.shape, self.sync)
+        wire = encode_sync(partial, self.sync)
+        if self.sync != "f32":
+            partial[...] = quant.dequantize_q8_0(wire, partial.size).reshape(partial.shape)
+        for w in self.workers:
+            w.send(FrameType.REDUCED, {}, wire)
+
+
+class WorkerReduce:
+    """A worker's side: send my partial, replace it with the total from the root."""
+
+    def __init__(self, root: Hot, sync: str) -> None:
+        self.root = root
+        self.sync = sync
+
+    def __call__(self, partial: np.ndarray) -> None:
+        self.root.send(FrameType.PARTIAL, {}, encode_sync(partial, self.sync))
+        partial[...] = decode_sync(self.root.recv(FrameType.REDUCED), partial.shape, self.sync)
+
+
+def candidates_message(c: sampling.Candidates) -> tuple[dict[str, Any], np.ndarray]:
+    """Candidates as a LOGITS frame: ids and lse in the header, logits as the payload."""
+    return {"ids": c.ids.tolist(), "lse": c.lse}, c.logits.astype(np.float32)
+
+
+def candidates_from(frame: Frame) -> sampling.Candidates:
+    ids = np.asarray(frame.header["ids"], dtype=np.int64)
+    logits = np.array(frame.array(), dtype=np.float32)
+    if logits.shape != ids.shape:
+        raise ValueError(f"{ids.size} candidate ids but {logits.size} logits")
+    return sampling.Candidates(ids, logits, float(frame.header["lse"]))

@@ -1,0 +1,197 @@
+"""The root's runner: the model spread over this process and its workers.
+
+`ClusterRunner.connect` (a coroutine, on the control loop) links to every
+worker, measures round trips and speeds, plans, and has each node map its
+shard. After that the generation loop calls `begin/run/end` from its own
+thread, exactly as it would a LocalRunner: the root embeds the tokens,
+broadcasts them, runs its own shard with the all-reduce, and merges the
+sampling candidates every node sends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import numpy as np
+
+from edgetp.cluster import profile
+from edgetp.model import llama, sampling
+from edgetp.model.generate import PREFILL_CHUNK
+from edgetp.model.gguf import ModelFile
+from edgetp.net.frames import FrameType
+from edgetp.net.link import BLOCKING, Counters, Link, LinkClosed, choose_mode, event_loop_hop, forced_mode
+from edgetp.parallel import plan as planner
+from edgetp.parallel.collective import Hot, RootReduce, candidates_from
+from edgetp.parallel.shard import model_shape, spec_for
+
+log = logging.getLogger(__name__)
+
+ROOT_ID = "root"
+
+
+class WorkerLost(LinkClosed):
+    """A worker stopped answering during a generation."""
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    node_id: str
+    address: str        # "local" for the root itself
+    speed: float        # bytes/s used for planning (measured, or the given weight)
+    mem_free: int
+    rtt_ms: float
+    mode: str           # link mode during generations
+    rss: int = 0        # resident bytes after loading the shard
+
+
+class ClusterRunner:
+    def __init__(self, mf: ModelFile, ctx: int, plan: planner.Plan, links: list[Link],
+                 shard: llama.Shard, nodes: list[NodeInfo], loop: asyncio.AbstractEventLoop) -> None:
+        self.mf = mf
+        self.ctx = ctx
+        self.plan = plan
+        self.links = links
+        self.shard = shard
+        self.nodes = nodes
+        self.loop = loop
+        self.hots = [Hot(link, loop) for link in links]
+        self.shard.reduce = RootReduce(self.hots, plan.sync)
+        self.offset = shard.w.spec.vocab_rows[0]
+
+    # ------------------------------------------------------------------ set-up (on the loop)
+    @classmethod
+    async def connect(cls, mf: ModelFile, addresses: Sequence[str], *, ctx: int, weights: Sequence[float] | None = None,
+                      sync: str = "f32", key: bytes | None = None, threads: int | None = None,
+                      repack: bool = False, model_ref: str | None = None, epoch: int = 1) -> "ClusterRunner":
+        if weights is not None and len(weights) != len(addresses) + 1:
+            raise ValueError(f"--weights needs {len(addresses) + 1} numbers (the root first), got {len(weights)}")
+        links: list[Link] = []
+        try:
+            for addr in addresses:
+                host, _, port = addr.rpartition(":")
+                link = await Link.connect(host, int(port))
+                links.append(link)
+                await _hello(link, key)
+            hop = await event_loop_hop()
+            mine = await asyncio.to_thread(profile.profile, threads, 0.5 if weights is None else 0.05)
+            infos = [NodeInfo(ROOT_ID, "local", mine.speed, mine.mem_free, 0.0, "local")]
+            for link in links:
+                rtt = await link.ping()
+                link.hot_mode = choose_mode(rtt, hop, forced_mode())
+                log.info("link %s: rtt %.3f ms, event-loop hop %.3f ms -> %s mode during generations",
+                         link.name, rtt * 1e3, hop * 1e3, link.hot_mode)
+                rep = await link.request(FrameType.PROFILE, {"seconds": 0.5 if weights is None else 0.05},
+                                         FrameType.READY, timeout=60)
+                infos.append(NodeInfo(link.peer_id or link.name, link.name, rep.header["speed"],
+                                      int(rep.header["mem_free"]), rtt * 1e3, link.hot_mode))
+            if weights is not None:
+                infos = [NodeInfo(i.node_id, i.address, float(w), i.mem_free, i.rtt_ms, i.mode)
+                         for i, w in zip(infos, weights)]
+            nodes = [planner.NodeSpec(i.node_id, i.speed, i.mem_free) for i in infos]
+            plan = planner.make_plan(model_shape(mf, ctx), nodes, epoch=epoch, sync=sync)
+            log.info("plan (epoch %d, %s sync): %s", plan.epoch, plan.sync,
+                     "; ".join(f"{s.node_id} kv{s.kv_groups} ffn{s.ffn_cols} vocab{s.vocab_rows}" for s in plan.shares))
+            header = {"model": model_ref or str(mf.path), "fingerprint": mf.fingerprint, "ctx": ctx,
+                      "sync": sync, "repack": repack}
+            for link, info in zip(links, infos[1:]):
+                spec = spec_for(plan, info.node_id)
+                await link.send(FrameType.LOAD, header | {"kv_groups": list(spec.kv_groups),
+                                                          "ffn_cols": list(spec.ffn_cols),
+                                                          "vocab_rows": list(spec.vocab_rows)})
+            weights_root = await asyncio.to_thread(llama.load_weights, mf, spec_for(plan, ROOT_ID), repack=repack)
+            shard = llama.Shard(weights_root, ctx)
+            for n, link in enumerate(links, start=1):
+                ready = await link.expect(FrameType.READY, timeout=600)
+                infos[n] = NodeInfo(**(asdict(infos[n]) | {"rss": int(ready.header["rss"])}))
+        except BaseException:
+            for link in links:
+                link.close()
+            raise
+        return cls(mf, ctx, plan, links, shard, infos, asyncio.get_running_loop())
+
+    # ------------------------------------------------------------------ generation (compute thread)
+    def begin(self, params: sampling.SamplingParams) -> None:
+        header = {"params": asdict(params)}
+        for link in self.links:
+            self._on_loop(link.send(FrameType.RESET, header | {"mode": link.hot_mode}), link)
+            if link.hot_mode == BLOCKING:
+                link.enter_blocking()
+        self.params = params
+
+    def end(self) -> None:
+        for hot in self.hots:
+            if not hot.link.closed:
+                try:
+                    hot.send(FrameType.STEP, {"end": True})
+                except LinkClosed:
+                    pass
+                if not hot.link.closed:
+                    hot.link.leave_blocking()
+
+    def run(self, ids, pos, history, params):
+        for start in range(0, len(ids) - PREFILL_CHUNK, PREFILL_CHUNK):  # same chunks as LocalRunner
+            self._forward(ids[start:start + PREFILL_CHUNK], pos + start, "none")
+        last = (len(ids) - 1) // PREFILL_CHUNK * PREFILL_CHUNK
+        h = self._forward(ids[last:], pos + last, "candidates")
+        own = sampling.candidates(self.shard.logits(h[-1:])[0], self.offset, history, params)
+        try:
+            parts = [own] + [candidates_from(hot.recv(FrameType.LOGITS)) for hot in self.hots]
+        except LinkClosed as exc:
+            raise WorkerLost(str(exc)) from None
+        return sampling.merge(parts)
+
+    def logits(self, ids, pos):
+        """Full logits of every position, gathered from every node's rows (tests, Q8_0 checks)."""
+        out = []
+        for start in range(0, len(ids), PREFILL_CHUNK):
+            h = self._forward(ids[start:start + PREFILL_CHUNK], pos + start, "logits")
+            rows = [self.shard.logits(h)]
+            try:
+                rows += [np.array(hot.recv(FrameType.LOGITS).array()) for hot in self.hots]
+            except LinkClosed as exc:
+                raise WorkerLost(str(exc)) from None
+            out.append(np.concatenate(rows, axis=1))
+        return np.concatenate(out)
+
+    def _forward(self, ids: Sequence[int], pos: int, want: str) -> np.ndarray:
+        if pos + len(ids) > self.ctx:
+            raise llama.ContextFull(f"context is full: {pos + len(ids)} positions needed, the KV cache holds {self.ctx}")
+        x = llama.embed(self.mf, list(ids))
+        header = {"pos": pos, "ids": [int(t) for t in ids], "want": want}
+        try:
+            for hot in self.hots:
+                hot.send(FrameType.STEP, header, x)
+            return self.shard.forward(x, pos)
+        except LinkClosed as exc:
+            raise WorkerLost(str(exc)) from None
+
+    def counters(self) -> dict[str, Counters]:
+        return {link.name: link.counters.snapshot() for link in self.links}
+
+    def _on_loop(self, coro, link: Link) -> None:
+        try:
+            asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        except LinkClosed as exc:
+            raise WorkerLost(str(exc)) from None
+
+    def close(self) -> None:
+        for link in self.links:
+            link.close()
+
+
+async def _hello(link: Link, key: bytes | None) -> None:
+    """Authenticate when we hold a cluster key; otherwise a plain HELLO (trusted networks only)."""
+    if key is not None:
+        await link.authenticate(key, ROOT_ID)
+        return
+    await link.send(FrameType.HELLO, {"node_id": ROOT_ID})
+    reply = await link.recv(10)
+    if reply.type == FrameType.ERROR:
+        raise LinkClosed(f"link {link.name}: {reply.header.get('message', 'refused')}")
+    if reply.type == FrameType.CHALLENGE:
+        raise LinkClosed(f"link {link.name}: the worker requires the cluster key (--key)")
+    link.peer_id = str(reply.header.get("node_id") or link.name)
+

@@ -1,0 +1,53 @@
+"""From a model file and a plan to the slice a node maps: the declarative bridge.
+
+`model_shape` tells the planner what one unit of work costs in this file's
+actual tensor types; `spec_for` turns a node's share of a plan into the
+ShardSpec the forward pass loads (llama.load_weights does the slicing).
+"""
+
+from __future__ import annotations
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from edgetp.model.gguf import ModelFile
+from edgetp.model.llama import ShardSpec
+from edgetp.parallel.plan import ModelShape, Plan
+
+
+def _bpw(mf: ModelFile, name: str) -> float:
+    """Bytes per weight of a tensor's storage type."""
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(mf.tensors[name].tensor_type)]
+    return size / block
+
+
+def _block(mf: ModelFile, name: str) -> int:
+    return GGML_QUANT_SIZES[GGMLQuantizationType(mf.tensors[name].tensor_type)][0]
+
+
+def model_shape(mf: ModelFile, ctx: int) -> ModelShape:
+    cfg = mf.config
+    head = "token_embd.weight" if cfg.tied else "output.weight"
+    # FFN columns are the input columns of ffn_down: a unit must not split its quant blocks.
+    ffn_block = max(32, _block(mf, "blk.0.ffn_down.weight"))
+    if cfg.ffn % ffn_block:
+        ffn_block = 32 if cfg.ffn % 32 == 0 else 1
+    return ModelShape(
+        n_layers=cfg.n_layers,
+        dim=cfg.dim,
+        n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim,
+        ffn=cfg.ffn,
+        vocab=cfg.vocab,
+        ffn_block=ffn_block,
+        vocab_block=32,
+        attn_bpw=_bpw(mf, "blk.0.attn_q.weight"),
+        ffn_bpw=_bpw(mf, "blk.0.ffn_up.weight"),
+        vocab_bpw=_bpw(mf, head),
+        ctx=ctx,
+    )
+
+
+def spec_for(plan: Plan, node_id: str) -> ShardSpec:
+    share = plan.share(node_id)
+    return ShardSpec(tuple(share.kv_groups), tuple(share.ffn_cols), tuple(share.vocab_rows))

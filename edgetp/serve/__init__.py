@@ -1,0 +1,1 @@
+"""Serving: the worker that holds a shard, the root that serves requests."""

@@ -1,0 +1,203 @@
+"""A worker: holds one shard and runs its slice of every layer when the root asks.
+
+Session with a root, over one link:
+
+    HELLO/auth  ->  PING/PONG*  ->  PROFILE -> READY{speed, mem}
+    LOAD{model, fingerprint, spec, ctx, sync}  -> READY{rss, ...}
+    RESET{params, mode}  -> hot loop on a compute thread:
+        STEP{pos, ids, want} + x  ->  [PARTIAL -> REDUCED] x 2 per layer  ->  LOGITS
+        STEP{end}  -> back to asyncio
+    (close)  -> shard dropped, next root may connect
+
+One root at a time; a second connection is told "busy" and closed. Any
+protocol or decode error closes that link with a logged reason; the worker
+keeps running and waits for the next root.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from edgetp.cluster import profile
+from edgetp.model import llama, quant, sampling
+from edgetp.model.gguf import GGUFError, open_model
+from edgetp.net.frames import FrameType
+from edgetp.net.link import BLOCKING, Link, LinkClosed
+from edgetp.parallel.collective import Hot, WorkerReduce, candidates_message
+
+log = logging.getLogger(__name__)
+
+IDLE_TIMEOUT = 24 * 3600.0  # a root may stay connected and idle this long
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass
+class Worker:
+    node_id: str
+    key: bytes | None = None
+    threads: int | None = None
+    model_path: str | None = None  # our own copy; else the root's path is used
+    resolve: Callable[[str], str] = str
+    busy: bool = field(default=False, init=False)
+
+    async def serve(self, host: str, port: int, on_listening: Callable[[int], None] | None = None) -> None:
+        """Accept roots until cancelled."""
+        if self.threads:
+            quant.set_threads(self.threads)
+        sock = socket.create_server((host, port), reuse_port=False)
+        sock.setblocking(False)
+        bound = sock.getsockname()[1]
+        log.info("worker %s listening on %s:%d", self.node_id, host, bound)
+        if on_listening:
+            on_listening(bound)
+        loop = asyncio.get_running_loop()
+        sessions: set[asyncio.Task] = set()
+        try:
+            while True:
+                conn, addr = await loop.sock_accept(sock)
+                task = asyncio.create_task(self._session(Link(conn, f"{addr[0]}:{addr[1]}")))
+                sessions.add(task)
+                task.add_done_callback(sessions.discard)
+        finally:
+            sock.close()
+            for task in sessions:
+                task.cancel()
+            await asyncio.gather(*sessions, return_exceptions=True)
+
+    async def _session(self, link: Link) -> None:
+        if self.busy:
+            await link._try_error(f"worker {self.node_id} is busy with another root")
+            link.close()
+            return
+        self.busy = True
+        state = _Session(self, link)
+        try:
+            await state.run()
+        except LinkClosed as exc:
+            log.warning("root session ended: %s", exc)
+        except (GGUFError, ValueError, KeyError, TypeError) as exc:
+            log.warning("root session %s dropped: %s", link.name, exc)
+            await link._try_error(str(exc))
+        except Exception as exc:  # a bug must cost the session, never the worker
+            log.exception("root session %s failed", link.name)
+            await link._try_error(f"worker error: {exc}")
+        finally:
+            link.close()
+            self.busy = False
+
+
+class _Session:
+    """The state of one root's session: its link and the shard it asked for."""
+
+    def __init__(self, worker: Worker, link: Link) -> None:
+        self.worker = worker
+        self.link = link
+        self.shard: llama.Shard | None = None
+        self.sync = "f32"
+        self.mf = None
+
+    async def run(self) -> None:
+        link = self.link
+        if self.worker.key is not None:
+            peer = await link.accept_auth(self.worker.key, self.worker.node_id)
+        else:
+            peer = (await link.expect(FrameType.HELLO, 10)).header.get("node_id", "?")
+            await link.send(FrameType.HELLO, {"node_id": self.worker.node_id, "auth": False})
+        log.info("root %s connected from %s", peer, link.name)
+        while True:
+            frame = await link.recv(IDLE_TIMEOUT)
+            handler = self.HANDLERS.get(frame.type)
+            if handler is None:
+                raise LinkClosed(f"unexpected {frame.type.name} from the root")
+            await handler(self, frame.header)
+
+    async def _ping(self, header: dict[str, Any]) -> None:
+        await self.link.send(FrameType.PONG, header)
+
+    async def _profile(self, header: dict[str, Any]) -> None:
+        p = await asyncio.to_thread(profile.profile, self.worker.threads, float(header.get("seconds", 0.5)))
+        await self.link.send(FrameType.READY, {"speed": p.speed, "mem_free": p.mem_free, "threads": p.threads})
+
+    async def _load(self, h: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        self.shard = None
+        path = self.worker.model_path or self.worker.resolve(h["model"])
+        self.mf = await asyncio.to_thread(open_model, path)
+        if self.mf.fingerprint != h["fingerprint"]:
+            raise ValueError(f"{path}: not the root's model (fingerprint {self.mf.fingerprint[:12]} != {h['fingerprint'][:12]})")
+        spec = llama.ShardSpec(tuple(h["kv_groups"]), tuple(h["ffn_cols"]), tuple(h["vocab_rows"]))
+        self.sync = h["sync"]
+        weights = await asyncio.to_thread(llama.load_weights, self.mf, spec, repack=bool(h.get("repack")))
+        self.shard = llama.Shard(weights, int(h["ctx"]))
+        await asyncio.to_thread(_warm_up, self.shard)
+        log.info("loaded shard %s of %s: %.1f MB of weights, %.1f MB KV cache",
+                 spec, path, weights.nbytes / 1e6, self.shard.kv_bytes / 1e6)
+        await self.link.send(FrameType.READY, {
+            "rss": rss_bytes(), "weights": weights.nbytes, "kv": self.shard.kv_bytes,
+            "load_ms": (time.perf_counter() - t0) * 1000})
+
+    async def _reset(self, h: dict[str, Any]) -> None:
+        if self.shard is None:
+            raise ValueError("RESET before LOAD")
+        params = sampling.SamplingParams(**h["params"])
+        hot = Hot(self.link, asyncio.get_running_loop())
+        self.shard.reduce = WorkerReduce(hot, self.sync)
+        if h.get("mode") == BLOCKING:
+            self.link.enter_blocking()
+        try:
+            await asyncio.to_thread(_hot_loop, hot, self.shard, params)
+        finally:
+            if not self.link.closed:
+                self.link.leave_blocking()
+
+    HANDLERS = {
+        FrameType.PING: _ping,
+        FrameType.PROFILE: _profile,
+        FrameType.LOAD: _load,
+        FrameType.RESET: _reset,
+    }
+
+
+def _warm_up(shard: llama.Shard) -> None:
+    """Compile (or load from numba's cache) every kernel before the first real token."""
+    reduce, shard.reduce = shard.reduce, llama._no_reduce
+    try:
+        x = np.zeros((2, shard.w.cfg.dim), np.float32)
+        shard.logits(shard.forward(x.copy(), 0))
+        shard.logits(shard.forward(x[:1].copy(), 0))
+    finally:
+        shard.reduce = reduce
+
+
+def _hot_loop(hot: Hot, shard: llama.Shard, params: sampling.SamplingParams) -> None:
+    """STEP after STEP until the root says end; runs on the compute thread."""
+    history: list[int] = []
+    offset = shard.w.spec.vocab_rows[0]
+    while True:
+        frame = hot.recv(FrameType.STEP)
+        h = frame.header
+        if h.get("end"):
+            return
+        x = np.array(frame.array(), dtype=np.float32)  # own copy: the payload views a reused buffer
+        history.extend(int(t) for t in h["ids"])
+        out = shard.forward(x, int(h["pos"]))
+        want = h.get("want", "candidates")
+        if want == "none":  # a prefill chunk before the last one
+            continue
+        if want == "logits":
+            hot.send(FrameType.LOGITS, {"all": True}, shard.logits(out))
+        else:
+            local = shard.logits(out[-1:])[0]
+            hot.send(FrameType.LOGITS, *candidates_message(sampling.candidates(local, offset, history, params)))

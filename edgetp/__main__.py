@@ -1,0 +1,5 @@
+import sys
+
+from edgetp.cli import main
+
+sys.exit(main())

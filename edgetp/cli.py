@@ -1,0 +1,110 @@
+"""Command line: parses arguments, then calls edgetp.commands. No logic here."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from edgetp import commands
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _address(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+def _addresses(text: str) -> list[str]:
+    return [f"{h}:{p}" for h, p in (_address(t.strip()) for t in text.split(",") if t.strip())]
+
+
+def _weights(text: str) -> list[float]:
+    try:
+        values = [float(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 1,2,3, got {text!r}") from None
+    if any(not v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"weights must be positive, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="edgetp", description="One language model across the small computers on your LAN.")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    ask = sub.add_parser("ask", help="ask the model a question and stream the answer")
+    ask.add_argument("prompt", nargs="?", help="the prompt (read from stdin when omitted)")
+    ask.add_argument("--local", action="store_true", help="run the engine in this process")
+    ask.add_argument("--model", default=os.environ.get("EDGETP_MODEL", "smollm2"),
+                     help="model name from the cache, or a path to a .gguf (default: smollm2)")
+    ask.add_argument("--max-tokens", type=_positive, default=256)
+    ask.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
+    ask.add_argument("--top-k", type=int, default=40, help="0 means no top-k cut")
+    ask.add_argument("--top-p", type=float, default=0.95)
+    ask.add_argument("--min-p", type=float, default=0.05)
+    ask.add_argument("--repeat-penalty", type=float, default=1.0)
+    ask.add_argument("--seed", type=int, default=None)
+    ask.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    ask.add_argument("--ctx", type=_positive, default=2048, help="context length (KV cache size)")
+    ask.add_argument("--threads", type=_positive, default=None, help="compute threads (default: all cores)")
+    ask.add_argument("--repack", action="store_true",
+                     help="widen 4-bit weights to an 8-bit layout at load (faster, more memory; the cost is printed)")
+    ask.add_argument("--stats", action="store_true", help="print timing figures at the end")
+    ask.add_argument("--workers", type=_addresses, default=[],
+                     help="HOST:PORT,HOST:PORT of running `edgetp worker`s to spread the model over")
+    ask.add_argument("--weights", type=_weights, default=None,
+                     help="relative speeds 1,2,3 in node order, the root first (default: measured)")
+    ask.add_argument("--sync", choices=("f32", "q8_0"), default="f32",
+                     help="all-reduce payload: exact f32 or Q8_0 blocks (3.8x fewer bytes)")
+    ask.add_argument("--key", default=os.environ.get("EDGETP_KEY_FILE"), help="cluster key file")
+    ask.set_defaults(func=commands.ask)
+
+    worker = sub.add_parser("worker", help="hold a shard for a root (static cluster, no discovery)")
+    worker.add_argument("--listen", type=_address, default=("127.0.0.1", 7710), help="HOST:PORT (default 127.0.0.1:7710)")
+    worker.add_argument("--model", default=None, help="this node's copy of the model (default: the root's path)")
+    worker.add_argument("--threads", type=_positive, default=None)
+    worker.add_argument("--key", default=os.environ.get("EDGETP_KEY_FILE"), help="cluster key file")
+    worker.add_argument("--node-id", default=None)
+    worker.set_defaults(func=commands.worker)
+
+    model = sub.add_parser("model", help="manage the model cache")
+    msub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    pull = msub.add_parser("pull", help="fetch a known model (smollm2) or any GGUF by http(s) URL")
+    pull.add_argument("source", help="a known name (smollm2) or an http(s) URL")
+    pull.add_argument("--sha256", default=None, help="expected sha256 of the file")
+    pull.add_argument("--name", default=None, help="file name in the cache (default: from the URL)")
+    pull.set_defaults(func=commands.model_pull)
+    lst = msub.add_parser("list", help="list the models in the cache")
+    lst.set_defaults(func=commands.model_list)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except commands.USER_ERRORS as exc:
+        print(f"edgetp: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nedgetp: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 141
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""What each CLI command does: builds the parts it needs and runs them."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import socket
+import sys
+import time
+import uuid
+
+from edgetp import store
+from edgetp.model import gguf, quant, sampling
+from edgetp.model.generate import ContextError, LocalRunner, generate
+from edgetp.model.llama import ContextFull
+from edgetp.model.tokenizer import Tokenizer, UnsupportedTokenizer
+from edgetp.net import auth
+from edgetp.net.link import LinkClosed
+from edgetp.net.loopthread import LoopThread
+from edgetp.parallel.plan import PlanError
+from edgetp.parallel.runner import ClusterRunner
+from edgetp.serve.worker import Worker
+
+
+class WorkerError(OSError):
+    """The worker could not start."""
+
+
+# Errors a user can cause; the CLI prints them as one line and exits non-zero.
+USER_ERRORS = (
+    gguf.GGUFError,
+    store.StoreError,
+    quant.UnsupportedTensorType,
+    UnsupportedTokenizer,
+    sampling.SamplingError,
+    ContextError,
+    ContextFull,
+    auth.AuthError,
+    LinkClosed,  # WorkerLost is one
+    PlanError,
+    WorkerError,
+)
+
+
+def sampling_params(args: argparse.Namespace) -> sampling.SamplingParams:
+    return sampling.SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        seed=args.seed,
+    )
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if sys.stdin.isatty():
+        raise ContextError("no prompt: give one as an argument or on standard input")
+    return sys.stdin.read()
+
+
+def encode_prompt(tok: Tokenizer, prompt: str, raw: bool) -> list[int]:
+    """Chat-templated ids, or the raw text when asked or when the model has no template."""
+    if raw or not tok.chat_template:
+        return tok.encode(prompt, add_special=True, parse_special=False)
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return tok.encode(text, add_special=not tok.starts_with_bos(text), parse_special=True)
+
+
+def ask(args: argparse.Namespace) -> int:
+    if not args.local:
+        raise ContextError("only --local is available in this build: edgetp ask --local \"...\"")
+    params = sampling_params(args)
+    prompt = read_prompt(args)
+    key = auth.read_key(args.key) if args.key else None
+    path = store.resolve(args.model, pull_missing=True)
+    mf = gguf.open_model(path)
+    tok = Tokenizer.from_metadata(mf.metadata)
+    if args.threads:
+        quant.set_threads(args.threads)
+    ctx = min(args.ctx, mf.config.ctx_train)
+    ids = encode_prompt(tok, prompt, args.raw)
+    t0 = time.perf_counter()
+    if not args.workers:
+        runner = LocalRunner(mf, ctx, repack=args.repack)
+        if args.repack:
+            before, after = runner.weights_cost
+            print(f"repack: weights {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB resident "
+                  f"(+{(after - before) / 1e6:.1f} MB)", file=sys.stderr)
+        return _stream(runner, tok, ids, params, args, ctx, t0)
+    with LoopThread() as lt:
+        runner = lt.run(ClusterRunner.connect(mf, args.workers, ctx=ctx, weights=args.weights, sync=args.sync,
+                                              key=key, threads=args.threads, repack=args.repack))
+        try:
+            if args.stats:
+                for n in runner.nodes:
+                    print(f"node {n.node_id:<14} {n.address:<21} speed {n.speed / 1e9:6.2f} GB/s  "
+                          f"rtt {n.rtt_ms:6.3f} ms  {n.mode}", file=sys.stderr)
+            return _stream(runner, tok, ids, params, args, ctx, t0)
+        finally:
+            runner.close()
+
+
+def _stream(runner, tok: Tokenizer, ids: list[int], params, args, ctx: int, t0: float) -> int:
+    load_ms = (time.perf_counter() - t0) * 1000
+    times = []
+    reason = None
+    for ev in generate(runner, tok, ids, params, args.max_tokens):
+        sys.stdout.write(ev.text)
+        sys.stdout.flush()
+        times.append(ev.ms)
+        reason = ev.finish_reason
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if reason == "context":
+        print(f"edgetp: stopped: the context of {ctx} tokens is full (raise --ctx)", file=sys.stderr)
+    if args.stats and times:
+        decode = times[1:]
+        rate = len(decode) / (sum(decode) / 1000) if decode else float("nan")
+        print(f"load {load_ms:.0f} ms | prompt {len(ids)} tokens in {times[0]:.0f} ms "
+              f"({len(ids) / times[0] * 1000:.1f} tok/s) | {len(times)} tokens, decode {rate:.1f} tok/s",
+              file=sys.stderr)
+    return 0
+
+
+def worker(args: argparse.Namespace) -> int:
+    key = auth.read_key(args.key) if args.key else None
+    host, port = args.listen
+    node_id = args.node_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+    if key is None:
+        print("edgetp: warning: no cluster key; any root that can reach this port may use it", file=sys.stderr)
+    w = Worker(node_id, key=key, threads=args.threads, model_path=args.model,
+               resolve=lambda ref: str(store.resolve(ref)))
+
+    def listening(bound: int) -> None:
+        print(f"edgetp worker {node_id} listening on {host}:{bound}", flush=True)
+
+    async def main() -> None:
+        task = asyncio.current_task()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        try:
+            await w.serve(host, port, listening)
+        except asyncio.CancelledError:
+            print(f"edgetp worker {node_id} stopped", file=sys.stderr)
+
+    try:
+        asyncio.run(main())
+    except OSError as exc:
+        raise WorkerError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return 0
+
+
+def model_pull(args: argparse.Namespace) -> int:
+    path = store.pull(args.source, sha256=args.sha256, name=args.name)
+    print(path)
+    return 0
+
+
+def model_list(args: argparse.Namespace) -> int:
+    entries = store.list_models()
+    if not entries:
+        print(f"no models in {store.models_dir()} (try: edgetp model pull smollm2)")
+        return 0
+    width = max(len(e.name) for e in entries)
+    for e in entries:
+        print(f"{e.name:<{width}}  {e.size / 1e6:9.1f} MB  {e.path}")
+    return 0

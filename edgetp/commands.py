@@ -19,7 +19,7 @@ from edgetp.net import auth
 from edgetp.net.link import LinkClosed
 from edgetp.net.loopthread import LoopThread
 from edgetp.parallel.plan import PlanError
-from edgetp.parallel.runner import ClusterRunner
+from edgetp.parallel.runner import ClusterRunner, WorkerLost
 from edgetp.serve.worker import Worker
 
 
@@ -94,21 +94,29 @@ def ask(args: argparse.Namespace) -> int:
     with LoopThread() as lt:
         runner = lt.run(ClusterRunner.connect(mf, args.workers, ctx=ctx, weights=args.weights, sync=args.sync,
                                               key=key, threads=args.threads, repack=args.repack))
+        current = [runner]  # the runner in use: a recovery replaces it
+
+        def recover(exc: WorkerLost) -> ClusterRunner:
+            current[0] = lt.run(current[0].without(exc.link_name), timeout=600)
+            return current[0]
+
         try:
             if args.stats:
                 for n in runner.nodes:
                     print(f"node {n.node_id:<14} {n.address:<21} speed {n.speed / 1e9:6.2f} GB/s  "
                           f"rtt {n.rtt_ms:6.3f} ms  {n.mode}", file=sys.stderr)
-            return _stream(runner, tok, ids, params, args, ctx, t0)
+            return _stream(runner, tok, ids, params, args, ctx, t0, recover)
         finally:
-            runner.close()
+            current[0].close()
 
 
-def _stream(runner, tok: Tokenizer, ids: list[int], params, args, ctx: int, t0: float) -> int:
+def _stream(runner, tok: Tokenizer, ids: list[int], params, args, ctx: int, t0: float, recover=None) -> int:
     load_ms = (time.perf_counter() - t0) * 1000
     times = []
     reason = None
-    for ev in generate(runner, tok, ids, params, args.max_tokens):
+    for ev in generate(runner, tok, ids, params, args.max_tokens, recover=recover):
+        if ev.note:
+            print(f"\nedgetp: {ev.note}", file=sys.stderr)
         sys.stdout.write(ev.text)
         sys.stdout.flush()
         times.append(ev.ms)

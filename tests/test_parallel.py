@@ -206,3 +206,36 @@ def test_cli_root_with_workers_prints_the_single_node_text_and_ctrl_c_leaves_wor
     assert "Traceback" not in err
     again = subprocess.run(base + ["--workers", workers[0]], capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and again.stdout == single.stdout, again.stderr
+
+
+@pytest.mark.parametrize("which,kill_at", [("stories", 10), ("smollm2", 4)])
+def test_a_worker_killed_mid_answer_is_replanned_around_and_the_greedy_answer_is_unchanged(
+        which, kill_at, control, stories_path, smollm2_path, synth_model):
+    from edgetp.model.generate import generate  # noqa: PLC0415
+    from edgetp.model.tokenizer import Tokenizer  # noqa: PLC0415
+
+    path, ids = _model(which, stories_path, smollm2_path, synth_model)
+    tok = Tokenizer.from_metadata(gguf.open_model(path).metadata)
+    expected = [ev.token_id for ev in generate(LocalRunner(gguf.open_model(path), 256), tok, ids, GREEDY, 48)]
+    (keep, a), (victim, b) = start_worker(), start_worker()
+    current = [cluster(control, path, [a, b], [1, 1, 1])]
+
+    def recover(exc):
+        current[0] = control.run(current[0].without(exc.link_name), timeout=300)
+        return current[0]
+
+    try:
+        got, notes = [], []
+        for ev in generate(current[0], tok, ids, GREEDY, 48, recover=recover):
+            got.append(ev.token_id)
+            notes += [ev.note] if ev.note else []
+            if ev.index == kill_at:
+                victim.kill()
+                victim.wait()
+        assert got == expected
+        assert len(notes) == 1 and b in notes[0]
+        assert current[0].plan.epoch == 2 and len(current[0].plan.shares) == 2
+    finally:
+        current[0].close()
+        stop(keep)
+        stop(victim)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator, Protocol, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -81,10 +81,19 @@ class TokenEvent:
     text: str                  # the new complete text this token adds ("" while a character is incomplete)
     ms: float                  # wall time of this step (prefill included for index 0)
     finish_reason: str | None  # None, "stop" (end token or stop string), "length" (max_tokens) or "context" (KV cache full)
+    note: str | None = None    # what happened on the way, e.g. a node lost and a recovery
 
 
 class ContextError(ValueError):
     """The prompt and answer do not fit the context."""
+
+
+class RunnerLost(Exception):
+    """Part of a runner (a cluster node) is gone; a new runner may take over."""
+
+
+Recover = Callable[[RunnerLost], Runner]  # builds a runner over what is left (a re-plan)
+MAX_RECOVERIES = 3
 
 
 def generate(
@@ -94,20 +103,60 @@ def generate(
     params: SamplingParams,
     max_tokens: int,
     stop: Sequence[str] = (),
+    recover: Recover | None = None,
 ) -> Iterator[TokenEvent]:
-    """Stream the answer to prompt_ids. Stops at an end token, a stop string or max_tokens."""
+    """Stream the answer to prompt_ids. Stops at an end token, a stop string or max_tokens.
+
+    When the runner loses a part mid-answer and `recover` is given, a new
+    runner replays every token fed so far (same chunks, so the same KV
+    cache) and the answer goes on as if nothing happened.
+    """
     if not prompt_ids:
         raise ContextError("the prompt is empty")
     if len(prompt_ids) >= runner.ctx:
         raise ContextError(f"the prompt has {len(prompt_ids)} tokens but the context holds {runner.ctx}")
+    steps = _Steps(runner, recover, params, len(prompt_ids))
     runner.begin(params)
     try:
-        yield from _loop(runner, tok, prompt_ids, params, max_tokens, stop)
+        yield from _loop(steps, tok, prompt_ids, params, max_tokens, stop)
     finally:
-        runner.end()
+        steps.runner.end()
 
 
-def _loop(runner: Runner, tok: Tokenizer, prompt_ids: Sequence[int], params: SamplingParams, max_tokens: int,
+class _Steps:
+    """Runs steps on the current runner, replacing it (and replaying) when it loses a part."""
+
+    def __init__(self, runner: Runner, recover: Recover | None, params: SamplingParams, n_prompt: int) -> None:
+        self.runner, self.recover, self.params, self.n_prompt = runner, recover, params, n_prompt
+        self.notes: list[str] = []
+
+    @property
+    def ctx(self) -> int:
+        return self.runner.ctx
+
+    def run(self, pending: Sequence[int], pos: int, history: Sequence[int]) -> Candidates:
+        for attempt in range(MAX_RECOVERIES + 1):
+            try:
+                return self.runner.run(pending, pos, history, self.params)
+            except RunnerLost as exc:
+                if self.recover is None or attempt == MAX_RECOVERIES:
+                    raise
+                self.runner = self.recover(exc)
+                self.runner.begin(self.params)
+                self._replay(history[:pos])
+                self.notes.append(f"{exc}; recovered with a new plan, replayed {pos} tokens")
+        raise AssertionError("unreachable")
+
+    def _replay(self, fed: Sequence[int]) -> None:
+        """Feed what the lost runner had seen, in the same chunks it was fed."""
+        if not fed:
+            return
+        self.runner.run(fed[: self.n_prompt], 0, fed[: self.n_prompt], self.params)
+        for i in range(self.n_prompt, len(fed)):
+            self.runner.run(fed[i:i + 1], i, fed[: i + 1], self.params)
+
+
+def _loop(runner: _Steps, tok: Tokenizer, prompt_ids: Sequence[int], params: SamplingParams, max_tokens: int,
           stop: Sequence[str]) -> Iterator[TokenEvent]:
     sampler = sampling.Sampler(params)
     history = list(prompt_ids)
@@ -117,27 +166,29 @@ def _loop(runner: Runner, tok: Tokenizer, prompt_ids: Sequence[int], params: Sam
     pos = 0
     for index in range(max_tokens):
         t0 = time.perf_counter()
-        cand = runner.run(pending, pos, history, params)
+        cand = runner.run(pending, pos, history)
         tid = sampler.pick(cand)
         ms = (time.perf_counter() - t0) * 1000
+        note = "; ".join(runner.notes) or None
+        runner.notes.clear()
         pos += len(pending)
         history.append(tid)
         if tid in tok.stop_ids:
-            yield TokenEvent(index, tid, decoder.flush(), ms, "stop")
+            yield TokenEvent(index, tid, decoder.flush(), ms, "stop", note)
             return
         piece = decoder.feed(tid)
         text += piece
         hit = _stop_hit(text, piece, stop)
         if hit is not None:
-            yield TokenEvent(index, tid, piece[: len(piece) - hit] if hit else piece, ms, "stop")
+            yield TokenEvent(index, tid, piece[: len(piece) - hit] if hit else piece, ms, "stop", note)
             return
         if pos >= runner.ctx:  # no room to feed this token back: stop, never wrap around
-            yield TokenEvent(index, tid, piece + decoder.flush(), ms, "context")
+            yield TokenEvent(index, tid, piece + decoder.flush(), ms, "context", note)
             return
         if index == max_tokens - 1:
-            yield TokenEvent(index, tid, piece + decoder.flush(), ms, "length")
+            yield TokenEvent(index, tid, piece + decoder.flush(), ms, "length", note)
             return
-        yield TokenEvent(index, tid, piece, ms, None)
+        yield TokenEvent(index, tid, piece, ms, None, note)
         pending = [tid]
 
 

@@ -39,6 +39,10 @@ HOP_FACTOR = 20  # blocking mode pays while the RTT is under this many event-loo
 class LinkClosed(ConnectionError):
     """The peer went away, broke the protocol, or timed out; str() says which link and why."""
 
+    def __init__(self, message: str, link_name: str | None = None) -> None:
+        super().__init__(message)
+        self.link_name = link_name
+
 
 @dataclass
 class Counters:
@@ -234,7 +238,7 @@ class Link:
 
     def _closed(self, why: str) -> LinkClosed:
         self.close()
-        return LinkClosed(f"link {self.name}: {why}")
+        return LinkClosed(f"link {self.name}: {why}", self.name)
 
     def close(self) -> None:
         try:

@@ -19,7 +19,7 @@ import numpy as np
 
 from edgetp.cluster import profile
 from edgetp.model import llama, sampling
-from edgetp.model.generate import PREFILL_CHUNK
+from edgetp.model.generate import PREFILL_CHUNK, RunnerLost
 from edgetp.model.gguf import ModelFile
 from edgetp.net.frames import FrameType
 from edgetp.net.link import BLOCKING, Counters, Link, LinkClosed, choose_mode, event_loop_hop, forced_mode
@@ -32,8 +32,12 @@ log = logging.getLogger(__name__)
 ROOT_ID = "root"
 
 
-class WorkerLost(LinkClosed):
-    """A worker stopped answering during a generation."""
+class WorkerLost(LinkClosed, RunnerLost):
+    """A worker stopped answering during a generation; .link_name is its address."""
+
+
+def _lost(exc: LinkClosed) -> WorkerLost:
+    return WorkerLost(str(exc), exc.link_name)
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,9 @@ class NodeInfo:
 
 class ClusterRunner:
     def __init__(self, mf: ModelFile, ctx: int, plan: planner.Plan, links: list[Link],
-                 shard: llama.Shard, nodes: list[NodeInfo], loop: asyncio.AbstractEventLoop) -> None:
+                 shard: llama.Shard, nodes: list[NodeInfo], loop: asyncio.AbstractEventLoop,
+                 options: dict | None = None) -> None:
+        self.options = options or {}  # connect() arguments, for a re-plan
         self.mf = mf
         self.ctx = ctx
         self.plan = plan
@@ -110,7 +116,21 @@ class ClusterRunner:
             for link in links:
                 link.close()
             raise
-        return cls(mf, ctx, plan, links, shard, infos, asyncio.get_running_loop())
+        options = dict(ctx=ctx, weights=weights, sync=sync, key=key, threads=threads, repack=repack,
+                       model_ref=model_ref, addresses=list(addresses))
+        return cls(mf, ctx, plan, links, shard, infos, asyncio.get_running_loop(), options)
+
+    async def without(self, address: str) -> "ClusterRunner":
+        """A new runner over every node but `address`, with a fresh plan one epoch later."""
+        self.close()
+        opts = dict(self.options)
+        addresses = opts.pop("addresses")
+        keep = [i for i, a in enumerate(addresses) if a != address]
+        if opts["weights"] is not None:
+            opts["weights"] = [opts["weights"][0]] + [opts["weights"][i + 1] for i in keep]
+        log.warning("worker %s lost; re-planning over %d node(s), epoch %d", address, len(keep) + 1,
+                    self.plan.epoch + 1)
+        return await ClusterRunner.connect(self.mf, [addresses[i] for i in keep], epoch=self.plan.epoch + 1, **opts)
 
     # ------------------------------------------------------------------ generation (compute thread)
     def begin(self, params: sampling.SamplingParams) -> None:
@@ -140,7 +160,7 @@ class ClusterRunner:
         try:
             parts = [own] + [candidates_from(hot.recv(FrameType.LOGITS)) for hot in self.hots]
         except LinkClosed as exc:
-            raise WorkerLost(str(exc)) from None
+            raise _lost(exc) from None
         return sampling.merge(parts)
 
     def logits(self, ids, pos):
@@ -152,7 +172,7 @@ class ClusterRunner:
             try:
                 rows += [np.array(hot.recv(FrameType.LOGITS).array()) for hot in self.hots]
             except LinkClosed as exc:
-                raise WorkerLost(str(exc)) from None
+                raise _lost(exc) from None
             out.append(np.concatenate(rows, axis=1))
         return np.concatenate(out)
 
@@ -166,7 +186,7 @@ class ClusterRunner:
                 hot.send(FrameType.STEP, header, x)
             return self.shard.forward(x, pos)
         except LinkClosed as exc:
-            raise WorkerLost(str(exc)) from None
+            raise _lost(exc) from None
 
     def counters(self) -> dict[str, Counters]:
         return {link.name: link.counters.snapshot() for link in self.links}
@@ -175,7 +195,7 @@ class ClusterRunner:
         try:
             asyncio.run_coroutine_threadsafe(coro, self.loop).result()
         except LinkClosed as exc:
-            raise WorkerLost(str(exc)) from None
+            raise _lost(exc) from None
 
     def close(self) -> None:
         for link in self.links:

@@ -36,6 +36,7 @@ from edgetp.parallel.collective import Hot, WorkerReduce, candidates_message
 log = logging.getLogger(__name__)
 
 IDLE_TIMEOUT = 24 * 3600.0  # a root may stay connected and idle this long
+BUSY_WAIT = 3.0  # seconds a new root waits for the previous one's session to end
 
 
 def rss_bytes() -> int:
@@ -51,6 +52,7 @@ class Worker:
     model_path: str | None = None  # our own copy; else the root's path is used
     resolve: Callable[[str], str] = str
     busy: bool = field(default=False, init=False)
+    _idle: asyncio.Event = field(default_factory=asyncio.Event, init=False)
 
     async def serve(self, host: str, port: int, on_listening: Callable[[int], None] | None = None) -> None:
         """Accept roots until cancelled."""
@@ -77,11 +79,16 @@ class Worker:
             await asyncio.gather(*sessions, return_exceptions=True)
 
     async def _session(self, link: Link) -> None:
-        if self.busy:
-            await link._try_error(f"worker {self.node_id} is busy with another root")
-            link.close()
-            return
+        deadline = time.monotonic() + BUSY_WAIT
+        while self.busy:  # a root re-planning may reconnect before its old session has wound down
+            try:
+                await asyncio.wait_for(self._idle.wait(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                await link._try_error(f"worker {self.node_id} is busy with another root")
+                link.close()
+                return
         self.busy = True
+        self._idle.clear()
         state = _Session(self, link)
         try:
             await state.run()
@@ -96,6 +103,7 @@ class Worker:
         finally:
             link.close()
             self.busy = False
+            self._idle.set()
 
 
 class _Session:

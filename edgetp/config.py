@@ -1,0 +1,282 @@
+"""Daemon settings: one frozen value built from defaults, a TOML file, the environment and flags.
+
+Precedence, highest first: a flag (`argv_overrides`, None meaning "not given"), then
+`EDGETP_<NAME>` in the environment, then the TOML file (`/etc/edgetp/edgetp.toml` by
+default, read only if it exists; a path given explicitly must exist), then the defaults
+below. Every layer is checked the same way; a wrong key or value raises `ConfigError`
+with one line naming where it came from (file, variable or flag) and the key.
+
+Environment values are strings: lists are comma-separated, booleans are
+1/0/true/false/yes/no/on/off. TOML values must have the right TOML type.
+
+Changes after loading go through `dataclasses.replace`, which re-runs the checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import socket
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CONFIG_PATH = Path("/etc/edgetp/edgetp.toml")
+ENV_PREFIX = "EDGETP_"
+# EDGETP_ variables that are not settings (read elsewhere): not reported as unknown.
+OTHER_ENV = frozenset({"EDGETP_CONFIG", "EDGETP_LINK_MODE"})
+# A node id is one DNS label (it names the mDNS service instance): no dots.
+NODE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
+SYNC_TYPES = ("f32", "q8_0")
+
+
+class ConfigError(ValueError):
+    """A setting is unknown or has a bad value; the message is one line naming its source."""
+
+
+def default_node_id() -> str:
+    """This host's name as a node id: its first label, with anything outside [A-Za-z0-9_-] made '-'."""
+    label = socket.gethostname().split(".")[0] or "edgetp"
+    label = re.sub(r"[^A-Za-z0-9_-]", "-", label)[:63]
+    return label if NODE_ID_RE.fullmatch(label) else "edgetp"
+
+
+def _default_cache_dir() -> Path:
+    from edgetp.store import cache_dir  # deferred: nothing happens at import time
+
+    return cache_dir()
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str = "smollm2"                  # registry name, cache file name, or path to a .gguf
+    key_file: Path | None = None            # cluster key file (`edgetp keygen`); None: no cluster
+    host: str = "0.0.0.0"                   # address the data and HTTP ports listen on
+    data_port: int = 7710                   # TCP data links (frames)
+    http_port: int = 7711                   # HTTP: OpenAI API, cluster API, weight slices
+    interfaces: tuple[str, ...] = ()        # IP addresses mDNS uses; () means every interface
+    priority: int = 0                       # election: higher leads first
+    no_root: bool = False                   # never become root
+    threads: int | None = None              # compute threads; None means all cores
+    cache_dir: Path | None = None           # models and slices; None: $EDGETP_CACHE_DIR or ~/.cache/edgetp
+    node_id: str = ""                       # "" means this host's name
+    peers: tuple[str, ...] = ()             # HOST:PORT (data port) fallbacks when multicast cannot pass
+    sync: str = "f32"                       # all-reduce payload: "f32" or "q8_0"
+    ctx: int = 2048                         # context length (KV cache size)
+    # derived
+    peer_addresses: tuple[tuple[str, int], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if f.init:
+                value = _check(f.name, getattr(self, f.name), "Settings")
+                object.__setattr__(self, f.name, value)
+        if not self.node_id:
+            object.__setattr__(self, "node_id", default_node_id())
+        if self.cache_dir is None:
+            object.__setattr__(self, "cache_dir", _default_cache_dir())
+        object.__setattr__(self, "peer_addresses", tuple(_split_address(p) for p in self.peers))
+
+
+# --------------------------------------------------------------------------- value checks
+
+
+def _split_address(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [v6]:port
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"expected an integer, got {value!r}")
+    return value
+
+
+def _port(value: Any) -> int:
+    if not 0 <= _int(value) < 65536:
+        raise ValueError(f"expected a port 0..65535 (0: any free port), got {value!r}")
+    return value
+
+
+def _positive(value: Any) -> int:
+    if _int(value) <= 0:
+        raise ValueError(f"expected a positive integer, got {value!r}")
+    return value
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {value!r}")
+    return value
+
+
+def _nonempty(value: Any) -> str:
+    if not _str(value).strip():
+        raise ValueError("must not be empty")
+    return value
+
+
+def _path_or_none(value: Any) -> Path | None:
+    if value is None or isinstance(value, Path):
+        return value
+    return Path(_nonempty(value))
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
+def _strings(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"expected a list of strings, got {value!r}")
+    return tuple(_nonempty(v) for v in value)
+
+
+def _peers(value: Any) -> tuple[str, ...]:
+    peers = _strings(value)
+    for p in peers:
+        _split_address(p)
+    return peers
+
+
+def _node_id(value: Any) -> str:
+    if _str(value) and not NODE_ID_RE.fullmatch(value):
+        raise ValueError(f"expected 1-63 of [A-Za-z0-9_-] starting with a letter or digit, got {value!r}")
+    return value
+
+
+def _sync(value: Any) -> str:
+    if value not in SYNC_TYPES:
+        raise ValueError(f"expected one of {', '.join(SYNC_TYPES)}, got {value!r}")
+    return value
+
+
+def _threads(value: Any) -> int | None:
+    return None if value is None else _positive(value)
+
+
+CHECKS: dict[str, Callable[[Any], Any]] = {
+    "model": _nonempty, "key_file": _path_or_none, "host": _nonempty,
+    "data_port": _port, "http_port": _port, "interfaces": _strings,
+    "priority": _int, "no_root": _bool, "threads": _threads,
+    "cache_dir": _path_or_none, "node_id": _node_id, "peers": _peers,
+    "sync": _sync, "ctx": _positive,
+}
+KEYS = tuple(CHECKS)
+
+
+def _check(key: str, value: Any, source: str) -> Any:
+    try:
+        return CHECKS[key](value)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {key}: {exc}") from None
+
+
+# --------------------------------------------------------------------------- environment strings
+
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def _from_env(key: str, text: str) -> Any:
+    """An environment string as the Python value the key's check expects."""
+    kind = {"data_port": int, "http_port": int, "priority": int, "threads": int, "ctx": int,
+            "no_root": bool, "interfaces": list, "peers": list}.get(key, str)
+    if kind is int:
+        try:
+            return int(text.strip())
+        except ValueError:
+            raise ValueError(f"expected an integer, got {text!r}") from None
+    if kind is bool:
+        word = text.strip().lower()
+        if word not in _TRUE | _FALSE:
+            raise ValueError(f"expected one of 1/0/true/false/yes/no/on/off, got {text!r}")
+        return word in _TRUE
+    if kind is list:
+        return [t.strip() for t in text.split(",") if t.strip()]
+    return text
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """The settings table of a TOML file, checked key by key (not yet merged)."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config file: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in CHECKS:
+            raise ConfigError(f"{path}: unknown key {key!r} (known: {', '.join(KEYS)})")
+        out[key] = _check(key, value, str(path))
+    return out
+
+
+def read_env(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, text in env.items():
+        if not name.startswith(ENV_PREFIX) or name in OTHER_ENV:
+            continue
+        key = name[len(ENV_PREFIX):].lower()
+        if key not in CHECKS:
+            raise ConfigError(f"{name}: unknown setting {key!r} (known: {', '.join(KEYS)})")
+        try:
+            value = _from_env(key, text)
+        except ValueError as exc:
+            raise ConfigError(f"{name}: {key}: {exc}") from None
+        out[key] = _check(key, value, name)
+    return out
+
+
+def read_flags(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in overrides.items():
+        flag = "--" + key.replace("_", "-")
+        if key not in CHECKS:
+            raise ConfigError(f"{flag}: unknown setting {key!r} (known: {', '.join(KEYS)})")
+        if value is None:
+            continue  # not given on the command line
+        if isinstance(value, str) and key not in ("model", "host", "node_id", "sync", "key_file", "cache_dir"):
+            try:
+                value = _from_env(key, value)
+            except ValueError as exc:
+                raise ConfigError(f"{flag}: {key}: {exc}") from None
+        out[key] = _check(key, value, flag)
+    return out
+
+
+def load_settings(argv_overrides: Mapping[str, Any], env: Mapping[str, str], path: Path | None = None,
+                  *, default_path: Path = DEFAULT_CONFIG_PATH) -> Settings:
+    """Settings from flags > EDGETP_* environment > TOML file > defaults.
+
+    `path` None means `default_path` if that file exists (no file is fine);
+    an explicit `path` must exist.
+    """
+    if path is None and default_path.exists():
+        path = default_path
+    merged: dict[str, Any] = read_toml(path) if path is not None else {}
+    merged |= read_env(env)
+    merged |= read_flags(argv_overrides)
+    if merged.get("cache_dir") is None:
+        from edgetp.store import cache_dir
+
+        merged["cache_dir"] = cache_dir({k: v for k, v in env.items() if k != "EDGETP_CACHE_DIR"})
+    try:
+        return Settings(**merged)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:  # pragma: no cover - every key was checked above
+        raise ConfigError(f"settings: {exc}") from None

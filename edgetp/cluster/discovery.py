@@ -1,0 +1,332 @@
+"""Finding the other nodes: zeroconf adverts of `_edgetp._tcp.local.` and a peer table.
+
+Each node registers one service instance named after its node id, with TXT records:
+
+    id   node id                  pv   protocol version (edgetp.net.frames.PROTOCOL_VERSION)
+    cid  cluster id (auth.cluster_id(key): a public digest, never the key)
+    dp   data port (TCP links)    hp   HTTP port
+    spd  measured speed, weight bytes/s       mem  free memory, bytes
+    mdl  model fingerprint ("" when no model)  pri  election priority    nr  no-root, 0 or 1
+
+`parse_txt` checks every field and raises `DiscoveryError`; `Discovery` logs and skips
+such adverts, so a bad record on the network never crashes the daemon. `Discovery`
+turns the browser's changes into `Joined`, `Updated` and `Left` events (an async
+iterator). `PeerTable` is the pure bookkeeping: last-seen times from an injected
+clock, and peers on another protocol version or cluster marked `foreign` and never
+usable. mDNS does not repeat itself, so liveness between adverts comes from
+heartbeats calling `PeerTable.seen`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from zeroconf import DNSQuestionType, InterfaceChoice, NonUniqueNameException, ServiceStateChange
+from zeroconf import get_all_addresses
+from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
+
+from edgetp.cluster.election import Ballot
+from edgetp.config import NODE_ID_RE
+from edgetp.net.frames import PROTOCOL_VERSION
+
+log = logging.getLogger(__name__)
+
+SERVICE_TYPE = "_edgetp._tcp.local."
+CLUSTER_ID_RE = re.compile(r"[0-9a-f]{8,64}")
+MODEL_RE = re.compile(r"[A-Za-z0-9:._-]{0,80}")
+RESOLVE_MS = 3000
+
+
+class DiscoveryError(Exception):
+    """An advert is malformed or registration failed; the message says which field or why."""
+
+
+@dataclass(frozen=True)
+class PeerAdvert:
+    node_id: str
+    cluster_id: str
+    data_port: int
+    http_port: int
+    speed: float              # weight bytes/s through the matvec kernel
+    mem_free: int             # bytes
+    model: str = ""           # model fingerprint (digest)
+    priority: int = 0
+    no_root: bool = False
+    protocol: int = PROTOCOL_VERSION
+    addresses: tuple[str, ...] = ()   # from the A/AAAA records, not the TXT
+
+    def to_txt(self) -> dict[str, str]:
+        return {"id": self.node_id, "pv": str(self.protocol), "cid": self.cluster_id,
+                "dp": str(self.data_port), "hp": str(self.http_port), "spd": repr(float(self.speed)),
+                "mem": str(self.mem_free), "mdl": self.model, "pri": str(self.priority),
+                "nr": "1" if self.no_root else "0"}
+
+
+def ballot_of(advert: PeerAdvert) -> Ballot:
+    return Ballot(advert.priority, advert.speed, advert.node_id, can_lead=not advert.no_root)
+
+
+# --------------------------------------------------------------------------- TXT parsing
+
+
+def _text(props: Mapping[str, bytes | str | None], key: str) -> str:
+    raw = props.get(key)
+    if raw is None:
+        raise DiscoveryError(f"TXT record {key!r} is missing")
+    try:
+        return raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+    except UnicodeDecodeError:
+        raise DiscoveryError(f"TXT record {key!r} is not UTF-8") from None
+
+
+def _integer(props, key: str, lo: int, hi: int) -> int:
+    text = _text(props, key)
+    if not re.fullmatch(r"-?[0-9]{1,19}", text) or not lo <= int(text) <= hi:
+        raise DiscoveryError(f"TXT record {key!r} must be an integer in {lo}..{hi}, got {text!r}")
+    return int(text)
+
+
+def parse_txt(properties: Mapping[bytes | str, bytes | str | None], addresses: Sequence[str] = ()) -> PeerAdvert:
+    """A validated advert from TXT properties (zeroconf gives bytes keys and values)."""
+    props = {(k.decode("utf-8", "replace") if isinstance(k, bytes) else k): v for k, v in properties.items()}
+    node_id = _text(props, "id")
+    if not NODE_ID_RE.fullmatch(node_id):
+        raise DiscoveryError(f"TXT record 'id' is not a node id: {node_id!r}")
+    cluster_id = _text(props, "cid")
+    if not CLUSTER_ID_RE.fullmatch(cluster_id):
+        raise DiscoveryError(f"TXT record 'cid' must be 8-64 lowercase hex digits, got {cluster_id!r}")
+    speed_text = _text(props, "spd")
+    try:
+        speed = float(speed_text)
+    except ValueError:
+        raise DiscoveryError(f"TXT record 'spd' is not a number: {speed_text!r}") from None
+    if not (math.isfinite(speed) and speed >= 0):
+        raise DiscoveryError(f"TXT record 'spd' must be finite and >= 0, got {speed_text!r}")
+    model = _text(props, "mdl")
+    if not MODEL_RE.fullmatch(model):
+        raise DiscoveryError(f"TXT record 'mdl' is not a model fingerprint: {model!r}")
+    no_root = _text(props, "nr")
+    if no_root not in ("0", "1"):
+        raise DiscoveryError(f"TXT record 'nr' must be 0 or 1, got {no_root!r}")
+    return PeerAdvert(
+        node_id=node_id, cluster_id=cluster_id,
+        data_port=_integer(props, "dp", 1, 65535), http_port=_integer(props, "hp", 1, 65535),
+        speed=speed, mem_free=_integer(props, "mem", 0, 2**63 - 1), model=model,
+        priority=_integer(props, "pri", -(2**31), 2**31 - 1), no_root=no_root == "1",
+        protocol=_integer(props, "pv", 0, 2**31 - 1), addresses=tuple(addresses),
+    )
+
+
+# --------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class Joined:
+    advert: PeerAdvert
+
+
+@dataclass(frozen=True)
+class Updated:
+    advert: PeerAdvert
+
+
+@dataclass(frozen=True)
+class Left:
+    node_id: str
+
+
+Event = Joined | Updated | Left
+
+
+# --------------------------------------------------------------------------- zeroconf
+
+
+class Discovery:
+    """Registers our advert and browses for others; `events()` yields Joined/Updated/Left.
+
+    `interfaces`: IP addresses to use (None: every interface). `addresses`: the
+    addresses to advertise (default: `interfaces`, else every non-loopback IPv4).
+    `ttl`: seconds the records live in caches when a node vanishes without a goodbye.
+    """
+
+    def __init__(self, advert: PeerAdvert, *, interfaces: Sequence[str] | None = None,
+                 addresses: Sequence[str] | None = None, ttl: int = 60) -> None:
+        self.advert = advert
+        self.interfaces = list(interfaces) if interfaces else None
+        self.addresses = list(addresses or self.interfaces or _default_addresses())
+        self.ttl = ttl
+        self._aiozc: AsyncZeroconf | None = None
+        self._browser: AsyncServiceBrowser | None = None
+        self._info: AsyncServiceInfo | None = None
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._known: dict[str, str] = {}                   # service name -> node id
+        self._resolving: dict[str, asyncio.Task[None]] = {}  # service name -> its lookup
+
+    @property
+    def service_name(self) -> str:
+        return f"{self.advert.node_id}.{SERVICE_TYPE}"
+
+    def _service_info(self, advert: PeerAdvert) -> AsyncServiceInfo:
+        return AsyncServiceInfo(
+            SERVICE_TYPE, f"{advert.node_id}.{SERVICE_TYPE}", port=advert.data_port,
+            properties=advert.to_txt(), server=f"{advert.node_id}.local.",
+            parsed_addresses=self.addresses, host_ttl=self.ttl, other_ttl=self.ttl)
+
+    async def start(self) -> None:
+        self._aiozc = AsyncZeroconf(interfaces=self.interfaces or InterfaceChoice.All)
+        self._info = self._service_info(self.advert)
+        try:
+            await (await self._aiozc.async_register_service(self._info))
+        except NonUniqueNameException:
+            await self._aiozc.async_close()
+            self._aiozc = None
+            raise DiscoveryError(f"node id {self.advert.node_id!r} is already on the network") from None
+        self._browser = AsyncServiceBrowser(self._aiozc.zeroconf, SERVICE_TYPE, handlers=[self._on_change],
+                                            question_type=DNSQuestionType.QM)
+
+    async def update(self, advert: PeerAdvert) -> None:
+        """Re-announce with new figures (speed, memory, model); the node id cannot change."""
+        if advert.node_id != self.advert.node_id:
+            raise ValueError(f"cannot rename node {self.advert.node_id!r} to {advert.node_id!r}")
+        self.advert = advert
+        if self._aiozc is not None:
+            self._info = self._service_info(advert)
+            await (await self._aiozc.async_update_service(self._info))
+
+    async def stop(self) -> None:
+        """A clean leave: goodbye packets go out, so peers see `Left` at once."""
+        for task in list(self._resolving.values()):
+            task.cancel()
+        if self._resolving:
+            await asyncio.gather(*self._resolving.values(), return_exceptions=True)
+        if self._browser is not None:
+            await self._browser.async_cancel()
+            self._browser = None
+        if self._aiozc is not None:
+            if self._info is not None:
+                await (await self._aiozc.async_unregister_service(self._info))
+            await self._aiozc.async_close()
+            self._aiozc = None
+
+    async def __aenter__(self) -> Discovery:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def events(self) -> AsyncIterator[Event]:
+        while True:
+            yield await self._queue.get()
+
+    def _on_change(self, zeroconf: object, service_type: str, name: str, state_change: ServiceStateChange) -> None:
+        if name == self.service_name:
+            return
+        old = self._resolving.pop(name, None)
+        if old is not None:
+            old.cancel()
+        if state_change is ServiceStateChange.Removed:
+            node_id = self._known.pop(name, None)
+            if node_id is not None:
+                self._queue.put_nowait(Left(node_id))
+            return
+        task = asyncio.get_running_loop().create_task(self._resolve(name))
+        self._resolving[name] = task
+        task.add_done_callback(lambda t, n=name: self._resolving.pop(n, None) if self._resolving.get(n) is t else None)
+
+    async def _resolve(self, name: str) -> None:
+        assert self._aiozc is not None
+        info = AsyncServiceInfo(SERVICE_TYPE, name)
+        if not await info.async_request(self._aiozc.zeroconf, RESOLVE_MS, question_type=DNSQuestionType.QM):
+            log.warning("ignoring %s: no answer to our lookup within %d ms", name, RESOLVE_MS)
+            return
+        try:
+            advert = parse_txt(info.properties, info.parsed_addresses())
+        except DiscoveryError as exc:
+            log.warning("ignoring %s: %s", name, exc)
+            return
+        if name != f"{advert.node_id}.{SERVICE_TYPE}":
+            log.warning("ignoring %s: its TXT names node %r", name, advert.node_id)
+            return
+        event: Event = Updated(advert) if name in self._known else Joined(advert)
+        self._known[name] = advert.node_id
+        self._queue.put_nowait(event)
+
+
+def _default_addresses() -> list[str]:
+    addrs = [a for a in get_all_addresses() if not a.startswith("127.")]
+    return addrs or ["127.0.0.1"]
+
+
+# --------------------------------------------------------------------------- peer table
+
+
+@dataclass(frozen=True)
+class Peer:
+    advert: PeerAdvert
+    last_seen: float
+    foreign: str | None = None  # why this peer can never be used, or None
+
+    @property
+    def node_id(self) -> str:
+        return self.advert.node_id
+
+
+class PeerTable:
+    """Peers by node id, with last-seen times from `clock`; foreign peers are listed, never usable."""
+
+    def __init__(self, cluster_id: str, *, protocol: int = PROTOCOL_VERSION, timeout: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.cluster_id = cluster_id
+        self.protocol = protocol
+        self.timeout = timeout
+        self.clock = clock
+        self._peers: dict[str, Peer] = {}
+
+    def _foreign(self, advert: PeerAdvert) -> str | None:
+        if advert.protocol != self.protocol:
+            return f"protocol version {advert.protocol} (this node speaks {self.protocol})"
+        if advert.cluster_id != self.cluster_id:
+            return f"cluster {advert.cluster_id} (this node is in {self.cluster_id})"
+        return None
+
+    def apply(self, event: Event) -> None:
+        if isinstance(event, Left):
+            self._peers.pop(event.node_id, None)
+        else:
+            self._peers[event.advert.node_id] = Peer(event.advert, self.clock(), self._foreign(event.advert))
+
+    def seen(self, node_id: str) -> bool:
+        """A heartbeat from `node_id`; False if the table does not know it."""
+        peer = self._peers.get(node_id)
+        if peer is None:
+            return False
+        self._peers[node_id] = replace(peer, last_seen=self.clock())
+        return True
+
+    def alive(self, peer: Peer) -> bool:
+        return self.clock() - peer.last_seen <= self.timeout
+
+    def peers(self) -> list[Peer]:
+        """Every peer known, foreign and silent ones included, by node id."""
+        return sorted(self._peers.values(), key=lambda p: p.node_id)
+
+    def usable(self) -> list[Peer]:
+        """Peers of our cluster and protocol heard from within `timeout`."""
+        return [p for p in self.peers() if p.foreign is None and self.alive(p)]
+
+    def foreign(self) -> list[Peer]:
+        return [p for p in self.peers() if p.foreign is not None]
+
+    def expire(self) -> list[str]:
+        """Drop peers silent for longer than `timeout`; their node ids (emit `Left` for them)."""
+        gone = [p.node_id for p in self.peers() if not self.alive(p)]
+        for node_id in gone:
+            del self._peers[node_id]
+        return gone

@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--node-id", default=None)
     worker.set_defaults(func=commands.worker)
 
+    keygen = sub.add_parser("keygen", help="write a new cluster key file (0600); share it out of band")
+    keygen.add_argument("path", help="where to write the key, e.g. /etc/edgetp/cluster.key")
+    keygen.add_argument("--force", action="store_true", help="overwrite an existing key file")
+    keygen.set_defaults(func=commands.keygen)
+
     model = sub.add_parser("model", help="manage the model cache")
     msub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
     pull = msub.add_parser("pull", help="fetch a known model (smollm2) or any GGUF by http(s) URL")

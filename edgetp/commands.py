@@ -161,6 +161,12 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def keygen(args: argparse.Namespace) -> int:
+    key = auth.write_key(args.path, force=args.force)
+    print(f"wrote {args.path} (cluster id {auth.cluster_id(key)}); copy it to every node, keep it 0600")
+    return 0
+
+
 def model_pull(args: argparse.Namespace) -> int:
     path = store.pull(args.source, sha256=args.sha256, name=args.name)
     print(path)

@@ -78,7 +78,7 @@ def write_key(path: str | os.PathLike[str], key: bytes | None = None, *, force: 
             try:
                 os.link(tmp, path)  # atomic, and fails if the file is there
             except FileExistsError:
-                raise KeyFileError(f"{path} exists; refusing to overwrite a cluster key (use force)") from None
+                raise KeyFileError(f"{path} exists; refusing to overwrite a cluster key (use --force)") from None
     finally:
         if fd >= 0:
             os.close(fd)

@@ -178,7 +178,10 @@ class Link:
         """Run the HMAC challenge as the accepting side; returns the peer's node id."""
         res = auth.Responder(key, node_id)
         try:
-            await self.send(FrameType.CHALLENGE, res.on_hello((await self.expect(FrameType.HELLO, 10)).header))
+            hello = (await self.expect(FrameType.HELLO, 10)).header
+            if "cluster_id" not in hello:
+                raise auth.AuthError("this node requires the cluster key (--key) and the peer sent none")
+            await self.send(FrameType.CHALLENGE, res.on_hello(hello))
             await self.send(FrameType.AUTH_OK, res.on_auth((await self.expect(FrameType.AUTH, 10)).header))
         except auth.AuthError as exc:
             await self._try_error(f"authentication failed: {exc}")

@@ -21,7 +21,7 @@ $(VENV)/.test: $(VENV)/.base tools/llama_cpp_wheel.sh
 	touch $@
 
 demo: $(VENV)/.base
-	$(EDGETP) ask --local --max-tokens 64 --temperature 0 "What is the capital of France?"
+	$(PY) tools/demo.py
 
 test: $(VENV)/.test
 	$(EDGETP) model pull smollm2

@@ -102,9 +102,10 @@ def ask(args: argparse.Namespace) -> int:
 
         try:
             if args.stats:
-                for n in runner.nodes:
-                    print(f"node {n.node_id:<14} {n.address:<21} speed {n.speed / 1e9:6.2f} GB/s  "
-                          f"rtt {n.rtt_ms:6.3f} ms  {n.mode}", file=sys.stderr)
+                for n, share in zip(runner.nodes, runner.plan.shares):
+                    speed = f"weight {n.speed:g}" if args.weights else f"{n.speed / 1e9:.2f} GB/s"
+                    print(f"node {n.node_id:<14} {n.address:<21} {speed:<12} rtt {n.rtt_ms:6.3f} ms  {n.mode:<8} "
+                          f"kv {share.kv_groups} ffn {share.ffn_cols} vocab {share.vocab_rows}", file=sys.stderr)
             return _stream(runner, tok, ids, params, args, ctx, t0, recover)
         finally:
             current[0].close()

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from tests.test_cli_errors import assert_one_line_error, edgetp
-from tests.test_parallel import start_worker, stop
+from edgetp.serve.spawn import start_worker, stop
 
 STORY = "Once upon a time"
 

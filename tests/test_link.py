@@ -12,11 +12,11 @@ import msgpack
 import numpy as np
 import pytest
 
-from edgetp.net import frames
 from edgetp.net.frames import FrameType
 from edgetp.net.link import ASYNC, BLOCKING, Link, LinkClosed, choose_mode
 from edgetp.parallel.collective import Hot, RootReduce, WorkerReduce
-from tests.test_parallel import cluster, start_worker, stop
+from edgetp.serve.spawn import start_worker, stop
+from tests.test_parallel import cluster
 
 
 def test_blocking_mode_is_chosen_while_a_round_trip_costs_few_event_loop_hops():

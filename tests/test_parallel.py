@@ -8,12 +8,10 @@ stay within the bound stated at Q8_TOLERANCE.
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -22,42 +20,13 @@ from edgetp.model import gguf, quant, sampling
 from edgetp.model.generate import LocalRunner
 from edgetp.net.loopthread import LoopThread
 from edgetp.parallel.runner import ClusterRunner, WorkerLost
+from edgetp.serve.spawn import start_worker, stop
 
 STORY = "Once upon a time, there was a little girl named Lily. She"
 QUESTION = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
             "<|im_start|>user\nWhat is the capital of France? Answer in one short sentence, and then tell "
             "me one fact about its history.<|im_end|>\n<|im_start|>assistant\n")
 GREEDY = sampling.SamplingParams(temperature=0)
-
-
-def start_worker(*extra: str) -> tuple[subprocess.Popen, str]:
-    """An `edgetp worker` on a free loopback port; returns the process and its address."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "edgetp", "worker", "--listen", "127.0.0.1:0", "--threads", "1", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=os.environ | {"PYTHONUNBUFFERED": "1"})
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if m := re.search(r"listening on (\S+:\d+)", line):
-            return proc, m.group(1)
-        if proc.poll() is not None:
-            break
-    proc.kill()
-    raise RuntimeError(f"worker did not start: {proc.stderr.read()}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    for stream in (proc.stdout, proc.stderr):
-        if stream:
-            stream.close()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,46 @@
+"""Start and stop local `edgetp worker` processes (the demo, tests and benchmarks use it)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from typing import Sequence
+
+_LISTENING = re.compile(r"listening on (\S+:\d+)")
+
+
+def start_worker(*extra: str, threads: int = 1, host: str = "127.0.0.1", timeout: float = 60,
+                 prefix: Sequence[str] = ()) -> tuple[subprocess.Popen, str]:
+    """An `edgetp worker` on a free port of `host`; returns the process and its HOST:PORT.
+
+    `prefix` runs it under another command (e.g. `taskset -c 1`, `ip netns exec h1`).
+    """
+    proc = subprocess.Popen(
+        [*prefix, sys.executable, "-m", "edgetp", "worker", "--listen", f"{host}:0", "--threads", str(threads), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if m := _LISTENING.search(line):
+            return proc, m.group(1)
+        if proc.poll() is not None:
+            break
+    stop(proc)
+    raise RuntimeError(f"worker did not start: {proc.stderr.read() if proc.stderr else ''}".strip())
+
+
+def stop(proc: subprocess.Popen, timeout: float = 10) -> None:
+    """SIGTERM, then SIGKILL after `timeout`; always reaps the process and closes its pipes."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for stream in (proc.stdout, proc.stderr):
+        if stream and not stream.closed:
+            stream.close()

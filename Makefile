@@ -15,7 +15,8 @@ $(VENV)/.base: pyproject.toml
 	$(PY) -m pip install -q -e .
 	touch $@
 
-$(VENV)/.test: $(VENV)/.base tools/llama_cpp_wheel.sh
+$(VENV)/.test: $(VENV)/.base tools/llama_cpp_wheel.sh tools/apt-packages.txt
+	tools/apt_install.sh
 	$(PY) -m pip install -q -e '.[test]'
 	tools/llama_cpp_wheel.sh $(PY) $(WHEELS)
 	touch $@

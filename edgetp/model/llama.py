@@ -11,7 +11,7 @@ input columns).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -26,6 +26,14 @@ Reduce = Callable[[np.ndarray], None]  # sums a (n, dim) partial in place across
 
 class ContextFull(Exception):
     """The KV cache cannot hold the requested positions."""
+
+
+class ShardMismatch(ValueError):
+    """A shard file (edgetp/parallel/shardfile.py) was asked for a slice it does not hold."""
+
+
+# metadata of a shard file: the spec it holds, its source, the source's vocabulary size
+SHARD_KEYS = {k: f"edgetp.shard.{k}" for k in ("kv_groups", "ffn_cols", "vocab_rows", "vocab", "source_fingerprint")}
 
 
 @dataclass(frozen=True)
@@ -91,12 +99,32 @@ def _cols(w: quant.Weight, r: Range) -> quant.Weight | None:
         return quant.Weight(int(GGMLQuantizationType.F32), w.rows, r[1] - r[0], dense.view(np.uint8))
 
 
+def stored_spec(mf: ModelFile) -> ShardSpec | None:
+    """The spec a shard file holds, None for a whole model file."""
+    fields = mf.reader.fields
+    if SHARD_KEYS["kv_groups"] not in fields:
+        return None
+    r = [tuple(int(v) for v in fields[SHARD_KEYS[k]].contents()) for k in ("kv_groups", "ffn_cols", "vocab_rows")]
+    return ShardSpec(*r)
+
+
 def load_weights(mf: ModelFile, spec: ShardSpec | None = None, *, repack: bool = False) -> Weights:
-    """Map this shard's slices of the file (zero-copy where the layout allows)."""
+    """Map this shard's slices of the file (zero-copy where the layout allows).
+
+    A shard file holds one spec's slices already cut: it loads for that spec only,
+    its ranges read from offset 0 of the stored slices.
+    """
     cfg = mf.config
-    spec = spec or ShardSpec.full(cfg)
+    stored = stored_spec(mf)
+    spec = spec or stored or ShardSpec.full(cfg)
+    local = spec  # ranges into the file's tensors
+    if stored is not None:
+        if spec != stored:
+            raise ShardMismatch(f"{mf.path} holds the shard {stored}, not {spec}")
+        cfg = replace(cfg, vocab=int(mf.reader.fields[SHARD_KEYS["vocab"]].contents()))
+        local = ShardSpec(*((0, b - a) for a, b in (spec.kv_groups, spec.ffn_cols, spec.vocab_rows)))
     hd, g = cfg.head_dim, cfg.group_size
-    kv = (spec.kv_groups[0] * hd, spec.kv_groups[1] * hd)
+    kv = (local.kv_groups[0] * hd, local.kv_groups[1] * hd)
     qh = (kv[0] * g, kv[1] * g)
     prep = quant.repack if repack else (lambda w: w)
 
@@ -119,9 +147,9 @@ def load_weights(mf: ModelFile, spec: ShardSpec | None = None, *, repack: bool =
             bv=bias(p + "attn_v.bias", kv),
             wo=mat(_cols(mf.weight(p + "attn_output.weight"), qh)),
             ffn_norm=mf.vector(p + "ffn_norm.weight"),
-            w_gate=mat(_rows(mf.weight(p + "ffn_gate.weight"), spec.ffn_cols)),
-            w_up=mat(_rows(mf.weight(p + "ffn_up.weight"), spec.ffn_cols)),
-            w_down=mat(_cols(mf.weight(p + "ffn_down.weight"), spec.ffn_cols)),
+            w_gate=mat(_rows(mf.weight(p + "ffn_gate.weight"), local.ffn_cols)),
+            w_up=mat(_rows(mf.weight(p + "ffn_up.weight"), local.ffn_cols)),
+            w_down=mat(_cols(mf.weight(p + "ffn_down.weight"), local.ffn_cols)),
         ))
     head = mf.weight("token_embd.weight" if cfg.tied else "output.weight")
     return Weights(
@@ -129,7 +157,7 @@ def load_weights(mf: ModelFile, spec: ShardSpec | None = None, *, repack: bool =
         spec=spec,
         layers=tuple(layers),
         out_norm=mf.vector("output_norm.weight"),
-        lm_head=mat(_rows(head, spec.vocab_rows)),
+        lm_head=mat(_rows(head, local.vocab_rows)),
         rope_freqs=mf.vector("rope_freqs.weight") if mf.has("rope_freqs.weight") else None,
     )
 
@@ -214,7 +242,10 @@ class Shard:
         kc[:, pos:pos + n, :] = k.reshape(n, self.n_kv, hd).transpose(1, 0, 2)
         vc[:, pos:pos + n, :] = v.reshape(n, self.n_kv, hd).transpose(1, 0, 2)
         att = np.empty_like(q)
-        ops.attention(q, kc, vc, pos, cfg.group_size, att)
+        if n == 1:
+            ops.attention(q, kc, vc, pos, cfg.group_size, att)
+        else:
+            ops.attention_batch(q, kc, vc, pos, cfg.group_size, att)
         _apply(layer.wo, att, partial)
         return partial
 

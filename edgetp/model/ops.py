@@ -108,3 +108,29 @@ def silu_mul(gate, up):  # pragma: no cover - compiled
         for j in range(f):
             g = gate[i, j]
             gate[i, j] = g / (np.float32(1.0) + np.float32(math.exp(-g))) * up[i, j]
+
+
+def attention_batch(q, k_cache, v_cache, pos0, group, out):
+    """Causal attention for a batch of n > 1 tokens, one KV head at a time through BLAS.
+
+    Same contract as `attention`; the scalar kernel is right for one token, but a
+    prefill batch is two matrix products per KV head. Every KV head is computed
+    with the same shapes whichever node holds it, so a cluster stays bit-identical
+    to a single node.
+    """
+    n = q.shape[0]
+    n_kv, _, hd = k_cache.shape
+    last = pos0 + n
+    future = np.arange(last)[None, :] > (pos0 + np.arange(n))[:, None]  # (n, last): s > t
+    qh = q.reshape(n, n_kv, group, hd)
+    oh = out.reshape(n, n_kv, group, hd)
+    scale = np.float32(1.0 / math.sqrt(hd))
+    for kv in range(n_kv):
+        qs = qh[:, kv].transpose(1, 0, 2).reshape(group * n, hd)       # rows: head-major
+        scores = (qs @ k_cache[kv, :last].T) * scale                     # (group * n, last)
+        s3 = scores.reshape(group, n, last)
+        s3[:, future] = -np.inf
+        scores -= scores.max(axis=1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=1, keepdims=True)
+        oh[:, kv] = (scores @ v_cache[kv, :last]).reshape(group, n, hd).transpose(1, 0, 2)

@@ -1,0 +1,497 @@
+#!/usr/bin/env python3
+"""edgetp vs llama.cpp on this machine: prefill and decode tokens/s, one table.
+
+    python tools/bench_local.py                       # every model, 1 and 2 threads
+    python tools/bench_local.py --quick               # SmolLM2 only, 1 thread (smoke run)
+    python tools/bench_local.py --models smollm2,llama1b-q4_0 --threads 2 --out bench.md
+
+For each model and thread count it measures, each in its own subprocess (so
+numba's thread count and llama.cpp's state never leak between runs):
+
+* ``edgetp``         - LocalRunner(repack=False)
+* ``edgetp+repack``  - LocalRunner(repack=True), only for models with Q4 weights;
+                       its extra memory comes from ``LocalRunner.weights_cost``
+* ``llama.cpp``      - llama-cpp-python on the same file, same thread count
+
+Prefill: one call on a PREFILL-token prompt (token ids 10..10+PREFILL), best of
+``--prefill-reps``.  Decode: DECODE greedy tokens, one at a time, after a short
+prompt (the prompt is not timed).  Both engines see the same ids, compute the
+full logits of the last position and take the argmax.  Warm-up runs first
+(numba kernels load from their cache on the first call).
+
+Models (``--models``, comma separated; a path to any .gguf file also works):
+
+* ``smollm2``      SmolLM2-135M-Instruct Q4_1 (edgetp.store.resolve("smollm2"))
+* ``llama1b-q8_0`` synthetic Llama-3.2-1B shape, Q8_0 (random weights)
+* ``llama1b-q4_0`` synthetic Llama-3.2-1B shape, Q4_0 (random weights)
+
+The synthetic files are written once with tools/synth_gguf.py into
+``<edgetp cache>/bench/`` (``$EDGETP_CACHE_DIR/bench`` or ``~/.cache/edgetp/bench``;
+``--cache-dir`` overrides) and reused afterwards.
+
+Targets checked at the end:
+
+* edgetp decode >= 0.6x llama.cpp decode, at 1 and at 2 threads (per model;
+  the repack row counts too, reported separately);
+* edgetp prefill (PREFILL-token prompt) >= 5x edgetp's own decode rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+PREFILL = 256          # prompt tokens for the prefill measurement
+DECODE = 64            # decode tokens
+DECODE_PROMPT = 8      # untimed prompt before decoding
+FIRST_ID = 10          # prompt ids: FIRST_ID, FIRST_ID+1, ...
+N_CTX = 1024
+DECODE_TARGET = 0.6
+PREFILL_TARGET = 5.0
+
+SMOLLM2_FALLBACK = Path("/root/.cache/edgetp/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@dataclass
+class ModelSpec:
+    key: str
+    label: str
+    preset: str | None = None        # synth_gguf preset (synthetic models)
+    weight_type: str | None = None
+    path: Path | None = None
+    q4: bool = False                 # has Q4 weights: also run edgetp+repack
+
+
+BUILTIN = {
+    "smollm2": ModelSpec("smollm2", "SmolLM2-135M Q4_1", q4=True),
+    "llama1b-q8_0": ModelSpec("llama1b-q8_0", "Llama-3.2-1B-shape Q8_0 (synthetic)", "llama-3.2-1b", "q8_0"),
+    "llama1b-q4_0": ModelSpec("llama1b-q4_0", "Llama-3.2-1B-shape Q4_0 (synthetic)", "llama-3.2-1b", "q4_0", q4=True),
+}
+
+
+# --------------------------------------------------------------------------- workers (subprocess side)
+
+def _prompt(n: int, vocab: int) -> list[int]:
+    return [FIRST_ID + (i % max(1, vocab - FIRST_ID)) for i in range(n)]
+
+
+def _rss_mb() -> float:
+    """Peak RSS of this process in MB (VmHWM; unlike ru_maxrss it does not inherit the
+    parent's peak across fork+exec). Mapped model pages that were touched count."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def worker_edgetp(path: str, threads: int, repack: bool, prefill_reps: int) -> dict[str, Any]:
+    from edgetp.model import gguf, quant, sampling
+    from edgetp.model.generate import LocalRunner
+
+    quant.set_threads(threads)
+    greedy = sampling.SamplingParams(temperature=0.0)
+    t0 = time.perf_counter()
+    mf = gguf.open_model(path)
+    r = LocalRunner(mf, ctx=N_CTX, repack=repack)
+    load_s = time.perf_counter() - t0
+    vocab = int(mf.config.vocab)
+    prompt = _prompt(PREFILL, vocab)
+    r.begin(greedy)
+    try:
+        # warm-up: a batch (matmul path) and a few single tokens (matvec path)
+        t0 = time.perf_counter()
+        hist = prompt[:16]
+        tok = int(r.run(hist, 0, hist, greedy).ids[0])
+        for i in range(3):
+            hist.append(tok)
+            tok = int(r.run([tok], len(hist) - 1, hist, greedy).ids[0])
+        warm_s = time.perf_counter() - t0
+
+        best = float("inf")
+        for _ in range(prefill_reps):
+            t0 = time.perf_counter()
+            r.run(prompt, 0, prompt, greedy)
+            best = min(best, time.perf_counter() - t0)
+        prefill_s = best
+
+        hist = prompt[:DECODE_PROMPT]
+        tok = int(r.run(hist, 0, hist, greedy).ids[0])
+        out = []
+        t0 = time.perf_counter()
+        for _ in range(DECODE):
+            out.append(tok)
+            hist.append(tok)
+            tok = int(r.run([tok], len(hist) - 1, hist, greedy).ids[0])
+        decode_s = time.perf_counter() - t0
+    finally:
+        r.end()
+    before, after = r.weights_cost
+    return dict(load_s=load_s, warm_s=warm_s, prefill_s=prefill_s, decode_s=decode_s,
+                weights_before=before, weights_after=after, tokens=out, rss_mb=_rss_mb())
+
+
+def worker_llama_cpp(path: str, threads: int, prefill_reps: int) -> dict[str, Any]:
+    import numpy as np
+    import llama_cpp
+
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=path, n_ctx=N_CTX, n_batch=512, n_threads=threads,
+                          n_threads_batch=threads, logits_all=False, verbose=False)
+    load_s = time.perf_counter() - t0
+    n_vocab = llm.n_vocab()
+    prompt = _prompt(PREFILL, n_vocab)
+
+    def last_logits() -> np.ndarray:
+        # logits_all=False: Llama.eval does not copy logits into llm.scores; the
+        # context holds one row (the batch's last token). Read it directly.
+        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))
+
+    def argmax() -> int:
+        return int(np.argmax(last_logits()))
+
+    t0 = time.perf_counter()
+    llm.reset()
+    llm.eval(prompt[:16])
+    tok = argmax()
+    for _ in range(3):
+        llm.eval([tok])
+        tok = argmax()
+    warm_s = time.perf_counter() - t0
+
+    best = float("inf")
+    for _ in range(prefill_reps):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        argmax()
+        best = min(best, time.perf_counter() - t0)
+    prefill_s = best
+
+    llm.reset()
+    llm.eval(prompt[:DECODE_PROMPT])
+    tok = argmax()
+    out = []
+    t0 = time.perf_counter()
+    for _ in range(DECODE):
+        out.append(tok)
+        llm.eval([tok])
+        tok = argmax()
+    decode_s = time.perf_counter() - t0
+    return dict(load_s=load_s, warm_s=warm_s, prefill_s=prefill_s, decode_s=decode_s, tokens=out,
+                rss_mb=_rss_mb())
+
+
+def worker_main(spec_json: str) -> int:
+    spec = json.loads(spec_json)
+    if spec["engine"] == "llama.cpp":
+        res = worker_llama_cpp(spec["path"], spec["threads"], spec["prefill_reps"])
+    else:
+        res = worker_edgetp(spec["path"], spec["threads"], spec["engine"] == "edgetp+repack", spec["prefill_reps"])
+    print("RESULT " + json.dumps(res), flush=True)
+    return 0
+
+
+# --------------------------------------------------------------------------- driver
+
+@dataclass
+class Result:
+    model: str
+    threads: int
+    engine: str
+    data: dict[str, Any] | None = None
+    error: str | None = None
+    wall_s: float = 0.0
+
+    @property
+    def prefill_tps(self) -> float | None:
+        return PREFILL / self.data["prefill_s"] if self.data else None
+
+    @property
+    def decode_tps(self) -> float | None:
+        return DECODE / self.data["decode_s"] if self.data else None
+
+
+def bench_dir(override: str | None) -> Path:
+    if override:
+        return Path(override).expanduser()
+    from edgetp import store
+    return store.cache_dir() / "bench"
+
+
+def resolve_model(spec: ModelSpec, cache: Path, log) -> Path:
+    if spec.path is not None:
+        return spec.path
+    if spec.key == "smollm2":
+        from edgetp import store
+        try:
+            return store.resolve("smollm2")
+        except Exception:  # noqa: BLE001 - fall back to the usual place
+            if SMOLLM2_FALLBACK.is_file():
+                return SMOLLM2_FALLBACK
+            raise
+    path = cache / f"{spec.preset}.{spec.weight_type}.gguf"
+    if not path.is_file():
+        from tools import synth_gguf
+        cache.mkdir(parents=True, exist_ok=True)
+        log(f"writing {path} (once; reused by later runs) ...")
+        t0 = time.perf_counter()
+        synth_gguf.write_preset(path, spec.preset, weight_type=spec.weight_type)
+        log(f"  {path.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s")
+    return path
+
+
+def has_q4(path: Path) -> bool:
+    from gguf import GGMLQuantizationType as QT, GGUFReader
+    r = GGUFReader(str(path))
+    return any(t.tensor_type in (QT.Q4_0, QT.Q4_1) for t in r.tensors)
+
+
+def run_one(path: Path, engine: str, threads: int, args, log) -> tuple[dict[str, Any] | None, str | None, float]:
+    env = dict(os.environ)
+    env.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS="1",
+               NUMBA_NUM_THREADS=str(threads))
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    spec = dict(path=str(path), engine=engine, threads=threads, prefill_reps=args.prefill_reps)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"timeout after {args.timeout:.0f} s", time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:]), None, wall
+    tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
+    return None, f"exit {p.returncode}: " + " | ".join(tail), wall
+
+
+def _cpu_busy(seconds: float = 1.0) -> float:
+    """How many CPUs other processes keep busy right now (from /proc/stat over `seconds`,
+    while this driver sleeps and no measurement runs); NaN where /proc/stat is missing."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            vals = [int(v) for v in f.readline().split()[1:]]
+        idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
+        return sum(vals[:8]), idle
+    try:
+        t0, i0 = sample()
+        time.sleep(seconds)
+        t1, i1 = sample()
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+    total = t1 - t0
+    return (os.cpu_count() or 1) * (1 - (i1 - i0) / total) if total > 0 else float("nan")
+
+
+def merge_runs(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Best of two runs: the fastest prefill and the fastest decode (the minimum is the signal
+    on a shared machine); peak RSS is the larger one."""
+    out = dict(a)
+    out["prefill_s"] = min(a["prefill_s"], b["prefill_s"])
+    if b["decode_s"] < a["decode_s"]:
+        out["decode_s"], out["tokens"] = b["decode_s"], b["tokens"]
+    out["rss_mb"] = max(a["rss_mb"], b["rss_mb"])
+    out["load"] = a.get("load", []) + b.get("load", [])
+    return out
+
+
+def fmt(x: float | None, nd: int = 1) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def agree(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def render(results: list[Result], models: dict[str, str], meta: str) -> tuple[str, list[str], bool]:
+    ref = {(r.model, r.threads): r for r in results if r.engine == "llama.cpp" and r.data}
+    lines = [meta, "",
+             f"| model | threads | engine | prefill tok/s ({PREFILL}) | decode tok/s ({DECODE}) "
+             f"| prefill vs llama.cpp | decode vs llama.cpp | prefill/decode | extra weights MB "
+             f"| peak RSS MB | greedy agree | busy CPUs before |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        name = models[r.model]
+        if not r.data:
+            lines.append(f"| {name} | {r.threads} | {r.engine} | FAILED: {r.error} | | | | | | | | |")
+            continue
+        base = ref.get((r.model, r.threads))
+        pv = dv = None
+        ag = "-"
+        if base and r.engine != "llama.cpp":
+            pv = r.prefill_tps / base.prefill_tps
+            dv = r.decode_tps / base.decode_tps
+            ag = f"{agree(r.data['tokens'], base.data['tokens'])}/{DECODE}"
+        extra = "-"
+        if "weights_before" in r.data:
+            extra = f"{(r.data['weights_after'] - r.data['weights_before']) / 1e6:.0f}"
+        pd = r.prefill_tps / r.decode_tps
+        lines.append(
+            f"| {name} | {r.threads} | {r.engine} | {fmt(r.prefill_tps)} | {fmt(r.decode_tps, 2)} "
+            f"| {fmt(pv, 2) + 'x' if pv else '-'} | {fmt(dv, 2) + 'x' if dv else '-'} "
+            f"| {fmt(pd, 1)}x | {extra} | {r.data['rss_mb']:.0f} | {ag} "
+            f"| {'/'.join(f'{x:.1f}' for x in r.data.get('load', []))} |")
+
+    checks: list[str] = []
+    ok_all = True
+    for r in results:
+        if r.engine == "llama.cpp":
+            continue
+        name = f"{models[r.model]}, {r.threads} thread{'s' if r.threads > 1 else ''}, {r.engine}"
+        base = ref.get((r.model, r.threads))
+        if not r.data or not base:
+            checks.append(f"- [ ] decode >= {DECODE_TARGET}x llama.cpp: {name}: no measurement")
+            ok_all = False
+            continue
+        dv = r.decode_tps / base.decode_tps
+        ok = dv >= DECODE_TARGET
+        ok_all &= ok
+        checks.append(f"- [{'x' if ok else ' '}] decode >= {DECODE_TARGET}x llama.cpp: {name}: "
+                      f"{r.decode_tps:.2f} vs {base.decode_tps:.2f} tok/s = {dv:.2f}x")
+    for r in results:
+        if r.engine == "llama.cpp" or not r.data:
+            continue
+        name = f"{models[r.model]}, {r.threads} thread{'s' if r.threads > 1 else ''}, {r.engine}"
+        pd = r.prefill_tps / r.decode_tps
+        ok = pd >= PREFILL_TARGET
+        ok_all &= ok
+        checks.append(f"- [{'x' if ok else ' '}] prefill({PREFILL}) >= {PREFILL_TARGET:g}x own decode: {name}: "
+                      f"{r.prefill_tps:.1f} vs {r.decode_tps:.2f} tok/s = {pd:.1f}x")
+    return "\n".join(lines), checks, ok_all
+
+
+def machine_meta(threads: list[int]) -> str:
+    try:
+        load = os.getloadavg()
+        la = f"load avg {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}"
+    except OSError:
+        la = "load avg ?"
+    try:
+        import llama_cpp
+        lv = llama_cpp.__version__
+    except Exception:  # noqa: BLE001
+        lv = "?"
+    return (f"edgetp vs llama.cpp (llama-cpp-python {lv}) on {os.cpu_count()} CPUs, {la} at start; "
+            f"threads {','.join(map(str, threads))}; {time.strftime('%Y-%m-%d %H:%M')}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="SmolLM2 only, 1 thread (smoke run)")
+    ap.add_argument("--models", default=",".join(BUILTIN),
+                    help=f"comma-separated: {', '.join(BUILTIN)} or paths to .gguf files (default: all)")
+    ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
+    ap.add_argument("--engines", default="edgetp,edgetp+repack,llama.cpp",
+                    help="subset of edgetp,edgetp+repack,llama.cpp (repack runs only for Q4 models)")
+    ap.add_argument("--prefill-reps", type=int, default=1, help="prefill calls per run, best is kept (default 1)")
+    ap.add_argument("--runs", type=int, default=1,
+                    help="repeat every measurement N times (engines interleaved), keep the best (default 1)")
+    ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per measurement subprocess")
+    ap.add_argument("--cache-dir", help="where synthetic models are written (default <edgetp cache>/bench)")
+    ap.add_argument("--out", help="also write the Markdown table and checks to this file")
+    ap.add_argument("--json", help="also write raw results as JSON to this file")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.worker:
+        return worker_main(args.worker)
+
+    if args.quick:
+        args.models, args.threads = "smollm2", "1"
+    threads = [int(t) for t in args.threads.split(",") if t.strip()]
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    bad = set(engines) - {"edgetp", "edgetp+repack", "llama.cpp"}
+    if bad or not threads or any(t < 1 for t in threads) or args.prefill_reps < 1 or args.runs < 1:
+        ap.error(f"bad --engines/--threads/--prefill-reps ({', '.join(sorted(bad))})")
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    specs: list[ModelSpec] = []
+    for key in (k.strip() for k in args.models.split(",")):
+        if not key:
+            continue
+        if key in BUILTIN:
+            specs.append(BUILTIN[key])
+        elif Path(key).expanduser().is_file():
+            p = Path(key).expanduser()
+            specs.append(ModelSpec(str(p), p.name, path=p))
+        else:
+            ap.error(f"unknown model {key!r}: use {', '.join(BUILTIN)} or a .gguf path")
+
+    meta = machine_meta(threads)
+    cache = bench_dir(args.cache_dir)
+    paths: dict[str, Path] = {}
+    labels: dict[str, str] = {}
+    for s in specs:
+        paths[s.key] = resolve_model(s, cache, log)
+        labels[s.key] = s.label
+        if s.path is not None:
+            s.q4 = has_q4(s.path)
+
+    results: list[Result] = []
+    for s in specs:
+        for t in threads:
+            order = [e for e in ("llama.cpp", "edgetp", "edgetp+repack") if e in engines
+                     and not (e == "edgetp+repack" and not s.q4)]
+            rows = {e: Result(s.key, t, e) for e in order}
+            results.extend(rows.values())
+            for run in range(args.runs):  # engines interleaved, so slow phases of a shared machine hit all
+                for engine in order:
+                    r = rows[engine]
+                    log(f"[{s.key} threads={t}] {engine} (run {run + 1}/{args.runs}) ...")
+                    load1 = _cpu_busy()
+                    data, err, wall = run_one(paths[s.key], engine, t, args, log)
+                    r.wall_s += wall
+                    if data:
+                        data["load"] = [load1]
+                        log(f"    prefill {PREFILL / data['prefill_s']:8.1f} tok/s  decode {DECODE / data['decode_s']:7.2f} "
+                            f"tok/s  (load {data['load_s']:.1f} s, warm-up {data['warm_s']:.1f} s, wall {wall:.0f} s, "
+                            f"other CPU use before {load1:.2f})")
+                        r.data = data if r.data is None else merge_runs(r.data, data)
+                    else:
+                        log(f"    FAILED: {err}")
+                        r.error = r.error or err
+
+    table, checks, ok = render(results, labels, meta)
+    text = table + "\n\nTargets:\n\n" + "\n".join(checks) + "\n\n" + ("ALL TARGETS MET" if ok else "TARGETS NOT MET") + "\n"
+    busy = [x for r in results if r.data for x in r.data.get("load", []) if x > 0.25]
+    if busy:
+        text += (f"\nWARNING: other processes kept {max(busy):.2f} of {os.cpu_count()} CPUs busy just before "
+                 f"{len(busy)} measurement(s) (column 'busy CPUs before'): the cores were shared, so these "
+                 "numbers (especially at 2 threads) are noisy. Re-run on a quiet machine.\n")
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+        log(f"wrote {args.out}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            [dict(model=r.model, threads=r.threads, engine=r.engine, error=r.error, wall_s=r.wall_s, **(r.data or {}))
+             for r in results], indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -77,7 +77,7 @@ def ask(args: argparse.Namespace) -> int:
     prompt = read_prompt(args)
     key = auth.read_key(args.key) if args.key else None
     path = store.resolve(args.model, pull_missing=True)
-    mf = gguf.open_model(path)
+    mf = gguf.open_model(path, store.cache_dir() / "index")
     tok = Tokenizer.from_metadata(mf.metadata)
     if args.threads:
         quant.set_threads(args.threads)
@@ -142,7 +142,7 @@ def worker(args: argparse.Namespace) -> int:
     if key is None:
         print("edgetp: warning: no cluster key; any root that can reach this port may use it", file=sys.stderr)
     w = Worker(node_id, key=key, threads=args.threads, model_path=args.model,
-               resolve=lambda ref: str(store.resolve(ref)))
+               resolve=lambda ref: str(store.resolve(ref)), index_dir=str(store.cache_dir() / "index"))
 
     def listening(bound: int) -> None:
         print(f"edgetp worker {node_id} listening on {host}:{bound}", flush=True)

@@ -15,6 +15,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 
@@ -54,21 +55,50 @@ class ModelConfig:
         return self.n_heads // self.n_kv_heads
 
 
-class ModelFile:
-    """An opened, validated GGUF file."""
+@dataclass(frozen=True, eq=False)
+class TensorInfo:
+    """One tensor of the file: what gguf-py's ReaderTensor tells us, plus its mapped bytes."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]   # ggml order: [cols, rows, ...]
+    data_offset: int         # absolute, in the file
+    n_bytes: int
+    data: np.ndarray         # read-only view of the mapped file (float32/float16 for those types, else uint8 rows)
+
+
+class ModelFile:
+    """An opened, validated GGUF file.
+
+    The header is parsed by gguf-py. That parse costs seconds on a large
+    vocabulary (it builds a numpy view per string), so with `index_dir` its
+    result (metadata, tensor table) is kept in a small index file keyed by
+    the file's path, size, mtime and inode; later opens map the tensors from
+    the index in milliseconds. Any doubt about an index means a fresh parse.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], index_dir: str | os.PathLike[str] | None = None) -> None:
         self.path = Path(path)
-        self.reader = _open_reader(self.path)
-        self.tensors = {t.name: t for t in self.reader.tensors}
-        _check_extents(self.path, self.reader)
-        self.config = _read_config(self.path, self.reader, self.tensors)
+        index = _index_path(self.path, index_dir) if index_dir else None
+        head = _read_index(index) if index else None
+        if head is None:
+            reader = _open_reader(self.path)
+            self.__dict__["reader"] = reader
+            head = _head_from_reader(reader)
+            if index:
+                _write_index(index, head)
+        self.metadata: dict[str, Any] = head["metadata"]
+        self.data_offset: int = head["data_offset"]
+        self.alignment: int = head["alignment"]
+        self.tensors = _map_tensors(self.path, head["tensors"])
+        _check_extents(self.path, self.tensors.values(), self.data_offset, self.alignment)
+        self.config = _read_config(self.path, self.metadata, self.tensors)
         _check_tensor_types(self.path, self.tensors)
 
     @cached_property
-    def metadata(self) -> dict[str, Any]:
-        """Every key/value of the header as plain Python values."""
-        return {name: field.contents() for name, field in self.reader.fields.items()}
+    def reader(self) -> GGUFReader:
+        """gguf-py's full reader (a fresh parse: for copying typed metadata, not for the hot path)."""
+        return _open_reader(self.path)
 
     def has(self, name: str) -> bool:
         return name in self.tensors
@@ -84,7 +114,7 @@ class ModelFile:
             raise GGUFError(f"{self.path}: vector {name!r} has type {t.tensor_type.name}, expected F32 or F16")
         return np.asarray(t.data).astype(np.float32).reshape(-1)
 
-    def _tensor(self, name: str):
+    def _tensor(self, name: str) -> TensorInfo:
         try:
             return self.tensors[name]
         except KeyError:
@@ -99,7 +129,7 @@ class ModelFile:
         """
         h = hashlib.sha256()
         with open(self.path, "rb") as f:
-            h.update(f.read(int(self.reader.data_offset)))
+            h.update(f.read(self.data_offset))
         h.update(str(self.path.stat().st_size).encode())
         return h.hexdigest()
 
@@ -112,8 +142,79 @@ class ModelFile:
         return h.hexdigest()
 
 
-def open_model(path: str | os.PathLike[str]) -> ModelFile:
-    return ModelFile(path)
+def open_model(path: str | os.PathLike[str], index_dir: str | os.PathLike[str] | None = None) -> ModelFile:
+    return ModelFile(path, index_dir)
+
+
+INDEX_VERSION = 1
+
+
+def _index_path(path: Path, index_dir: str | os.PathLike[str]) -> Path | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None  # the slow path reports the missing file
+    ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{INDEX_VERSION}"
+    return Path(index_dir) / f"{hashlib.sha256(ident.encode()).hexdigest()[:32]}.msgpack"
+
+
+def _head_from_reader(reader: GGUFReader) -> dict[str, Any]:
+    return {
+        "version": INDEX_VERSION,
+        "metadata": {name: field.contents() for name, field in reader.fields.items()},
+        "data_offset": int(reader.data_offset),
+        "alignment": int(reader.alignment),
+        "tensors": [[t.name, int(t.tensor_type), [int(d) for d in t.shape], int(t.data_offset), int(t.n_bytes)]
+                    for t in reader.tensors],
+    }
+
+
+def _read_index(index: Path) -> dict[str, Any] | None:
+    try:
+        head = msgpack.unpackb(index.read_bytes(), raw=False, strict_map_key=False)
+        if head.get("version") != INDEX_VERSION or not isinstance(head.get("tensors"), list):
+            return None
+        return head
+    except (OSError, ValueError, TypeError, AttributeError, msgpack.UnpackException):
+        return None
+
+
+def _write_index(index: Path, head: dict[str, Any]) -> None:
+    """Best effort: a cache that cannot be written only costs the next open some time."""
+    try:
+        index.parent.mkdir(parents=True, exist_ok=True)
+        part = index.with_name(f"{index.name}.{os.getpid()}.part")
+        part.write_bytes(msgpack.packb(head, use_bin_type=True))
+        os.replace(part, index)
+    except (OSError, ValueError, TypeError):
+        pass
+
+
+def _map_tensors(path: Path, table: list) -> dict[str, TensorInfo]:
+    """Views of every tensor's bytes in one read-only map of the file."""
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    size = mm.shape[0]
+    tensors = {}
+    for name, qtype, shape, offset, n_bytes in table:
+        try:
+            kind = GGMLQuantizationType(qtype)
+        except ValueError:
+            raise GGUFError(f"{path}: tensor {name!r} has an unknown type code {qtype}") from None
+        raw = mm[offset:offset + n_bytes] if offset + n_bytes <= size else mm[0:0]
+        tensors[name] = TensorInfo(name, kind, tuple(shape), offset, n_bytes, _typed(raw, kind, shape))
+    return tensors
+
+
+def _typed(raw: np.ndarray, kind: GGMLQuantizationType, shape: list[int]) -> np.ndarray:
+    """The bytes as gguf-py presents them: float arrays in numpy order, else uint8 rows."""
+    dims = list(reversed(shape))  # numpy order: rows first
+    if raw.size == 0:
+        return raw
+    if kind == GGMLQuantizationType.F32:
+        return raw.view(np.float32).reshape(dims)
+    if kind == GGMLQuantizationType.F16:
+        return raw.view(np.float16).reshape(dims)
+    return raw.reshape(*dims[:-1], -1) if len(dims) > 1 else raw
 
 
 def _open_reader(path: Path) -> GGUFReader:
@@ -131,14 +232,14 @@ def _open_reader(path: Path) -> GGUFReader:
         raise GGUFError(f"{path}: corrupt or truncated GGUF header ({exc})") from None
 
 
-def _check_extents(path: Path, reader: GGUFReader) -> None:
+def _check_extents(path: Path, tensors, data_offset: int, alignment: int) -> None:
     """Every tensor must lie inside the file, aligned, and not overlap another."""
     size = path.stat().st_size
     spans = []
-    for t in reader.tensors:
+    for t in tensors:
         start = int(t.data_offset)
         stop = start + int(t.n_bytes)
-        if start < int(reader.data_offset) or start % reader.alignment:
+        if start < data_offset or start % alignment:
             raise GGUFError(f"{path}: tensor {t.name!r} has a bad offset {start}")
         if stop > size:
             raise GGUFError(
@@ -151,14 +252,14 @@ def _check_extents(path: Path, reader: GGUFReader) -> None:
             raise GGUFError(f"{path}: tensors {name!r} and {other!r} overlap (lying offsets)")
 
 
-def _read_config(path: Path, reader: GGUFReader, tensors: dict) -> ModelConfig:
+def _read_config(path: Path, metadata: dict[str, Any], tensors: dict) -> ModelConfig:
     def get(key: str, default: Any = None) -> Any:
-        field = reader.fields.get(key)
-        if field is None:
+        value = metadata.get(key)
+        if value is None:
             if default is None:
                 raise GGUFError(f"{path}: metadata key {key!r} is missing")
             return default
-        return field.contents()
+        return value
 
     arch = get("general.architecture")
     if arch not in SUPPORTED_ARCHS:

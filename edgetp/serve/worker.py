@@ -51,6 +51,7 @@ class Worker:
     threads: int | None = None
     model_path: str | None = None  # our own copy; else the root's path is used
     resolve: Callable[[str], str] = str
+    index_dir: str | None = None  # where parsed GGUF headers are kept (fast re-opens)
     busy: bool = field(default=False, init=False)
     _idle: asyncio.Event = field(default_factory=asyncio.Event, init=False)
 
@@ -142,7 +143,7 @@ class _Session:
         t0 = time.perf_counter()
         self.shard = None
         path = self.worker.model_path or self.worker.resolve(h["model"])
-        self.mf = await asyncio.to_thread(open_model, path)
+        self.mf = await asyncio.to_thread(open_model, path, self.worker.index_dir)
         if self.mf.fingerprint != h["fingerprint"]:
             raise ValueError(f"{path}: not the root's model (fingerprint {self.mf.fingerprint[:12]} != {h['fingerprint'][:12]})")
         spec = llama.ShardSpec(tuple(h["kv_groups"]), tuple(h["ffn_cols"]), tuple(h["vocab_rows"]))

@@ -160,8 +160,7 @@ def _loop(runner: _Steps, tok: Tokenizer, prompt_ids: Sequence[int], params: Sam
           stop: Sequence[str]) -> Iterator[TokenEvent]:
     sampler = sampling.Sampler(params)
     history = list(prompt_ids)
-    decoder = tok.stream()
-    text = ""
+    out = _StopFilter(tok.stream(), [s for s in stop if s])
     pending = list(prompt_ids)
     pos = 0
     for index in range(max_tokens):
@@ -174,30 +173,50 @@ def _loop(runner: _Steps, tok: Tokenizer, prompt_ids: Sequence[int], params: Sam
         pos += len(pending)
         history.append(tid)
         if tid in tok.stop_ids:
-            yield TokenEvent(index, tid, decoder.flush(), ms, "stop", note)
+            yield TokenEvent(index, tid, out.finish(), ms, "stop", note)
             return
-        piece = decoder.feed(tid)
-        text += piece
-        hit = _stop_hit(text, piece, stop)
-        if hit is not None:
-            yield TokenEvent(index, tid, piece[: len(piece) - hit] if hit else piece, ms, "stop", note)
+        text, stopped = out.feed(tid)
+        if stopped:
+            yield TokenEvent(index, tid, text, ms, "stop", note)
             return
         if pos >= runner.ctx:  # no room to feed this token back: stop, never wrap around
-            yield TokenEvent(index, tid, piece + decoder.flush(), ms, "context", note)
+            yield TokenEvent(index, tid, text + out.finish(), ms, "context", note)
             return
         if index == max_tokens - 1:
-            yield TokenEvent(index, tid, piece + decoder.flush(), ms, "length", note)
+            yield TokenEvent(index, tid, text + out.finish(), ms, "length", note)
             return
-        yield TokenEvent(index, tid, piece, ms, None, note)
+        yield TokenEvent(index, tid, text, ms, None, note)
         pending = [tid]
 
 
-def _stop_hit(text: str, piece: str, stop: Sequence[str]) -> int | None:
-    """If a stop string now ends inside text, how many chars of `piece` to drop (from its end)."""
-    for s in stop:
-        if not s:
-            continue
-        at = text.find(s, max(0, len(text) - len(piece) - len(s)))
-        if at >= 0:
-            return len(text) - at if len(text) - at <= len(piece) else len(piece)
-    return None
+class _StopFilter:
+    """Streams decoded text, holding back what could still become a stop string.
+
+    Text that ends with the first characters of a stop string is kept until
+    the next token shows whether the stop string follows; the stop string and
+    everything after it are never sent.
+    """
+
+    def __init__(self, decoder, stop: list[str]) -> None:
+        self.decoder = decoder
+        self.stop = stop
+        self.text = ""   # everything decoded so far
+        self.sent = 0    # how much of it went out
+
+    def feed(self, tid: int) -> tuple[str, bool]:
+        self.text += self.decoder.feed(tid)
+        for s in self.stop:
+            at = self.text.find(s, max(0, self.sent - len(s)))
+            if at >= 0:
+                return self._send(at), True
+        hold = max((k for s in self.stop for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+        return self._send(len(self.text) - hold), False
+
+    def finish(self) -> str:
+        self.text += self.decoder.flush()
+        return self._send(len(self.text))
+
+    def _send(self, upto: int) -> str:
+        upto = max(upto, self.sent)
+        piece, self.sent = self.text[self.sent:upto], upto
+        return piece

@@ -1,0 +1,328 @@
+"""The HTTP API: OpenAI's completions, the cluster view, Prometheus metrics, the event stream.
+
+`make_app()` builds the application; its handlers only parse, submit to
+the `Engine` (edgetp/serve/root.py) and shape the answer as OpenAI does.
+Every error, even an unexpected one, leaves as OpenAI's
+`{"error": {"message", "type", "param", "code"}}`, never a traceback.
+
+    POST /v1/chat/completions, /v1/completions   (SSE when "stream": true)
+    GET  /v1/models, /v1/cluster, /metrics
+    GET  /v1/events                               (WebSocket: snapshot, then records)
+
+Requests that change the cluster must carry the cluster key's signature
+(`require_key`); there are none yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import time
+import uuid
+import weakref
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from aiohttp import WSCloseCode, web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from edgetp.model.chat import ChatTemplateError
+from edgetp.net import auth
+from edgetp.serve import events, openai_shape as shape
+from edgetp.serve.root import Engine, EngineClosed, GenerationFailed, Job, QueueFull, Request, local_view
+
+log = logging.getLogger(__name__)
+
+ENGINE = web.AppKey("engine", Engine)
+CLUSTER_VIEW = web.AppKey("cluster_view", Callable[[], events.ClusterView])
+KEY = web.AppKey("key", bytes | None)
+NONCES = web.AppKey("nonces", auth.NonceCache)
+METRICS = web.AppKey("metrics", "Metrics")
+SOCKETS = web.AppKey("sockets", weakref.WeakSet)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+ApiError = shape.ApiError
+
+
+# --------------------------------------------------------------------------- app
+
+
+def make_app(engine: Engine, *, cluster_view: Callable[[], events.ClusterView] | None = None,
+             key: bytes | None = None) -> web.Application:
+    """The API over one engine. The app owns the engine's serving task (started and cancelled with it)."""
+    app = web.Application(middlewares=[_errors])
+    app[ENGINE] = engine
+    node_id = socket.gethostname()
+    config = getattr(getattr(engine.runner, "mf", None), "config", None)
+    app[CLUSTER_VIEW] = cluster_view or (lambda: local_view(engine.model_name, config, node_id))
+    app[KEY] = key
+    app[NONCES] = auth.NonceCache()
+    app[METRICS] = Metrics(engine)
+    app[SOCKETS] = weakref.WeakSet()
+    engine.bus.add_listener(app[METRICS].observe)
+    app.cleanup_ctx.append(_serve_engine)
+    app.on_shutdown.append(_close_sockets)
+    app.add_routes([
+        web.post("/v1/chat/completions", chat_completions),
+        web.post("/v1/completions", completions),
+        web.get("/v1/models", models),
+        web.get("/v1/models/{model}", model),
+        web.get("/v1/cluster", cluster),
+        web.get("/v1/events", events_ws),
+        web.get("/metrics", metrics),
+    ])
+    return app
+
+
+async def _serve_engine(app: web.Application) -> AsyncIterator[None]:
+    task = asyncio.create_task(app[ENGINE].serve(), name="edgetp-engine")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def _close_sockets(app: web.Application) -> None:
+    for ws in list(app[SOCKETS]):
+        await ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down")
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application, host: str = "127.0.0.1", port: int = 0,
+                  shutdown_timeout: float = 5.0) -> AsyncIterator[str]:
+    """Serve `app` on host:port (0: any free port) while inside; yields the base URL."""
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout, access_log=None)
+    await runner.setup()
+    try:
+        sock = socket.create_server((host, port))
+        site = web.SockSite(runner, sock)
+        await site.start()
+        bound = sock.getsockname()
+        yield f"http://{bound[0] if ':' not in bound[0] else '[' + bound[0] + ']'}:{bound[1]}"
+    finally:
+        await runner.cleanup()
+
+
+async def run_api(app: web.Application, host: str = "127.0.0.1", port: int = 8080,
+                  on_listening: Callable[[str], None] | None = None) -> None:
+    """Serve until cancelled (localhost unless told otherwise); cancellation is the shutdown."""
+    async with serving(app, host, port) as url:
+        log.info("API listening on %s", url)
+        if on_listening:
+            on_listening(url)
+        await asyncio.Future()
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return exc.response()
+    except QueueFull as exc:
+        return ApiError(429, str(exc), type="requests", code="rate_limit_exceeded",
+                        headers={"Retry-After": str(exc.retry_after)}).response()
+    except EngineClosed as exc:
+        return ApiError(503, str(exc), type="server_error", code="shutting_down").response()
+    except GenerationFailed as exc:
+        return ApiError(500, str(exc), type="server_error", code="generation_failed").response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
+        text = exc.text or ""
+        message = exc.reason if not text or text.startswith(f"{exc.status}:") else text
+        return ApiError(exc.status, message, headers=headers).response()
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unexpected error in %s %s", request.method, request.path)
+        return ApiError(500, "internal server error (logged on the server)", type="server_error").response()
+
+
+def require_key(handler: Handler) -> Handler:
+    """Wrap a handler that changes the cluster: it runs only for requests signed with the cluster key."""
+    async def signed(request: web.Request) -> web.StreamResponse:
+        key = request.app[KEY]
+        if key is None:
+            raise ApiError(403, "this node has no cluster key, so it accepts no cluster changes",
+                           type="permission_error", code="no_cluster_key")
+        body = await request.read()
+        try:
+            auth.verify_headers(key, request.method, request.path, body, request.headers, request.app[NONCES])
+        except auth.AuthError as exc:
+            raise ApiError(401, f"cluster key required: {exc}", type="authentication_error",
+                           code="bad_signature") from None
+        return await handler(request)
+    return signed
+
+
+# --------------------------------------------------------------------------- completions
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    body = await shape.json_body(request)
+    opts = shape.options(body, engine.model_name, chat=True)
+    messages = shape.messages(body.get("messages"))
+    tok = engine.tokenizer
+    try:
+        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+    except ChatTemplateError as exc:
+        raise ApiError(400, f"the model's chat template refused these messages: {exc}", param="messages") from None
+    ids = tok.encode(text, add_special=not tok.starts_with_bos(text), parse_special=True)
+    return await _complete(request, "chat", ids, text, opts)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    body = await shape.json_body(request)
+    opts = shape.options(body, engine.model_name, chat=False)
+    text, ids = shape.prompt(body.get("prompt"), engine.tokenizer)
+    return await _complete(request, "text", ids, text, opts)
+
+
+async def _complete(request: web.Request, kind: str, ids: list[int], text: str,
+                    opts: shape.Options) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    max_tokens = shape.fit(len(ids), opts.max_tokens, engine.ctx, "messages" if kind == "chat" else "prompt")
+    out = shape.Shaper(kind, ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24],
+                       engine.model_name, include_usage=opts.include_usage)
+    job = engine.submit(Request(out.id, tuple(ids), opts.params, max_tokens, opts.stop, text))
+    async with job:
+        if opts.stream:
+            return await _stream(request, job, out, len(ids))
+        pieces, reason = [], None
+        async for ev in job:
+            pieces.append(ev.text)
+            reason = ev.finish_reason
+        return web.json_response(out.whole("".join(pieces), reason, len(ids), job.tokens),
+                                 dumps=shape.dumps)
+
+
+async def _stream(request: web.Request, job: Job, out: shape.Shaper, prompt_tokens: int) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                       "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+    try:
+        if out.kind == "chat":
+            await resp.write(shape.sse(out.chunk("", None, first=True)))
+        async for ev in job:
+            if ev.text:
+                await resp.write(shape.sse(out.chunk(ev.text, None)))
+            if ev.finish_reason is not None:
+                await resp.write(shape.sse(out.chunk("", ev.finish_reason)))
+        if out.include_usage:
+            await resp.write(shape.sse(out.usage_chunk(prompt_tokens, job.tokens)))
+        await resp.write(shape.DONE)
+    except (GenerationFailed, EngineClosed) as exc:
+        await resp.write(shape.sse({"error": shape.error_body(str(exc), "server_error", None, None)}))
+    except ConnectionResetError:
+        log.info("client went away during %s; generation cancelled", out.id)
+        return resp
+    await resp.write_eof()
+    return resp
+
+
+# --------------------------------------------------------------------------- cluster, models, events
+
+
+async def models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [shape.model_card(request.app[ENGINE].model_name)]})
+
+
+async def model(request: web.Request) -> web.Response:
+    name = request.app[ENGINE].model_name
+    if request.match_info["model"] != name:
+        raise ApiError(404, f"the model {request.match_info['model']!r} does not exist; this server has {name!r}",
+                       param="model", code="model_not_found")
+    return web.json_response(shape.model_card(name))
+
+
+async def cluster(request: web.Request) -> web.Response:
+    return web.json_response(events.to_dict(request.app[CLUSTER_VIEW]()), dumps=shape.dumps)
+
+
+async def events_ws(request: web.Request) -> web.WebSocketResponse:
+    """A snapshot of the cluster, then every token, request and cluster record as one JSON message each."""
+    ws = web.WebSocketResponse(heartbeat=30)
+    await ws.prepare(request)
+    request.app[SOCKETS].add(ws)
+    sub = request.app[ENGINE].bus.subscribe()  # before the snapshot, so nothing falls between
+    try:
+        await ws.send_str(shape.dumps(events.to_dict(request.app[CLUSTER_VIEW]())))
+        async with asyncio.TaskGroup() as tg:
+            forward = tg.create_task(_forward(ws, sub))
+            async for _ in ws:  # watchers only listen; this ends when they close
+                pass
+            forward.cancel()
+    finally:
+        sub.close()
+    return ws
+
+
+async def _forward(ws: web.WebSocketResponse, sub: Any) -> None:
+    told = 0
+    try:
+        async for record in sub:
+            if sub.dropped > told:
+                lost = events.ClusterEvent("error", f"this watcher fell behind: {sub.dropped - told} records dropped")
+                await ws.send_str(shape.dumps(events.to_dict(lost)))
+                told = sub.dropped
+            await ws.send_str(shape.dumps(events.to_dict(record)))
+    except ConnectionResetError:
+        return
+    await ws.close(code=WSCloseCode.GOING_AWAY, message=b"event stream ended")
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+class Metrics:
+    """Prometheus metrics in a registry of their own, fed by the engine's bus (every record, none dropped)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.registry = r = CollectorRegistry()
+        self.tokens = Counter("edgetp_tokens_generated", "Tokens generated", registry=r)
+        self.requests = Counter("edgetp_requests", "Generations finished, by finish reason", ["finish_reason"],
+                                registry=r)
+        self.request_seconds = Histogram("edgetp_request_seconds", "Generation latency, queue excluded",
+                                         buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=r)
+        self.token_seconds = Histogram("edgetp_token_seconds", "Per-token latency (prefill included for the first)",
+                                       buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+                                       registry=r)
+        self.link_bytes = Counter("edgetp_link_bytes", "Bytes moved over cluster links during generation",
+                                  ["link", "direction"], registry=r)
+        self.queue_depth = Gauge("edgetp_queue_depth", "Requests waiting for the engine", registry=r)
+        self.queue_depth.set_function(lambda: engine.queue_depth)
+        self.replans = Counter("edgetp_replans", "Re-plans of the cluster", registry=r)
+        self.elections = Counter("edgetp_elections", "Root elections", registry=r)
+        self._started: dict[str, float] = {}
+
+    def observe(self, record: Any) -> None:
+        if isinstance(record, events.TokenRecord):
+            self.tokens.inc()
+            self.token_seconds.observe(record.total_ms / 1000)
+            for link, b in record.links.items():
+                self.link_bytes.labels(link, "sent").inc(b.sent)
+                self.link_bytes.labels(link, "received").inc(b.received)
+        elif isinstance(record, events.RequestRecord):
+            if record.state == "started":
+                self._started[record.request_id] = time.perf_counter()
+            else:
+                t0 = self._started.pop(record.request_id, None)
+                if t0 is not None:
+                    self.request_seconds.observe(time.perf_counter() - t0)
+                self.requests.labels(record.finish_reason or "none").inc()
+        elif isinstance(record, events.ClusterEvent):
+            if record.event == "replan":
+                self.replans.inc()
+            elif record.event == "election":
+                self.elections.inc()
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(body=generate_latest(request.app[METRICS].registry),
+                        headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -1,0 +1,133 @@
+"""What the cluster tells its watchers: one record per token, cluster events, snapshots.
+
+These are the records of `GET /v1/events` (one JSON object per message) and
+the view the dashboard renders. Frozen values with plain-dict round trips;
+`from_dict` validates, because the records cross a network.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+CLUSTER_EVENTS = ("join", "leave", "election", "replan", "transfer", "error")
+NODE_STATES = ("ready", "loading", "lost", "foreign")
+ROLES = ("root", "worker")
+
+
+class EventError(ValueError):
+    """A record that does not have the expected shape."""
+
+
+@dataclass(frozen=True)
+class LinkBytes:
+    sent: int
+    received: int
+
+
+@dataclass(frozen=True)
+class TokenRecord:
+    request_id: str
+    index: int                   # 0-based position in the answer
+    text: str
+    total_ms: float              # wall time of this step
+    compute_ms: float            # total minus the time spent waiting on links
+    sync_ms: float
+    links: dict[str, LinkBytes]  # per link (peer address): bytes this token moved
+    type: str = "token"
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    request_id: str
+    state: str                   # "started" | "finished"
+    prompt: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    type: str = "request"
+
+
+@dataclass(frozen=True)
+class ClusterEvent:
+    event: str                   # one of CLUSTER_EVENTS
+    message: str                 # one line for people
+    node_id: str | None = None
+    epoch: int | None = None
+    detail: dict[str, Any] = field(default_factory=dict)  # e.g. transfer {"done": b, "total": b}
+    type: str = "cluster"
+
+
+@dataclass(frozen=True)
+class NodeView:
+    node_id: str
+    address: str
+    role: str                    # one of ROLES
+    state: str                   # one of NODE_STATES
+    speed: float                 # measured weight bytes/s
+    mem_free: int
+    kv_groups: tuple[int, int] = (0, 0)
+    ffn_cols: tuple[int, int] = (0, 0)
+    vocab_rows: tuple[int, int] = (0, 0)
+    rtt_ms: float | None = None
+    transfer: tuple[int, int] | None = None  # (bytes done, bytes total) of a weight download
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """GET /v1/cluster, and the `snapshot` record of the event stream."""
+
+    epoch: int
+    root: str | None
+    model: str
+    nodes: tuple[NodeView, ...]
+    type: str = "snapshot"
+
+
+def to_dict(record: Any) -> dict[str, Any]:
+    return asdict(record)
+
+
+def from_dict(d: Any) -> TokenRecord | RequestRecord | ClusterEvent | ClusterView:
+    """The record a dict describes; EventError for anything malformed."""
+    if not isinstance(d, dict):
+        raise EventError(f"a record must be an object, got {type(d).__name__}")
+    kind = d.get("type")
+    try:
+        if kind == "token":
+            links = {str(k): LinkBytes(int(v["sent"]), int(v["received"])) for k, v in d["links"].items()}
+            return TokenRecord(str(d["request_id"]), int(d["index"]), str(d["text"]), float(d["total_ms"]),
+                               float(d["compute_ms"]), float(d["sync_ms"]), links)
+        if kind == "request":
+            return RequestRecord(str(d["request_id"]), _one_of(d["state"], ("started", "finished")),
+                                 str(d.get("prompt", "")), d.get("finish_reason"),
+                                 int(d.get("prompt_tokens", 0)), int(d.get("completion_tokens", 0)))
+        if kind == "cluster":
+            return ClusterEvent(_one_of(d["event"], CLUSTER_EVENTS), str(d["message"]), d.get("node_id"),
+                                d.get("epoch"), dict(d.get("detail") or {}))
+        if kind == "snapshot":
+            return ClusterView(int(d["epoch"]), d.get("root"), str(d["model"]),
+                               tuple(_node(n) for n in d["nodes"]))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise EventError(f"malformed {kind} record: {exc}") from None
+    raise EventError(f"unknown record type {kind!r}")
+
+
+def _one_of(value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{value!r} is not one of {', '.join(allowed)}")
+    return value
+
+
+def _pair(v: Any) -> tuple[int, int]:
+    a, b = v
+    return int(a), int(b)
+
+
+def _node(d: dict[str, Any]) -> NodeView:
+    return NodeView(str(d["node_id"]), str(d["address"]), _one_of(d["role"], ROLES),
+                    _one_of(d["state"], NODE_STATES), float(d["speed"]), int(d["mem_free"]),
+                    _pair(d.get("kv_groups", (0, 0))), _pair(d.get("ffn_cols", (0, 0))),
+                    _pair(d.get("vocab_rows", (0, 0))),
+                    None if d.get("rtt_ms") is None else float(d["rtt_ms"]),
+                    None if d.get("transfer") is None else _pair(d["transfer"]))

@@ -1,0 +1,283 @@
+"""OpenAI's wire format: request fields checked one by one, answers and SSE chunks shaped as OpenAI's.
+
+Pure functions and small values, no I/O except reading a request body;
+`api.py` calls them. Every refusal is an `ApiError` whose message names the
+field and says what was wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from edgetp.model.sampling import SamplingError, SamplingParams
+from edgetp.model.tokenizer import Tokenizer
+
+DONE = b"data: [DONE]\n\n"
+MAX_STOP = 4  # as OpenAI
+ROLES = ("system", "developer", "user", "assistant", "tool")
+FINISH = {"stop": "stop", "length": "length", "context": "length"}  # ours -> OpenAI's
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers or {}
+
+    def response(self) -> web.Response:
+        return web.json_response({"error": error_body(self.message, self.type, self.param, self.code)},
+                                 status=self.status, headers=self.headers)
+
+
+def error_body(message: str, type: str, param: str | None, code: str | None) -> dict[str, Any]:
+    return {"message": message, "type": type, "param": param, "code": code}
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + dumps(obj).encode() + b"\n\n"
+
+
+async def json_body(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, not {_kind(body)}")
+    return body
+
+
+# --------------------------------------------------------------------------- fields
+
+
+def _kind(v: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+            dict: "an object", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def _number(body: dict, name: str, lo: float, hi: float) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ApiError(400, f"'{name}' must be a number, not {_kind(v)}", param=name, code="invalid_type")
+    if not lo <= v <= hi:
+        raise ApiError(400, f"'{name}' is {v}; it must be between {lo} and {hi}", param=name,
+                       code="invalid_value")
+    return float(v)
+
+
+def _integer(body: dict, name: str) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ApiError(400, f"'{name}' must be an integer, not {_kind(v)}", param=name, code="invalid_type")
+    return v
+
+
+def _boolean(body: dict, name: str) -> bool:
+    v = body.get(name, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise ApiError(400, f"'{name}' must be a boolean, not {_kind(v)}", param=name, code="invalid_type")
+    return v
+
+
+@dataclass(frozen=True)
+class Options:
+    params: SamplingParams
+    max_tokens: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+def options(body: dict, model_name: str, *, chat: bool) -> Options:
+    """Everything but the prompt. Unset sampling fields keep SamplingParams' defaults (llama.cpp's)."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, f"'model' must be a string, not {_kind(model)}", param="model", code="invalid_type")
+    if model not in (None, model_name):
+        raise ApiError(400, f"the model {model!r} does not exist; this server has {model_name!r}",
+                       param="model", code="model_not_found")
+    n = _integer(body, "n")
+    if n not in (None, 1):
+        raise ApiError(400, f"'n' is {n}; this server makes one choice per request", param="n",
+                       code="invalid_value")
+    max_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _integer(body, max_name)
+    if max_tokens is not None and max_tokens < 1:
+        raise ApiError(400, f"'{max_name}' is {max_tokens}; it must be at least 1", param=max_name,
+                       code="invalid_value")
+    fields = {"temperature": _number(body, "temperature", 0, 2), "top_p": _number(body, "top_p", 0, 1),
+              "min_p": _number(body, "min_p", 0, 1), "repeat_penalty": _number(body, "repeat_penalty", 0, 10),
+              "top_k": _integer(body, "top_k"), "seed": _integer(body, "seed")}
+    if fields["seed"] is not None:
+        fields["seed"] %= 2**64  # OpenAI takes any integer; numpy's generator wants one >= 0
+    try:
+        params = SamplingParams(**{k: v for k, v in fields.items() if v is not None})
+    except SamplingError as exc:
+        param = next((k for k in fields if k in str(exc)), None)
+        raise ApiError(400, str(exc), param=param, code="invalid_value") from None
+    stream = _boolean(body, "stream")
+    so = body.get("stream_options")
+    if so is not None and not isinstance(so, dict):
+        raise ApiError(400, f"'stream_options' must be an object, not {_kind(so)}", param="stream_options",
+                       code="invalid_type")
+    include_usage = _boolean(so or {}, "include_usage")
+    return Options(params, max_tokens, _stop(body.get("stop")), stream, stream and include_usage)
+
+
+def _stop(v: Any) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ApiError(400, "'stop' must be a string or an array of strings", param="stop", code="invalid_type")
+    if len(stops) > MAX_STOP:
+        raise ApiError(400, f"'stop' has {len(stops)} sequences; at most {MAX_STOP} are allowed", param="stop",
+                       code="invalid_value")
+    return tuple(s for s in stops if s)
+
+
+def messages(v: Any) -> list[dict[str, str]]:
+    """OpenAI chat messages as the template wants them: role and plain-text content."""
+    if v is None:
+        raise ApiError(400, "'messages' is required", param="messages", code="missing_required_parameter")
+    if not isinstance(v, list):
+        raise ApiError(400, f"'messages' must be an array, not {_kind(v)}", param="messages", code="invalid_type")
+    if not v:
+        raise ApiError(400, "'messages' is empty; send at least one message", param="messages",
+                       code="invalid_value")
+    out = []
+    for i, m in enumerate(v):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ApiError(400, f"'{where}' must be an object, not {_kind(m)}", param=where, code="invalid_type")
+        role = m.get("role")
+        if role not in ROLES:
+            raise ApiError(400, f"'{where}.role' is {role!r}; it must be one of {', '.join(ROLES)}",
+                           param=f"{where}.role", code="invalid_value")
+        out.append({"role": "system" if role == "developer" else role,
+                    "content": _content(m.get("content"), f"{where}.content")})
+    return out
+
+
+def _content(c: Any, where: str) -> str:
+    if c is None:
+        return ""
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                   for p in c):
+        return "".join(p["text"] for p in c)
+    raise ApiError(400, f"'{where}' must be a string or an array of text parts", param=where,
+                   code="invalid_type")
+
+
+def prompt(v: Any, tok: Tokenizer) -> tuple[str, list[int]]:
+    """A completion prompt: a string, one string in an array, or an array of token ids."""
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+        v = v[0]
+    if isinstance(v, str):
+        ids = tok.encode(v, add_special=True, parse_special=False)
+        text = v
+    elif isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        if not all(0 <= t < tok.vocab_size for t in v):
+            raise ApiError(400, f"'prompt' has token ids outside 0..{tok.vocab_size - 1}", param="prompt",
+                           code="invalid_value")
+        ids, text = list(v), tok.decode(v)
+    elif v is None:
+        raise ApiError(400, "'prompt' is required", param="prompt", code="missing_required_parameter")
+    elif isinstance(v, list) and len(v) > 1 and all(isinstance(p, str) for p in v):
+        raise ApiError(400, f"'prompt' has {len(v)} prompts; this server takes one per request", param="prompt",
+                       code="invalid_value")
+    else:
+        raise ApiError(400, "'prompt' must be a string or an array of token ids", param="prompt",
+                       code="invalid_type")
+    if not ids:
+        raise ApiError(400, "'prompt' is empty", param="prompt", code="invalid_value")
+    return text, ids
+
+
+def fit(prompt_tokens: int, max_tokens: int | None, ctx: int, param: str) -> int:
+    """max_tokens that fit the context (all the room left when unset), or a 400 saying why not."""
+    if prompt_tokens >= ctx:
+        raise ApiError(400, f"the prompt has {prompt_tokens} tokens but the context holds {ctx}, "
+                       f"leaving no room for an answer", param=param, code="context_length_exceeded")
+    room = ctx - prompt_tokens
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        raise ApiError(400, f"'max_tokens' is {max_tokens} but the context holds {ctx} tokens and the prompt "
+                       f"takes {prompt_tokens}: at most {room} can be generated", param="max_tokens",
+                       code="context_length_exceeded")
+    return max_tokens
+
+
+# --------------------------------------------------------------------------- answers
+
+
+def model_card(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "edgetp"}
+
+
+class Shaper:
+    """Answers and stream chunks of one request, chat ("chat") or completion ("text")."""
+
+    def __init__(self, kind: str, id: str, model: str, *, include_usage: bool = False) -> None:
+        self.kind, self.id, self.model, self.include_usage = kind, id, model, include_usage
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": None}
+
+    def whole(self, text: str, reason: str | None, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        finish = FINISH.get(reason or "", None)
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                      "logprobs": None, "finish_reason": finish}
+            out = self._head("chat.completion")
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            out = self._head("text_completion")
+        return out | {"choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+
+    def chunk(self, text: str, reason: str | None, *, first: bool = False) -> dict[str, Any]:
+        finish = FINISH.get(reason, "stop") if reason is not None else None
+        if self.kind == "chat":
+            delta: dict[str, Any] = {} if reason is not None else {"content": text}
+            if first:
+                delta = {"role": "assistant", "content": ""}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            out = self._head("chat.completion.chunk")
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            out = self._head("text_completion")
+        out["choices"] = [choice]
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        head = self._head("chat.completion.chunk" if self.kind == "chat" else "text_completion")
+        return head | {"choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -1,0 +1,352 @@
+"""The generation service on the root: a bounded queue, one generation at a time, an event bus.
+
+    handler --submit()--> Engine._waiting (deque, bounded) --serve()--> generation thread
+       ^                                                                      |
+       +---- Job (asyncio.Queue of TokenEvents) <--call_soon_threadsafe-------+
+                                                   EventBus <- Token/RequestRecords
+
+The runner is not re-entrant, so `Engine.serve()` takes one job at a time
+and runs `generate()` on a dedicated thread. Each token goes back to the
+loop with `call_soon_threadsafe`: into the job (its consumer streams it) and
+onto the bus as a `TokenRecord`. A consumer that goes away cancels its job:
+a queued job leaves the queue, a running one stops at the next token.
+
+The bus never blocks generation: each subscriber has a bounded queue and a
+slow one loses records (counted in `Subscription.dropped`). Listeners
+(metrics) are plain callbacks run inline, so they see every record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import os
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from edgetp.model.generate import TokenEvent, generate
+from edgetp.model.sampling import SamplingParams
+from edgetp.model.tokenizer import Tokenizer
+from edgetp.serve import events
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 30.0  # at shutdown, how long to wait for the running generation to reach its next token
+
+
+class QueueFull(Exception):
+    """Too many requests waiting; retry_after is a guess in whole seconds."""
+
+    def __init__(self, waiting: int, retry_after: int) -> None:
+        super().__init__(f"the server is busy: {waiting} requests are already waiting; retry in {retry_after} s")
+        self.retry_after = retry_after
+
+
+class EngineClosed(Exception):
+    """The engine is shutting down and takes no more requests."""
+
+
+class GenerationFailed(Exception):
+    """The runner raised during a generation (a worker lost, the context full...)."""
+
+
+# --------------------------------------------------------------------------- event bus
+
+
+class Subscription:
+    """One watcher's bounded queue of records; async-iterate it until the bus closes."""
+
+    def __init__(self, bus: EventBus, maxsize: int) -> None:
+        self._bus = bus
+        self._queue: asyncio.Queue[Any] = asyncio.Queue(maxsize)
+        self.dropped = 0
+
+    def _offer(self, record: Any) -> None:
+        try:
+            self._queue.put_nowait(record)
+        except asyncio.QueueFull:
+            self.dropped += 1
+
+    def _end(self) -> None:
+        while True:  # make room for the end marker, dropping the oldest record
+            try:
+                self._queue.put_nowait(None)
+                return
+            except asyncio.QueueFull:
+                self._queue.get_nowait()
+                self.dropped += 1
+
+    def close(self) -> None:
+        self._bus._subs.discard(self)
+
+    def __aiter__(self) -> Subscription:
+        return self
+
+    async def __anext__(self) -> Any:
+        record = await self._queue.get()
+        if record is None:
+            raise StopAsyncIteration
+        return record
+
+
+class EventBus:
+    """Fan-out of records to subscribers (bounded, lossy) and listeners (inline, complete). Loop thread only."""
+
+    def __init__(self, maxsize: int = 1024) -> None:
+        self.maxsize = maxsize
+        self._subs: set[Subscription] = set()
+        self._listeners: list[Callable[[Any], None]] = []
+
+    def subscribe(self, maxsize: int | None = None) -> Subscription:
+        sub = Subscription(self, maxsize or self.maxsize)
+        self._subs.add(sub)
+        return sub
+
+    def add_listener(self, fn: Callable[[Any], None]) -> None:
+        self._listeners.append(fn)
+
+    @property
+    def subscribers(self) -> int:
+        return len(self._subs)
+
+    def publish(self, record: Any) -> None:
+        for fn in self._listeners:
+            try:
+                fn(record)
+            except Exception:  # a broken listener must not stop generation
+                log.exception("event listener %r failed on %s record", fn, getattr(record, "type", "?"))
+        for sub in self._subs:
+            sub._offer(record)
+
+    def close(self) -> None:
+        for sub in list(self._subs):
+            sub._end()
+        self._subs.clear()
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+@dataclass(frozen=True)
+class Request:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    max_tokens: int
+    stop: tuple[str, ...] = ()
+    prompt: str = ""  # for the request record
+
+
+@dataclass(eq=False)
+class Job:
+    """A submitted request. Iterate it for TokenEvents; leaving `async with` cancels it if unfinished."""
+
+    request: Request
+    _engine: Engine
+    _out: asyncio.Queue[TokenEvent | BaseException | None] = field(default_factory=asyncio.Queue)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    done: bool = False
+    tokens: int = 0
+    finish_reason: str | None = None  # the last event's, or "cancelled" / "error"
+
+    def cancel(self) -> None:
+        if not self.done:
+            self._stop.set()
+            self._engine._drop(self)
+
+    async def __aenter__(self) -> Job:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.cancel()
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[TokenEvent]:
+        while True:
+            item = await self._out.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+# --------------------------------------------------------------------------- engine
+
+
+class Engine:
+    """One runner, its tokenizer and the model's name, serving one generation at a time."""
+
+    def __init__(self, runner: Any, tokenizer: Tokenizer, model_name: str, *, queue_size: int = 8,
+                 bus: EventBus | None = None) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.queue_size = queue_size
+        self.bus = bus or EventBus()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._wake = asyncio.Event()
+        self._current: Job | None = None
+        self._closed = False
+        self._durations: collections.deque[float] = collections.deque(maxlen=16)
+
+    @property
+    def ctx(self) -> int:
+        return self.runner.ctx
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting (the running one not counted)."""
+        return len(self._waiting)
+
+    @property
+    def busy(self) -> bool:
+        return self._current is not None
+
+    def submit(self, request: Request) -> Job:
+        """Queue a request; QueueFull when `queue_size` are already waiting."""
+        if self._closed:
+            raise EngineClosed("the server is shutting down")
+        if len(self._waiting) >= self.queue_size:
+            raise QueueFull(len(self._waiting), self.retry_after())
+        job = Job(request, self)
+        self._waiting.append(job)
+        self._wake.set()
+        return job
+
+    def retry_after(self) -> int:
+        """Seconds until a queue slot is likely free: one recent mean request time, at least 1."""
+        mean = sum(self._durations) / len(self._durations) if self._durations else 1.0
+        return max(1, math.ceil(mean))
+
+    def _drop(self, job: Job) -> None:
+        """A cancelled job: out of the queue if it waits there (the running one stops at its next token)."""
+        if job in self._waiting:
+            self._waiting.remove(job)
+            self._finish(job, "cancelled", None)
+
+    def _finish(self, job: Job, reason: str | None, error: BaseException | None) -> None:
+        if job.done:
+            return
+        job.done = True
+        job.finish_reason = reason
+        job._out.put_nowait(error)
+
+    async def serve(self) -> None:
+        """Run queued jobs until cancelled; then every waiting and running job ends with EngineClosed."""
+        loop = asyncio.get_running_loop()
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgetp-generate")
+        try:
+            while True:
+                while not self._waiting:
+                    self._wake.clear()
+                    await self._wake.wait()
+                job = self._waiting.popleft()
+                self._current = job
+                try:
+                    await self._run(job, pool, loop)
+                finally:
+                    self._current = None
+        finally:
+            self._closed = True
+            while self._waiting:
+                self._finish(self._waiting.popleft(), "cancelled", EngineClosed("the server is shutting down"))
+            pool.shutdown(wait=False)
+            self.bus.close()
+
+    async def _run(self, job: Job, pool: ThreadPoolExecutor, loop: asyncio.AbstractEventLoop) -> None:
+        req = job.request
+        t0 = time.perf_counter()
+        self.bus.publish(events.RequestRecord(req.request_id, "started", req.prompt,
+                                              prompt_tokens=len(req.prompt_ids)))
+        fut = loop.run_in_executor(pool, self._generate, job, loop)
+        reason: str | None = "error"
+        error: BaseException | None = None
+        try:
+            reason = await asyncio.shield(fut)
+        except asyncio.CancelledError:  # shutdown: stop at the next token, without blocking the loop
+            job._stop.set()
+            await asyncio.wait([fut], timeout=STOP_GRACE_S)
+            reason, error = "cancelled", EngineClosed("the server is shutting down")
+            raise
+        except Exception as exc:
+            log.exception("generation %s failed", req.request_id)
+            error = GenerationFailed(f"generation failed: {exc}")
+            self.bus.publish(events.ClusterEvent("error", f"generation {req.request_id} failed: {exc}"))
+        finally:
+            self._durations.append(time.perf_counter() - t0)
+            self.bus.publish(events.RequestRecord(req.request_id, "finished", req.prompt, reason,
+                                                  len(req.prompt_ids), job.tokens))
+            self._finish(job, reason, error)
+
+    # ---------------------------------------------------------------- generation thread
+
+    def _generate(self, job: Job, loop: asyncio.AbstractEventLoop) -> str | None:
+        """Runs on the generation thread; returns the finish reason ("cancelled" when stopped early)."""
+        req = job.request
+        counters = getattr(self.runner, "counters", None)
+        if job._stop.is_set():
+            return "cancelled"
+        before = counters() if counters else {}
+        gen = generate(self.runner, self.tokenizer, req.prompt_ids, req.params, req.max_tokens, req.stop)
+        try:
+            for ev in gen:
+                after = counters() if counters else {}
+                record = token_record(req.request_id, ev, before, after)
+                before = after
+                loop.call_soon_threadsafe(self._deliver, job, ev, record)
+                if ev.finish_reason is not None:
+                    return ev.finish_reason
+                if job._stop.is_set():
+                    return "cancelled"
+            return "cancelled"  # not reached: generate always ends with a finish reason
+        finally:
+            gen.close()  # runner.end()
+
+    def _deliver(self, job: Job, ev: TokenEvent, record: events.TokenRecord) -> None:
+        job.tokens += 1
+        if not job.done:
+            job._out.put_nowait(ev)
+        self.bus.publish(record)
+
+
+def token_record(request_id: str, ev: TokenEvent, before: dict[str, Any], after: dict[str, Any]) -> events.TokenRecord:
+    """A TokenRecord from an event and the runner's link counters around its step (sync = time blocked on links)."""
+    links: dict[str, events.LinkBytes] = {}
+    sync_s = 0.0
+    for name, now in after.items():
+        was = before.get(name)
+        d = now.minus(was) if was is not None else now
+        links[name] = events.LinkBytes(d.sent, d.received)
+        sync_s += d.send_s + d.recv_s
+    sync_ms = min(sync_s * 1000, ev.ms)
+    return events.TokenRecord(request_id, ev.index, ev.text, ev.ms, ev.ms - sync_ms, sync_ms, links)
+
+
+def local_view(model_name: str, config: Any = None, node_id: str | None = None) -> events.ClusterView:
+    """The cluster of one node: this process, the root, holding every slice of `config` (a ModelConfig)."""
+    shares = {}
+    if config is not None:
+        shares = {"kv_groups": (0, config.n_kv_heads), "ffn_cols": (0, config.ffn), "vocab_rows": (0, config.vocab)}
+    node = events.NodeView(node_id or socket.gethostname(), "local", "root", "ready", 0.0, _mem_available(), **shares)
+    return events.ClusterView(0, node.node_id, model_name, (node,))
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+

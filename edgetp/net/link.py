@@ -74,6 +74,7 @@ class Link:
         self.hot_mode = BLOCKING         # the mode used during generations (see choose_mode)
         self.rtt: float | None = None    # seconds, measured by ping()
         self.peer_id: str | None = None  # set by the handshake
+        self.embeds = False              # the peer embeds token ids itself (it maps the embedding table)
         self.counters = Counters()
         self._buf = bytearray(1 << 16)   # reused receive buffer for blocking-mode payloads
 

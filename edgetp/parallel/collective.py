@@ -28,20 +28,24 @@ from edgetp.net.link import BLOCKING, Link
 SYNC_TYPES = ("f32", "q8_0")
 
 
-def encode_sync(x: np.ndarray, sync: str) -> np.ndarray:
-    """A (n, dim) f32 array as the bytes that travel for this sync type."""
-    if sync == "f32":
-        return x
-    return quant.quantize_q8_0(x.reshape(-1))
+def encode_sync(x: np.ndarray, sync: str) -> memoryview:
+    """A (n, dim) f32 array as the bytes that travel for this sync type.
+
+    Bare bytes, no dtype/shape header: the plan fixes both, so a sync frame
+    is the 16-byte prefix, an empty msgpack map and the payload.
+    """
+    wire = np.ascontiguousarray(x, np.float32) if sync == "f32" else quant.quantize_q8_0(x.reshape(-1))
+    return memoryview(wire).cast("B")
 
 
 def decode_sync(frame: Frame, shape: tuple[int, int], sync: str) -> np.ndarray:
-    arr = frame.array()
+    n = shape[0] * shape[1]
+    expected = sync_bytes(n, sync)
+    if len(frame.payload) != expected:
+        raise ValueError(f"sync payload of {len(frame.payload)} bytes, expected {expected} for {shape} {sync}")
     if sync == "f32":
-        if arr.shape != shape:
-            raise ValueError(f"partial of shape {arr.shape}, expected {shape}")
-        return arr
-    return quant.dequantize_q8_0(arr, shape[0] * shape[1]).reshape(shape)
+        return np.frombuffer(frame.payload, np.float32).reshape(shape)
+    return quant.dequantize_q8_0(np.frombuffer(frame.payload, np.uint8), n).reshape(shape)
 
 
 def sync_bytes(n_values: int, sync: str) -> int:
@@ -79,8 +83,8 @@ class RootReduce:
         for w in self.workers:
             partial += decode_sync(w.recv(FrameType.PARTIAL), partial.shape, self.sync)
         wire = encode_sync(partial, self.sync)
-        if self.sync != "f32":
-            partial[...] = quant.dequantize_q8_0(wire, partial.size).reshape(partial.shape)
+        if self.sync != "f32":  # apply exactly what the workers will apply
+            partial[...] = quant.dequantize_q8_0(np.frombuffer(wire, np.uint8), partial.size).reshape(partial.shape)
         for w in self.workers:
             w.send(FrameType.REDUCED, {}, wire)
 

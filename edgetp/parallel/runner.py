@@ -112,6 +112,7 @@ class ClusterRunner:
             for n, link in enumerate(links, start=1):
                 ready = await link.expect(FrameType.READY, timeout=600)
                 infos[n] = NodeInfo(**(asdict(infos[n]) | {"rss": int(ready.header["rss"])}))
+                link.embeds = bool(ready.header.get("embeds"))
         except BaseException:
             for link in links:
                 link.close()
@@ -182,8 +183,8 @@ class ClusterRunner:
         x = llama.embed(self.mf, list(ids))
         header = {"pos": pos, "ids": [int(t) for t in ids], "want": want}
         try:
-            for hot in self.hots:
-                hot.send(FrameType.STEP, header, x)
+            for hot in self.hots:  # a worker with its own embedding table gets the ids only
+                hot.send(FrameType.STEP, header, b"" if hot.link.embeds else x)
             return self.shard.forward(x, pos)
         except LinkClosed as exc:
             raise _lost(exc) from None

@@ -155,7 +155,7 @@ class _Session:
                  spec, path, weights.nbytes / 1e6, self.shard.kv_bytes / 1e6)
         await self.link.send(FrameType.READY, {
             "rss": rss_bytes(), "weights": weights.nbytes, "kv": self.shard.kv_bytes,
-            "load_ms": (time.perf_counter() - t0) * 1000})
+            "load_ms": (time.perf_counter() - t0) * 1000, "embeds": self.mf.has("token_embd.weight")})
 
     async def _reset(self, h: dict[str, Any]) -> None:
         if self.shard is None:
@@ -166,7 +166,7 @@ class _Session:
         if h.get("mode") == BLOCKING:
             self.link.enter_blocking()
         try:
-            await asyncio.to_thread(_hot_loop, hot, self.shard, params)
+            await asyncio.to_thread(_hot_loop, hot, self.shard, params, self.mf)
         finally:
             if not self.link.closed:
                 self.link.leave_blocking()
@@ -190,8 +190,12 @@ def _warm_up(shard: llama.Shard) -> None:
         shard.reduce = reduce
 
 
-def _hot_loop(hot: Hot, shard: llama.Shard, params: sampling.SamplingParams) -> None:
-    """STEP after STEP until the root says end; runs on the compute thread."""
+def _hot_loop(hot: Hot, shard: llama.Shard, params: sampling.SamplingParams, mf) -> None:
+    """STEP after STEP until the root says end; runs on the compute thread.
+
+    A STEP carries the token ids; its payload carries their embeddings only
+    when this node has no embedding table of its own.
+    """
     history: list[int] = []
     offset = shard.w.spec.vocab_rows[0]
     while True:
@@ -199,8 +203,12 @@ def _hot_loop(hot: Hot, shard: llama.Shard, params: sampling.SamplingParams) -> 
         h = frame.header
         if h.get("end"):
             return
-        x = np.array(frame.array(), dtype=np.float32)  # own copy: the payload views a reused buffer
-        history.extend(int(t) for t in h["ids"])
+        ids = [int(t) for t in h["ids"]]
+        if len(frame.payload):
+            x = np.array(frame.array(), dtype=np.float32)  # own copy: the payload views a reused buffer
+        else:
+            x = llama.embed(mf, ids)
+        history.extend(ids)
         out = shard.forward(x, int(h["pos"]))
         want = h.get("want", "candidates")
         if want == "none":  # a prefill chunk before the last one

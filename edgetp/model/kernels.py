@@ -495,3 +495,26 @@ def dequant_rows_serial(kind, w, tab16, tabbf, out):
     # as dequant_rows, on the calling thread (prefill workers run one each)
     for r in range(w.shape[0]):
         deq_row(kind, w[r], tab16, tabbf, out[r])
+
+
+@njit(**_OPTS)
+def quantize_q8_0_into(x, d, out):  # pragma: no cover - compiled
+    # x: (nb*32,) f32; d: (nb,) f32 block scales (max|x|/127, computed here); out: (nb*34,) uint8
+    # q = roundf(x/d), half away from zero, exactly as ggml's quantize_row_q8_0 (scale bytes filled by the caller)
+    nb = x.shape[0] // 32
+    q = out.view(np.int8)
+    for b in range(nb):
+        amax = np.float32(0.0)
+        for j in range(32):
+            v = abs(x[b * 32 + j])
+            if v > amax:
+                amax = v
+        db = amax / np.float32(127.0)
+        d[b] = db
+        inv = np.float32(1.0) / db if db != 0 else np.float32(0.0)
+        for j in range(32):
+            v = x[b * 32 + j] * inv
+            a = abs(v)
+            whole = np.floor(a)
+            r = whole + np.floor(np.float32(2.0) * (a - whole))
+            q[b * 34 + 2 + j] = np.int8(-r if v < 0 else r)

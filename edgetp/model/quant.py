@@ -356,17 +356,13 @@ def quantize_q8_0(x: np.ndarray) -> np.ndarray:
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 1 or x.shape[0] % 32:
         raise ValueError(f"quantize_q8_0 needs a 1-D array whose length is a multiple of 32, got {x.shape}")
-    blocks = x.reshape(-1, 32)  # (nb, 32)
-    d = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)  # (nb, 1) f32
-    with np.errstate(divide="ignore"):
-        inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
-    a = np.abs(blocks * inv)
-    whole = np.floor(a)
-    q = np.copysign(whole + np.floor(2 * (a - whole)), blocks * inv)  # roundf: half away from zero
-    out = np.empty((blocks.shape[0], 34), np.uint8)
-    out[:, :2] = d.astype(np.float16).view(np.uint8)
-    out[:, 2:] = q.astype(np.int8).view(np.uint8)
-    return out.reshape(-1)
+    nb = x.shape[0] // 32
+    out = np.empty(nb * 34, np.uint8)
+    d = np.empty(nb, np.float32)
+    with np.errstate(divide="ignore", over="ignore"):
+        K.quantize_q8_0_into(x, d, out)
+    out.reshape(nb, 34)[:, :2] = d.astype(np.float16).view(np.uint8).reshape(nb, 2)
+    return out
 
 
 def dequantize_q8_0(buf: np.ndarray, n: int) -> np.ndarray:

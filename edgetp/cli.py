@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--node-id", default=None)
     worker.set_defaults(func=commands.worker)
 
+    dash = sub.add_parser("dashboard", help="the live view of a cluster: nodes, shares, per-token time and bytes")
+    dash.add_argument("--url", default=os.environ.get("EDGETP_URL", "http://127.0.0.1:7711"),
+                      help="any node's HTTP API (default: $EDGETP_URL or http://127.0.0.1:7711)")
+    dash.set_defaults(func=commands.dashboard)
+
     keygen = sub.add_parser("keygen", help="write a new cluster key file (0600); share it out of band")
     keygen.add_argument("path", help="where to write the key, e.g. /etc/edgetp/cluster.key")
     keygen.add_argument("--force", action="store_true", help="overwrite an existing key file")

@@ -162,6 +162,13 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def dashboard(args: argparse.Namespace) -> int:
+    from dashboard.app import run  # noqa: PLC0415 - Textual loads only for this command
+
+    run(args.url)
+    return 0
+
+
 def keygen(args: argparse.Namespace) -> int:
     key = auth.write_key(args.path, force=args.force)
     print(f"wrote {args.path} (cluster id {auth.cluster_id(key)}); copy it to every node, keep it 0600")

@@ -1,0 +1,85 @@
+"""Scripted records of a made-up three-board cluster, for tests and headless screenshots.
+
+Numbers are plausible, not measured: SmolLM2-135M (3 KV groups, 1536 FFN
+columns, 49152 vocab rows) split by speed over two Raspberry Pi 5s and an
+Orange Pi. Every list is deterministic.
+"""
+
+from __future__ import annotations
+
+from edgetp.serve.events import ClusterEvent, ClusterView, LinkBytes, NodeView, RequestRecord, TokenRecord
+
+from .state import ConnectionStatus
+
+MODEL = "SmolLM2-135M-Instruct Q4_1"
+GB = 1_000_000_000
+ANSWER = ("The sky looks blue because air molecules scatter short (blue) wavelengths of sunlight much "
+          "more strongly than long (red) ones, an effect called Rayleigh scattering. Looking anywhere "
+          "away from the sun, you see that scattered blue light.").split(" ")
+
+A = NodeView("pi5-a", "192.168.1.21:7070", "root", "ready", 2.1 * GB, int(5.2 * GB), (0, 1), (0, 672),
+             (0, 21504), None)
+B = NodeView("pi5-b", "192.168.1.22:7070", "worker", "ready", 1.6 * GB, int(3.1 * GB), (1, 2), (672, 1184),
+             (21504, 37888), 0.42)
+C = NodeView("opi-c", "192.168.1.23:7070", "worker", "ready", 1.1 * GB, int(1.4 * GB), (2, 3), (1184, 1536),
+             (37888, 49152), 0.61)
+
+
+def connected() -> list:
+    return [ConnectionStatus("connecting", "connecting to http://192.168.1.21:8080"),
+            ConnectionStatus("connected", "connected to http://192.168.1.21:8080")]
+
+
+def forming() -> list:
+    """Two boards found each other, a third joins, weights are still moving; nobody leads yet."""
+    a = NodeView(A.node_id, A.address, "worker", "ready", A.speed, A.mem_free)
+    b = NodeView(B.node_id, B.address, "worker", "loading", B.speed, B.mem_free, rtt_ms=0.45,
+                 transfer=(40_000_000, 145_000_000))
+    return [*connected(),
+            ClusterView(0, None, MODEL, (a, b)),
+            ClusterEvent("join", "opi-c joined from 192.168.1.23:7070", "opi-c", 0,
+                         {"address": C.address, "speed": C.speed, "mem_free": C.mem_free, "rtt_ms": 0.66,
+                          "state": "loading"}),
+            ClusterEvent("transfer", "pi5-b fetching weights from pi5-a: 72.5/145.0 MB", "pi5-b", 0,
+                         {"done": 72_500_000, "total": 145_000_000}),
+            ClusterEvent("transfer", "opi-c fetching weights from pi5-a: 14.5/145.0 MB", "opi-c", 0,
+                         {"done": 14_500_000, "total": 145_000_000})]
+
+
+def tokens(request_id: str, words: list[str], start: int = 0) -> list:
+    """One TokenRecord per word, with latencies and link bytes that wobble deterministically."""
+    out = []
+    for i, word in enumerate(words, start):
+        wobble = ((i * 37) % 11) / 10  # 0.0 .. 1.0
+        compute = 38.0 + 9.0 * wobble + (6.0 if i % 9 == 0 else 0.0)
+        sync = 11.0 + 7.0 * ((i * 53) % 7) / 6
+        sent = 69_120 + 1_152 * ((i * 5) % 4)
+        links = {B.address: LinkBytes(sent, sent - 2_304), C.address: LinkBytes(sent, sent - 4_608)}
+        out.append(TokenRecord(request_id, i, word if i == 0 else " " + word, compute + sync, compute, sync,
+                               links))
+    return out
+
+
+def generating(count: int = 40) -> list:
+    """All three boards ready, pi5-a elected, an answer streaming."""
+    return [*connected(),
+            ClusterView(2, "pi5-a", MODEL, (A, B, C)),
+            ClusterEvent("election", "pi5-a elected root (epoch 2)", "pi5-a", 2),
+            ClusterEvent("replan", "plan over 3 nodes: attention 1/1/1, FFN 672/512/352", None, 2),
+            RequestRecord("req-7", "started", "Why is the sky blue?", prompt_tokens=14),
+            *tokens("req-7", ANSWER[:count])]
+
+
+def node_lost(count: int = 30) -> list:
+    """Mid-answer, opi-c stops answering; the rest re-plan over two boards."""
+    return [*generating(count),
+            ClusterEvent("leave", "opi-c lost: no heartbeat for 3.0 s", "opi-c", 3),
+            ClusterEvent("error", "req-7 aborted: link to 192.168.1.23:7070 closed", "pi5-a", 3),
+            RequestRecord("req-7", "finished", finish_reason="error", prompt_tokens=14, completion_tokens=count),
+            ClusterEvent("replan", "plan over 2 nodes: attention 2/1, FFN 864/672", None, 3,
+                         {"nodes": {"pi5-a": {"kv_groups": [0, 2], "ffn_cols": [0, 864],
+                                              "vocab_rows": [0, 27648]},
+                                    "pi5-b": {"kv_groups": [2, 3], "ffn_cols": [864, 1536],
+                                              "vocab_rows": [27648, 49152]},
+                                    "opi-c": {"kv_groups": [0, 0], "ffn_cols": [0, 0],
+                                              "vocab_rows": [0, 0]}}})]

@@ -1,0 +1,166 @@
+"""Where the dashboard's records come from, and how it asks the cluster a question.
+
+`EventSource` yields records of `GET /v1/events` and `ConnectionStatus`
+values; `WebSocketSource` is the real one, reconnecting by itself with a
+bounded backoff, `ScriptedSource` plays a script for tests. `Asker` streams
+an answer; `HttpAsker` posts to the OpenAI-compatible chat endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, AsyncIterator, Iterable, Protocol, Sequence
+
+import aiohttp
+
+from edgetp.serve.events import EventError, from_dict
+
+from .state import ConnectionStatus, Notice
+
+log = logging.getLogger(__name__)
+
+
+class EventSource(Protocol):
+    """Records and connection status, in the order they happen."""
+
+    def __aiter__(self) -> AsyncIterator[Any]: ...
+
+
+class Asker(Protocol):
+    """Ask the cluster; the answer streams back in pieces of text."""
+
+    def ask(self, prompt: str) -> AsyncIterator[str]: ...
+
+
+class AskError(Exception):
+    """The API refused or broke off an answer."""
+
+
+class WebSocketSource:
+    """`{url}/v1/events` over a WebSocket, reconnecting after `first`, 2×, 4× … at most `cap` seconds."""
+
+    def __init__(self, url: str, first: float = 1.0, cap: float = 10.0, heartbeat: float = 10.0) -> None:
+        self.url = url.rstrip("/")
+        self.first, self.cap, self.heartbeat = first, cap, heartbeat
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait before reconnect attempt `attempt` (0-based): doubling, bounded by `cap`."""
+        return min(self.cap, self.first * 2 ** min(attempt, 30))
+
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        endpoint = f"{self.url}/v1/events"
+        attempt = 0
+        async with aiohttp.ClientSession() as session:
+            while True:
+                yield ConnectionStatus("connecting", f"connecting to {self.url}")
+                reason = "connection closed"
+                try:
+                    async with session.ws_connect(endpoint, heartbeat=self.heartbeat) as ws:
+                        attempt = 0
+                        yield ConnectionStatus("connected", f"connected to {self.url}")
+                        async for msg in ws:
+                            if msg.type == aiohttp.WSMsgType.TEXT:
+                                yield _record(msg.data)
+                            elif msg.type == aiohttp.WSMsgType.ERROR:
+                                reason = f"connection error: {ws.exception()}"
+                                break
+                except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+                    reason = str(exc) or type(exc).__name__
+                wait = self.delay(attempt)
+                attempt += 1
+                log.info("event stream %s lost (%s), retrying in %g s", endpoint, reason, wait)
+                yield ConnectionStatus("disconnected", reason, retry_in=wait)
+                await asyncio.sleep(wait)
+
+
+def _record(data: str) -> Any:
+    """The record a text message holds, or a Notice saying why it holds none."""
+    try:
+        return from_dict(json.loads(data))
+    except (EventError, ValueError) as exc:
+        log.warning("bad event record: %s", exc)
+        return Notice(f"bad event record: {exc}")
+
+
+class ScriptedSource:
+    """Plays `records` after `delays` seconds each (one number for all); `hold` then waits forever."""
+
+    def __init__(self, records: Iterable[Any], delays: float | Sequence[float] = 0.0, hold: bool = False) -> None:
+        self.records = list(records)
+        if isinstance(delays, (int, float)):
+            self.delays = [float(delays)] * len(self.records)
+        else:
+            self.delays = [float(d) for d in delays]
+            if len(self.delays) != len(self.records):
+                raise ValueError(f"{len(self.delays)} delays for {len(self.records)} records")
+        self.hold = hold
+
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        for record, delay in zip(self.records, self.delays):
+            await asyncio.sleep(delay)
+            yield record
+        if self.hold:
+            await asyncio.Event().wait()
+
+
+class HttpAsker:
+    """`POST {url}/v1/chat/completions` with `stream: true`; yields each delta's content."""
+
+    def __init__(self, url: str, model: str = "edgetp", max_tokens: int | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.model, self.max_tokens = model, max_tokens
+
+    async def ask(self, prompt: str) -> AsyncIterator[str]:
+        body: dict[str, Any] = {"model": self.model, "stream": True,
+                                "messages": [{"role": "user", "content": prompt}]}
+        if self.max_tokens is not None:
+            body["max_tokens"] = self.max_tokens
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            async with session.post(f"{self.url}/v1/chat/completions", json=body) as resp:
+                if resp.status != 200:
+                    raise AskError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
+                async for raw in resp.content:
+                    text = _sse_delta(raw.decode("utf-8", "replace"))
+                    if text is _DONE:
+                        return
+                    if text:
+                        yield text
+
+
+_DONE = object()
+
+
+def _sse_delta(line: str) -> Any:
+    """The content of one SSE `data:` line of a chat completion stream; _DONE at the end."""
+    line = line.strip()
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if data == "[DONE]":
+        return _DONE
+    try:
+        chunk = json.loads(data)
+    except ValueError as exc:
+        raise AskError(f"bad stream chunk: {exc}") from None
+    if "error" in chunk:
+        raise AskError(str(chunk["error"].get("message", chunk["error"]) if isinstance(chunk["error"], dict)
+                           else chunk["error"]))
+    choices = chunk.get("choices") or [{}]
+    return (choices[0].get("delta") or {}).get("content") or None
+
+
+class ScriptedAsker:
+    """Answers every prompt with the same pieces, `delay` seconds apart; remembers the prompts."""
+
+    def __init__(self, pieces: Sequence[str], delay: float = 0.0) -> None:
+        self.pieces, self.delay = list(pieces), delay
+        self.prompts: list[str] = []
+
+    async def ask(self, prompt: str) -> AsyncIterator[str]:
+        self.prompts.append(prompt)
+        for piece in self.pieces:
+            await asyncio.sleep(self.delay)
+            yield piece

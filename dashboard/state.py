@@ -1,0 +1,289 @@
+"""What the dashboard knows: one frozen value, folded from records by `apply`.
+
+Records are the API's event records (`edgetp.serve.events`) plus a few the
+dashboard makes itself: the connection status of its source, the prompt it
+asked and the answer streaming back, notices, and a cleared log. `apply` is
+pure, so the whole screen is a function of the records seen so far.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Union
+
+from edgetp.serve.events import NODE_STATES, ROLES, ClusterEvent, ClusterView, NodeView, RequestRecord, TokenRecord
+
+HISTORY = 120  # tokens kept for the charts
+LOG_SIZE = 200  # event log entries kept
+
+
+# --- records the dashboard makes itself ------------------------------------------------------
+
+@dataclass(frozen=True)
+class ConnectionStatus:
+    """Where the event source stands: "connecting", "connected", "disconnected" or "closed"."""
+
+    state: str
+    message: str = ""
+    retry_in: float | None = None  # seconds until the next attempt, when disconnected
+
+
+@dataclass(frozen=True)
+class AskStarted:
+    prompt: str
+
+
+@dataclass(frozen=True)
+class AskChunk:
+    text: str
+
+
+@dataclass(frozen=True)
+class AskFinished:
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A line for the log that did not come from the cluster (a bad record, a failed ask)."""
+
+    message: str
+    level: str = "error"
+
+
+@dataclass(frozen=True)
+class ClearLog:
+    pass
+
+
+Record = Union[TokenRecord, RequestRecord, ClusterEvent, ClusterView,
+               ConnectionStatus, AskStarted, AskChunk, AskFinished, Notice, ClearLog]
+
+
+# --- the state -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TokenSample:
+    """One token's cost, as the charts need it."""
+
+    index: int
+    total_ms: float
+    compute_ms: float
+    sync_ms: float
+    links: tuple[tuple[str, int, int], ...]  # (peer, bytes sent, bytes received), sorted by peer
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The answer being written: the cluster's latest request, or the one asked from here."""
+
+    request_id: str | None
+    prompt: str
+    text: str = ""
+    tokens: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    origin: str = "cluster"  # "cluster" | "dashboard"
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    kind: str  # a cluster event name, "request", "connection", "ask" or a notice level
+    message: str
+    node_id: str | None = None
+
+
+@dataclass(frozen=True)
+class DashboardState:
+    connection: ConnectionStatus = ConnectionStatus("connecting")
+    epoch: int | None = None
+    root: str | None = None
+    model: str = ""
+    nodes: tuple[NodeView, ...] = ()
+    tokens: tuple[TokenSample, ...] = ()  # the last `history` tokens, oldest first
+    token_count: int = 0  # every token seen since the dashboard started
+    generation: Generation | None = None
+    log: tuple[LogEntry, ...] = ()  # the last `log_size` entries, oldest first
+    received: int = 0  # records folded in so far
+    history: int = HISTORY
+    log_size: int = LOG_SIZE
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens per second over the tokens in the window (0 when there are none)."""
+        total = sum(t.total_ms for t in self.tokens)
+        return len(self.tokens) * 1000.0 / total if total > 0 else 0.0
+
+    @property
+    def links(self) -> tuple[str, ...]:
+        """Every peer a token in the window moved bytes over, sorted."""
+        return tuple(sorted({peer for t in self.tokens for peer, _, _ in t.links}))
+
+    @property
+    def lost(self) -> int:
+        return sum(1 for n in self.nodes if n.state == "lost")
+
+
+# --- the fold --------------------------------------------------------------------------------
+
+def apply(state: DashboardState, record: Any) -> DashboardState:
+    """The state after `record`; unknown records only count as received."""
+    state = replace(state, received=state.received + 1)
+    if isinstance(record, TokenRecord):
+        return _token(state, record)
+    if isinstance(record, RequestRecord):
+        return _request(state, record)
+    if isinstance(record, ClusterEvent):
+        return _cluster(state, record)
+    if isinstance(record, ClusterView):
+        return replace(state, epoch=record.epoch, root=record.root, model=record.model, nodes=record.nodes)
+    if isinstance(record, ConnectionStatus):
+        return _connection(state, record)
+    if isinstance(record, AskStarted):
+        gen = Generation(None, record.prompt, origin="dashboard")
+        return _log(replace(state, generation=gen), LogEntry("ask", f"asked: {_clip(record.prompt)}"))
+    if isinstance(record, AskChunk):
+        gen = state.generation
+        if gen is None or gen.origin != "dashboard" or gen.finished:
+            return state
+        return replace(state, generation=replace(gen, text=gen.text + record.text, tokens=gen.tokens + 1))
+    if isinstance(record, AskFinished):
+        gen = state.generation
+        if gen is not None and gen.origin == "dashboard" and not gen.finished:
+            state = replace(state, generation=replace(gen, finished=True, finish_reason=record.error and "error"))
+        if record.error:
+            state = _log(state, LogEntry("error", f"ask failed: {record.error}"))
+        return state
+    if isinstance(record, Notice):
+        return _log(state, LogEntry(record.level, record.message))
+    if isinstance(record, ClearLog):
+        return replace(state, log=())
+    return state
+
+
+def _token(state: DashboardState, rec: TokenRecord) -> DashboardState:
+    links = tuple(sorted((peer, b.sent, b.received) for peer, b in rec.links.items()))
+    sample = TokenSample(rec.index, rec.total_ms, rec.compute_ms, rec.sync_ms, links)
+    tokens = (state.tokens + (sample,))[-state.history:] if state.history > 0 else ()
+    state = replace(state, tokens=tokens, token_count=state.token_count + 1)
+    gen = state.generation
+    if gen is not None and gen.request_id == rec.request_id:
+        if gen.origin == "cluster":  # the dashboard's own answer streams in through AskChunk
+            gen = replace(gen, text=gen.text + rec.text, tokens=gen.tokens + 1)
+    elif gen is None or gen.origin == "cluster" or gen.finished:
+        gen = Generation(rec.request_id, "", rec.text, 1)  # joined mid-answer: no prompt seen
+    return replace(state, generation=gen)
+
+
+def _request(state: DashboardState, rec: RequestRecord) -> DashboardState:
+    gen = state.generation
+    if rec.state == "started":
+        if gen is not None and gen.origin == "dashboard" and not gen.finished and gen.request_id is None:
+            gen = replace(gen, request_id=rec.request_id)  # the request this dashboard asked
+        else:
+            gen = Generation(rec.request_id, rec.prompt)
+        entry = LogEntry("request", f"request {rec.request_id} started ({rec.prompt_tokens} prompt tokens)")
+        return _log(replace(state, generation=gen), entry)
+    if gen is not None and gen.request_id == rec.request_id and gen.origin == "cluster":
+        gen = replace(gen, finished=True, finish_reason=rec.finish_reason)
+    entry = LogEntry("request", f"request {rec.request_id} finished: {rec.completion_tokens} tokens"
+                     f" ({rec.finish_reason or 'no reason'})")
+    return _log(replace(state, generation=gen), entry)
+
+
+def _cluster(state: DashboardState, ev: ClusterEvent) -> DashboardState:
+    if ev.epoch is not None:
+        state = replace(state, epoch=ev.epoch)
+    entry = LogEntry(ev.event, ev.message, ev.node_id)
+    if ev.event == "join" and ev.node_id is not None:
+        state = replace(state, nodes=_joined(state.nodes, ev.node_id, ev.detail))
+    elif ev.event == "leave" and ev.node_id is not None:
+        state = replace(state, nodes=_update(state.nodes, ev.node_id, state="lost", rtt_ms=None, transfer=None))
+    elif ev.event == "election":
+        root = ev.node_id
+        nodes = tuple(replace(n, role="root" if n.node_id == root else "worker") for n in state.nodes)
+        state = replace(state, root=root, nodes=nodes)
+    elif ev.event == "replan":
+        shares = ev.detail.get("nodes") or {}
+        nodes = state.nodes
+        for node_id, share in shares.items() if isinstance(shares, dict) else ():
+            nodes = _update(nodes, str(node_id), **_fields(share, ("kv_groups", "ffn_cols", "vocab_rows")))
+        state = replace(state, nodes=nodes)
+    elif ev.event == "transfer" and ev.node_id is not None:
+        done, total = int(ev.detail.get("done", 0)), int(ev.detail.get("total", 0))
+        loading = total > 0 and done < total
+        node = next((n for n in state.nodes if n.node_id == ev.node_id), None)
+        node_state = "loading" if loading else ("ready" if node is not None and node.state == "loading" else None)
+        changes: dict[str, Any] = {"transfer": (done, total) if loading else None}
+        if node_state is not None:
+            changes["state"] = node_state
+        state = replace(state, nodes=_update(state.nodes, ev.node_id, **changes))
+        # the log keeps one line per node's weight transfer: its latest progress
+        log = tuple(e for e in state.log if not (e.kind == "transfer" and e.node_id == ev.node_id))
+        state = replace(state, log=log)
+    return _log(state, entry)
+
+
+def _connection(state: DashboardState, status: ConnectionStatus) -> DashboardState:
+    previous = state.connection
+    state = replace(state, connection=status)
+    if status.state == previous.state and status.message == previous.message:
+        return state
+    text = status.message or status.state
+    if status.state == "disconnected" and status.retry_in is not None:
+        text = f"disconnected ({status.message or 'connection lost'}), retrying in {status.retry_in:g} s"
+    return _log(state, LogEntry("connection", text))
+
+
+def _joined(nodes: tuple[NodeView, ...], node_id: str, detail: dict[str, Any]) -> tuple[NodeView, ...]:
+    fields = _fields(detail, ("address", "role", "state", "speed", "mem_free", "kv_groups", "ffn_cols",
+                              "vocab_rows", "rtt_ms"))
+    if any(n.node_id == node_id for n in nodes):
+        return _update(nodes, node_id, **{"state": "ready", **fields})
+    base = {"address": "", "role": "worker", "state": "ready", "speed": 0.0, "mem_free": 0}
+    try:
+        return nodes + (NodeView(node_id, **{**base, **fields}),)
+    except TypeError:
+        return nodes + (NodeView(node_id, **base),)
+
+
+def _update(nodes: tuple[NodeView, ...], node_id: str, **changes: Any) -> tuple[NodeView, ...]:
+    return tuple(replace(n, **changes) if n.node_id == node_id else n for n in nodes)
+
+
+def _fields(detail: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    """The NodeView fields a detail dict carries, coerced to their types; malformed ones dropped."""
+    if not isinstance(detail, dict):
+        return {}
+    out: dict[str, Any] = {}
+    for name in names:
+        if name not in detail:
+            continue
+        value = detail[name]
+        try:
+            if name in ("kv_groups", "ffn_cols", "vocab_rows"):
+                a, b = value
+                out[name] = (int(a), int(b))
+            elif name in ("speed",):
+                out[name] = float(value)
+            elif name == "rtt_ms":
+                out[name] = None if value is None else float(value)
+            elif name == "mem_free":
+                out[name] = int(value)
+            elif name in ("role", "state") and value not in (ROLES if name == "role" else NODE_STATES):
+                continue
+            else:
+                out[name] = str(value)
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def _log(state: DashboardState, entry: LogEntry) -> DashboardState:
+    log = (state.log + (entry,))[-state.log_size:] if state.log_size > 0 else ()
+    return replace(state, log=log)
+
+
+def _clip(text: str, width: int = 60) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= width else line[: width - 1] + "…"

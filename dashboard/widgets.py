@@ -1,0 +1,279 @@
+"""The dashboard's widgets: each draws one slice of a `DashboardState`, nothing else.
+
+A widget gets the whole state through `show(state)` and repaints only when
+the fields it draws from changed (the fold keeps unchanged fields the same
+objects, so an identity check is enough).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich import box
+from rich.console import RenderableType
+from rich.style import Style
+from rich.table import Table
+from rich.text import Text
+from textual.widget import Widget
+
+from edgetp.serve.events import NodeView
+
+from .charts import columns, fmt_bytes, fmt_ms, nice_top, sparkline, with_axis
+from .state import DashboardState
+
+AXIS = 7  # cells of y-axis labels left of a chart
+
+
+class StateView(Widget):
+    """A widget drawn from the dashboard state alone."""
+
+    SIZED_BY_STATE = False  # True when the state decides the widget's height (a relayout on change)
+
+    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(id=id, classes=classes)
+        self.state = DashboardState()
+
+    def depends(self, state: DashboardState) -> tuple[Any, ...]:
+        """The parts of the state this widget draws; it repaints when one of them changes."""
+        return (state,)
+
+    def show(self, state: DashboardState) -> None:
+        old, self.state = self.state, state
+        if any(a is not b for a, b in zip(self.depends(old), self.depends(state))):
+            self.decorate(state)
+            self.refresh(layout=self.SIZED_BY_STATE)
+
+    def decorate(self, state: DashboardState) -> None:
+        """Set border titles and the like from the state (called before a repaint)."""
+
+    def on_mount(self) -> None:
+        self.decorate(self.state)
+
+    def style_of(self, component: str) -> Style:
+        return self.get_component_rich_style(component, partial=True)
+
+
+class StatusBar(StateView):
+    """One line: model, epoch, root, node count, speed, and whether the event stream is up."""
+
+    COMPONENT_CLASSES = {"status--ok", "status--bad", "status--wait"}
+
+    def depends(self, state: DashboardState) -> tuple[Any, ...]:
+        return (state.connection, state.model, state.epoch, state.root, state.nodes, state.tokens)
+
+    def render(self) -> RenderableType:
+        s = self.state
+        left = Text.assemble(("edgetp", "bold"), f"  {s.model or 'no model yet'}",
+                             f"  epoch {s.epoch if s.epoch is not None else '-'}",
+                             "  root ", (s.root or "none yet", "bold" if s.root else "italic"),
+                             f"  {len(s.nodes)} nodes", (f" ({s.lost} lost)", "bold red") if s.lost else "",
+                             f"  {s.tokens_per_s:.1f} tok/s")
+        conn = s.connection
+        if conn.state == "connected":
+            right = Text("● " + (conn.message or "connected"), self.style_of("status--ok"))
+        elif conn.state == "disconnected":
+            retry = f", retrying in {conn.retry_in:g} s" if conn.retry_in is not None else ""
+            why = f" ({conn.message})" if conn.message else ""
+            right = Text(f"● disconnected{retry}{why}", self.style_of("status--bad"))
+        elif conn.state == "closed":
+            right = Text("● " + (conn.message or "event stream closed"), self.style_of("status--bad"))
+        else:
+            right = Text("● " + (conn.message or "connecting"), self.style_of("status--wait"))
+        grid = Table.grid(expand=True)
+        grid.add_column(no_wrap=True, overflow="ellipsis")
+        grid.add_column(justify="right", no_wrap=True, overflow="ellipsis")
+        grid.add_row(left, right)
+        return grid
+
+
+class NodesTable(StateView):
+    """Every node: who it is, what it measured, what share of the model it carries, how it is."""
+
+    SIZED_BY_STATE = True
+    STATE_STYLES = {"ready": "green", "loading": "yellow", "lost": "bold red", "foreign": "dim"}
+
+    def depends(self, state: DashboardState) -> tuple[Any, ...]:
+        return (state.nodes, state.root)
+
+    def decorate(self, state: DashboardState) -> None:
+        ready = sum(1 for n in state.nodes if n.state == "ready")
+        self.border_title = f"Nodes · {ready}/{len(state.nodes)} ready"
+
+    def render(self) -> RenderableType:
+        nodes = self.state.nodes
+        if not nodes:
+            return Text("No nodes yet: waiting for the cluster to form.", style="dim italic")
+        totals = [max((getattr(n, f)[1] for n in nodes), default=0) for f in ("kv_groups", "ffn_cols", "vocab_rows")]
+        table = Table(box=box.SIMPLE_HEAD, expand=True, pad_edge=False, show_edge=False)
+        for name, justify in (("node", "left"), ("address", "left"), ("role", "left"), ("speed", "right"),
+                              ("attn groups", "right"), ("FFN cols", "right"), ("vocab rows", "right"),
+                              ("mem free", "right"), ("RTT", "right"), ("state", "left")):
+            table.add_column(name, justify=justify, no_wrap=True, overflow="ellipsis")  # type: ignore[arg-type]
+        for n in nodes:
+            lost = n.state == "lost"
+            role = Text("★ root", "bold") if n.role == "root" else Text("worker")
+            table.add_row(Text(n.node_id, "bold" if n.role == "root" else ""), n.address, role,
+                          f"{fmt_bytes(n.speed)}/s" if n.speed else "-",
+                          _share(n.kv_groups, totals[0]), _share(n.ffn_cols, totals[1]),
+                          _share(n.vocab_rows, totals[2]), fmt_bytes(n.mem_free) if n.mem_free else "-",
+                          "-" if n.rtt_ms is None else fmt_ms(n.rtt_ms), _node_state(n),
+                          style="dim" if lost else None)
+        return table
+
+
+def _share(span: tuple[int, int], total: int) -> str:
+    a, b = span
+    if b <= a:
+        return "-"
+    pct = f" {100 * (b - a) / total:3.0f}%" if total > 0 else ""
+    return f"{a}–{b}{pct}"
+
+
+def _node_state(n: NodeView) -> Text:
+    text = Text(n.state, NodesTable.STATE_STYLES.get(n.state, ""))
+    if n.transfer is not None:
+        done, total = n.transfer
+        frac = done / total if total > 0 else 0.0
+        filled = round(frac * 8)
+        text.append(f" {'█' * filled}{'░' * (8 - filled)} {100 * frac:.0f}%", "yellow")
+    return text
+
+
+class LatencyChart(StateView):
+    """Per token: wall time split into compute (bottom) and waiting on links (top)."""
+
+    COMPONENT_CLASSES = {"chart--compute", "chart--sync"}
+
+    def depends(self, state: DashboardState) -> tuple[Any, ...]:
+        return (state.tokens,)
+
+    def render(self) -> RenderableType:
+        w, h = self.size
+        toks = self.state.tokens
+        compute, sync = self.style_of("chart--compute"), self.style_of("chart--sync")
+        head = Text.assemble(("■", compute), " compute  ", ("■", sync), " sync")
+        if toks:
+            last = toks[-1]
+            mean = sum(t.total_ms for t in toks) / len(toks)
+            head.append(f"   last {fmt_ms(last.total_ms)} = {last.compute_ms:.1f} + {last.sync_ms:.1f}"
+                        f" · mean {fmt_ms(mean)}")
+        visible = toks[-max(w - AXIS, 0):]
+        top = nice_top(max((t.compute_ms + t.sync_ms for t in visible), default=0.0))
+        chart = columns([[t.compute_ms for t in toks], [t.sync_ms for t in toks]], [compute, sync],
+                        w - AXIS, h - 1, top)
+        return Text("\n").join([head, *with_axis(chart, f"{top:g}", "ms", AXIS)])
+
+
+class RateChart(StateView):
+    """Per token: its rate (1000 / wall ms), with the rate over the whole window above."""
+
+    COMPONENT_CLASSES = {"chart--rate"}
+
+    def depends(self, state: DashboardState) -> tuple[Any, ...]:
+        return (state.tokens,)
+
+    def render(self) -> RenderableType:
+        w, h = self.size
+        toks = self.state.tokens
+        style = self.style_of("chart--rate")
+        head = Text.assemble((f"{self.state.tokens_per_s:.1f} tok/s", style + Style(bold=True)),
+                             f" over the last {len(toks)} tokens · {self.state.token_count} tokens seen")
+        rates = [1000.0 / t.total_ms if t.total_ms > 0 else 0.0 for t in toks]
+        top = nice_top(max(rates[-max(w - AXIS, 0):], default=0.0))
+        chart = columns([rates], [style], w - AXIS, h - 1, top)
+        return Text("\n").join([head, *with_axis(chart, f"{top:g}", "tok/s", AXIS)])
+
+
+class LinkChart(StateView):
+    """Per link, per token: bytes sent (↑) and received (↓), on one scale for all links."""
+
+    COMPONENT_CLASSES = {"chart--sent", "chart--received"}
+    SIZED_BY_STATE = True
+
+    def depends(self, state: DashboardState) -> tuple[Any, ...]:
+        return (state.tokens,)
+
+    def get_content_height(self, container: Any, viewport: Any, width: int) -> int:
+        return max(len(self.state.links), 1)
+
+    def render(self) -> RenderableType:
+        w, h = self.size
+        links = self.state.links
+        if not links:
+            return Text("No link traffic yet.", style="dim italic")
+        sent_style, recv_style = self.style_of("chart--sent"), self.style_of("chart--received")
+        name_w = min(max(len(p) for p in links), 21)
+        bar_w = max((w - name_w - 2 * 12) // 2, 4)
+        toks = self.state.tokens[-bar_w:]
+        series = {p: ([0.0] * len(toks), [0.0] * len(toks)) for p in links}
+        for i, t in enumerate(toks):
+            for peer, sent, received in t.links:
+                series[peer][0][i], series[peer][1][i] = sent, received
+        top = max((v for s, r in series.values() for v in (*s, *r)), default=0.0) or 1.0
+        rows = []
+        for peer in links[: max(h, 1)]:
+            sent, received = series[peer]
+            rows.append(Text.assemble(peer[:name_w].ljust(name_w), (" ↑", sent_style),
+                                      sparkline(sent, bar_w, top, sent_style),
+                                      f" {fmt_bytes(sent[-1] if sent else 0):>8}", (" ↓", recv_style),
+                                      sparkline(received, bar_w, top, recv_style),
+                                      f" {fmt_bytes(received[-1] if received else 0):>8}"))
+        return Text("\n").join(rows)
+
+
+class GenerationView(StateView):
+    """The prompt and the answer as it streams; the newest lines stay in view."""
+
+    COMPONENT_CLASSES = {"generation--prompt"}
+
+    def depends(self, state: DashboardState) -> tuple[Any, ...]:
+        return (state.generation,)
+
+    def decorate(self, state: DashboardState) -> None:
+        gen = state.generation
+        if gen is None:
+            self.border_subtitle = ""
+            return
+        who = "asked here" if gen.origin == "dashboard" else f"request {gen.request_id}"
+        status = f"finished ({gen.finish_reason or 'done'})" if gen.finished else "streaming…"
+        self.border_subtitle = f"{who} · {gen.tokens} tokens · {status}"
+
+    def render(self) -> RenderableType:
+        gen = self.state.generation
+        if gen is None:
+            return Text("No generation yet. Press p to ask the cluster.", style="dim italic")
+        text = Text()
+        text.append("› ", self.style_of("generation--prompt"))
+        text.append(gen.prompt or "(prompt not seen: joined mid-answer)", self.style_of("generation--prompt"))
+        text.append("\n\n")
+        text.append(gen.text)
+        if not gen.finished:
+            text.append("▍", "dim")
+        w, h = self.size
+        if w <= 0 or h <= 0:
+            return text
+        lines = text.wrap(self.app.console, w)
+        return Text("\n").join(lines[-h:])
+
+
+class EventLog(StateView):
+    """The last events, newest at the bottom, as many as fit."""
+
+    KIND_STYLES = {"join": "green", "leave": "bold red", "election": "bold magenta", "replan": "cyan",
+                   "transfer": "yellow", "error": "bold red", "request": "blue", "connection": "bright_black",
+                   "ask": "blue", "warning": "yellow"}
+
+    def depends(self, state: DashboardState) -> tuple[Any, ...]:
+        return (state.log,)
+
+    def decorate(self, state: DashboardState) -> None:
+        self.border_subtitle = f"{len(state.log)} entries" if state.log else ""
+
+    def render(self) -> RenderableType:
+        entries = self.state.log[-max(self.size.height, 1):]
+        if not entries:
+            return Text("No events yet.", style="dim italic")
+        lines = [Text.assemble((f"{e.kind:<11}", self.KIND_STYLES.get(e.kind, "")), e.message) for e in entries]
+        out = Text("\n").join(lines)
+        out.no_wrap, out.overflow = True, "ellipsis"
+        return out

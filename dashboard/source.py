@@ -108,13 +108,14 @@ class ScriptedSource:
 class HttpAsker:
     """`POST {url}/v1/chat/completions` with `stream: true`; yields each delta's content."""
 
-    def __init__(self, url: str, model: str = "edgetp", max_tokens: int | None = None) -> None:
+    def __init__(self, url: str, model: str | None = None, max_tokens: int | None = None) -> None:
         self.url = url.rstrip("/")
-        self.model, self.max_tokens = model, max_tokens
+        self.model, self.max_tokens = model, max_tokens  # model None: whatever the cluster serves
 
     async def ask(self, prompt: str) -> AsyncIterator[str]:
-        body: dict[str, Any] = {"model": self.model, "stream": True,
-                                "messages": [{"role": "user", "content": prompt}]}
+        body: dict[str, Any] = {"stream": True, "messages": [{"role": "user", "content": prompt}]}
+        if self.model is not None:
+            body["model"] = self.model
         if self.max_tokens is not None:
             body["max_tokens"] = self.max_tokens
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)

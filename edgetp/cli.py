@@ -78,6 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--node-id", default=None)
     worker.set_defaults(func=commands.worker)
 
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API, the event stream and metrics")
+    srv.add_argument("--model", default=os.environ.get("EDGETP_MODEL", "smollm2"), help="name or path (default smollm2)")
+    srv.add_argument("--listen", type=_address, default=("127.0.0.1", 7711),
+                     help="HOST:PORT of the HTTP API (default 127.0.0.1:7711: this machine only)")
+    srv.add_argument("--workers", type=_addresses, default=[], help="HOST:PORT,... of `edgetp worker`s to spread over")
+    srv.add_argument("--weights", type=_weights, default=None, help="relative speeds, the root first (default: measured)")
+    srv.add_argument("--sync", choices=("f32", "q8_0"), default="f32")
+    srv.add_argument("--ctx", type=_positive, default=2048)
+    srv.add_argument("--threads", type=_positive, default=None)
+    srv.add_argument("--queue", type=_positive, default=8, help="requests that may wait; more get 429")
+    srv.add_argument("--key", default=os.environ.get("EDGETP_KEY_FILE"), help="cluster key file")
+    srv.set_defaults(func=commands.serve)
+
     dash = sub.add_parser("dashboard", help="the live view of a cluster: nodes, shares, per-token time and bytes")
     dash.add_argument("--url", default=os.environ.get("EDGETP_URL", "http://127.0.0.1:7711"),
                       help="any node's HTTP API (default: $EDGETP_URL or http://127.0.0.1:7711)")

@@ -103,7 +103,7 @@ def ask(args: argparse.Namespace) -> int:
         try:
             if args.stats:
                 for n, share in zip(runner.nodes, runner.plan.shares):
-                    speed = f"weight {n.speed:g}" if args.weights else f"{n.speed / 1e9:.2f} GB/s"
+                    speed = f"{n.speed / 1e9:.2f} GB/s"
                     print(f"node {n.node_id:<14} {n.address:<21} {speed:<12} rtt {n.rtt_ms:6.3f} ms  {n.mode:<8} "
                           f"kv {share.kv_groups} ffn {share.ffn_cols} vocab {share.vocab_rows}", file=sys.stderr)
             return _stream(runner, tok, ids, params, args, ctx, t0, recover)
@@ -159,6 +159,23 @@ def worker(args: argparse.Namespace) -> int:
         asyncio.run(main())
     except OSError as exc:
         raise WorkerError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return 0
+
+
+def serve(args: argparse.Namespace) -> int:
+    from edgetp import daemon  # noqa: PLC0415
+
+    path = store.resolve(args.model, pull_missing=True)
+    opts = daemon.ServeOptions(
+        model_path=path, model_name=args.model if not str(args.model).endswith(".gguf") else path.stem,
+        host=args.listen[0], port=args.listen[1], workers=tuple(args.workers),
+        weights=tuple(args.weights) if args.weights else None, sync=args.sync, ctx=args.ctx, threads=args.threads,
+        key=auth.read_key(args.key) if args.key else None, queue_size=args.queue,
+        index_dir=store.cache_dir() / "index")
+    try:
+        daemon.run(opts, on_listening=lambda url: print(f"edgetp serving on {url}", flush=True))
+    except OSError as exc:
+        raise WorkerError(f"cannot serve on {args.listen[0]}:{args.listen[1]}: {exc.strerror or exc}") from None
     return 0
 
 

@@ -44,7 +44,7 @@ def _lost(exc: LinkClosed) -> WorkerLost:
 class NodeInfo:
     node_id: str
     address: str        # "local" for the root itself
-    speed: float        # bytes/s used for planning (measured, or the given weight)
+    speed: float        # measured weight bytes/s (the plan uses the given weights instead, if any)
     mem_free: int
     rtt_ms: float
     mode: str           # link mode during generations
@@ -93,10 +93,8 @@ class ClusterRunner:
                                          FrameType.READY, timeout=60)
                 infos.append(NodeInfo(link.peer_id or link.name, link.name, rep.header["speed"],
                                       int(rep.header["mem_free"]), rtt * 1e3, link.hot_mode))
-            if weights is not None:
-                infos = [NodeInfo(i.node_id, i.address, float(w), i.mem_free, i.rtt_ms, i.mode)
-                         for i, w in zip(infos, weights)]
-            nodes = [planner.NodeSpec(i.node_id, i.speed, i.mem_free) for i in infos]
+            speeds = [float(w) for w in weights] if weights is not None else [i.speed for i in infos]
+            nodes = [planner.NodeSpec(i.node_id, s, i.mem_free) for i, s in zip(infos, speeds)]
             plan = planner.make_plan(model_shape(mf, ctx), nodes, epoch=epoch, sync=sync)
             log.info("plan (epoch %d, %s sync): %s", plan.epoch, plan.sync,
                      "; ".join(f"{s.node_id} kv{s.kv_groups} ffn{s.ffn_cols} vocab{s.vocab_rows}" for s in plan.shares))

@@ -186,8 +186,9 @@ class Engine:
     """One runner, its tokenizer and the model's name, serving one generation at a time."""
 
     def __init__(self, runner: Any, tokenizer: Tokenizer, model_name: str, *, queue_size: int = 8,
-                 bus: EventBus | None = None) -> None:
+                 bus: EventBus | None = None, recover: Callable[[Exception], Any] | None = None) -> None:
         self.runner = runner
+        self.recover = recover  # replaces self.runner when a node is lost mid-answer (see generate)
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.queue_size = queue_size
@@ -292,14 +293,14 @@ class Engine:
     def _generate(self, job: Job, loop: asyncio.AbstractEventLoop) -> str | None:
         """Runs on the generation thread; returns the finish reason ("cancelled" when stopped early)."""
         req = job.request
-        counters = getattr(self.runner, "counters", None)
         if job._stop.is_set():
             return "cancelled"
-        before = counters() if counters else {}
-        gen = generate(self.runner, self.tokenizer, req.prompt_ids, req.params, req.max_tokens, req.stop)
+        before = self._counters()
+        gen = generate(self.runner, self.tokenizer, req.prompt_ids, req.params, req.max_tokens, req.stop,
+                       recover=self.recover)
         try:
             for ev in gen:
-                after = counters() if counters else {}
+                after = self._counters()
                 record = token_record(req.request_id, ev, before, after)
                 before = after
                 loop.call_soon_threadsafe(self._deliver, job, ev, record)
@@ -310,6 +311,11 @@ class Engine:
             return "cancelled"  # not reached: generate always ends with a finish reason
         finally:
             gen.close()  # runner.end()
+
+    def _counters(self) -> dict[str, Any]:
+        """Link counters of the runner in use (a recovery may have replaced it)."""
+        counters = getattr(self.runner, "counters", None)
+        return counters() if counters else {}
 
     def _deliver(self, job: Job, ev: TokenEvent, record: events.TokenRecord) -> None:
         job.tokens += 1

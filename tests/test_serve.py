@@ -1,0 +1,63 @@
+"""`edgetp serve` as a user runs it: a real server process in front of real workers."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import urllib.request
+
+import openai
+
+from edgetp.serve.spawn import start_worker, stop
+
+PROMPT = "Once upon a time"
+
+
+def start_server(*args: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "edgetp", "serve", "--listen", "127.0.0.1:0", "--threads", "1",
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    m = re.search(r"serving on (http://\S+)", line)
+    if not m:
+        stop(proc)
+        raise RuntimeError(f"server did not start: {line}{proc.stderr.read()}")
+    return proc, m.group(1)
+
+
+def stream_text(url: str, kill_after: int | None = None, victim: subprocess.Popen | None = None) -> str:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120)
+    text, chunks = "", 0
+    for chunk in client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=60, temperature=0,
+                                           stream=True):
+        text += chunk.choices[0].text
+        chunks += 1
+        if kill_after is not None and chunks == kill_after:
+            victim.kill()
+            victim.wait()
+    return text
+
+
+def test_a_served_cluster_streams_the_single_node_text_even_when_a_worker_dies_mid_answer(stories_path):
+    alone, url = start_server("--model", str(stories_path))
+    try:
+        expected = stream_text(url)
+    finally:
+        stop(alone)
+    assert len(expected) > 100
+    (keep, a), (victim, b) = start_worker(), start_worker()
+    server = None
+    try:
+        server, url = start_server("--model", str(stories_path), "--workers", f"{a},{b}", "--weights", "1,1,1")
+        cluster = openai.OpenAI(base_url=f"{url}/v1", api_key="unused").models.list()
+        assert [m.id for m in cluster.data] == ["stories260K"]
+        assert stream_text(url, kill_after=15, victim=victim) == expected
+        view = json.load(urllib.request.urlopen(f"{url}/v1/cluster", timeout=10))
+        assert view["epoch"] == 2 and len(view["nodes"]) == 2 and b not in {n["address"] for n in view["nodes"]}
+    finally:
+        if server:
+            stop(server)
+        stop(keep)
+        stop(victim)
+    assert server.returncode is not None

@@ -19,15 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edgetp.parallel.plan import (
-    ModelShape,
-    NodeSpec,
-    Plan,
-    PlanError,
-    Share,
-    equal_plan,
-    make_plan,
-)
+from edgetp.parallel.packing import equal_plan, make_plan
+from edgetp.parallel.plan import ModelShape, NodeSpec, Plan, PlanError, Share
 
 OVERHEAD = 1000
 

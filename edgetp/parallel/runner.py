@@ -23,7 +23,7 @@ from edgetp.model.generate import PREFILL_CHUNK, RunnerLost
 from edgetp.model.gguf import ModelFile
 from edgetp.net.frames import FrameType
 from edgetp.net.link import BLOCKING, Counters, Link, LinkClosed, choose_mode, event_loop_hop, forced_mode
-from edgetp.parallel import plan as planner
+from edgetp.parallel import packing, plan as planner
 from edgetp.parallel.collective import Hot, RootReduce, candidates_from
 from edgetp.parallel.shard import model_shape, spec_for
 
@@ -95,7 +95,7 @@ class ClusterRunner:
                                       int(rep.header["mem_free"]), rtt * 1e3, link.hot_mode))
             speeds = [float(w) for w in weights] if weights is not None else [i.speed for i in infos]
             nodes = [planner.NodeSpec(i.node_id, s, i.mem_free) for i, s in zip(infos, speeds)]
-            plan = planner.make_plan(model_shape(mf, ctx), nodes, epoch=epoch, sync=sync)
+            plan = packing.make_plan(model_shape(mf, ctx), nodes, epoch=epoch, sync=sync)
             log.info("plan (epoch %d, %s sync): %s", plan.epoch, plan.sync,
                      "; ".join(f"{s.node_id} kv{s.kv_groups} ffn{s.ffn_cols} vocab{s.vocab_rows}" for s in plan.shares))
             header = {"model": model_ref or str(mf.path), "fingerprint": mf.fingerprint, "ctx": ctx,

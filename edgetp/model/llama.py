@@ -101,11 +101,10 @@ def _cols(w: quant.Weight, r: Range) -> quant.Weight | None:
 
 def stored_spec(mf: ModelFile) -> ShardSpec | None:
     """The spec a shard file holds, None for a whole model file."""
-    fields = mf.reader.fields
-    if SHARD_KEYS["kv_groups"] not in fields:
+    meta = mf.metadata
+    if SHARD_KEYS["kv_groups"] not in meta:
         return None
-    r = [tuple(int(v) for v in fields[SHARD_KEYS[k]].contents()) for k in ("kv_groups", "ffn_cols", "vocab_rows")]
-    return ShardSpec(*r)
+    return ShardSpec(*(tuple(int(v) for v in meta[SHARD_KEYS[k]]) for k in ("kv_groups", "ffn_cols", "vocab_rows")))
 
 
 def load_weights(mf: ModelFile, spec: ShardSpec | None = None, *, repack: bool = False) -> Weights:
@@ -121,7 +120,7 @@ def load_weights(mf: ModelFile, spec: ShardSpec | None = None, *, repack: bool =
     if stored is not None:
         if spec != stored:
             raise ShardMismatch(f"{mf.path} holds the shard {stored}, not {spec}")
-        cfg = replace(cfg, vocab=int(mf.reader.fields[SHARD_KEYS["vocab"]].contents()))
+        cfg = replace(cfg, vocab=int(mf.metadata[SHARD_KEYS["vocab"]]))
         local = ShardSpec(*((0, b - a) for a, b in (spec.kv_groups, spec.ffn_cols, spec.vocab_rows)))
     hd, g = cfg.head_dim, cfg.group_size
     kv = (local.kv_groups[0] * hd, local.kv_groups[1] * hd)

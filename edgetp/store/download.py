@@ -19,7 +19,7 @@ import urllib.error
 import urllib.request
 import zipfile
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Callable, Mapping, TextIO
 
 from edgetp import __version__
 from edgetp.store.errors import DownloadError, DownloadInterrupted, StoreError, VerifyError
@@ -74,17 +74,23 @@ class Progress:
         return f"{self.label}  {self.done / 1e6:.1f}/{self.total / 1e6:.1f} MB  {pct:3.0f}%  {rate:.1f} MB/s"
 
 
-def fetch_url(url: str, final: Path, *, sha256: str | None = None, out: TextIO) -> Path:
-    """Download `url` to `final`, resuming `<final>.part` when it is there."""
+Headers = Callable[[], Mapping[str, str]]  # extra request headers, made afresh for every request
+
+
+def fetch_url(url: str, final: Path, *, sha256: str | None = None, out: TextIO, headers: Headers | None = None) -> Path:
+    """Download `url` to `final`, resuming `<final>.part` when it is there.
+
+    `headers()`, when given, is called once per HTTP request (so a signature can carry a fresh nonce).
+    """
     part = final.with_name(final.name + ".part")
-    size, digest = _fetch(url, part, out, final.name)
+    size, digest = _fetch(url, part, out, final.name, headers)
     return _install(part, final, url, size=size, digest=digest, want_size=None, want_sha256=sha256, out=out)
 
 
-def _fetch(url: str, part: Path, out: TextIO, label: str) -> tuple[int, str]:
+def _fetch(url: str, part: Path, out: TextIO, label: str, extra: Headers | None = None) -> tuple[int, str]:
     """Append the rest of `url` to `part` (or restart it); return (size, sha256 hex) of the whole."""
     have = part.stat().st_size if part.exists() else 0
-    headers = {"User-Agent": f"edgetp/{__version__}"}
+    headers = {"User-Agent": f"edgetp/{__version__}", **(extra() if extra else {})}
     if have:
         headers["Range"] = f"bytes={have}-"
     try:
@@ -93,7 +99,7 @@ def _fetch(url: str, part: Path, out: TextIO, label: str) -> tuple[int, str]:
         exc.close()
         if exc.code == 416 and have:  # the .part is no prefix of what is served now
             part.unlink()
-            return _fetch(url, part, out, label)
+            return _fetch(url, part, out, label, extra)
         raise DownloadError(f"{url}: HTTP {exc.code} {exc.reason}") from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         raise DownloadError(f"{url}: cannot download ({getattr(exc, 'reason', exc)})") from None

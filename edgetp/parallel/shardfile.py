@@ -1,0 +1,176 @@
+"""One node's slice of a model as a GGUF file of its own: what the root sends a worker.
+
+`write_shard(mf, spec, path)` keeps every tensor of the source under its own
+name but cut to the spec, by the same table `llama.load_weights` slices by:
+
+    attn_q.weight / .bias      rows   query heads of the KV groups
+    attn_k, attn_v (+ .bias)   rows   KV heads
+    attn_output.weight         cols   query heads
+    ffn_gate, ffn_up           rows   FFN columns
+    ffn_down                   cols   FFN columns
+    output.weight              rows   vocabulary rows
+    token_embd.weight          rows   vocabulary rows when tied (it is the lm head), else none (the root embeds)
+    anything else              whole  (norms, rope_freqs)
+
+Row slices and block-aligned column slices are byte-exact copies of the
+source blocks; a column range that splits a quant block is stored as the
+exact f32 values, as load_weights does. An empty range gives a tensor with
+zero rows (or columns), so every name, and with it the model's config, is
+still there. All metadata is copied, plus `edgetp.shard.*`: the spec, the
+source fingerprint and the true vocabulary size (the file's own token_embd
+no longer shows it). `llama.load_weights` reads such a file for exactly that
+spec and refuses any other.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT, GGUFValueType, GGUFWriter
+
+from edgetp.model import quant
+from edgetp.model.gguf import ModelFile
+from edgetp.model.llama import SHARD_KEYS, Range, ShardSpec
+
+_BLK = re.compile(r"blk\.\d+\.(.+)")
+
+
+def shard_name(fingerprint: str, spec: ShardSpec) -> str:
+    """File name of a shard in a cache: source model and spec, nothing else."""
+    (a, b), (c, d), (e, f) = spec.kv_groups, spec.ffn_cols, spec.vocab_rows
+    return f"{fingerprint[:16]}-kv{a}-{b}-ffn{c}-{d}-vocab{e}-{f}.gguf"
+
+
+def check_spec(mf: ModelFile, spec: ShardSpec) -> None:
+    """ValueError unless every range of the spec lies inside the model."""
+    cfg = mf.config
+    for what, (start, stop), limit in (("kv_groups", spec.kv_groups, cfg.n_kv_heads),
+                                       ("ffn_cols", spec.ffn_cols, cfg.ffn),
+                                       ("vocab_rows", spec.vocab_rows, cfg.vocab)):
+        if not 0 <= start <= stop <= limit:
+            raise ValueError(f"{what} {start}:{stop} is not a range within 0:{limit}")
+
+
+def slice_plan(mf: ModelFile, spec: ShardSpec) -> dict[str, tuple[str, Range]]:
+    """name -> ("rows" | "cols" | "whole", range) for every tensor of the source, in file order."""
+    cfg = mf.config
+    hd, g = cfg.head_dim, cfg.group_size
+    kv = (spec.kv_groups[0] * hd, spec.kv_groups[1] * hd)
+    qh = (kv[0] * g, kv[1] * g)
+    per_layer = {
+        "attn_q.weight": ("rows", qh), "attn_q.bias": ("rows", qh),
+        "attn_k.weight": ("rows", kv), "attn_k.bias": ("rows", kv),
+        "attn_v.weight": ("rows", kv), "attn_v.bias": ("rows", kv),
+        "attn_output.weight": ("cols", qh),
+        "ffn_gate.weight": ("rows", spec.ffn_cols), "ffn_up.weight": ("rows", spec.ffn_cols),
+        "ffn_down.weight": ("cols", spec.ffn_cols),
+    }
+    plan: dict[str, tuple[str, Range]] = {}
+    for name in mf.tensors:
+        m = _BLK.fullmatch(name)
+        if m and m[1] in per_layer:
+            plan[name] = per_layer[m[1]]
+        elif name == "output.weight" or (name == "token_embd.weight" and cfg.tied):
+            plan[name] = ("rows", spec.vocab_rows)
+        elif name == "token_embd.weight":
+            plan[name] = ("rows", (0, 0))
+        else:
+            plan[name] = ("whole", (0, 0))
+    return plan
+
+
+def _cut(mf: ModelFile, name: str, how: str, r: Range) -> tuple[np.ndarray, int]:
+    """(array to store, GGML type) of one tensor's slice."""
+    t = mf.tensors[name]
+    if how == "whole":
+        return np.asarray(t.data), int(t.tensor_type)
+    if len(t.shape) == 1:  # a bias: a vector of f32/f16 values
+        return np.asarray(t.data)[r[0]:r[1]], int(t.tensor_type)
+    w = mf.weight(name)
+    if how == "rows":
+        return w.data[r[0]:r[1]], w.qtype
+    if r[0] == r[1]:
+        return w.data[:, :0], w.qtype
+    try:
+        part = quant.slice_cols(w, *r)
+    except ValueError:  # the range splits a quant block: exact f32 values, as load_weights does
+        dense = np.ascontiguousarray(quant.dequantize_rows(w, 0, w.rows)[:, r[0]:r[1]])
+        part = quant.Weight(int(QT.F32), w.rows, r[1] - r[0], dense.view(np.uint8))
+    return part.data, part.qtype
+
+
+def _table_entry(mf: ModelFile, name: str, how: str, r: Range) -> tuple[tuple[int, ...], np.dtype, int, int]:
+    """(shape, dtype, nbytes, GGML type) of what _cut will give, without copying a column slice."""
+    if how == "cols" and r[0] != r[1]:
+        w = mf.weight(name)
+        bs = quant.block_size(w.qtype)
+        qtype = w.qtype if r[0] % bs == 0 and r[1] % bs == 0 else int(QT.F32)
+        rb = quant.row_bytes(qtype, r[1] - r[0])
+        return (w.rows, rb), np.dtype(np.uint8), w.rows * rb, qtype
+    data, qtype = _cut(mf, name, how, r)  # views, no copy
+    return data.shape, data.dtype, data.nbytes, qtype
+
+
+def _copy_metadata(mf: ModelFile, writer: GGUFWriter) -> None:
+    """Every key/value of the source, strings as their raw bytes."""
+    for field in mf.reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        vtype = GGUFValueType(field.types[0])
+        if vtype == GGUFValueType.ARRAY:
+            sub = GGUFValueType(field.types[-1])
+            if len(field.types) != 2:
+                raise ValueError(f"{mf.path}: nested array {field.name!r} is not supported in a shard")
+            if sub == GGUFValueType.STRING:
+                value = [bytes(field.parts[i]) for i in field.data]
+            else:
+                value = [field.parts[i][0].item() for i in field.data]
+            if value:
+                writer.add_key_value(field.name, value, vtype, sub_type=sub)
+        elif vtype == GGUFValueType.STRING:
+            writer.add_key_value(field.name, bytes(field.parts[field.data[0]]), vtype)
+        else:
+            writer.add_key_value(field.name, field.parts[field.data[0]][0].item(), vtype)
+
+
+def _add_shard_keys(mf: ModelFile, spec: ShardSpec, writer: GGUFWriter) -> None:
+    arr, u64 = GGUFValueType.ARRAY, GGUFValueType.UINT64
+    writer.add_key_value(SHARD_KEYS["kv_groups"], list(spec.kv_groups), arr, sub_type=u64)
+    writer.add_key_value(SHARD_KEYS["ffn_cols"], list(spec.ffn_cols), arr, sub_type=u64)
+    writer.add_key_value(SHARD_KEYS["vocab_rows"], list(spec.vocab_rows), arr, sub_type=u64)
+    writer.add_key_value(SHARD_KEYS["vocab"], mf.config.vocab, u64)
+    writer.add_key_value(SHARD_KEYS["source_fingerprint"], mf.fingerprint, GGUFValueType.STRING)
+
+
+def write_shard(mf: ModelFile, spec: ShardSpec, path: str | os.PathLike[str]) -> Path:
+    """Write the GGUF of `spec`'s slices to `path` (through `path.part` and a rename)."""
+    if SHARD_KEYS["kv_groups"] in mf.metadata:
+        raise ValueError(f"{mf.path} is already a shard; slice the full model file")
+    check_spec(mf, spec)
+    path = Path(path)
+    part = path.with_name(path.name + ".part")
+    plan = slice_plan(mf, spec)
+    writer = GGUFWriter(None, mf.config.arch)
+    try:
+        writer.data_alignment = int(mf.alignment)
+        _copy_metadata(mf, writer)
+        _add_shard_keys(mf, spec, writer)
+        for name, (how, r) in plan.items():  # the tensor table first: shapes only
+            shape, dtype, nbytes, qtype = _table_entry(mf, name, how, r)
+            writer.add_tensor_info(name, shape, dtype, nbytes, raw_dtype=QT(qtype))
+        writer.write_header_to_file(part)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for name, (how, r) in plan.items():  # then the bytes, one sliced tensor in memory at a time
+            writer.write_tensor_data(np.ascontiguousarray(_cut(mf, name, how, r)[0]))
+        writer.close()
+        os.replace(part, path)
+    except BaseException:
+        writer.close()
+        part.unlink(missing_ok=True)
+        raise
+    return path
+

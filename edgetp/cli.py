@@ -88,7 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--ctx", type=_positive, default=2048)
     srv.add_argument("--threads", type=_positive, default=None)
     srv.add_argument("--queue", type=_positive, default=8, help="requests that may wait; more get 429")
-    srv.add_argument("--key", default=os.environ.get("EDGETP_KEY_FILE"), help="cluster key file")
+    srv.add_argument("--key", default=os.environ.get("EDGETP_KEY_FILE"),
+                     help="cluster key file; with a key and no --workers, join the cluster on the LAN (mDNS)")
+    srv.add_argument("--data-port", type=int, default=7710, help="cluster data links (default 7710; 0: any)")
+    srv.add_argument("--node-id", default=None, help="this node's name (default: host name + random suffix)")
+    srv.add_argument("--priority", type=int, default=0, help="higher wins the root election")
+    srv.add_argument("--no-root", action="store_true", help="never become the root")
+    srv.add_argument("--interface", action="append", default=[], metavar="ADDR",
+                     help="IP address(es) to discover peers on (default: all interfaces)")
     srv.set_defaults(func=commands.serve)
 
     dash = sub.add_parser("dashboard", help="the live view of a cluster: nodes, shares, per-token time and bytes")

@@ -171,7 +171,9 @@ def serve(args: argparse.Namespace) -> int:
         host=args.listen[0], port=args.listen[1], workers=tuple(args.workers),
         weights=tuple(args.weights) if args.weights else None, sync=args.sync, ctx=args.ctx, threads=args.threads,
         key=auth.read_key(args.key) if args.key else None, queue_size=args.queue,
-        index_dir=store.cache_dir() / "index")
+        index_dir=store.cache_dir() / "index", cluster=bool(args.key) and not args.workers,
+        data_port=args.data_port, node_id=args.node_id, priority=args.priority, no_root=args.no_root,
+        interfaces=tuple(args.interface))
     try:
         daemon.run(opts, on_listening=lambda url: print(f"edgetp serving on {url}", flush=True))
     except OSError as exc:

@@ -1,12 +1,17 @@
 """The composition root of `edgetp serve`: builds every part and owns it until shutdown.
 
-What it serves today is a root over a static set of workers (`--workers`),
-or the whole model alone: the engine, the OpenAI-compatible API, the
-event stream and metrics. A worker lost mid-answer is planned around and
-the answer goes on. Discovery and election (edgetp/cluster) will feed the
-worker list here instead of the command line.
+Three ways to serve, one engine and API in front of each:
+- alone: the whole model in this process;
+- static: a root over `--workers` given on the command line;
+- cluster (a key and no `--workers`): every node runs a worker, the API and
+  membership (mDNS + heartbeats + election). The elected root plans over
+  the usable peers before each request (a join or leave re-plans between
+  requests); other nodes forward requests to it. A worker lost mid-answer
+  is planned around and the answer goes on; a lost root is replaced by the
+  next election.
 
-Shutdown is cancellation (SIGTERM and Ctrl-C take the same path).
+Shutdown is cancellation (SIGTERM and Ctrl-C take the same path); in
+cluster mode it withdraws our mDNS record first, so peers re-plan at once.
 """
 
 from __future__ import annotations
@@ -14,18 +19,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from edgetp.cluster import profile
+from edgetp.cluster.discovery import PeerAdvert
+from edgetp.cluster.membership import Membership, data_address, http_url
 from edgetp.model import quant
 from edgetp.model.generate import LocalRunner
 from edgetp.model.gguf import ModelFile, open_model
 from edgetp.model.tokenizer import Tokenizer
+from edgetp.net import auth
+from edgetp.net.link import LinkClosed
 from edgetp.parallel.runner import ClusterRunner, WorkerLost
 from edgetp.serve import events
-from edgetp.serve.api import make_app, run_api
+from edgetp.serve.api import NoRoot, make_app, run_api, serving
 from edgetp.serve.root import Engine, EventBus, local_view
+from edgetp.serve.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +57,12 @@ class ServeOptions:
     key: bytes | None = None
     queue_size: int = 8
     index_dir: Path | None = None
+    cluster: bool = False           # discover peers and elect a root (needs a key)
+    data_port: int = 7710
+    node_id: str | None = None
+    priority: int = 0
+    no_root: bool = False
+    interfaces: tuple[str, ...] = ()
 
 
 def cluster_view(runner: ClusterRunner, model: str) -> events.ClusterView:
@@ -60,14 +79,17 @@ def cluster_view(runner: ClusterRunner, model: str) -> events.ClusterView:
 class Recovery:
     """Replaces the engine's runner when a worker is lost: called on the generation thread."""
 
-    def __init__(self, engine: Engine, bus: EventBus, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, engine: Engine, bus: EventBus, loop: asyncio.AbstractEventLoop,
+                 epoch: Callable[[], int] | None = None) -> None:
         self.engine, self.bus, self.loop = engine, bus, loop
+        self.epoch = epoch  # in a cluster the election owns epochs; alone, a re-plan starts the next one
 
     def __call__(self, exc: WorkerLost) -> ClusterRunner:
         old: ClusterRunner = self.engine.runner
         self._publish(events.ClusterEvent("leave", f"worker {exc.link_name} lost: {exc}", exc.link_name,
                                           old.plan.epoch))
-        new = asyncio.run_coroutine_threadsafe(old.without(exc.link_name), self.loop).result(600)
+        epoch = self.epoch() if self.epoch else None
+        new = asyncio.run_coroutine_threadsafe(old.without(exc.link_name, epoch), self.loop).result(600)
         self.engine.runner = new
         self._publish(events.ClusterEvent(
             "replan", f"re-planned over {len(new.nodes)} node(s)", None, new.plan.epoch,
@@ -81,6 +103,8 @@ class Recovery:
 
 async def serve(opts: ServeOptions, on_listening: Callable[[str], None] | None = None) -> None:
     """Build the engine and the API, serve until cancelled, then close every link."""
+    if opts.cluster:
+        return await serve_cluster(opts, on_listening)
     if opts.threads:
         quant.set_threads(opts.threads)
     mf = await asyncio.to_thread(open_model, opts.model_path, opts.index_dir)
@@ -102,6 +126,108 @@ async def serve(opts: ServeOptions, on_listening: Callable[[str], None] | None =
         close = getattr(engine.runner, "close", None)
         if close:
             close()
+
+
+async def serve_cluster(opts: ServeOptions, on_listening: Callable[[str], None] | None = None) -> None:
+    if opts.key is None:
+        raise ValueError("a cluster needs a key: --key FILE (make one with `edgetp keygen`)")
+    if opts.threads:
+        quant.set_threads(opts.threads)
+    mf = await asyncio.to_thread(open_model, opts.model_path, opts.index_dir)
+    tok = Tokenizer.from_metadata(mf.metadata)
+    me = await asyncio.to_thread(profile.profile, opts.threads)
+    node_id = opts.node_id or f"{socket.gethostname().split('.')[0]}-{uuid.uuid4().hex[:6]}"
+    bus = EventBus()
+    ctx = min(opts.ctx, mf.config.ctx_train)
+    engine = Engine(None, tok, opts.model_name, queue_size=opts.queue_size, bus=bus, ctx=ctx)
+    worker = Worker(node_id, key=opts.key, threads=opts.threads, model_path=str(mf.path),
+                    index_dir=str(opts.index_dir) if opts.index_dir else None, follow_epochs=True)
+    loop = asyncio.get_running_loop()
+    bound: asyncio.Future[int] = loop.create_future()
+    roles: list[Roles] = []  # set once the HTTP port is known
+    app = make_app(engine, cluster_view=lambda: roles[0].view(), key=opts.key, route=lambda: roles[0].route())
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(worker.serve(opts.host, opts.data_port, bound.set_result))
+        data_port = await bound
+        async with serving(app, opts.host, opts.port) as url:
+            advert = PeerAdvert(node_id, auth.cluster_id(opts.key), data_port, int(url.rsplit(":", 1)[1]),
+                                me.speed, me.mem_free, mf.fingerprint, opts.priority, opts.no_root)
+            membership = Membership(advert, interfaces=list(opts.interfaces) or None, publish=bus.publish)
+            roles.append(Roles(engine, membership, mf, opts, node_id, ctx))
+            engine.between = roles[0].between
+            engine.recover = Recovery(engine, bus, loop, lambda: membership.epoch)
+            if on_listening:
+                on_listening(url)
+            try:
+                await membership.run()
+            finally:
+                roles[0].close()
+
+
+class Roles:
+    """What this node does for the cluster: root (plan and serve) or not (forward to the root)."""
+
+    def __init__(self, engine: Engine, membership: Membership, mf: ModelFile, opts: ServeOptions,
+                 node_id: str, ctx: int) -> None:
+        self.engine, self.membership, self.mf, self.opts = engine, membership, mf, opts
+        self.node_id, self.ctx = node_id, ctx
+
+    def route(self) -> str | None:
+        leader = self.membership.leader
+        if leader is None:
+            raise NoRoot("the cluster is forming")
+        if leader == self.node_id:
+            return None
+        peer = self.membership.peer(leader)
+        if peer is None:
+            raise NoRoot(f"the elected root {leader} is not reachable")
+        return http_url(peer.advert)
+
+    async def between(self) -> None:
+        """Before each request on the root: (re)plan when the members or the epoch changed."""
+        runner = self.engine.runner
+        if self.membership.leader != self.node_id:
+            if runner is not None:
+                runner.close()
+                self.engine.runner = None
+            return
+        want = sorted(data_address(p.advert) for p in self.membership.usable())
+        if runner is not None and runner.plan.epoch == self.membership.epoch and \
+                set(runner.options["addresses"]) == set(want):
+            return  # a peer left out for refusing is tried again at the next request
+        if runner is not None:
+            runner.close()
+        self.engine.runner = await self._connect(want)
+
+    async def _connect(self, addresses: list[str]) -> ClusterRunner:
+        """A runner over every peer that accepts us; one that refuses is left out and logged."""
+        while True:
+            try:
+                return await ClusterRunner.connect(
+                    self.mf, addresses, ctx=self.ctx, sync=self.opts.sync, key=self.opts.key,
+                    threads=self.opts.threads, epoch=self.membership.epoch, node_id=self.node_id)
+            except LinkClosed as exc:
+                if exc.link_name not in addresses:
+                    raise
+                log.warning("planning without %s: %s", exc.link_name, exc)
+                addresses = [a for a in addresses if a != exc.link_name]
+
+    def view(self) -> events.ClusterView:
+        runner = self.engine.runner
+        if isinstance(runner, ClusterRunner):
+            return cluster_view(runner, self.opts.model_name)
+        leader = self.membership.leader
+        nodes = [events.NodeView(self.node_id, "local", "root" if leader == self.node_id else "worker", "ready",
+                                 self.membership.me.speed, self.membership.me.mem_free)]
+        for p in self.membership.table.peers():
+            state = "foreign" if p.foreign else ("ready" if self.membership.table.alive(p) else "lost")
+            nodes.append(events.NodeView(p.node_id, data_address(p.advert), "root" if leader == p.node_id else "worker",
+                                         state, p.advert.speed, p.advert.mem_free))
+        return events.ClusterView(self.membership.epoch, leader, self.opts.model_name, tuple(nodes))
+
+    def close(self) -> None:
+        if self.engine.runner is not None:
+            self.engine.runner.close()
 
 
 def _view(engine: Engine, mf: ModelFile, model: str) -> Callable[[], events.ClusterView]:

@@ -75,6 +75,7 @@ class Link:
         self.rtt: float | None = None    # seconds, measured by ping()
         self.peer_id: str | None = None  # set by the handshake
         self.embeds = False              # the peer embeds token ids itself (it maps the embedding table)
+        self.hello: dict[str, Any] = {}  # the peer's HELLO header, once received
         self.counters = Counters()
         self._buf = bytearray(1 << 16)   # reused receive buffer for blocking-mode payloads
 
@@ -160,10 +161,13 @@ class Link:
         return self.rtt
 
     # ------------------------------------------------------------------ authentication
-    async def authenticate(self, key: bytes, node_id: str) -> str:
-        """Run the HMAC challenge as the connecting side; returns the peer's node id."""
+    async def authenticate(self, key: bytes, node_id: str, extra: dict[str, Any] | None = None) -> str:
+        """Run the HMAC challenge as the connecting side; returns the peer's node id.
+
+        `extra` rides in the HELLO (e.g. the root's epoch); it is not part of the proof.
+        """
         ini = auth.Initiator(key, node_id)
-        hello = ini.hello()
+        hello = ini.hello() | (extra or {})
         await self.send(FrameType.HELLO, hello)
         msg = ini.on_challenge((await self.expect(FrameType.CHALLENGE, 10)).header)
         await self.send(FrameType.AUTH, msg)
@@ -180,6 +184,7 @@ class Link:
         res = auth.Responder(key, node_id)
         try:
             hello = (await self.expect(FrameType.HELLO, 10)).header
+            self.hello = hello
             if "cluster_id" not in hello:
                 raise auth.AuthError("this node requires the cluster key (--key) and the peer sent none")
             await self.send(FrameType.CHALLENGE, res.on_hello(hello))

@@ -71,7 +71,8 @@ class ClusterRunner:
     @classmethod
     async def connect(cls, mf: ModelFile, addresses: Sequence[str], *, ctx: int, weights: Sequence[float] | None = None,
                       sync: str = "f32", key: bytes | None = None, threads: int | None = None,
-                      repack: bool = False, model_ref: str | None = None, epoch: int = 1) -> "ClusterRunner":
+                      repack: bool = False, model_ref: str | None = None, epoch: int = 1,
+                      node_id: str = ROOT_ID) -> "ClusterRunner":
         if weights is not None and len(weights) != len(addresses) + 1:
             raise ValueError(f"--weights needs {len(addresses) + 1} numbers (the root first), got {len(weights)}")
         links: list[Link] = []
@@ -80,10 +81,10 @@ class ClusterRunner:
                 host, _, port = addr.rpartition(":")
                 link = await Link.connect(host, int(port))
                 links.append(link)
-                await _hello(link, key)
+                await _hello(link, key, node_id, epoch)
             hop = await event_loop_hop()
             mine = await asyncio.to_thread(profile.profile, threads, 0.5 if weights is None else 0.05)
-            infos = [NodeInfo(ROOT_ID, "local", mine.speed, mine.mem_free, 0.0, "local")]
+            infos = [NodeInfo(node_id, "local", mine.speed, mine.mem_free, 0.0, "local")]
             for link in links:
                 rtt = await link.ping()
                 link.hot_mode = choose_mode(rtt, hop, forced_mode())
@@ -105,7 +106,7 @@ class ClusterRunner:
                 await link.send(FrameType.LOAD, header | {"kv_groups": list(spec.kv_groups),
                                                           "ffn_cols": list(spec.ffn_cols),
                                                           "vocab_rows": list(spec.vocab_rows)})
-            weights_root = await asyncio.to_thread(llama.load_weights, mf, spec_for(plan, ROOT_ID), repack=repack)
+            weights_root = await asyncio.to_thread(llama.load_weights, mf, spec_for(plan, node_id), repack=repack)
             shard = llama.Shard(weights_root, ctx)
             for n, link in enumerate(links, start=1):
                 ready = await link.expect(FrameType.READY, timeout=600)
@@ -116,20 +117,20 @@ class ClusterRunner:
                 link.close()
             raise
         options = dict(ctx=ctx, weights=weights, sync=sync, key=key, threads=threads, repack=repack,
-                       model_ref=model_ref, addresses=list(addresses))
+                       model_ref=model_ref, addresses=list(addresses), node_id=node_id)
         return cls(mf, ctx, plan, links, shard, infos, asyncio.get_running_loop(), options)
 
-    async def without(self, address: str) -> "ClusterRunner":
-        """A new runner over every node but `address`, with a fresh plan one epoch later."""
+    async def without(self, address: str, epoch: int | None = None) -> "ClusterRunner":
+        """A new runner over every node but `address`, with a fresh plan (one epoch later unless given)."""
         self.close()
         opts = dict(self.options)
         addresses = opts.pop("addresses")
         keep = [i for i, a in enumerate(addresses) if a != address]
         if opts["weights"] is not None:
             opts["weights"] = [opts["weights"][0]] + [opts["weights"][i + 1] for i in keep]
-        log.warning("worker %s lost; re-planning over %d node(s), epoch %d", address, len(keep) + 1,
-                    self.plan.epoch + 1)
-        return await ClusterRunner.connect(self.mf, [addresses[i] for i in keep], epoch=self.plan.epoch + 1, **opts)
+        epoch = self.plan.epoch + 1 if epoch is None else epoch
+        log.warning("worker %s lost; re-planning over %d node(s), epoch %d", address, len(keep) + 1, epoch)
+        return await ClusterRunner.connect(self.mf, [addresses[i] for i in keep], epoch=epoch, **opts)
 
     # ------------------------------------------------------------------ generation (compute thread)
     def begin(self, params: sampling.SamplingParams) -> None:
@@ -201,12 +202,15 @@ class ClusterRunner:
             link.close()
 
 
-async def _hello(link: Link, key: bytes | None) -> None:
-    """Authenticate when we hold a cluster key; otherwise a plain HELLO (trusted networks only)."""
+async def _hello(link: Link, key: bytes | None, node_id: str, epoch: int) -> None:
+    """Authenticate when we hold a cluster key; otherwise a plain HELLO (trusted networks only).
+
+    Either way the HELLO carries our epoch: workers refuse roots older than one they follow.
+    """
     if key is not None:
-        await link.authenticate(key, ROOT_ID)
+        await link.authenticate(key, node_id, {"epoch": epoch})
         return
-    await link.send(FrameType.HELLO, {"node_id": ROOT_ID})
+    await link.send(FrameType.HELLO, {"node_id": node_id, "epoch": epoch})
     reply = await link.recv(10)
     if reply.type == FrameType.ERROR:
         raise LinkClosed(f"link {link.name}: {reply.header.get('message', 'refused')}")

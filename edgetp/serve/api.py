@@ -25,6 +25,7 @@ import uuid
 import weakref
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+import aiohttp
 from aiohttp import WSCloseCode, web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -41,6 +42,7 @@ KEY = web.AppKey("key", bytes | None)
 NONCES = web.AppKey("nonces", auth.NonceCache)
 METRICS = web.AppKey("metrics", "Metrics")
 SOCKETS = web.AppKey("sockets", weakref.WeakSet)
+ROUTE = web.AppKey("route", object)  # Callable[[], str | None] | None
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ApiError = shape.ApiError
@@ -50,10 +52,16 @@ ApiError = shape.ApiError
 
 
 def make_app(engine: Engine, *, cluster_view: Callable[[], events.ClusterView] | None = None,
-             key: bytes | None = None) -> web.Application:
-    """The API over one engine. The app owns the engine's serving task (started and cancelled with it)."""
+             key: bytes | None = None, route: Callable[[], str | None] | None = None) -> web.Application:
+    """The API over one engine. The app owns the engine's serving task (started and cancelled with it).
+
+    `route`, in a cluster, says where completions go: None means this node
+    (the root) serves them, a base URL means forward to the root there; it
+    raises NoRoot while no root is elected.
+    """
     app = web.Application(middlewares=[_errors])
     app[ENGINE] = engine
+    app[ROUTE] = route
     node_id = socket.gethostname()
     config = getattr(getattr(engine.runner, "mf", None), "config", None)
     app[CLUSTER_VIEW] = cluster_view or (lambda: local_view(engine.model_name, config, node_id))
@@ -162,7 +170,42 @@ def require_key(handler: Handler) -> Handler:
 # --------------------------------------------------------------------------- completions
 
 
+class NoRoot(Exception):
+    """No root is elected yet (the cluster is forming or re-electing)."""
+
+
+async def _routed(request: web.Request) -> web.StreamResponse | None:
+    """Forward the request to the root when this node is not it; None when we serve it here."""
+    route = request.app[ROUTE]
+    if route is None:
+        return None
+    try:
+        target = route()
+    except NoRoot as exc:
+        raise ApiError(503, f"no root elected yet: {exc}", type="server_error", code="no_root", headers={"Retry-After": "2"}) from None
+    if target is None:
+        return None
+    body = await request.read()
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            async with session.post(target + request.path, data=body,
+                                    headers={"Content-Type": "application/json"}) as upstream:
+                resp = web.StreamResponse(status=upstream.status, headers={
+                    k: v for k, v in upstream.headers.items()
+                    if k.lower() in ("content-type", "cache-control", "retry-after")})
+                await resp.prepare(request)
+                async for chunk in upstream.content.iter_any():
+                    await resp.write(chunk)
+                await resp.write_eof()
+                return resp
+    except aiohttp.ClientError as exc:
+        raise ApiError(502, f"the root at {target} did not answer: {exc}", type="server_error", code="root_unreachable") from None
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
+    if (forwarded := await _routed(request)) is not None:
+        return forwarded
     engine = request.app[ENGINE]
     body = await shape.json_body(request)
     opts = shape.options(body, engine.model_name, chat=True)
@@ -177,6 +220,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
+    if (forwarded := await _routed(request)) is not None:
+        return forwarded
     engine = request.app[ENGINE]
     body = await shape.json_body(request)
     opts = shape.options(body, engine.model_name, chat=False)

@@ -28,7 +28,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from edgetp.model.generate import TokenEvent, generate
 from edgetp.model.sampling import SamplingParams
@@ -186,9 +186,12 @@ class Engine:
     """One runner, its tokenizer and the model's name, serving one generation at a time."""
 
     def __init__(self, runner: Any, tokenizer: Tokenizer, model_name: str, *, queue_size: int = 8,
-                 bus: EventBus | None = None, recover: Callable[[Exception], Any] | None = None) -> None:
+                 bus: EventBus | None = None, recover: Callable[[Exception], Any] | None = None,
+                 ctx: int | None = None) -> None:
         self.runner = runner
         self.recover = recover  # replaces self.runner when a node is lost mid-answer (see generate)
+        self.between: Callable[[], Awaitable[None]] | None = None  # runs before each job: re-plans go here
+        self._ctx = ctx
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.queue_size = queue_size
@@ -201,7 +204,7 @@ class Engine:
 
     @property
     def ctx(self) -> int:
-        return self.runner.ctx
+        return self.runner.ctx if self.runner is not None else self._ctx
 
     @property
     def queue_depth(self) -> int:
@@ -250,6 +253,10 @@ class Engine:
                 while not self._waiting:
                     self._wake.clear()
                     await self._wake.wait()
+                if self.between is not None:
+                    await self.between()
+                    if not self._waiting:
+                        continue
                 job = self._waiting.popleft()
                 self._current = job
                 try:

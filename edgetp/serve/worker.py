@@ -52,7 +52,12 @@ class Worker:
     model_path: str | None = None  # our own copy; else the root's path is used
     resolve: Callable[[str], str] = str
     index_dir: str | None = None  # where parsed GGUF headers are kept (fast re-opens)
+    follow_epochs: bool = False   # daemon mode: refuse roots of an epoch older than the newest seen
     busy: bool = field(default=False, init=False)
+    epoch: int = field(default=0, init=False)          # the newest root epoch seen; older roots are refused
+    _link: Link | None = field(default=None, init=False)
+    _link_epoch: int = field(default=0, init=False)
+    _task: asyncio.Task | None = field(default=None, init=False)
     _idle: asyncio.Event = field(default_factory=asyncio.Event, init=False)
 
     async def serve(self, host: str, port: int, on_listening: Callable[[int], None] | None = None) -> None:
@@ -80,6 +85,23 @@ class Worker:
             await asyncio.gather(*sessions, return_exceptions=True)
 
     async def _session(self, link: Link) -> None:
+        try:
+            peer, epoch = await self._greet(link)
+        except LinkClosed as exc:
+            log.warning("connection refused: %s", exc)
+            link.close()
+            return
+        if self.follow_epochs and epoch < self.epoch:  # no split brain: older roots are refused
+            log.warning("refused root %s of stale epoch %d (following epoch %d)", peer, epoch, self.epoch)
+            await link._try_error(f"stale epoch {epoch}: worker {self.node_id} follows epoch {self.epoch}")
+            link.close()
+            return
+        self.epoch = epoch
+        if self.busy and self._link is not None and epoch > self._link_epoch:
+            log.warning("root %s of epoch %d replaces the root of epoch %d", peer, epoch, self._link_epoch)
+            self._link.close()  # a compute thread blocked on it fails out
+            if self._task is not None:
+                self._task.cancel()  # an asyncio receive is not woken by a close
         deadline = time.monotonic() + BUSY_WAIT
         while self.busy:  # a root re-planning may reconnect before its old session has wound down
             try:
@@ -88,11 +110,12 @@ class Worker:
                 await link._try_error(f"worker {self.node_id} is busy with another root")
                 link.close()
                 return
-        self.busy = True
+        self.busy, self._link, self._link_epoch = True, link, epoch
+        self._task = asyncio.current_task()
         self._idle.clear()
-        state = _Session(self, link)
+        log.info("root %s (epoch %d) connected from %s", peer, epoch, link.name)
         try:
-            await state.run()
+            await _Session(self, link).run()
         except LinkClosed as exc:
             log.warning("root session ended: %s", exc)
         except (GGUFError, ValueError, KeyError, TypeError) as exc:
@@ -103,8 +126,22 @@ class Worker:
             await link._try_error(f"worker error: {exc}")
         finally:
             link.close()
-            self.busy = False
+            self.busy, self._link, self._task = False, None, None
             self._idle.set()
+
+    async def _greet(self, link: Link) -> tuple[str, int]:
+        """Authenticate the root (when we hold a key); its node id and epoch."""
+        if self.key is not None:
+            peer = await link.accept_auth(self.key, self.node_id)
+            hello = link.hello
+        else:
+            hello = (await link.expect(FrameType.HELLO, 10)).header
+            peer = str(hello.get("node_id", "?"))
+            await link.send(FrameType.HELLO, {"node_id": self.node_id, "auth": False})
+        epoch = hello.get("epoch", 0)
+        if not isinstance(epoch, int) or epoch < 0:
+            raise LinkClosed(f"link {link.name}: bad epoch {epoch!r} in HELLO", link.name)
+        return peer, epoch
 
 
 class _Session:
@@ -119,12 +156,6 @@ class _Session:
 
     async def run(self) -> None:
         link = self.link
-        if self.worker.key is not None:
-            peer = await link.accept_auth(self.worker.key, self.worker.node_id)
-        else:
-            peer = (await link.expect(FrameType.HELLO, 10)).header.get("node_id", "?")
-            await link.send(FrameType.HELLO, {"node_id": self.worker.node_id, "auth": False})
-        log.info("root %s connected from %s", peer, link.name)
         while True:
             frame = await link.recv(IDLE_TIMEOUT)
             handler = self.HANDLERS.get(frame.type)

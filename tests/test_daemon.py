@@ -1,0 +1,122 @@
+"""The self-forming cluster: `edgetp serve --key` daemons on loopback, as a user runs them.
+
+One sequence, as the daemon issue lists it: discovery and election, a
+generation through any node, a worker killed mid-answer, the root killed,
+an impostor with another key ignored throughout, and a clean leave.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from edgetp.model import gguf, sampling
+from edgetp.model.generate import LocalRunner, generate
+from edgetp.model.tokenizer import Tokenizer
+from edgetp.serve.spawn import stop
+from tests.test_cli_errors import edgetp
+
+PROMPT = "Once upon a time"
+
+
+def start_daemon(model, key, node_id: str, priority: int = 0) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "edgetp", "serve", "--model", str(model), "--key", str(key), "--listen", "127.0.0.1:0",
+         "--data-port", "0", "--interface", "127.0.0.1", "--node-id", node_id, "--priority", str(priority),
+         "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    m = re.search(r"serving on (http://\S+)", line)
+    if not m:
+        stop(proc)
+        raise RuntimeError(f"daemon {node_id} did not start: {line}{proc.stderr.read()}")
+    return proc, m.group(1)
+
+
+def view(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/v1/cluster", timeout=5) as resp:
+        return json.load(resp)
+
+
+def wait_for(check, seconds: float, what: str):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if result := check():
+                return result
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"not within {seconds} s: {what}")
+
+
+def stream(url: str, kill_after: int | None = None, victim: subprocess.Popen | None = None) -> str:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120)
+    text = ""
+    for n, chunk in enumerate(client.completions.create(prompt=PROMPT, model="stories260K", max_tokens=48,
+                                                        temperature=0, stream=True), start=1):
+        text += chunk.choices[0].text
+        if n == kill_after:
+            victim.kill()
+            victim.wait()
+    return text
+
+
+@pytest.fixture(scope="module")
+def expected(stories_path) -> str:
+    mf = gguf.open_model(stories_path)
+    tok = Tokenizer.from_metadata(mf.metadata)
+    greedy = sampling.SamplingParams(temperature=0)
+    return "".join(ev.text for ev in generate(LocalRunner(mf, 256), tok, tok.encode(PROMPT), greedy, 48))
+
+
+def test_daemons_form_a_cluster_serve_through_any_node_and_survive_losing_a_worker_and_the_root(
+        stories_path, tmp_path, expected):
+    key, other = tmp_path / "cluster.key", tmp_path / "impostor.key"
+    assert edgetp("keygen", str(key)).returncode == 0 and edgetp("keygen", str(other)).returncode == 0
+    procs = {}
+    try:
+        procs["a"] = start_daemon(stories_path, key, "node-a", priority=5)
+        procs["b"] = start_daemon(stories_path, key, "node-b")
+        procs["c"] = start_daemon(stories_path, key, "node-c")
+        procs["d"] = start_daemon(stories_path, other, "node-d")  # same network, wrong key
+        url = {name: u for name, (_, u) in procs.items()}
+
+        # 1. discovery, then election: everyone of the cluster agrees node-a leads; node-d is foreign
+        for name in "bc":
+            wait_for(lambda n=name: view(url[n])["root"] == "node-a", 20, f"node-{name} follows node-a")
+        wait_for(lambda: {n["node_id"]: n["state"] for n in view(url["b"])["nodes"]}.get("node-d") == "foreign",
+                 20, "node-d listed as foreign")
+
+        # 2. a generation through a node that is not the root: forwarded, planned over a, b, c
+        assert stream(url["b"]) == expected
+        plan = view(url["a"])
+        assert plan["root"] == "node-a"
+        assert sorted(n["node_id"] for n in plan["nodes"]) == ["node-a", "node-b", "node-c"]
+        assert all(n["ffn_cols"][1] > n["ffn_cols"][0] for n in plan["nodes"])
+
+        # 3. a worker killed mid-answer: the stream goes on with the same text
+        assert stream(url["a"], kill_after=12, victim=procs["c"][0]) == expected
+
+        # 4. the root killed: a new root within 5 s serves the next request
+        procs["a"][0].kill()
+        procs["a"][0].wait()
+        t0 = time.monotonic()
+        wait_for(lambda: view(url["b"])["root"] == "node-b", 5, "node-b takes over as root")
+        elected = time.monotonic() - t0
+        assert stream(url["b"]) == expected, f"new root elected in {elected:.1f} s"
+        assert "node-d" not in {n["node_id"] for n in view(url["b"])["nodes"] if n["state"] != "foreign"}
+
+        # 5. SIGTERM is a clean leave
+        procs["b"][0].send_signal(signal.SIGTERM)
+        assert procs["b"][0].wait(15) == 0
+    finally:
+        for proc, _ in procs.values():
+            stop(proc)

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 from edgetp import commands
 
@@ -78,23 +79,27 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--node-id", default=None)
     worker.set_defaults(func=commands.worker)
 
-    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API, the event stream and metrics")
-    srv.add_argument("--model", default=os.environ.get("EDGETP_MODEL", "smollm2"), help="name or path (default smollm2)")
-    srv.add_argument("--listen", type=_address, default=("127.0.0.1", 7711),
+    srv = sub.add_parser("serve", help="serve the API; with a cluster key, join the cluster on the LAN",
+                         description="Settings come from flags, then EDGETP_* variables, then the TOML file "
+                                     "(--config, default /etc/edgetp/edgetp.toml if it exists), then defaults.")
+    srv.add_argument("--config", type=Path, default=os.environ.get("EDGETP_CONFIG"), help="TOML settings file")
+    srv.add_argument("--model", default=None, help="name or path (default smollm2)")
+    srv.add_argument("--listen", type=_address, default=None,
                      help="HOST:PORT of the HTTP API (default 127.0.0.1:7711: this machine only)")
-    srv.add_argument("--workers", type=_addresses, default=[], help="HOST:PORT,... of `edgetp worker`s to spread over")
-    srv.add_argument("--weights", type=_weights, default=None, help="relative speeds, the root first (default: measured)")
-    srv.add_argument("--sync", choices=("f32", "q8_0"), default="f32")
-    srv.add_argument("--ctx", type=_positive, default=2048)
+    srv.add_argument("--workers", type=_addresses, default=[],
+                     help="HOST:PORT,... of `edgetp worker`s: a static cluster, no discovery")
+    srv.add_argument("--weights", type=_weights, default=None, help="with --workers: relative speeds, the root first")
+    srv.add_argument("--sync", choices=("f32", "q8_0"), default=None)
+    srv.add_argument("--ctx", type=_positive, default=None)
     srv.add_argument("--threads", type=_positive, default=None)
     srv.add_argument("--queue", type=_positive, default=8, help="requests that may wait; more get 429")
-    srv.add_argument("--key", default=os.environ.get("EDGETP_KEY_FILE"),
+    srv.add_argument("--key", dest="key_file", default=None,
                      help="cluster key file; with a key and no --workers, join the cluster on the LAN (mDNS)")
-    srv.add_argument("--data-port", type=int, default=7710, help="cluster data links (default 7710; 0: any)")
-    srv.add_argument("--node-id", default=None, help="this node's name (default: host name + random suffix)")
-    srv.add_argument("--priority", type=int, default=0, help="higher wins the root election")
-    srv.add_argument("--no-root", action="store_true", help="never become the root")
-    srv.add_argument("--interface", action="append", default=[], metavar="ADDR",
+    srv.add_argument("--data-port", type=int, default=None, help="cluster data links (default 7710; 0: any)")
+    srv.add_argument("--node-id", default=None, help="this node's name (default: the host name)")
+    srv.add_argument("--priority", type=int, default=None, help="higher wins the root election")
+    srv.add_argument("--no-root", action="store_true", default=None, help="never become the root")
+    srv.add_argument("--interface", dest="interfaces", action="append", default=None, metavar="ADDR",
                      help="IP address(es) to discover peers on (default: all interfaces)")
     srv.set_defaults(func=commands.serve)
 

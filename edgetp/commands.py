@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import socket
 import sys
 import time
 import uuid
+from pathlib import Path
 
 from edgetp import store
 from edgetp.model import gguf, quant, sampling
@@ -18,6 +20,7 @@ from edgetp.model.tokenizer import Tokenizer, UnsupportedTokenizer
 from edgetp.net import auth
 from edgetp.net.link import LinkClosed
 from edgetp.net.loopthread import LoopThread
+from edgetp.config import ConfigError
 from edgetp.parallel.plan import PlanError
 from edgetp.parallel.runner import ClusterRunner, WorkerLost
 from edgetp.serve.worker import Worker
@@ -40,6 +43,7 @@ USER_ERRORS = (
     LinkClosed,  # WorkerLost is one
     PlanError,
     WorkerError,
+    ConfigError,
 )
 
 
@@ -163,21 +167,31 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from edgetp import daemon  # noqa: PLC0415
+    from edgetp import config, daemon  # noqa: PLC0415
 
-    path = store.resolve(args.model, pull_missing=True)
+    flags = {name: getattr(args, name) for name in ("model", "key_file", "data_port", "node_id", "priority",
+                                                    "no_root", "interfaces", "threads", "sync", "ctx")}
+    if args.listen is not None:
+        flags["host"], flags["http_port"] = args.listen
+    flags = {k: v for k, v in flags.items() if v is not None}
+    if "host" not in flags and not os.environ.get("EDGETP_HOST") and args.config is None \
+            and not config.DEFAULT_CONFIG_PATH.exists() and not (flags.get("key_file") or os.environ.get("EDGETP_KEY_FILE")):
+        flags["host"] = "127.0.0.1"  # alone, the API stays on this machine; a cluster's peers must reach it
+    settings = config.load_settings(flags, os.environ, args.config)
+    path = store.resolve(settings.model, pull_missing=True)
+    key = auth.read_key(settings.key_file) if settings.key_file else None
     opts = daemon.ServeOptions(
-        model_path=path, model_name=args.model if not str(args.model).endswith(".gguf") else path.stem,
-        host=args.listen[0], port=args.listen[1], workers=tuple(args.workers),
-        weights=tuple(args.weights) if args.weights else None, sync=args.sync, ctx=args.ctx, threads=args.threads,
-        key=auth.read_key(args.key) if args.key else None, queue_size=args.queue,
-        index_dir=store.cache_dir() / "index", cluster=bool(args.key) and not args.workers,
-        data_port=args.data_port, node_id=args.node_id, priority=args.priority, no_root=args.no_root,
-        interfaces=tuple(args.interface))
+        model_path=path, model_name=path.stem if str(settings.model).endswith(".gguf") else settings.model,
+        host=settings.host, port=settings.http_port, workers=tuple(args.workers),
+        weights=tuple(args.weights) if args.weights else None, sync=settings.sync, ctx=settings.ctx,
+        threads=settings.threads, key=key, queue_size=args.queue, index_dir=Path(settings.cache_dir) / "index",
+        cluster=key is not None and not args.workers, data_port=settings.data_port,
+        node_id=settings.node_id if args.node_id or args.config else None, priority=settings.priority,
+        no_root=settings.no_root, interfaces=tuple(settings.interfaces))
     try:
         daemon.run(opts, on_listening=lambda url: print(f"edgetp serving on {url}", flush=True))
     except OSError as exc:
-        raise WorkerError(f"cannot serve on {args.listen[0]}:{args.listen[1]}: {exc.strerror or exc}") from None
+        raise WorkerError(f"cannot serve on {settings.host}:{settings.http_port}: {exc.strerror or exc}") from None
     return 0
 
 

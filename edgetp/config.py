@@ -26,7 +26,7 @@ from typing import Any
 DEFAULT_CONFIG_PATH = Path("/etc/edgetp/edgetp.toml")
 ENV_PREFIX = "EDGETP_"
 # EDGETP_ variables that are not settings (read elsewhere): not reported as unknown.
-OTHER_ENV = frozenset({"EDGETP_CONFIG", "EDGETP_LINK_MODE"})
+OTHER_ENV = frozenset({"EDGETP_CONFIG", "EDGETP_LINK_MODE", "EDGETP_URL"})
 # A node id is one DNS label (it names the mDNS service instance): no dots.
 NODE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
 SYNC_TYPES = ("f32", "q8_0")

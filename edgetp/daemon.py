@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 from edgetp.cluster import profile
 from edgetp.cluster.discovery import PeerAdvert
 from edgetp.cluster.membership import Membership, data_address, http_url
+from edgetp.cluster.sdnotify import Notifier
 from edgetp.model import quant
 from edgetp.model.generate import LocalRunner
 from edgetp.model.gguf import ModelFile, open_model
@@ -101,10 +102,11 @@ class Recovery:
         self.loop.call_soon_threadsafe(self.bus.publish, record)
 
 
-async def serve(opts: ServeOptions, on_listening: Callable[[str], None] | None = None) -> None:
+async def serve(opts: ServeOptions, on_listening: Callable[[str], None] | None = None,
+                status: Callable[[str], None] = lambda line: None) -> None:
     """Build the engine and the API, serve until cancelled, then close every link."""
     if opts.cluster:
-        return await serve_cluster(opts, on_listening)
+        return await serve_cluster(opts, on_listening, status)
     if opts.threads:
         quant.set_threads(opts.threads)
     mf = await asyncio.to_thread(open_model, opts.model_path, opts.index_dir)
@@ -128,7 +130,8 @@ async def serve(opts: ServeOptions, on_listening: Callable[[str], None] | None =
             close()
 
 
-async def serve_cluster(opts: ServeOptions, on_listening: Callable[[str], None] | None = None) -> None:
+async def serve_cluster(opts: ServeOptions, on_listening: Callable[[str], None] | None = None,
+                        status: Callable[[str], None] = lambda line: None) -> None:
     if opts.key is None:
         raise ValueError("a cluster needs a key: --key FILE (make one with `edgetp keygen`)")
     if opts.threads:
@@ -138,6 +141,7 @@ async def serve_cluster(opts: ServeOptions, on_listening: Callable[[str], None] 
     me = await asyncio.to_thread(profile.profile, opts.threads)
     node_id = opts.node_id or f"{socket.gethostname().split('.')[0]}-{uuid.uuid4().hex[:6]}"
     bus = EventBus()
+    bus.add_listener(lambda r: status(r.message) if isinstance(r, events.ClusterEvent) else None)
     ctx = min(opts.ctx, mf.config.ctx_train)
     engine = Engine(None, tok, opts.model_name, queue_size=opts.queue_size, bus=bus, ctx=ctx)
     worker = Worker(node_id, key=opts.key, threads=opts.threads, model_path=str(mf.path),
@@ -240,16 +244,30 @@ def _view(engine: Engine, mf: ModelFile, model: str) -> Callable[[], events.Clus
 
 def run(opts: ServeOptions, on_listening: Callable[[str], None] | None = None,
         stop_signals: Sequence[int] = (signal.SIGTERM,)) -> None:
-    """asyncio.run(serve(...)) with the stop signals cancelling it, like Ctrl-C does."""
+    """asyncio.run(serve(...)): stop signals cancel it like Ctrl-C; systemd hears READY, WATCHDOG, STOPPING."""
+    notifier = Notifier()
+
+    def listening(url: str) -> None:
+        notifier.ready(f"serving on {url}")
+        if on_listening:
+            on_listening(url)
 
     async def main() -> None:
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()
         for sig in stop_signals:
             loop.add_signal_handler(sig, task.cancel)
+        watchdog = asyncio.create_task(notifier.run_watchdog())
         try:
-            await serve(opts, on_listening)
+            await serve(opts, listening, notifier.status)
         except asyncio.CancelledError:
+            notifier.stopping("leaving the cluster")
             log.info("stopped")
+        finally:
+            watchdog.cancel()
+            await asyncio.gather(watchdog, return_exceptions=True)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        notifier.close()

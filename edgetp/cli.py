@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     ask = sub.add_parser("ask", help="ask the model a question and stream the answer")
     ask.add_argument("prompt", nargs="?", help="the prompt (read from stdin when omitted)")
-    ask.add_argument("--local", action="store_true", help="run the engine in this process")
+    ask.add_argument("--local", action="store_true",
+                     help="run the engine in this process (default: ask the cluster; exit 3 none found, "
+                          "4 key refused, 5 server error)")
     ask.add_argument("--model", default=os.environ.get("EDGETP_MODEL", "smollm2"),
                      help="model name from the cache, or a path to a .gguf (default: smollm2)")
     ask.add_argument("--max-tokens", type=_positive, default=256)
@@ -69,7 +71,24 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--sync", choices=("f32", "q8_0"), default="f32",
                      help="all-reduce payload: exact f32 or Q8_0 blocks (3.8x fewer bytes)")
     ask.add_argument("--key", default=os.environ.get("EDGETP_KEY_FILE"), help="cluster key file")
+    ask.add_argument("--url", default=os.environ.get("EDGETP_URL"),
+                     help="a node's API (default: $EDGETP_URL, else found by mDNS)")
     ask.set_defaults(func=commands.ask)
+
+    chat = sub.add_parser("chat", help="an interactive session with the cluster (keeps the history)")
+    for flag, kw in (("--url", dict(default=os.environ.get("EDGETP_URL"))),
+                     ("--key", dict(default=os.environ.get("EDGETP_KEY_FILE"))),
+                     ("--max-tokens", dict(type=_positive, default=512)),
+                     ("--temperature", dict(type=float, default=0.8)), ("--top-k", dict(type=int, default=40)),
+                     ("--top-p", dict(type=float, default=0.95)), ("--min-p", dict(type=float, default=0.05)),
+                     ("--repeat-penalty", dict(type=float, default=1.0)), ("--seed", dict(type=int, default=None))):
+        chat.add_argument(flag, **kw)
+    chat.set_defaults(func=commands.chat)
+
+    status = sub.add_parser("status", help="the cluster as a table")
+    status.add_argument("--url", default=os.environ.get("EDGETP_URL"))
+    status.add_argument("--key", default=os.environ.get("EDGETP_KEY_FILE"))
+    status.set_defaults(func=commands.status)
 
     worker = sub.add_parser("worker", help="hold a shard for a root (static cluster, no discovery)")
     worker.add_argument("--listen", type=_address, default=("127.0.0.1", 7710), help="HOST:PORT (default 127.0.0.1:7710)")
@@ -131,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
+    except commands.client.ClientError as exc:
+        print(f"edgetp: {exc}", file=sys.stderr)
+        return exc.exit_code
     except commands.USER_ERRORS as exc:
         print(f"edgetp: {exc}", file=sys.stderr)
         return 1

@@ -12,7 +12,7 @@ import time
 import uuid
 from pathlib import Path
 
-from edgetp import store
+from edgetp import client, store
 from edgetp.model import gguf, quant, sampling
 from edgetp.model.generate import ContextError, LocalRunner, generate
 from edgetp.model.llama import ContextFull
@@ -76,7 +76,7 @@ def encode_prompt(tok: Tokenizer, prompt: str, raw: bool) -> list[int]:
 
 def ask(args: argparse.Namespace) -> int:
     if not args.local:
-        raise ContextError("only --local is available in this build: edgetp ask --local \"...\"")
+        return asyncio.run(_ask_cluster(args))
     params = sampling_params(args)
     prompt = read_prompt(args)
     key = auth.read_key(args.key) if args.key else None
@@ -113,6 +113,93 @@ def ask(args: argparse.Namespace) -> int:
             return _stream(runner, tok, ids, params, args, ctx, t0, recover)
         finally:
             current[0].close()
+
+
+def _remote_options(args: argparse.Namespace) -> dict:
+    sampling_params(args)  # the same checks as --local, before anything is sent
+    opts = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "top_k": args.top_k, "min_p": args.min_p, "repeat_penalty": args.repeat_penalty}
+    return opts | ({"seed": args.seed} if args.seed is not None else {})
+
+
+async def _ask_cluster(args: argparse.Namespace) -> int:
+    if args.raw:
+        raise ContextError("--raw needs --local (a cluster is asked through its chat API)")
+    options = _remote_options(args)
+    prompt = read_prompt(args)
+    key = auth.read_key(args.key) if args.key else None
+    url = await client.find_url(args.url, key)
+    stats = client.TokenStats()
+    request_id: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    watching = asyncio.Event()
+    watcher = asyncio.create_task(client.watch_tokens(url, stats, request_id, watching)) if args.stats else None
+    try:
+        if watcher:
+            await asyncio.wait_for(watching.wait(), 10)
+        async for piece, _, rid in client.stream_chat(url, [{"role": "user", "content": prompt}], options, key):
+            if not request_id.done():
+                request_id.set_result(rid)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        if watcher:
+            await asyncio.sleep(0.5)  # the last records trail the last chunk
+    finally:
+        if watcher:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+    if args.stats:
+        print(f"{url}: {stats.summary()}", file=sys.stderr)
+    return 0
+
+
+def status(args: argparse.Namespace) -> int:
+    async def go() -> dict:
+        key = auth.read_key(args.key) if args.key else None
+        return await client.get_json(await client.find_url(args.url, key), "/v1/cluster")
+
+    view = asyncio.run(go())
+    print(f"epoch {view['epoch']}  root {view['root']}  model {view['model']}")
+    print(f"{'node':<16} {'address':<22} {'role':<7} {'state':<8} {'speed':>10} {'mem free':>9} "
+          f"{'kv groups':>9} {'ffn cols':>11} {'vocab rows':>13} {'rtt':>8}")
+    for n in view["nodes"]:
+        rtt = "-" if n.get("rtt_ms") is None else f"{n['rtt_ms']:.2f} ms"
+        span = lambda r: f"{r[0]}-{r[1]}" if r[1] > r[0] else "-"  # noqa: E731
+        print(f"{n['node_id']:<16} {n['address']:<22} {n['role']:<7} {n['state']:<8} "
+              f"{n['speed'] / 1e9:>6.2f} GB/s {n['mem_free'] / 1e9:>6.1f} GB {span(n['kv_groups']):>9} "
+              f"{span(n['ffn_cols']):>11} {span(n['vocab_rows']):>13} {rtt:>8}")
+    return 0
+
+
+def chat(args: argparse.Namespace) -> int:
+    """An interactive session that keeps its history; /exit or end of input leaves."""
+    options = _remote_options(args)
+    key = auth.read_key(args.key) if args.key else None
+
+    async def go() -> int:
+        url = await client.find_url(args.url, key)
+        history: list[dict[str, str]] = []
+        print(f"chatting with {url} (/exit to leave)", file=sys.stderr)
+        while True:
+            try:
+                line = await asyncio.to_thread(input, "you> ")
+            except EOFError:
+                return 0
+            if line.strip() in ("/exit", "/quit"):
+                return 0
+            if not line.strip():
+                continue
+            history.append({"role": "user", "content": line})
+            answer = ""
+            async for piece, _, _ in client.stream_chat(url, history, options, key):
+                answer += piece
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            history.append({"role": "assistant", "content": answer})
+
+    return asyncio.run(go())
 
 
 def _stream(runner, tok: Tokenizer, ids: list[int], params, args, ctx: int, t0: float, recover=None) -> int:

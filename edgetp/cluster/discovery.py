@@ -330,3 +330,29 @@ class PeerTable:
         for node_id in gone:
             del self._peers[node_id]
         return gone
+
+
+async def browse(seconds: float = 2.0, interfaces: Sequence[str] | None = None) -> list[PeerAdvert]:
+    """The nodes answering on the network within `seconds` (a client's look: nothing is registered)."""
+    aiozc = AsyncZeroconf(interfaces=list(interfaces) if interfaces else InterfaceChoice.All)
+    names: set[str] = set()
+
+    def seen(zeroconf: object, service_type: str, name: str, state_change: ServiceStateChange) -> None:
+        if state_change is not ServiceStateChange.Removed:
+            names.add(name)
+
+    browser = AsyncServiceBrowser(aiozc.zeroconf, SERVICE_TYPE, handlers=[seen], question_type=DNSQuestionType.QM)
+    try:
+        await asyncio.sleep(seconds)
+        found = []
+        for name in sorted(names):
+            info = AsyncServiceInfo(SERVICE_TYPE, name)
+            if await info.async_request(aiozc.zeroconf, RESOLVE_MS, question_type=DNSQuestionType.QM):
+                try:
+                    found.append(parse_txt(info.properties, info.parsed_addresses()))
+                except DiscoveryError as exc:
+                    log.warning("ignoring %s: %s", name, exc)
+        return found
+    finally:
+        await browser.async_cancel()
+        await aiozc.async_close()

@@ -1,0 +1,157 @@
+"""A client of a running cluster's API: find it, stream answers, read its per-token records.
+
+Used by `edgetp ask`, `edgetp chat` and `edgetp status`. Failures are
+ClientError subclasses whose `exit_code` the CLI returns:
+3 no cluster found or reachable, 4 the key was refused, 5 the server failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import aiohttp
+
+from edgetp.cluster.discovery import browse
+from edgetp.cluster.membership import http_url
+from edgetp.net import auth
+from edgetp.serve import events
+
+
+class ClientError(Exception):
+    exit_code = 1
+
+
+class NoCluster(ClientError):
+    exit_code = 3
+
+
+class KeyRefused(ClientError):
+    exit_code = 4
+
+
+class ServerError(ClientError):
+    exit_code = 5
+
+
+async def find_url(url: str | None, key: bytes | None, seconds: float = 2.0,
+                   interfaces: list[str] | None = None) -> str:
+    """The given URL, or a node found by mDNS (of our cluster when we hold its key)."""
+    if url:
+        return url.rstrip("/")
+    found = await browse(seconds, interfaces)
+    nodes = [n for n in found if key is None or n.cluster_id == auth.cluster_id(key)]
+    if found and not nodes:
+        raise KeyRefused(f"found {len(found)} edgetp node(s), none in the cluster of this key")
+    if not nodes:
+        raise NoCluster("no edgetp cluster found on the network; give --url or set EDGETP_URL")
+    best = max(nodes, key=lambda n: (n.priority, n.speed, n.node_id))
+    return http_url(best)
+
+
+def _headers(key: bytes | None, path: str, body: bytes) -> dict[str, str]:
+    head = {"Content-Type": "application/json"}
+    if key is not None:
+        head |= auth.signed_headers(key, "POST", path, body)
+    return head
+
+
+async def _check(resp: aiohttp.ClientResponse, url: str) -> None:
+    if resp.status == 200:
+        return
+    try:
+        message = (await resp.json())["error"]["message"]
+    except (aiohttp.ContentTypeError, KeyError, TypeError, ValueError):
+        message = (await resp.text())[:200]
+    if resp.status in (401, 403):
+        raise KeyRefused(f"{url}: the cluster refused our key: {message}")
+    if resp.status >= 500:
+        raise ServerError(f"{url}: server error {resp.status}: {message}")
+    raise ClientError(f"{url}: {message}")
+
+
+async def stream_chat(url: str, messages: list[dict[str, str]], options: dict[str, Any],
+                      key: bytes | None = None) -> AsyncIterator[tuple[str, str | None, str]]:
+    """(text piece, finish_reason, request id) per SSE chunk of a streaming chat completion."""
+    path = "/v1/chat/completions"
+    body = json.dumps({"messages": messages, "stream": True} | options).encode()
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=600)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            async with session.post(url + path, data=body, headers=_headers(key, path, body)) as resp:
+                await _check(resp, url)
+                async for raw in resp.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        raise ServerError(f"{url}: {chunk['error'].get('message', 'error')}")
+                    for choice in chunk.get("choices", []):
+                        yield choice.get("delta", {}).get("content") or "", choice.get("finish_reason"), chunk["id"]
+    except aiohttp.ClientConnectorError as exc:
+        raise NoCluster(f"{url}: cannot connect ({exc.os_error or exc})") from None
+    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
+        raise ServerError(f"{url}: the answer broke off ({exc})") from None
+
+
+async def get_json(url: str, path: str) -> Any:
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+            async with session.get(url + path) as resp:
+                await _check(resp, url)
+                return await resp.json()
+    except aiohttp.ClientConnectorError as exc:
+        raise NoCluster(f"{url}: cannot connect ({exc.os_error or exc})") from None
+
+
+@dataclass
+class TokenStats:
+    """Per-token records of one request, from the event stream."""
+
+    records: list[events.TokenRecord] = field(default_factory=list)
+
+    def summary(self) -> str:
+        if not self.records:
+            return "no per-token records arrived"
+        totals = [r.total_ms for r in self.records]
+        n = len(totals)
+        decode = totals[1:] or totals
+        q = statistics.quantiles(decode, n=20) if len(decode) >= 2 else [decode[0]] * 19
+        compute, sync = sum(r.compute_ms for r in self.records), sum(r.sync_ms for r in self.records)
+        lines = [f"{n} tokens, {len(decode) / (sum(decode) / 1000):.1f} tok/s decode | per token p50 "
+                 f"{statistics.median(decode):.1f} ms, p95 {q[18]:.1f} ms | compute {compute:.0f} ms, "
+                 f"sync {sync:.0f} ms ({100 * sync / max(compute + sync, 1e-9):.0f}%)"]
+        links = sorted({name for r in self.records for name in r.links})
+        for name in links:
+            sent = sum(r.links[name].sent for r in self.records if name in r.links) / n
+            got = sum(r.links[name].received for r in self.records if name in r.links) / n
+            lines.append(f"  link {name}: {sent:,.0f} B sent, {got:,.0f} B received per token")
+        return "\n".join(lines)
+
+
+async def watch_tokens(url: str, stats: TokenStats, request_id: asyncio.Future[str],
+                       connected: asyncio.Event) -> None:
+    """Collect the token records of one request (its id arrives once the answer starts)."""
+    ws_url = url.replace("http://", "ws://").replace("https://", "wss://") + "/v1/events"
+    pending: list[events.TokenRecord] = []
+    try:
+        async with aiohttp.ClientSession() as session, session.ws_connect(ws_url, heartbeat=30) as ws:
+            connected.set()
+            async for msg in ws:
+                if msg.type != aiohttp.WSMsgType.TEXT:
+                    continue
+                try:
+                    record = events.from_dict(json.loads(msg.data))
+                except (events.EventError, ValueError):
+                    continue
+                if isinstance(record, events.TokenRecord):
+                    pending.append(record)
+                    if request_id.done():
+                        stats.records += [r for r in pending if r.request_id == request_id.result()]
+                        pending.clear()
+    except aiohttp.ClientError:
+        connected.set()  # no stats, but never a hang

@@ -1,0 +1,83 @@
+"""`edgetp ask`, `status` and `chat` against a running daemon, and the client's exit codes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import openai
+import pytest
+
+from edgetp import client
+from edgetp.net import auth
+from edgetp.serve.spawn import stop
+from tests.test_cli_errors import edgetp
+from tests.test_daemon import start_daemon, view, wait_for
+
+
+@pytest.fixture(scope="module")
+def daemon(stories_path, tmp_path_factory):
+    key = tmp_path_factory.mktemp("key") / "cluster.key"
+    assert edgetp("keygen", str(key)).returncode == 0
+    proc, url = start_daemon(stories_path, key, "solo")
+    try:
+        wait_for(lambda: view(url)["root"] == "solo", 20, "the daemon elects itself")
+        yield url, key
+    finally:
+        stop(proc)
+
+
+def test_ask_streams_what_the_openai_client_gets_and_stats_summarise_each_token(daemon):
+    url, _ = daemon
+    expected = openai.OpenAI(base_url=f"{url}/v1", api_key="x").chat.completions.create(
+        model="stories260K", messages=[{"role": "user", "content": "Once upon a time"}], max_tokens=30,
+        temperature=0).choices[0].message.content
+    result = edgetp("ask", "--url", url, "--temperature", "0", "--max-tokens", "30", "--stats", "Once upon a time")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == expected + "\n" and len(expected) > 20
+    summary = result.stderr
+    assert "tok/s decode" in summary and "p50" in summary and "p95" in summary and "sync" in summary
+    assert summary.split(" tokens,")[0].rsplit(" ", 1)[-1] == "30"  # one record per generated token
+
+
+def test_ask_reads_the_prompt_from_stdin(daemon):
+    url, _ = daemon
+    piped = subprocess.run([sys.executable, "-m", "edgetp", "ask", "--url", url, "--temperature", "0",
+                            "--max-tokens", "12"], input="Once upon a time", capture_output=True, text=True, timeout=60)
+    direct = edgetp("ask", "--url", url, "--temperature", "0", "--max-tokens", "12", "Once upon a time")
+    assert piped.returncode == 0 and piped.stdout == direct.stdout
+
+
+def test_status_lists_the_node_as_root(daemon):
+    url, _ = daemon
+    result = edgetp("status", "--url", url)
+    assert result.returncode == 0, result.stderr
+    assert "root solo" in result.stdout.splitlines()[0]
+    assert any(line.startswith("solo ") and " root " in line for line in result.stdout.splitlines())
+
+
+def test_chat_keeps_its_history_across_turns(daemon):
+    url, _ = daemon
+    session = subprocess.run([sys.executable, "-m", "edgetp", "chat", "--url", url, "--temperature", "0",
+                              "--max-tokens", "10"], input="Once upon a time\nWhat happened next?\n/exit\n",
+                             capture_output=True, text=True, timeout=120)
+    assert session.returncode == 0, session.stderr
+    first, second = [line for line in session.stdout.split("you> ") if line.strip()][:2]
+    history = [{"role": "user", "content": "Once upon a time"}, {"role": "assistant", "content": first.strip("\n")},
+               {"role": "user", "content": "What happened next?"}]
+    expected = openai.OpenAI(base_url=f"{url}/v1", api_key="x").chat.completions.create(
+        model="stories260K", messages=history, max_tokens=10, temperature=0).choices[0].message.content
+    assert second.strip("\n") == expected
+
+
+async def test_discovery_finds_the_daemon_and_tells_a_foreign_key_from_no_cluster(daemon):
+    url, key = daemon
+    assert await client.find_url(None, auth.read_key(key), interfaces=["127.0.0.1"]) == url
+    with pytest.raises(client.KeyRefused, match="none in the cluster of this key"):
+        await client.find_url(None, auth.generate_key(), interfaces=["127.0.0.1"])
+
+
+def test_no_cluster_exits_3_with_one_line():
+    result = edgetp("ask", "--url", "http://127.0.0.1:9", "hello")
+    assert result.returncode == 3
+    assert result.stderr.count("\n") == 1 and "cannot connect" in result.stderr and "Traceback" not in result.stderr

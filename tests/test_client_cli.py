@@ -10,9 +10,9 @@ import pytest
 
 from edgetp import client
 from edgetp.net import auth
-from edgetp.serve.spawn import stop
+from edgetp.serve.spawn import start_daemon, stop
 from tests.test_cli_errors import edgetp
-from tests.test_daemon import start_daemon, view, wait_for
+from tests.test_daemon import view, wait_for
 
 
 @pytest.fixture(scope="module")

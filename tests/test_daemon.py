@@ -8,10 +8,8 @@ an impostor with another key ignored throughout, and a clean leave.
 from __future__ import annotations
 
 import json
-import re
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 
@@ -21,23 +19,10 @@ import pytest
 from edgetp.model import gguf, sampling
 from edgetp.model.generate import LocalRunner, generate
 from edgetp.model.tokenizer import Tokenizer
-from edgetp.serve.spawn import stop
+from edgetp.serve.spawn import start_daemon, stop
 from tests.test_cli_errors import edgetp
 
 PROMPT = "Once upon a time"
-
-
-def start_daemon(model, key, node_id: str, priority: int = 0) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "edgetp", "serve", "--model", str(model), "--key", str(key), "--listen", "127.0.0.1:0",
-         "--data-port", "0", "--interface", "127.0.0.1", "--node-id", node_id, "--priority", str(priority),
-         "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    m = re.search(r"serving on (http://\S+)", line)
-    if not m:
-        stop(proc)
-        raise RuntimeError(f"daemon {node_id} did not start: {line}{proc.stderr.read()}")
-    return proc, m.group(1)
 
 
 def view(url: str) -> dict:

@@ -1,13 +1,22 @@
-"""The static cluster across three hosts (network namespaces on a 100 Mbit bridge)."""
+"""Clusters across hosts: network namespaces on a bridge shaped to 100 Mbit (tools/netns.py).
+
+The test process sits outside the hosts, so every client call runs inside one.
+"""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import time
 
 import pytest
 
-from edgetp.serve.spawn import start_worker, stop
+from edgetp.model import gguf, sampling
+from edgetp.model.generate import LocalRunner, generate
+from edgetp.model.tokenizer import Tokenizer
+from edgetp.serve.spawn import start_daemon, start_worker, stop
+from tests.test_cli_errors import edgetp
 from tools.netns import Testbed, require_root_and_netns
 
 STORY = "Once upon a time, there was a little girl named Lily."
@@ -18,12 +27,12 @@ def testbed():
     reason = require_root_and_netns()
     if reason:
         pytest.skip(reason)
-    with Testbed(hosts=3, rate="100mbit") as tb:
+    with Testbed(hosts=4, rate="100mbit") as tb:
         yield tb
 
 
 def test_three_hosts_on_a_100_mbit_lan_answer_as_one_process_does(testbed, stories_path):
-    root, h2, h3 = testbed
+    root, h2, h3 = testbed[0], testbed[1], testbed[2]
     ask = [sys.executable, "-m", "edgetp", "ask", "--local", "--model", str(stories_path), "--raw",
            "--temperature", "0", "--max-tokens", "40", "--threads", "1", STORY]
     alone = subprocess.run(ask, capture_output=True, text=True, timeout=120)
@@ -41,4 +50,72 @@ def test_three_hosts_on_a_100_mbit_lan_answer_as_one_process_does(testbed, stori
         assert all(a in spread.stderr for a in addresses), "the stats name both remote workers"
     finally:
         for proc, _ in workers:
+            stop(proc)
+
+
+def _ask(host, url: str, *extra: str) -> subprocess.CompletedProcess:
+    return host.run([sys.executable, "-m", "edgetp", "ask", "--url", url, "--temperature", "0", "--max-tokens", "40",
+                     *extra, "Once upon a time"], timeout=120, check=False)
+
+
+def _view(host, url: str) -> dict:
+    code = f"import json, urllib.request; print(json.dumps(json.load(urllib.request.urlopen('{url}/v1/cluster', timeout=5))))"
+    out = host.run([sys.executable, "-c", code], timeout=30, check=False)
+    return json.loads(out.stdout) if out.returncode == 0 else {}
+
+
+def _until(check, seconds: float, what: str) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        if check():
+            return time.monotonic() - t0
+        time.sleep(0.2)
+    raise AssertionError(f"not within {seconds} s: {what}")
+
+
+def test_daemons_on_three_hosts_elect_serve_survive_a_worker_and_the_root_and_ignore_an_impostor(
+        testbed, stories_path, tmp_path):
+    hosts = {name: testbed[i] for i, name in enumerate("abcd")}
+    key, other = tmp_path / "cluster.key", tmp_path / "impostor.key"
+    assert edgetp("keygen", str(key)).returncode == 0 and edgetp("keygen", str(other)).returncode == 0
+    mf = gguf.open_model(stories_path)
+    tok = Tokenizer.from_metadata(mf.metadata)
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Once upon a time"}]), parse_special=True)
+    greedy = sampling.SamplingParams(temperature=0)
+    expected = "".join(ev.text for ev in generate(LocalRunner(mf, 256), tok, ids, greedy, 40)) + "\n"
+    procs, url = {}, {}
+    try:
+        for name, h in hosts.items():
+            procs[name], url[name] = start_daemon(
+                stories_path, other if name == "d" else key, f"node-{name}", priority=5 if name == "a" else 0,
+                listen=f"{h.address}:7711", data_port=7710, interface=h.address, prefix=h.argv([]))
+        # 1. discovery across hosts, then election: node-a leads, node-d (wrong key) is foreign
+        _until(lambda: _view(hosts["b"], url["b"]).get("root") == "node-a", 20, "node-b follows node-a")
+        _until(lambda: {n["node_id"]: n["state"] for n in _view(hosts["b"], url["b"]).get("nodes", [])}
+               .get("node-d") == "foreign", 20, "node-d listed as foreign")
+        # 2. a generation asked at node-b runs on a, b and c
+        answer = _ask(hosts["b"], url["b"])
+        assert answer.returncode == 0 and answer.stdout == expected, answer.stderr
+        plan = _view(hosts["a"], url["a"])
+        assert sorted(n["node_id"] for n in plan["nodes"]) == ["node-a", "node-b", "node-c"]
+        # 3. node-c killed mid-answer: the stream continues with the same text
+        asking = hosts["a"].popen([sys.executable, "-m", "edgetp", "ask", "--url", url["a"], "--temperature", "0",
+                                   "--max-tokens", "40", "Once upon a time"], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        head = asking.stdout.read(12)
+        procs["c"].kill()
+        procs["c"].wait()
+        rest = asking.stdout.read()  # the same reader as `head`: communicate() would skip what it buffered
+        err = asking.stderr.read()
+        assert asking.wait(120) == 0 and head + rest == expected, err
+        # 4. the root killed: a new root within 5 s, and it serves the next request
+        procs["a"].kill()
+        procs["a"].wait()
+        took = _until(lambda: _view(hosts["b"], url["b"]).get("root") == "node-b", 5, "node-b elected")
+        answer = _ask(hosts["b"], url["b"])
+        assert answer.returncode == 0 and answer.stdout == expected, f"elected in {took:.1f} s: {answer.stderr}"
+        # 5. the impostor was never planned, and was never sent weights or activations
+        assert "node-d" not in {n["node_id"] for n in _view(hosts["b"], url["b"])["nodes"] if n["state"] != "foreign"}
+    finally:
+        for proc in procs.values():
             stop(proc)

@@ -44,3 +44,26 @@ def stop(proc: subprocess.Popen, timeout: float = 10) -> None:
     for stream in (proc.stdout, proc.stderr):
         if stream and not stream.closed:
             stream.close()
+
+
+_SERVING = re.compile(r"serving on (http://\S+)")
+
+
+def start_daemon(model: str, key: str, node_id: str, *, priority: int = 0, listen: str = "127.0.0.1:0",
+                 data_port: int = 0, interface: str | None = "127.0.0.1", threads: int = 1,
+                 prefix: Sequence[str] = (), timeout: float = 120) -> tuple[subprocess.Popen, str]:
+    """An `edgetp serve --key` cluster daemon; returns the process and its API URL."""
+    argv = [*prefix, sys.executable, "-m", "edgetp", "serve", "--model", str(model), "--key", str(key),
+            "--listen", listen, "--data-port", str(data_port), "--node-id", node_id, "--priority", str(priority),
+            "--threads", str(threads)] + (["--interface", interface] if interface else [])
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if m := _SERVING.search(line):
+            return proc, m.group(1)
+        if proc.poll() is not None:
+            break
+    stop(proc)
+    raise RuntimeError(f"daemon {node_id} did not start: {proc.stderr.read() if proc.stderr else ''}".strip())

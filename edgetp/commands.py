@@ -130,9 +130,12 @@ async def _ask_cluster(args: argparse.Namespace) -> int:
     key = auth.read_key(args.key) if args.key else None
     url = await client.find_url(args.url, key)
     stats = client.TokenStats()
+    events_url = url
+    if args.stats:  # per-token records are published where the tokens are made: on the root
+        events_url = (await client.get_json(url, "/v1/cluster")).get("root_url") or url
     request_id: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     watching = asyncio.Event()
-    watcher = asyncio.create_task(client.watch_tokens(url, stats, request_id, watching)) if args.stats else None
+    watcher = asyncio.create_task(client.watch_tokens(events_url, stats, request_id, watching)) if args.stats else None
     try:
         if watcher:
             await asyncio.wait_for(watching.wait(), 10)

@@ -227,7 +227,9 @@ class Roles:
             state = "foreign" if p.foreign else ("ready" if self.membership.table.alive(p) else "lost")
             nodes.append(events.NodeView(p.node_id, data_address(p.advert), "root" if leader == p.node_id else "worker",
                                          state, p.advert.speed, p.advert.mem_free))
-        return events.ClusterView(self.membership.epoch, leader, self.opts.model_name, tuple(nodes))
+        root = self.membership.peer(leader) if leader and leader != self.node_id else None
+        return events.ClusterView(self.membership.epoch, leader, self.opts.model_name, tuple(nodes),
+                                  http_url(root.advert) if root else None)
 
     def close(self) -> None:
         if self.engine.runner is not None:

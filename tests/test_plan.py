@@ -47,8 +47,11 @@ def compositions(total: int, parts: int):
 
 
 def brute_force(shape: ModelShape, nodes: list[NodeSpec], overhead: int) -> float | None:
-    """The exact optimal makespan, or None when nothing fits memory.
+    """The exact optimal token time, or None when nothing fits memory.
 
+    Token time: every layer's attention and FFN end in an all-reduce (a
+    barrier) and the vocabulary rows end the token, so it is the sum over the
+    three families of the slowest node's time for that family.
     By design a node that cannot hold even its smallest unit makes the plan
     infeasible (it is named in the error) rather than silently left idle.
     """
@@ -62,16 +65,17 @@ def brute_force(shape: ModelShape, nodes: list[NodeSpec], overhead: int) -> floa
     for g in compositions(shape.n_kv_heads, n):
         for f in compositions(shape.ffn // shape.ffn_block, n):
             for v in compositions(n_vblocks, n):
-                worst, start = 0.0, 0
+                phases, start = [0.0, 0.0, 0.0], 0
                 for node, gi, fi, vi in zip(nodes, g, f, v):
                     rows = min(shape.vocab, (start + vi) * shape.vocab_block) - min(shape.vocab, start * shape.vocab_block)
                     start += vi
-                    work = gi * u["group"] + fi * u["ffn"] + rows * u["row"]
-                    if work + gi * u["kv"] + overhead > node.mem_bytes:
+                    if gi * (u["group"] + u["kv"]) + fi * u["ffn"] + rows * u["row"] + overhead > node.mem_bytes:
                         break
-                    worst = max(worst, work / node.speed)
+                    for k, work in enumerate((gi * u["group"], fi * u["ffn"], rows * u["row"])):
+                        phases[k] = max(phases[k], work / node.speed)
                 else:
-                    best = worst if best is None else min(best, worst)
+                    total = sum(phases)
+                    best = total if best is None else min(best, total)
     return best
 
 
@@ -111,7 +115,7 @@ def cases(draw, max_nodes=3):
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
-def test_plan_is_within_one_unit_of_the_brute_force_optimum_or_says_why_not(case):
+def test_plan_is_within_one_unit_per_family_of_the_brute_force_optimum_or_says_why_not(case):
     shape, nodes = case
     opt = brute_force(shape, nodes, OVERHEAD)
     if opt is None:
@@ -121,9 +125,10 @@ def test_plan_is_within_one_unit_of_the_brute_force_optimum_or_says_why_not(case
     plan = make_plan(shape, nodes, overhead_bytes=OVERHEAD)
     check_tiles(plan)
     u = units(shape)
-    one_unit = max(max(u["ffn"], u["row"] * shape.vocab_block) / n.speed for n in nodes)
+    slowest = min(n.speed for n in nodes)
+    one_unit_each = (u["group"] + u["ffn"] + u["row"] * shape.vocab_block) / slowest
     assert plan.makespan >= opt * (1 - 1e-12)
-    assert plan.makespan <= opt + one_unit + 1e-9
+    assert plan.makespan <= opt + one_unit_each + 1e-9
     for n in nodes:
         assert plan.memory_bytes(n.node_id) <= n.mem_bytes
 
@@ -163,10 +168,10 @@ def test_equal_speeds_split_work_evenly_to_within_one_unit(n):
     plan = make_plan(shape, nodes_with([2e9] * n))
     works = [plan.work_bytes(s.node_id) for s in plan.shares]
     u = units(shape)
-    # KV groups are the largest unit: the spread can't be less than what they force,
-    # and is never more than one of them.
-    assert max(works) - min(works) <= max(u["group"], u["ffn"])
-    assert plan.makespan <= shape.weight_bytes / (n * 2e9) + max(u["group"], u["ffn"]) / 2e9
+    # Each family is split to within one of its units (KV groups are the largest).
+    one_each = u["group"] + u["ffn"] + u["row"] * shape.vocab_block
+    assert max(works) - min(works) <= one_each
+    assert plan.makespan <= shape.weight_bytes / (n * 2e9) + one_each / 2e9
 
 
 def test_speeds_one_two_three_get_about_one_two_three_of_the_work():
@@ -176,7 +181,10 @@ def test_speeds_one_two_three_get_about_one_two_three_of_the_work():
     works = [plan.work_bytes(s.node_id) for s in plan.shares]
     for w, expected in zip(works, (1 / 6, 2 / 6, 3 / 6)):
         assert w / sum(works) == pytest.approx(expected, abs=0.01)
-    assert plan.makespan == pytest.approx(shape.weight_bytes / 6e9, rel=0.01)
+    # the fluid bound, plus what whole units cost (32 KV groups split 5/11/16, not 5.33/10.67/16)
+    u = units(shape)
+    fluid = shape.weight_bytes / 6e9
+    assert fluid <= plan.makespan <= fluid + (u["group"] + u["ffn"] + u["row"] * shape.vocab_block) / 1e9
 
 
 def test_more_nodes_than_kv_heads_leaves_some_nodes_without_attention_but_with_ffn_work():

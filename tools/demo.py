@@ -1,49 +1,75 @@
 #!/usr/bin/env python3
-"""`make demo`: one question answered on this machine, then across three processes.
+"""`make demo`: a local three-node cluster forms by itself and answers a question.
 
-1. `edgetp ask --local`: the whole model in this process, streaming.
-2. The same question over a static cluster: two `edgetp worker` processes
-   plus the root, with uneven weights 1:2:3, so each process holds a slice
-   of every layer sized to its weight. Greedy decoding, so the two answers
-   must be the same text. The workers are stopped at the end, whatever happens.
+1. The answer from one process (`edgetp ask --local`), for comparison.
+2. Three `edgetp serve --key` daemons on this machine (loopback mDNS) find
+   each other, elect a root and plan a speed-weighted share of every layer.
+3. `edgetp ask --stats` asks a node that is not the root: the request is
+   forwarded, and the per-token figures come from the cluster's event stream.
+4. The daemons leave cleanly (SIGTERM), whatever happened.
+Greedy decoding, so both answers must be the same text.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from edgetp.serve.spawn import start_worker, stop  # noqa: E402
+from edgetp.serve.spawn import start_daemon, stop  # noqa: E402
 
 QUESTION = "What is the capital of France?"
+EDGETP = [sys.executable, "-m", "edgetp"]
 
 
-def ask(*extra: str) -> str:
-    cmd = [sys.executable, "-m", "edgetp", "ask", "--local", "--temperature", "0", "--max-tokens", "48",
-           "--threads", "1", *extra, QUESTION]
-    print("$ edgetp " + " ".join(cmd[3:]), flush=True)
-    out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True).stdout
+def run(*args: str, stats: bool = False) -> str:
+    print("$ edgetp " + " ".join(args), flush=True)
+    out = subprocess.run(EDGETP + list(args), stdout=subprocess.PIPE, text=True, check=True).stdout
     print(out, flush=True)
     return out
 
 
+def cluster(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/v1/cluster", timeout=5) as resp:
+        return json.load(resp)
+
+
+def formed(url: str) -> bool:
+    """A root is elected and this node sees all three members answering."""
+    view = cluster(url)
+    return view["root"] is not None and sum(n["state"] == "ready" for n in view["nodes"]) == 3
+
+
 def main() -> int:
-    subprocess.run([sys.executable, "-m", "edgetp", "model", "pull", "smollm2"], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(EDGETP + ["model", "pull", "smollm2"], check=True, stdout=subprocess.DEVNULL)
     print("== one process ==", flush=True)
-    alone = ask("--stats")
-    print("== three processes, weights 1:2:3 ==", flush=True)
-    workers = []
-    try:
-        workers = [start_worker() for _ in range(2)]
-        spread = ask("--stats", "--workers", ",".join(addr for _, addr in workers), "--weights", "1,2,3")
-    finally:
-        for proc, _ in workers:
-            stop(proc)
+    alone = run("ask", "--local", "--temperature", "0", "--max-tokens", "48", "--threads", "1", QUESTION)
+    daemons = []
+    with tempfile.TemporaryDirectory() as tmp:
+        key = Path(tmp) / "cluster.key"
+        subprocess.run(EDGETP + ["keygen", str(key)], check=True, stdout=subprocess.DEVNULL)
+        try:
+            print("== three daemons on this machine: forming ==", flush=True)
+            for name, priority in (("pi-a", 1), ("pi-b", 0), ("pi-c", 0)):
+                daemons.append(start_daemon("smollm2", str(key), name, priority=priority))
+            url = daemons[1][1]
+            deadline = time.monotonic() + 30
+            while not formed(url) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            print(f"formed: root {cluster(url)['root']}; asking pi-b at {url}", flush=True)
+            spread = run("ask", "--url", url, "--temperature", "0", "--max-tokens", "48", "--stats", QUESTION)
+            run("status", "--url", daemons[0][1])
+        finally:
+            for proc, _ in daemons:
+                stop(proc)
     same = "the same" if spread == alone else "DIFFERENT"
-    print(f"== {same} answer from one process and from three ==")
+    print(f"== {same} answer from one process and from the cluster; daemons stopped ==")
     return 0 if spread == alone else 1
 
 

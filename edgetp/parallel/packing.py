@@ -12,6 +12,7 @@ units go to the least loaded nodes instead of to the first ones.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from typing import Callable, Iterable
@@ -263,11 +264,69 @@ def _bisect(ok: Callable[[float], bool], lo: float, hi: float) -> float:
 
 def make_plan(shape: ModelShape, nodes: Iterable[NodeSpec], *, epoch: int = 0, sync: str = "f32",
               overhead_bytes: int = DEFAULT_OVERHEAD) -> Plan:
-    """The speed-weighted plan minimising max(work_i / speed_i) under memory caps."""
+    """The speed-weighted plan: the fastest token time (Plan.makespan) under memory caps.
+
+    Every layer ends its attention and its FFN with an all-reduce, a barrier,
+    and the vocabulary rows end the token: each family's slowest node sets
+    its phase's time. So each family is balanced on its own, by water-filling
+    (the next unit goes to the node that would finish it soonest), which is
+    optimal for each family; KV groups go first as the coarsest units. When
+    memory is too tight for that, the total-balancing packer below decides.
+    """
     nodes = _check_nodes(nodes)
     why = _explain_memory(shape, nodes, overhead_bytes)
     if why:
         raise PlanError(why)
+    balanced = _balance_families(shape, nodes, overhead_bytes)
+    if balanced is not None:
+        return Plan(epoch, sync, shape, nodes, _shares(shape, nodes, *balanced), overhead_bytes)
+    return _pack_by_total(shape, nodes, epoch, sync, overhead_bytes)
+
+
+def _balance_families(shape: ModelShape, nodes: tuple[NodeSpec, ...],
+                      overhead: int) -> tuple[list[int], list[int], list[int]] | None:
+    """(groups, FFN columns, vocab rows) per node, each family water-filled; None if memory runs out."""
+    speeds = [n.speed for n in nodes]
+    room = [n.mem_bytes - overhead for n in nodes]
+    n_vb = -(-shape.vocab // shape.vocab_block)
+    families = [
+        (shape.n_kv_heads, shape.group_bytes, shape.group_bytes + shape.group_kv_bytes),
+        (shape.n_ffn_blocks, shape.ffn_block_bytes, shape.ffn_block_bytes),
+        (n_vb, shape.vocab_block * shape.vocab_row_bytes, shape.vocab_block * shape.vocab_row_bytes),
+    ]
+    counts = []
+    for units, work, mem in families:
+        got = _water_fill(units, work, mem, speeds, room)
+        if got is None:
+            return None
+        counts.append(got)
+    groups, blocks, vblocks = counts
+    rows = [b * shape.vocab_block for b in vblocks]
+    last = max((i for i, b in enumerate(vblocks) if b), default=0)
+    rows[last] -= n_vb * shape.vocab_block - shape.vocab  # the last block may be short
+    return groups, [b * shape.ffn_block for b in blocks], rows
+
+
+def _water_fill(units: int, work: int, mem: int, speeds: list[float], room: list[int]) -> list[int] | None:
+    """Counts per node minimising max(count_i * work / speed_i), within each node's room (updated)."""
+    counts = [0] * len(speeds)
+    heap = [((1 * work) / s, i) for i, s in enumerate(speeds)]
+    heapq.heapify(heap)
+    for _ in range(units):
+        while heap and room[heap[0][1]] < mem:
+            heapq.heappop(heap)  # this node is full for this family
+        if not heap:
+            return None
+        _, i = heapq.heappop(heap)
+        counts[i] += 1
+        room[i] -= mem
+        heapq.heappush(heap, ((counts[i] + 1) * work / speeds[i], i))
+    return counts
+
+
+def _pack_by_total(shape: ModelShape, nodes: tuple[NodeSpec, ...], epoch: int, sync: str,
+                   overhead_bytes: int) -> Plan:
+    """Fallback for tight memory: minimises max(total work_i / speed_i), packing exactly where needed."""
     p = _Planner(shape, nodes, overhead_bytes)
     hi = shape.weight_bytes / min(p.speed) * (1 + 1e-9)  # any one node could do it all in this time
     if p.try_level(hi) is None:

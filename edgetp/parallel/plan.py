@@ -227,7 +227,19 @@ class Plan:
 
     @property
     def makespan(self) -> float:
-        return max(self.times().values())
+        """Predicted seconds of one token's weight streaming, barriers included.
+
+        Attention and FFN each end with an all-reduce in every layer, and the
+        vocabulary rows end the token, so each family's slowest node sets the
+        pace of its phase: the sum over families of max_i(family work_i / speed_i).
+        """
+        s = self.shape
+        total = 0.0
+        for unit, part in ((s.group_bytes, lambda x: x.kv_groups[1] - x.kv_groups[0]),
+                           (s.ffn_block_bytes / s.ffn_block, lambda x: x.ffn_cols[1] - x.ffn_cols[0]),
+                           (s.vocab_row_bytes, lambda x: x.vocab_rows[1] - x.vocab_rows[0])):
+            total += max(part(sh) * unit / n.speed for n, sh in zip(self.nodes, self.shares))
+        return total
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -81,6 +81,7 @@ class ClusterView:
     root: str | None
     model: str
     nodes: tuple[NodeView, ...]
+    root_url: str | None = None  # the root's API, where per-token records are published
     type: str = "snapshot"
 
 
@@ -107,7 +108,7 @@ def from_dict(d: Any) -> TokenRecord | RequestRecord | ClusterEvent | ClusterVie
                                 d.get("epoch"), dict(d.get("detail") or {}))
         if kind == "snapshot":
             return ClusterView(int(d["epoch"]), d.get("root"), str(d["model"]),
-                               tuple(_node(n) for n in d["nodes"]))
+                               tuple(_node(n) for n in d["nodes"]), d.get("root_url"))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise EventError(f"malformed {kind} record: {exc}") from None
     raise EventError(f"unknown record type {kind!r}")

@@ -28,10 +28,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-# numba's OpenMP threads spin after every parallel region by default. A node that
-# then waits on the network, or shares its cores with another process, loses most
-# of its speed to that spinning (measured: 33 -> 2.7 tok/s with one busy neighbour).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# numba's OpenMP threads spin after every parallel region, forever with OMP_WAIT_POLICY=ACTIVE:
+# a node waiting on the network, or sharing cores with another process, then loses
+# nearly everything (3 processes on 2 cores: 1.2 tok/s). Sleeping at once (PASSIVE)
+# costs a wake-up per kernel instead (quiet machine, SmolLM2, 2 threads: 33 tok/s).
+# A bounded spin, well under a millisecond, keeps both: 70 tok/s quiet, 18.7 shared.
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 from dataclasses import dataclass  # noqa: E402
 

@@ -125,11 +125,11 @@ class TokenStats:
         lines = [f"{n} tokens, {len(decode) / (sum(decode) / 1000):.1f} tok/s decode | per token p50 "
                  f"{statistics.median(decode):.1f} ms, p95 {q[18]:.1f} ms | compute {compute:.0f} ms, "
                  f"sync {sync:.0f} ms ({100 * sync / max(compute + sync, 1e-9):.0f}%)"]
-        links = sorted({name for r in self.records for name in r.links})
-        for name in links:
-            sent = sum(r.links[name].sent for r in self.records if name in r.links) / n
-            got = sum(r.links[name].received for r in self.records if name in r.links) / n
-            lines.append(f"  link {name}: {sent:,.0f} B sent, {got:,.0f} B received per token")
+        steps = self.records[1:] or self.records  # the first step carries the whole prompt
+        for name in sorted({name for r in steps for name in r.links}):
+            sent = sum(r.links[name].sent for r in steps if name in r.links) / len(steps)
+            got = sum(r.links[name].received for r in steps if name in r.links) / len(steps)
+            lines.append(f"  link {name}: {sent:,.0f} B sent, {got:,.0f} B received per decoded token")
         return "\n".join(lines)
 
 

@@ -70,8 +70,7 @@ def encode_prompt(tok: Tokenizer, prompt: str, raw: bool) -> list[int]:
     """Chat-templated ids, or the raw text when asked or when the model has no template."""
     if raw or not tok.chat_template:
         return tok.encode(prompt, add_special=True, parse_special=False)
-    text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    return tok.encode(text, add_special=not tok.starts_with_bos(text), parse_special=True)
+    return tok.encode_chat([{"role": "user", "content": prompt}])[1]
 
 
 def ask(args: argparse.Namespace) -> int:

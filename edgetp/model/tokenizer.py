@@ -489,6 +489,11 @@ class Tokenizer:
         return StreamDecoder(self, special=special)
 
     # -- chat ----------------------------------------------------------------------------
+    def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+        """The rendered chat prompt and its ids (special tokens parsed; BOS added once, not twice)."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return text, self.encode(text, add_special=not self.starts_with_bos(text), parse_special=True)
+
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True, **extra: Any) -> str:
         """Render the model's tokenizer.chat_template like transformers does
         (sandboxed jinja2, trim_blocks/lstrip_blocks, bos_token/eos_token,

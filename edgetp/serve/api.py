@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import socket
 import time
@@ -212,10 +211,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     messages = shape.messages(body.get("messages"))
     tok = engine.tokenizer
     try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+        text, ids = tok.encode_chat(messages)
     except ChatTemplateError as exc:
         raise ApiError(400, f"the model's chat template refused these messages: {exc}", param="messages") from None
-    ids = tok.encode(text, add_special=not tok.starts_with_bos(text), parse_special=True)
     return await _complete(request, "chat", ids, text, opts)
 
 

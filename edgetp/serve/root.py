@@ -22,7 +22,6 @@ import asyncio
 import collections
 import logging
 import math
-import os
 import socket
 import threading
 import time
@@ -30,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+from edgetp.cluster.profile import mem_available
 from edgetp.model.generate import TokenEvent, generate
 from edgetp.model.sampling import SamplingParams
 from edgetp.model.tokenizer import Tokenizer
@@ -349,17 +349,5 @@ def local_view(model_name: str, config: Any = None, node_id: str | None = None) 
     shares = {}
     if config is not None:
         shares = {"kv_groups": (0, config.n_kv_heads), "ffn_cols": (0, config.ffn), "vocab_rows": (0, config.vocab)}
-    node = events.NodeView(node_id or socket.gethostname(), "local", "root", "ready", 0.0, _mem_available(), **shares)
+    node = events.NodeView(node_id or socket.gethostname(), "local", "root", "ready", 0.0, mem_available(), **shares)
     return events.ClusterView(0, node.node_id, model_name, (node,))
-
-
-def _mem_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-

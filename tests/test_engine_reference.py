@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgetp.model import gguf, sampling
+from edgetp.model import gguf
 from edgetp.model.generate import LocalRunner
 from edgetp.model.tokenizer import Tokenizer
 from tests import reference
@@ -114,16 +114,9 @@ def test_logits_are_never_further_from_llamacpp_than_llamacpp_is_from_exact(llam
 
 
 def _greedy_ours(path, ids, n):
-    runner = LocalRunner(gguf.open_model(path), 256)
-    params = sampling.SamplingParams(temperature=0)
-    history, out, pending, pos = list(ids), [], list(ids), 0
-    for _ in range(n):
-        tok = int(runner.run(pending, pos, history, params).ids[0])
-        pos += len(pending)
-        out.append(tok)
-        history.append(tok)
-        pending = [tok]
-    return out
+    from tests.test_parallel import greedy  # noqa: PLC0415 - one greedy loop for every runner
+
+    return greedy(LocalRunner(gguf.open_model(path), 256), ids, n)
 
 
 @pytest.mark.parametrize("which", ["stories", "smollm2:f32"])

@@ -21,15 +21,7 @@ def start_worker(*extra: str, threads: int = 1, host: str = "127.0.0.1", timeout
     proc = subprocess.Popen(
         [*prefix, sys.executable, "-m", "edgetp", "worker", "--listen", f"{host}:0", "--threads", str(threads), *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ | {"PYTHONUNBUFFERED": "1"})
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if m := _LISTENING.search(line):
-            return proc, m.group(1)
-        if proc.poll() is not None:
-            break
-    stop(proc)
-    raise RuntimeError(f"worker did not start: {proc.stderr.read() if proc.stderr else ''}".strip())
+    return proc, _announced(proc, _LISTENING, timeout, "worker")
 
 
 def stop(proc: subprocess.Popen, timeout: float = 10) -> None:
@@ -58,12 +50,17 @@ def start_daemon(model: str, key: str, node_id: str, *, priority: int = 0, liste
             "--threads", str(threads)] + (["--interface", interface] if interface else [])
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    return proc, _announced(proc, _SERVING, timeout, f"daemon {node_id}")
+
+
+def _announced(proc: subprocess.Popen, pattern: re.Pattern, timeout: float, what: str) -> str:
+    """The address a starting process prints on stdout; it is stopped if it never does."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
-        if m := _SERVING.search(line):
-            return proc, m.group(1)
+        if m := pattern.search(line):
+            return m.group(1)
         if proc.poll() is not None:
             break
     stop(proc)
-    raise RuntimeError(f"daemon {node_id} did not start: {proc.stderr.read() if proc.stderr else ''}".strip())
+    raise RuntimeError(f"{what} did not start: {proc.stderr.read() if proc.stderr else ''}".strip())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -14,14 +15,16 @@ from edgetp.serve.spawn import start_daemon, stop
 from tests.test_cli_errors import edgetp
 from tests.test_daemon import view, wait_for
 
+SOLO = f"solo-{os.getpid()}"  # mDNS names are per network: unique per test run
+
 
 @pytest.fixture(scope="module")
 def daemon(stories_path, tmp_path_factory):
     key = tmp_path_factory.mktemp("key") / "cluster.key"
     assert edgetp("keygen", str(key)).returncode == 0
-    proc, url = start_daemon(stories_path, key, "solo")
+    proc, url = start_daemon(stories_path, key, SOLO)
     try:
-        wait_for(lambda: view(url)["root"] == "solo", 20, "the daemon elects itself")
+        wait_for(lambda: view(url)["root"] == SOLO, 20, "the daemon elects itself")
         yield url, key
     finally:
         stop(proc)
@@ -52,8 +55,8 @@ def test_status_lists_the_node_as_root(daemon):
     url, _ = daemon
     result = edgetp("status", "--url", url)
     assert result.returncode == 0, result.stderr
-    assert "root solo" in result.stdout.splitlines()[0]
-    assert any(line.startswith("solo ") and " root " in line for line in result.stdout.splitlines())
+    assert f"root {SOLO}" in result.stdout.splitlines()[0]
+    assert any(line.startswith(f"{SOLO} ") and " root " in line for line in result.stdout.splitlines())
 
 
 def test_chat_keeps_its_history_across_turns(daemon):

@@ -30,13 +30,14 @@ def test_serve_tells_systemd_it_is_ready_and_stopping_and_leaves_cleanly_on_sigt
         sock.settimeout(60)
         proc = subprocess.Popen(
             [sys.executable, "-m", "edgetp", "serve", "--model", str(stories_path), "--key", str(key),
-             "--listen", "127.0.0.1:0", "--data-port", "0", "--interface", "127.0.0.1", "--node-id", "solo",
+             "--listen", "127.0.0.1:0", "--data-port", "0", "--interface", "127.0.0.1", "--node-id", f"solo-{os.getpid()}",
              "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env=os.environ | {"NOTIFY_SOCKET": path})
         try:
             ready = _messages(sock, "READY=1")
             assert any("STATUS=serving on http://127.0.0.1:" in m for m in ready)
-            assert any("leader solo" in m for m in _messages(sock, "leader solo")), "elections reach STATUS"
+            leader = f"leader solo-{os.getpid()}"
+            assert any(leader in m for m in _messages(sock, leader)), "elections reach STATUS"
             proc.send_signal(signal.SIGTERM)
             assert any("STOPPING=1" in m for m in _messages(sock, "STOPPING=1"))
             assert proc.wait(20) == 0

@@ -215,6 +215,8 @@ def _warm_up(shard: llama.Shard) -> None:
     reduce, shard.reduce = shard.reduce, llama._no_reduce
     try:
         x = np.zeros((2, shard.w.cfg.dim), np.float32)
+        if shard.w.cfg.dim % 32 == 0:  # the Q8_0 sync kernels too, not on the first real token
+            quant.dequantize_q8_0(quant.quantize_q8_0(x[0]), shard.w.cfg.dim)
         shard.logits(shard.forward(x.copy(), 0))
         shard.logits(shard.forward(x[:1].copy(), 0))
     finally:

@@ -49,12 +49,11 @@ class LocalRunner:
         self.weights_cost = (base.nbytes, self.weights.nbytes)  # bytes before/after repacking
         self.shard = llama.Shard(self.weights, ctx)
 
-    def _forward(self, ids: Sequence[int], pos: int) -> np.ndarray:
-        h = None
+    def _chunks(self, ids: Sequence[int], pos: int) -> Iterator[np.ndarray]:
+        """Final-norm hidden states, PREFILL_CHUNK tokens at a time (the cluster chunks alike)."""
         for start in range(0, len(ids), PREFILL_CHUNK):
             chunk = list(ids[start:start + PREFILL_CHUNK])
-            h = self.shard.forward(llama.embed(self.mf, chunk), pos + start)
-        return h
+            yield self.shard.forward(llama.embed(self.mf, chunk), pos + start)
 
     def begin(self, params):
         return None
@@ -63,15 +62,11 @@ class LocalRunner:
         return None
 
     def run(self, ids, pos, history, params):
-        h = self._forward(ids, pos)
+        *_, h = self._chunks(ids, pos)
         return sampling.candidates(self.shard.logits(h[-1:])[0], 0, history, params)
 
     def logits(self, ids, pos):
-        rows = []
-        for start in range(0, len(ids), PREFILL_CHUNK):
-            chunk = list(ids[start:start + PREFILL_CHUNK])
-            rows.append(self.shard.logits(self.shard.forward(llama.embed(self.mf, chunk), pos + start)))
-        return np.concatenate(rows)
+        return np.concatenate([self.shard.logits(h) for h in self._chunks(ids, pos)])
 
 
 @dataclass(frozen=True)

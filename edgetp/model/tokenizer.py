@@ -278,9 +278,6 @@ class Tokenizer:
     def token_id(self, text: str) -> int | None:
         return self._v.ids.get(text)
 
-    def is_special(self, tid: int) -> bool:
-        return bool(self._v.attrs[tid] & _SPECIAL)
-
     def starts_with_bos(self, text: str) -> bool:
         """Whether `text` (say a rendered chat template) already opens with the
         BOS token's text, so encoding it with add_special would double the BOS."""

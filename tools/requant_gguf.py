@@ -27,6 +27,8 @@ from typing import Any, Callable
 import numpy as np
 
 import gguf
+
+from edgetp.model.gguf import gguf_writer
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType as VT
 from gguf import LlamaFileType
@@ -127,9 +129,7 @@ def requant(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
                     convert = True
         plan.append((t, convert))
 
-    part = dst.with_name(dst.name + ".part")
-    writer = gguf.GGUFWriter(part, arch)
-    try:
+    with gguf_writer(dst, arch) as writer:
         align = reader.fields.get(gguf.Keys.General.ALIGNMENT)
         if align is not None:
             writer.data_alignment = int(align.contents())
@@ -160,15 +160,6 @@ def requant(src: str | os.PathLike[str], dst: str | os.PathLike[str], target: st
             writer.write_tensor_data(data, tensor_endianess=reader.endianess)
             if progress is not None:
                 progress(t.name)
-        writer.close()
-        os.replace(part, dst)
-    except BaseException:
-        try:
-            writer.close()
-        except Exception:  # noqa: BLE001 - best effort before removing the partial file
-            pass
-        part.unlink(missing_ok=True)
-        raise
     report.seconds = time.perf_counter() - t0
     return report
 

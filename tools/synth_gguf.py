@@ -32,6 +32,8 @@ from typing import Any, Callable
 import numpy as np
 
 import gguf
+
+from edgetp.model.gguf import gguf_writer
 from gguf import GGMLQuantizationType as QT
 from gguf import LlamaFileType, TokenType
 
@@ -389,9 +391,7 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
                           output_type=output_type, tied=tied)
     assert hd is not None
 
-    part = path.with_name(path.name + ".part")
-    writer = gguf.GGUFWriter(part, arch)
-    try:
+    with gguf_writer(path, arch) as writer:
         writer.add_name(name)
         writer.add_type("model")
         writer.add_context_length(ctx)
@@ -442,15 +442,6 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
             if progress is not None:
                 progress(s.name)
             del data
-        writer.close()
-        os.replace(part, path)
-    except BaseException:
-        try:
-            writer.close()
-        except Exception:  # noqa: BLE001 - best effort before removing the partial file
-            pass
-        part.unlink(missing_ok=True)
-        raise
     return path
 
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
+from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import msgpack
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
 from edgetp.model import quant
 
@@ -144,6 +145,28 @@ class ModelFile:
 
 def open_model(path: str | os.PathLike[str], index_dir: str | os.PathLike[str] | None = None) -> ModelFile:
     return ModelFile(path, index_dir)
+
+
+@contextmanager
+def gguf_writer(path: str | os.PathLike[str], arch: str) -> Iterator[GGUFWriter]:
+    """A GGUFWriter on `path.part`, renamed to `path` only when the block completes.
+
+    On any failure the partial file is removed: a file under its final name is whole.
+    """
+    path = Path(path)
+    part = path.with_name(path.name + ".part")
+    writer = GGUFWriter(part, arch)
+    try:
+        yield writer
+        writer.close()
+        os.replace(part, path)
+    except BaseException:
+        try:
+            writer.close()
+        except Exception:  # noqa: BLE001 - best effort before removing the partial file
+            pass
+        part.unlink(missing_ok=True)
+        raise
 
 
 INDEX_VERSION = 1

@@ -32,7 +32,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT, GGUFValueType, GGUFWriter
 
 from edgetp.model import quant
-from edgetp.model.gguf import ModelFile
+from edgetp.model.gguf import ModelFile, gguf_writer
 from edgetp.model.llama import SHARD_KEYS, Range, ShardSpec
 
 _BLK = re.compile(r"blk\.\d+\.(.+)")
@@ -151,26 +151,18 @@ def write_shard(mf: ModelFile, spec: ShardSpec, path: str | os.PathLike[str]) ->
         raise ValueError(f"{mf.path} is already a shard; slice the full model file")
     check_spec(mf, spec)
     path = Path(path)
-    part = path.with_name(path.name + ".part")
     plan = slice_plan(mf, spec)
-    writer = GGUFWriter(None, mf.config.arch)
-    try:
+    with gguf_writer(path, mf.config.arch) as writer:
         writer.data_alignment = int(mf.alignment)
         _copy_metadata(mf, writer)
         _add_shard_keys(mf, spec, writer)
         for name, (how, r) in plan.items():  # the tensor table first: shapes only
             shape, dtype, nbytes, qtype = _table_entry(mf, name, how, r)
             writer.add_tensor_info(name, shape, dtype, nbytes, raw_dtype=QT(qtype))
-        writer.write_header_to_file(part)
+        writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for name, (how, r) in plan.items():  # then the bytes, one sliced tensor in memory at a time
             writer.write_tensor_data(np.ascontiguousarray(_cut(mf, name, how, r)[0]))
-        writer.close()
-        os.replace(part, path)
-    except BaseException:
-        writer.close()
-        part.unlink(missing_ok=True)
-        raise
     return path
 

@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Settings come from flags, then EDGETP_* variables, then the TOML file "
                                      "(--config, default /etc/edgetp/edgetp.toml if it exists), then defaults.")
     srv.add_argument("--config", type=Path, default=os.environ.get("EDGETP_CONFIG"), help="TOML settings file")
-    srv.add_argument("--model", default=None, help="name or path (default smollm2)")
+    srv.add_argument("--model", default=None,
+                     help="name or path (default smollm2); 'none' in a cluster: hold no model, fetch a slice from the root")
     srv.add_argument("--listen", type=_address, default=None,
                      help="HOST:PORT of the HTTP API (default 127.0.0.1:7711: this machine only)")
     srv.add_argument("--workers", type=_addresses, default=[],
@@ -120,7 +121,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--no-root", action="store_true", default=None, help="never become the root")
     srv.add_argument("--interface", dest="interfaces", action="append", default=None, metavar="ADDR",
                      help="IP address(es) to discover peers on (default: all interfaces)")
+    srv.add_argument("--peer", dest="peers", action="append", default=None, metavar="HOST:PORT",
+                     help="a peer's HTTP API to introduce ourselves to, where multicast cannot pass (repeatable)")
     srv.set_defaults(func=commands.serve)
+
+    prof = sub.add_parser("profile", help="have a node measure its speed and free memory again (the root re-plans)")
+    prof.add_argument("--url", default=os.environ.get("EDGETP_URL", "http://127.0.0.1:7711"),
+                      help="the node's HTTP API (default: $EDGETP_URL or http://127.0.0.1:7711)")
+    prof.add_argument("--key", default=os.environ.get("EDGETP_KEY_FILE"), required=False, help="cluster key file")
+    prof.set_defaults(func=commands.reprofile)
 
     dash = sub.add_parser("dashboard", help="the live view of a cluster: nodes, shares, per-token time and bytes")
     dash.add_argument("--url", default=os.environ.get("EDGETP_URL", "http://127.0.0.1:7711"),

@@ -167,10 +167,37 @@ def status(args: argparse.Namespace) -> int:
           f"{'kv groups':>9} {'ffn cols':>11} {'vocab rows':>13} {'rtt':>8}")
     for n in view["nodes"]:
         rtt = "-" if n.get("rtt_ms") is None else f"{n['rtt_ms']:.2f} ms"
+        if n.get("transfer") and n["transfer"][0] < n["transfer"][1]:  # fetching its slice from the root
+            n["state"] = f"{100 * n['transfer'][0] // max(n['transfer'][1], 1)}% in"
         span = lambda r: f"{r[0]}-{r[1]}" if r[1] > r[0] else "-"  # noqa: E731
         print(f"{n['node_id']:<16} {n['address']:<22} {n['role']:<7} {n['state']:<8} "
               f"{n['speed'] / 1e9:>6.2f} GB/s {n['mem_free'] / 1e9:>6.1f} GB {span(n['kv_groups']):>9} "
               f"{span(n['ffn_cols']):>11} {span(n['vocab_rows']):>13} {rtt:>8}")
+    return 0
+
+
+def reprofile(args: argparse.Namespace) -> int:
+    """POST /v1/cluster/profile, signed: the node measures again; its root re-plans before the next request."""
+    import aiohttp  # noqa: PLC0415
+
+    from edgetp.cluster import peering  # noqa: PLC0415
+
+    if not args.key:
+        raise client.KeyRefused("edgetp profile needs the cluster key: --key FILE or EDGETP_KEY_FILE")
+    key = auth.read_key(args.key)
+
+    async def go() -> dict:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            return await peering.signed_post(session, args.url, peering.PROFILE_PATH, key)
+
+    try:
+        advert = asyncio.run(go())
+    except aiohttp.ClientResponseError as exc:
+        refused = client.KeyRefused if exc.status in (401, 403) else client.ServerError
+        raise refused(f"{args.url}: HTTP {exc.status}: {exc.message}") from None
+    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        raise client.NoCluster(f"cannot reach {args.url}: {exc or type(exc).__name__}") from None
+    print(f"{advert['id']}: {float(advert['spd']) / 1e9:.2f} GB/s, {int(advert['mem']) / 1e9:.1f} GB free")
     return 0
 
 
@@ -259,7 +286,7 @@ def serve(args: argparse.Namespace) -> int:
     from edgetp import config, daemon  # noqa: PLC0415
 
     flags = {name: getattr(args, name) for name in ("model", "key_file", "data_port", "node_id", "priority",
-                                                    "no_root", "interfaces", "threads", "sync", "ctx")}
+                                                    "no_root", "interfaces", "peers", "threads", "sync", "ctx")}
     if args.listen is not None:
         flags["host"], flags["http_port"] = args.listen
     flags = {k: v for k, v in flags.items() if v is not None}
@@ -267,8 +294,10 @@ def serve(args: argparse.Namespace) -> int:
             and not config.DEFAULT_CONFIG_PATH.exists() and not (flags.get("key_file") or os.environ.get("EDGETP_KEY_FILE")):
         flags["host"] = "127.0.0.1"  # alone, the API stays on this machine; a cluster's peers must reach it
     settings = config.load_settings(flags, os.environ, args.config)
-    path = store.resolve(settings.model, pull_missing=True)
     key = auth.read_key(settings.key_file) if settings.key_file else None
+    if settings.model == "none" and (key is None or args.workers):
+        raise WorkerError("--model none (fetch a slice from the root) needs a cluster: --key FILE and no --workers")
+    path = None if settings.model == "none" else store.resolve(settings.model, pull_missing=True)
     opts = daemon.ServeOptions(
         model_path=path, model_name=path.stem if str(settings.model).endswith(".gguf") else settings.model,
         host=settings.host, port=settings.http_port, workers=tuple(args.workers),
@@ -276,7 +305,8 @@ def serve(args: argparse.Namespace) -> int:
         threads=settings.threads, key=key, queue_size=args.queue, index_dir=Path(settings.cache_dir) / "index",
         cluster=key is not None and not args.workers, data_port=settings.data_port,
         node_id=settings.node_id if args.node_id or args.config else None, priority=settings.priority,
-        no_root=settings.no_root, interfaces=tuple(settings.interfaces))
+        no_root=settings.no_root, interfaces=tuple(settings.interfaces), peers=settings.peer_addresses,
+        shard_dir=Path(settings.cache_dir) / "shards")
     try:
         daemon.run(opts, on_listening=lambda url: print(f"edgetp serving on {url}", flush=True))
     except OSError as exc:

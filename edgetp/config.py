@@ -62,7 +62,7 @@ class Settings:
     threads: int | None = None              # compute threads; None means all cores
     cache_dir: Path | None = None           # models and slices; None: $EDGETP_CACHE_DIR or ~/.cache/edgetp
     node_id: str = ""                       # "" means this host's name
-    peers: tuple[str, ...] = ()             # HOST:PORT (data port) fallbacks when multicast cannot pass
+    peers: tuple[str, ...] = ()             # HOST:PORT (HTTP API) to introduce ourselves to, where multicast cannot pass
     sync: str = "f32"                       # all-reduce payload: "f32" or "q8_0"
     ctx: int = 2048                         # context length (KV cache size)
     # derived

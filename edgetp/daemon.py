@@ -5,8 +5,10 @@ Three ways to serve, one engine and API in front of each:
 - static: a root over `--workers` given on the command line;
 - cluster (a key and no `--workers`): every node runs a worker, the API and
   membership (mDNS + heartbeats + election). The elected root plans over
-  the usable peers before each request (a join or leave re-plans between
-  requests); other nodes forward requests to it. A worker lost mid-answer
+  the usable peers before each request (a join, a leave or a re-profile
+  re-plans between requests); other nodes forward requests to it. A worker
+  without the root's model fetches just its slice from the root's API
+  (serve/weights.py); a node with no model at all never leads. A worker lost mid-answer
   is planned around and the answer goes on; a lost root is replaced by the
   next election.
 
@@ -21,12 +23,15 @@ import logging
 import signal
 import socket
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
+from aiohttp import web
+
 from edgetp.cluster import profile
 from edgetp.cluster.discovery import PeerAdvert
+from edgetp.cluster.peering import PeerEndpoints
 from edgetp.cluster.membership import Membership, data_address, http_url
 from edgetp.cluster.sdnotify import Notifier
 from edgetp.model import quant
@@ -39,6 +44,7 @@ from edgetp.parallel.runner import ClusterRunner, WorkerLost
 from edgetp.serve import events
 from edgetp.serve.api import NoRoot, make_app, run_api, serving
 from edgetp.serve.root import Engine, EventBus, local_view
+from edgetp.serve.weights import ShardServer
 from edgetp.serve.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -46,7 +52,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ServeOptions:
-    model_path: Path
+    model_path: Path | None         # None: hold no model, fetch slices from the root (cluster only)
     model_name: str
     host: str = "127.0.0.1"
     port: int = 7711
@@ -64,6 +70,8 @@ class ServeOptions:
     priority: int = 0
     no_root: bool = False
     interfaces: tuple[str, ...] = ()
+    peers: tuple[tuple[str, int], ...] = ()  # (host, HTTP port) told we are here, where multicast cannot pass
+    shard_dir: Path | None = None   # slices written for workers (root) or fetched from the root (worker)
 
 
 def cluster_view(runner: ClusterRunner, model: str) -> events.ClusterView:
@@ -107,6 +115,8 @@ async def serve(opts: ServeOptions, on_listening: Callable[[str], None] | None =
     """Build the engine and the API, serve until cancelled, then close every link."""
     if opts.cluster:
         return await serve_cluster(opts, on_listening, status)
+    if opts.model_path is None:
+        raise ValueError("only a cluster member (--key, no --workers) can serve without a model")
     if opts.threads:
         quant.set_threads(opts.threads)
     mf = await asyncio.to_thread(open_model, opts.model_path, opts.index_dir)
@@ -136,30 +146,47 @@ async def serve_cluster(opts: ServeOptions, on_listening: Callable[[str], None] 
         raise ValueError("a cluster needs a key: --key FILE (make one with `edgetp keygen`)")
     if opts.threads:
         quant.set_threads(opts.threads)
-    mf = await asyncio.to_thread(open_model, opts.model_path, opts.index_dir)
-    tok = Tokenizer.from_metadata(mf.metadata)
+    mf = await asyncio.to_thread(open_model, opts.model_path, opts.index_dir) if opts.model_path else None
     me = await asyncio.to_thread(profile.profile, opts.threads)
     node_id = opts.node_id or f"{socket.gethostname().split('.')[0]}-{uuid.uuid4().hex[:6]}"
     bus = EventBus()
     bus.add_listener(lambda r: status(r.message) if isinstance(r, events.ClusterEvent) else None)
-    ctx = min(opts.ctx, mf.config.ctx_train)
-    engine = Engine(None, tok, opts.model_name, queue_size=opts.queue_size, bus=bus, ctx=ctx)
-    worker = Worker(node_id, key=opts.key, threads=opts.threads, model_path=str(mf.path),
-                    index_dir=str(opts.index_dir) if opts.index_dir else None, follow_epochs=True)
+    ctx = min(opts.ctx, mf.config.ctx_train) if mf else opts.ctx
+    engine = Engine(None, Tokenizer.from_metadata(mf.metadata) if mf else None, opts.model_name,
+                    queue_size=opts.queue_size, bus=bus, ctx=ctx)
+    shard_dir = opts.shard_dir or Path(opts.index_dir or ".").parent / "shards"
+    worker = Worker(node_id, key=opts.key, threads=opts.threads, model_path=str(mf.path) if mf else None,
+                    index_dir=str(opts.index_dir) if opts.index_dir else None, follow_epochs=True,
+                    shard_dir=str(shard_dir))
+    shards = ShardServer(mf, opts.key, shard_dir) if mf else None
     loop = asyncio.get_running_loop()
     bound: asyncio.Future[int] = loop.create_future()
     roles: list[Roles] = []  # set once the HTTP port is known
-    app = make_app(engine, cluster_view=lambda: roles[0].view(), key=opts.key, route=lambda: roles[0].route())
+
+    def this() -> Roles:
+        if not roles:
+            raise web.HTTPServiceUnavailable(text="this node is starting\n")
+        return roles[0]
+
+    app = make_app(engine, cluster_view=lambda: this().view(), key=opts.key, route=lambda: this().route())
+    if shards is not None:
+        shards.add_routes(app)
+    PeerEndpoints(opts.key, lambda: this().membership.me, lambda advert: this().membership.introduced(advert),
+                  lambda: this().reprofile()).add_routes(app)
     async with asyncio.TaskGroup() as tg:
         tg.create_task(worker.serve(opts.host, opts.data_port, bound.set_result))
         data_port = await bound
         async with serving(app, opts.host, opts.port) as url:
-            advert = PeerAdvert(node_id, auth.cluster_id(opts.key), data_port, int(url.rsplit(":", 1)[1]),
-                                me.speed, me.mem_free, mf.fingerprint, opts.priority, opts.no_root)
-            membership = Membership(advert, interfaces=list(opts.interfaces) or None, publish=bus.publish)
-            roles.append(Roles(engine, membership, mf, opts, node_id, ctx))
+            http_port = int(url.rsplit(":", 1)[1])
+            advert = PeerAdvert(node_id, auth.cluster_id(opts.key), data_port, http_port, me.speed, me.mem_free,
+                                mf.fingerprint if mf else "", opts.priority, opts.no_root or mf is None)
+            membership = Membership(advert, interfaces=list(opts.interfaces) or None, publish=bus.publish,
+                                    peers=opts.peers, key=opts.key)
+            roles.append(Roles(engine, membership, mf, opts, node_id, ctx, http_port, shards))
             engine.between = roles[0].between
             engine.recover = Recovery(engine, bus, loop, lambda: membership.epoch)
+            if mf is None:
+                log.info("node %s holds no model: it never leads, and fetches its slice from the root", node_id)
             if on_listening:
                 on_listening(url)
             try:
@@ -171,15 +198,18 @@ async def serve_cluster(opts: ServeOptions, on_listening: Callable[[str], None] 
 class Roles:
     """What this node does for the cluster: root (plan and serve) or not (forward to the root)."""
 
-    def __init__(self, engine: Engine, membership: Membership, mf: ModelFile, opts: ServeOptions,
-                 node_id: str, ctx: int) -> None:
+    def __init__(self, engine: Engine, membership: Membership, mf: ModelFile | None, opts: ServeOptions,
+                 node_id: str, ctx: int, http_port: int, shards: ShardServer | None) -> None:
         self.engine, self.membership, self.mf, self.opts = engine, membership, mf, opts
-        self.node_id, self.ctx = node_id, ctx
+        self.node_id, self.ctx, self.http_port, self.shards = node_id, ctx, http_port, shards
+        self.planned = -1  # membership.revision the current runner was planned at
+        self.fetching: dict[str, tuple[int, int]] = {}  # node id -> (done, total) of a slice download
 
     def route(self) -> str | None:
         leader = self.membership.leader
         if leader is None:
-            raise NoRoot("the cluster is forming")
+            raise NoRoot("the cluster is forming" if self.membership.table.usable() or self.mf
+                         else "no node holding a model has joined yet")
         if leader == self.node_id:
             return None
         peer = self.membership.peer(leader)
@@ -188,7 +218,7 @@ class Roles:
         return http_url(peer.advert)
 
     async def between(self) -> None:
-        """Before each request on the root: (re)plan when the members or the epoch changed."""
+        """Before each request on the root: (re)plan when the members, their figures or the epoch changed."""
         runner = self.engine.runner
         if self.membership.leader != self.node_id:
             if runner is not None:
@@ -196,30 +226,58 @@ class Roles:
                 self.engine.runner = None
             return
         want = sorted(data_address(p.advert) for p in self.membership.usable())
+        revision = self.membership.revision
         if runner is not None and runner.plan.epoch == self.membership.epoch and \
-                set(runner.options["addresses"]) == set(want):
+                set(runner.options["addresses"]) == set(want) and self.planned == revision:
             return  # a peer left out for refusing is tried again at the next request
         if runner is not None:
             runner.close()
         self.engine.runner = await self._connect(want)
+        self.planned = revision
 
     async def _connect(self, addresses: list[str]) -> ClusterRunner:
         """A runner over every peer that accepts us; one that refuses is left out and logged."""
-        while True:
-            try:
-                return await ClusterRunner.connect(
-                    self.mf, addresses, ctx=self.ctx, sync=self.opts.sync, key=self.opts.key,
-                    threads=self.opts.threads, epoch=self.membership.epoch, node_id=self.node_id)
-            except LinkClosed as exc:
-                if exc.link_name not in addresses:
-                    raise
-                log.warning("planning without %s: %s", exc.link_name, exc)
-                addresses = [a for a in addresses if a != exc.link_name]
+        try:
+            while True:
+                try:
+                    return await ClusterRunner.connect(
+                        self.mf, addresses, ctx=self.ctx, sync=self.opts.sync, key=self.opts.key,
+                        threads=self.opts.threads, epoch=self.membership.epoch, node_id=self.node_id,
+                        fetch_port=self.http_port, on_progress=self._progress)
+                except LinkClosed as exc:
+                    if exc.link_name not in addresses:
+                        raise
+                    log.warning("planning without %s: %s", exc.link_name, exc)
+                    addresses = [a for a in addresses if a != exc.link_name]
+        finally:
+            self.fetching.clear()
+
+    def _progress(self, node: str, done: int, total: int) -> None:
+        """A worker's PROGRESS while it fetches its slice from us (about once a second, and at the end)."""
+        if done >= total:
+            self.fetching.pop(node, None)
+            self._transfer(node, done, total, f"{node} has its slice ({total / 1e6:.1f} MB)")
+        else:
+            self.fetching[node] = (done, total)
+            self._transfer(node, done, total, f"{node} fetching its slice: {done / 1e6:.1f} of "
+                                              f"{total / 1e6:.1f} MB ({100 * done / max(total, 1):.0f}%)")
+
+    def _transfer(self, node: str, done: int, total: int, message: str) -> None:
+        log.info("%s", message)
+        self.engine.bus.publish(events.ClusterEvent("transfer", message, node, self.membership.epoch,
+                                                    {"done": done, "total": total}))
+
+    async def reprofile(self) -> PeerAdvert:
+        """POST /v1/cluster/profile: measure again, announce it; the root re-plans before the next request."""
+        me = await asyncio.to_thread(profile.profile, self.opts.threads)
+        advert = replace(self.membership.me, speed=me.speed, mem_free=me.mem_free)
+        await self.membership.update_me(advert)
+        return advert
 
     def view(self) -> events.ClusterView:
         runner = self.engine.runner
         if isinstance(runner, ClusterRunner):
-            return cluster_view(runner, self.opts.model_name)
+            return self._with_transfers(cluster_view(runner, self.opts.model_name))
         leader = self.membership.leader
         nodes = [events.NodeView(self.node_id, "local", "root" if leader == self.node_id else "worker", "ready",
                                  self.membership.me.speed, self.membership.me.mem_free)]
@@ -228,8 +286,20 @@ class Roles:
             nodes.append(events.NodeView(p.node_id, data_address(p.advert), "root" if leader == p.node_id else "worker",
                                          state, p.advert.speed, p.advert.mem_free))
         root = self.membership.peer(leader) if leader and leader != self.node_id else None
-        return events.ClusterView(self.membership.epoch, leader, self.opts.model_name, tuple(nodes),
-                                  http_url(root.advert) if root else None)
+        return self._with_transfers(events.ClusterView(self.membership.epoch, leader, self.opts.model_name,
+                                                       tuple(nodes), http_url(root.advert) if root else None))
+
+    def _with_transfers(self, view: events.ClusterView) -> events.ClusterView:
+        """Each node's slice download from us: in progress (state "loading") or the last one done."""
+        sent = {t.node: (t.done, t.size) for t in (self.shards.transfers().values() if self.shards else ())}
+        nodes = []
+        for n in view.nodes:
+            if n.node_id in self.fetching:
+                n = replace(n, transfer=self.fetching[n.node_id], state="loading")
+            elif n.node_id in sent:
+                n = replace(n, transfer=sent[n.node_id])
+            nodes.append(n)
+        return replace(view, nodes=tuple(nodes))
 
     def close(self) -> None:
         if self.engine.runner is not None:

@@ -119,3 +119,44 @@ def test_daemons_on_three_hosts_elect_serve_survive_a_worker_and_the_root_and_ig
     finally:
         for proc in procs.values():
             stop(proc)
+
+
+def test_without_multicast_peer_lets_a_node_holding_no_model_join_fetch_its_slice_and_serve(
+        testbed, stories_path, tmp_path):
+    """mDNS stays on each host's own loopback, so no advert crosses the LAN: only `--peer` joins them.
+
+    node-y lists node-x as its one peer and holds no model; node-x learns of
+    node-y from the introduction, plans over both, and node-y fetches its slice.
+    """
+    x, y, z = testbed[0], testbed[1], testbed[2]
+    key = tmp_path / "cluster.key"
+    assert edgetp("keygen", str(key)).returncode == 0
+    mf = gguf.open_model(stories_path)
+    tok = Tokenizer.from_metadata(mf.metadata)
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Once upon a time"}]), parse_special=True)
+    expected = "".join(ev.text for ev in generate(LocalRunner(mf, 256), tok, ids,
+                                                  sampling.SamplingParams(temperature=0), 40)) + "\n"
+    procs = {}
+    try:
+        procs["x"], url_x = start_daemon(stories_path, key, "peer-x", priority=5, listen=f"{x.address}:7711",
+                                         data_port=7710, interface="127.0.0.1", prefix=x.argv([]),
+                                         env={"EDGETP_CACHE_DIR": str(tmp_path / "x")})
+        procs["y"], url_y = start_daemon("none", key, "peer-y", listen=f"{y.address}:7711", data_port=7710,
+                                         interface="127.0.0.1", prefix=y.argv([]), extra=["--peer", f"{x.address}:7711"],
+                                         env={"EDGETP_CACHE_DIR": str(tmp_path / "y")})
+        # the control: same key, same LAN, no --peer; with no multicast between hosts nobody ever hears of it
+        procs["z"], _ = start_daemon(stories_path, key, "peer-z", listen=f"{z.address}:7711", data_port=7710,
+                                     interface="127.0.0.1", prefix=z.argv([]), env={"EDGETP_CACHE_DIR": str(tmp_path / "z")})
+        _until(lambda: _view(y, url_y).get("root") == "peer-x", 20, "peer-y follows peer-x")
+        _until(lambda: "peer-y" in {n["node_id"] for n in _view(x, url_x).get("nodes", [])}, 10,
+               "peer-x learned of peer-y from its introduction")
+        answer = _ask(y, url_y)
+        assert answer.returncode == 0 and answer.stdout == expected, answer.stderr
+        nodes = {n["node_id"]: n for n in _view(x, url_x)["nodes"]}
+        assert nodes["peer-y"]["address"].startswith(y.address), nodes
+        fetched = list((tmp_path / "y" / "shards").glob("*.gguf"))
+        assert len(fetched) == 1 and nodes["peer-y"]["transfer"] == [fetched[0].stat().st_size] * 2
+        assert "peer-z" not in nodes and "peer-z" not in {n["node_id"] for n in _view(y, url_y)["nodes"]}
+    finally:
+        for proc in procs.values():
+            stop(proc)

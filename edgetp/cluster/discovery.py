@@ -69,7 +69,8 @@ class PeerAdvert:
 
 
 def ballot_of(advert: PeerAdvert) -> Ballot:
-    return Ballot(advert.priority, advert.speed, advert.node_id, can_lead=not advert.no_root)
+    """A node leads only when it may (no --no-root) and holds a model to plan from."""
+    return Ballot(advert.priority, advert.speed, advert.node_id, can_lead=not advert.no_root and bool(advert.model))
 
 
 # --------------------------------------------------------------------------- TXT parsing

@@ -62,6 +62,7 @@ class FrameType(enum.IntEnum):
     ERROR = 15
     BYE = 16
     PROFILE = 17  # measure a node's speed (append new types; numbers never change)
+    PROGRESS = 18  # a worker fetching its slice: bytes done and total
 
 
 @dataclass(frozen=True)

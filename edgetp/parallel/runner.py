@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from edgetp.cluster import profile
 from edgetp.model import llama, sampling
 from edgetp.model.generate import PREFILL_CHUNK, RunnerLost
 from edgetp.model.gguf import ModelFile
-from edgetp.net.frames import FrameType
+from edgetp.net.frames import Frame, FrameType
 from edgetp.net.link import BLOCKING, Counters, Link, LinkClosed, choose_mode, event_loop_hop, forced_mode
 from edgetp.parallel import packing, plan as planner
 from edgetp.parallel.collective import Hot, RootReduce, candidates_from
@@ -30,6 +30,9 @@ from edgetp.parallel.shard import model_shape, spec_for
 log = logging.getLogger(__name__)
 
 ROOT_ID = "root"
+LOAD_TIMEOUT = 600.0  # seconds a worker may take to map its shard, or between two download PROGRESS frames
+
+Progress = Callable[[str, int, int], None]  # (node id, bytes done, bytes total) of a slice download
 
 
 class WorkerLost(LinkClosed, RunnerLost):
@@ -72,7 +75,14 @@ class ClusterRunner:
     async def connect(cls, mf: ModelFile, addresses: Sequence[str], *, ctx: int, weights: Sequence[float] | None = None,
                       sync: str = "f32", key: bytes | None = None, threads: int | None = None,
                       repack: bool = False, model_ref: str | None = None, epoch: int = 1,
-                      node_id: str = ROOT_ID) -> "ClusterRunner":
+                      node_id: str = ROOT_ID, fetch_port: int | None = None,
+                      on_progress: Progress | None = None) -> "ClusterRunner":
+        """Link to every worker, profile, plan and load.
+
+        With `fetch_port` (our HTTP port, serving serve/weights.py) a worker
+        without our model fetches its slice from us; `on_progress(node_id,
+        done, total)` hears how far each such download got.
+        """
         if weights is not None and len(weights) != len(addresses) + 1:
             raise ValueError(f"--weights needs {len(addresses) + 1} numbers (the root first), got {len(weights)}")
         links: list[Link] = []
@@ -100,7 +110,7 @@ class ClusterRunner:
             log.info("plan (epoch %d, %s sync): %s", plan.epoch, plan.sync,
                      "; ".join(f"{s.node_id} kv{s.kv_groups} ffn{s.ffn_cols} vocab{s.vocab_rows}" for s in plan.shares))
             header = {"model": model_ref or str(mf.path), "fingerprint": mf.fingerprint, "ctx": ctx,
-                      "sync": sync, "repack": repack}
+                      "sync": sync, "repack": repack} | ({"fetch_port": fetch_port} if fetch_port else {})
             for link, info in zip(links, infos[1:]):
                 spec = spec_for(plan, info.node_id)
                 await link.send(FrameType.LOAD, header | {"kv_groups": list(spec.kv_groups),
@@ -109,7 +119,7 @@ class ClusterRunner:
             weights_root = await asyncio.to_thread(llama.load_weights, mf, spec_for(plan, node_id), repack=repack)
             shard = llama.Shard(weights_root, ctx)
             for n, link in enumerate(links, start=1):
-                ready = await link.expect(FrameType.READY, timeout=600)
+                ready = await _loaded(link, infos[n].node_id, on_progress)
                 infos[n] = NodeInfo(**(asdict(infos[n]) | {"rss": int(ready.header["rss"])}))
                 link.embeds = bool(ready.header.get("embeds"))
         except BaseException:
@@ -117,7 +127,8 @@ class ClusterRunner:
                 link.close()
             raise
         options = dict(ctx=ctx, weights=weights, sync=sync, key=key, threads=threads, repack=repack,
-                       model_ref=model_ref, addresses=list(addresses), node_id=node_id)
+                       model_ref=model_ref, addresses=list(addresses), node_id=node_id, fetch_port=fetch_port,
+                       on_progress=on_progress)
         return cls(mf, ctx, plan, links, shard, infos, asyncio.get_running_loop(), options)
 
     async def without(self, address: str, epoch: int | None = None) -> "ClusterRunner":
@@ -200,6 +211,16 @@ class ClusterRunner:
     def close(self) -> None:
         for link in self.links:
             link.close()
+
+
+async def _loaded(link: Link, node_id: str, on_progress: Progress | None) -> Frame:
+    """The worker's READY after a LOAD; PROGRESS frames on the way (a slice download) keep it alive."""
+    while True:
+        frame = await link.recv(LOAD_TIMEOUT)
+        if frame.type != FrameType.PROGRESS:
+            return link._check(frame, FrameType.READY)
+        if on_progress is not None:
+            on_progress(node_id, int(frame.header.get("done", 0)), int(frame.header.get("total", 0)))
 
 
 async def _hello(link: Link, key: bytes | None, node_id: str, epoch: int) -> None:

@@ -173,14 +173,19 @@ class NoRoot(Exception):
     """No root is elected yet (the cluster is forming or re-electing)."""
 
 
-async def _routed(request: web.Request) -> web.StreamResponse | None:
-    """Forward the request to the root when this node is not it; None when we serve it here."""
+async def _routed(request: web.Request, *, local_while_forming: bool = False) -> web.StreamResponse | None:
+    """Forward the request to the root when this node is not it; None when we serve it here.
+
+    With `local_while_forming`, a node holding a model answers itself while no root is elected.
+    """
     route = request.app[ROUTE]
     if route is None:
         return None
     try:
         target = route()
     except NoRoot as exc:
+        if local_while_forming and request.app[ENGINE].tokenizer is not None:
+            return None
         raise ApiError(503, f"no root elected yet: {exc}", type="server_error", code="no_root", headers={"Retry-After": "2"}) from None
     if target is None:
         return None
@@ -188,8 +193,8 @@ async def _routed(request: web.Request) -> web.StreamResponse | None:
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
     try:
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            async with session.post(target + request.path, data=body,
-                                    headers={"Content-Type": "application/json"}) as upstream:
+            async with session.request(request.method, target + request.path_qs, data=body,
+                                       headers={"Content-Type": "application/json"}) as upstream:
                 resp = web.StreamResponse(status=upstream.status, headers={
                     k: v for k, v in upstream.headers.items()
                     if k.lower() in ("content-type", "cache-control", "retry-after")})
@@ -272,11 +277,16 @@ async def _stream(request: web.Request, job: Job, out: shape.Shaper, prompt_toke
 # --------------------------------------------------------------------------- cluster, models, events
 
 
-async def models(request: web.Request) -> web.Response:
+async def models(request: web.Request) -> web.StreamResponse:
+    """The root's model: a node forwards, since the root decides what the cluster serves."""
+    if (forwarded := await _routed(request, local_while_forming=True)) is not None:
+        return forwarded
     return web.json_response({"object": "list", "data": [shape.model_card(request.app[ENGINE].model_name)]})
 
 
-async def model(request: web.Request) -> web.Response:
+async def model(request: web.Request) -> web.StreamResponse:
+    if (forwarded := await _routed(request, local_while_forming=True)) is not None:
+        return forwarded
     name = request.app[ENGINE].model_name
     if request.match_info["model"] != name:
         raise ApiError(404, f"the model {request.match_info['model']!r} does not exist; this server has {name!r}",

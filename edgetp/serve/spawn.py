@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 import time
-from typing import Sequence
+from typing import Mapping, Sequence
 
 _LISTENING = re.compile(r"listening on (\S+:\d+)")
 
@@ -43,13 +43,17 @@ _SERVING = re.compile(r"serving on (http://\S+)")
 
 def start_daemon(model: str, key: str, node_id: str, *, priority: int = 0, listen: str = "127.0.0.1:0",
                  data_port: int = 0, interface: str | None = "127.0.0.1", threads: int = 1,
-                 prefix: Sequence[str] = (), timeout: float = 120) -> tuple[subprocess.Popen, str]:
-    """An `edgetp serve --key` cluster daemon; returns the process and its API URL."""
+                 prefix: Sequence[str] = (), timeout: float = 120, extra: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """An `edgetp serve --key` cluster daemon; returns the process and its API URL.
+
+    `extra` goes on the command line (e.g. `--peer`), `env` over this process's environment.
+    """
     argv = [*prefix, sys.executable, "-m", "edgetp", "serve", "--model", str(model), "--key", str(key),
             "--listen", listen, "--data-port", str(data_port), "--node-id", node_id, "--priority", str(priority),
-            "--threads", str(threads)] + (["--interface", interface] if interface else [])
+            "--threads", str(threads), *(["--interface", interface] if interface else []), *extra]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=os.environ | {"PYTHONUNBUFFERED": "1"})
+                            env=os.environ | {"PYTHONUNBUFFERED": "1"} | dict(env or {}))
     return proc, _announced(proc, _SERVING, timeout, f"daemon {node_id}")
 
 

@@ -100,6 +100,7 @@ class Transfer:
     sent: int        # bytes sent to this node, all requests together
     active: bool
     updated: float   # time.time() of the last change
+    done: int = 0    # how far into the file the latest request got
 
 
 class ShardServer:
@@ -197,12 +198,12 @@ class ShardServer:
             return resp
         log.info("sending shard %s to %s from byte %d of %d", shard.path.name, node, start, shard.size)
         before = self._transfers.get(node)
-        t = Transfer(node, shard.path.name, shard.size, start, before.sent if before else 0, True, time.time())
+        t = Transfer(node, shard.path.name, shard.size, start, before.sent if before else 0, True, time.time(), start)
         self._transfers[node] = t
         try:
             async for chunk in self._chunks(shard.path, start, stop):
                 await resp.write(chunk)
-                t = replace(t, sent=t.sent + len(chunk), updated=time.time())
+                t = replace(t, sent=t.sent + len(chunk), done=t.done + len(chunk), updated=time.time())
                 self._transfers[node] = t
             await resp.write_eof()
         finally:

@@ -3,11 +3,17 @@
 Session with a root, over one link:
 
     HELLO/auth  ->  PING/PONG*  ->  PROFILE -> READY{speed, mem}
-    LOAD{model, fingerprint, spec, ctx, sync}  -> READY{rss, ...}
+    LOAD{model, fingerprint, spec, ctx, sync[, fetch_port]}  -> PROGRESS{done, total}* -> READY{rss, ...}
     RESET{params, mode}  -> hot loop on a compute thread:
         STEP{pos, ids, want} + x  ->  [PARTIAL -> REDUCED] x 2 per layer  ->  LOGITS
         STEP{end}  -> back to asyncio
     (close)  -> shard dropped, next root may connect
+
+A worker maps its shard from its own GGUF when the fingerprint matches.
+Otherwise, when the LOAD names the root's HTTP port and we hold the cluster
+key, it fetches just its slice from the root (serve/weights.py: signed,
+hash-verified, cached in `shard_dir`, resumable), telling the root how far
+it got about once a second.
 
 One root at a time; a second connection is told "busy" and closed. Any
 protocol or decode error closes that link with a logged reason; the worker
@@ -28,15 +34,18 @@ import numpy as np
 
 from edgetp.cluster import profile
 from edgetp.model import llama, quant, sampling
-from edgetp.model.gguf import GGUFError, open_model
+from edgetp.model.gguf import GGUFError, ModelFile, open_model
 from edgetp.net.frames import FrameType
 from edgetp.net.link import BLOCKING, Link, LinkClosed
 from edgetp.parallel.collective import Hot, WorkerReduce, candidates_message
+from edgetp.serve.weights import fetch_shard
+from edgetp.store.errors import DownloadError
 
 log = logging.getLogger(__name__)
 
 IDLE_TIMEOUT = 24 * 3600.0  # a root may stay connected and idle this long
 BUSY_WAIT = 3.0  # seconds a new root waits for the previous one's session to end
+PROGRESS_S = 1.0  # seconds between PROGRESS frames while fetching a slice
 
 
 def rss_bytes() -> int:
@@ -51,6 +60,7 @@ class Worker:
     threads: int | None = None
     model_path: str | None = None  # our own copy; else the root's path is used
     resolve: Callable[[str], str] = str
+    shard_dir: str | None = None  # where fetched slices are cached; None: never fetch
     index_dir: str | None = None  # where parsed GGUF headers are kept (fast re-opens)
     follow_epochs: bool = False   # daemon mode: refuse roots of an epoch older than the newest seen
     busy: bool = field(default=False, init=False)
@@ -118,7 +128,7 @@ class Worker:
             await _Session(self, link).run()
         except LinkClosed as exc:
             log.warning("root session ended: %s", exc)
-        except (GGUFError, ValueError, KeyError, TypeError) as exc:
+        except (GGUFError, DownloadError, ValueError, KeyError, TypeError) as exc:
             log.warning("root session %s dropped: %s", link.name, exc)
             await link._try_error(str(exc))
         except Exception as exc:  # a bug must cost the session, never the worker
@@ -173,11 +183,9 @@ class _Session:
     async def _load(self, h: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         self.shard = None
-        path = self.worker.model_path or self.worker.resolve(h["model"])
-        self.mf = await asyncio.to_thread(open_model, path, self.worker.index_dir)
-        if self.mf.fingerprint != h["fingerprint"]:
-            raise ValueError(f"{path}: not the root's model (fingerprint {self.mf.fingerprint[:12]} != {h['fingerprint'][:12]})")
         spec = llama.ShardSpec(tuple(h["kv_groups"]), tuple(h["ffn_cols"]), tuple(h["vocab_rows"]))
+        self.mf = await self._model(h, spec)
+        path = self.mf.path
         self.sync = h["sync"]
         weights = await asyncio.to_thread(llama.load_weights, self.mf, spec, repack=bool(h.get("repack")))
         self.shard = llama.Shard(weights, int(h["ctx"]))
@@ -186,7 +194,44 @@ class _Session:
                  spec, path, weights.nbytes / 1e6, self.shard.kv_bytes / 1e6)
         await self.link.send(FrameType.READY, {
             "rss": rss_bytes(), "weights": weights.nbytes, "kv": self.shard.kv_bytes,
-            "load_ms": (time.perf_counter() - t0) * 1000, "embeds": self.mf.has("token_embd.weight")})
+            "load_ms": (time.perf_counter() - t0) * 1000, "embeds": _embeds(self.mf)})
+
+    async def _model(self, h: dict[str, Any], spec: llama.ShardSpec) -> ModelFile:
+        """Our own copy of the root's model, or else our slice of it fetched from the root."""
+        worker, fetch_port = self.worker, h.get("fetch_port")
+        own = worker.model_path or (None if fetch_port else worker.resolve(h["model"]))
+        if own is not None:
+            mf = await asyncio.to_thread(open_model, own, worker.index_dir)
+            if mf.fingerprint == h["fingerprint"]:
+                return mf
+            if not fetch_port:
+                raise ValueError(f"{own}: not the root's model (fingerprint {mf.fingerprint[:12]} "
+                                 f"!= {h['fingerprint'][:12]})")
+        if not isinstance(fetch_port, int) or worker.key is None or worker.shard_dir is None:
+            raise ValueError(f"worker {worker.node_id} has no copy of the root's model "
+                             f"{h['fingerprint'][:12]} and cannot fetch its slice")
+        host = self.link.sock.getpeername()[0]
+        url = f"http://[{host}]:{fetch_port}" if ":" in host else f"http://{host}:{fetch_port}"
+        log.info("fetching slice %s of model %s from %s", spec, h["fingerprint"][:12], url)
+        latest = [0, 0]
+        fetch = asyncio.ensure_future(fetch_shard(
+            url, spec, worker.key, worker.shard_dir, lambda done, total: latest.__setitem__(slice(None), [done, total]),
+            node_id=worker.node_id, fingerprint=h["fingerprint"]))
+        try:
+            while not fetch.done():
+                await asyncio.wait({fetch}, timeout=PROGRESS_S)
+                if not fetch.done() and latest[1]:
+                    await self.link.send(FrameType.PROGRESS, {"done": latest[0], "total": latest[1]})
+        finally:
+            fetch.cancel()
+        path = fetch.result()
+        if latest[1]:  # it came over the network (a cached slice reports nothing): the last word
+            await self.link.send(FrameType.PROGRESS, {"done": latest[0], "total": latest[1]})
+        mf = await asyncio.to_thread(open_model, path, worker.index_dir)
+        source = mf.metadata.get(llama.SHARD_KEYS["source_fingerprint"])
+        if source != h["fingerprint"] or llama.stored_spec(mf) != spec:
+            raise ValueError(f"{mf.path}: not slice {spec} of model {h['fingerprint'][:12]}")
+        return mf
 
     async def _reset(self, h: dict[str, Any]) -> None:
         if self.shard is None:
@@ -208,6 +253,11 @@ class _Session:
         FrameType.LOAD: _load,
         FrameType.RESET: _reset,
     }
+
+
+def _embeds(mf: ModelFile) -> bool:
+    """Whether this file holds the whole embedding table (a shard file holds its vocab rows at most)."""
+    return mf.has("token_embd.weight") and llama.stored_spec(mf) is None
 
 
 def _warm_up(shard: llama.Shard) -> None:

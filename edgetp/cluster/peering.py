@@ -1,0 +1,108 @@
+"""The cluster's own HTTP endpoints on every node, and `--peer` for networks without multicast.
+
+    GET  /v1/cluster/node      this node's advert (what its mDNS TXT record says); heartbeats read it
+    POST /v1/cluster/peers     signed; body = the caller's advert: "I am here". Answer: our advert
+    POST /v1/cluster/profile   signed; measure speed and free memory again, re-announce, re-plan
+
+An advert travels as its TXT dict (`PeerAdvert.to_txt`) and is validated by
+the same `parse_txt` as an mDNS record. A node told "I am here" records the
+caller under the address the request came from, so listing a peer on one
+side is enough: both sides then know each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+
+from edgetp.cluster.discovery import DiscoveryError, PeerAdvert, parse_txt
+from edgetp.net import auth
+
+log = logging.getLogger(__name__)
+
+NODE_PATH = "/v1/cluster/node"
+PEERS_PATH = "/v1/cluster/peers"
+PROFILE_PATH = "/v1/cluster/profile"
+
+
+def advert_json(advert: PeerAdvert) -> dict[str, str]:
+    return advert.to_txt()
+
+
+def parse_advert(body: object, address: str) -> PeerAdvert:
+    """A validated advert from a JSON body, placed at `address`; DiscoveryError if malformed."""
+    if not isinstance(body, dict) or not all(isinstance(v, str) for v in body.values()):
+        raise DiscoveryError("an advert must be a JSON object of strings")
+    return parse_txt(body, (address,))
+
+
+class PeerEndpoints:
+    """The three routes over one node's membership.
+
+    `me()` is our current advert; `introduce(advert)` records a peer that
+    called us; `reprofile()` measures again and returns the new advert.
+    """
+
+    def __init__(self, key: bytes, me: Callable[[], PeerAdvert], introduce: Callable[[PeerAdvert], None],
+                 reprofile: Callable[[], Awaitable[PeerAdvert]]) -> None:
+        self._key, self._me, self._introduce, self._reprofile = key, me, introduce, reprofile
+        self._nonces = auth.NonceCache()
+        self._profiling = asyncio.Lock()
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get(NODE_PATH, self.node)
+        app.router.add_post(PEERS_PATH, self.peers)
+        app.router.add_post(PROFILE_PATH, self.profile)
+
+    async def node(self, request: web.Request) -> web.Response:
+        return web.json_response(advert_json(self._me()))
+
+    async def peers(self, request: web.Request) -> web.Response:
+        body = await self._signed(request)
+        try:
+            advert = parse_advert(json.loads(body), request.remote or "")
+        except (ValueError, DiscoveryError) as exc:
+            raise web.HTTPBadRequest(text=f"bad advert: {exc}\n") from None
+        self._introduce(advert)
+        return web.json_response(advert_json(self._me()))
+
+    async def profile(self, request: web.Request) -> web.Response:
+        await self._signed(request)
+        async with self._profiling:  # one measurement at a time: two would slow each other
+            advert = await self._reprofile()
+        return web.json_response(advert_json(advert))
+
+    async def _signed(self, request: web.Request) -> bytes:
+        body = await request.read()
+        try:
+            auth.verify_headers(self._key, request.method, request.path, body, request.headers, self._nonces)
+        except auth.AuthError as exc:
+            log.warning("refused %s %s from %s: %s", request.method, request.path, request.remote, exc)
+            raise web.HTTPForbidden(text=f"cluster key required: {exc}\n") from None
+        return body
+
+
+async def signed_post(session: aiohttp.ClientSession, base_url: str, path: str, key: bytes,
+                      body: dict | None = None) -> dict:
+    """POST a signed JSON body; the JSON answer. aiohttp.ClientError on refusal or no answer."""
+    data = json.dumps(body or {}).encode()
+    headers = {"Content-Type": "application/json"} | auth.signed_headers(key, "POST", path, data)
+    async with session.post(base_url.rstrip("/") + path, data=data, headers=headers) as resp:
+        if resp.status != 200:
+            raise aiohttp.ClientResponseError(resp.request_info, resp.history, status=resp.status,
+                                              message=(await resp.text()).strip()[:200])
+        return await resp.json()
+
+
+async def introduce(session: aiohttp.ClientSession, address: tuple[str, int], key: bytes,
+                    me: PeerAdvert) -> PeerAdvert:
+    """Tell the node at (host, HTTP port) that we are here; its advert, placed at that host."""
+    host, port = address
+    answer = await signed_post(session, f"http://{f'[{host}]' if ':' in host else host}:{port}", PEERS_PATH,
+                               key, advert_json(me))
+    return parse_advert(answer, host)

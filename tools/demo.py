@@ -35,6 +35,11 @@ def run(*args: str, stats: bool = False) -> str:
     return out
 
 
+def cluster_model_path() -> str:
+    return subprocess.run(EDGETP + ["model", "pull", "smollm2"], check=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True).stdout.strip()
+
+
 def cluster(url: str) -> dict:
     with urllib.request.urlopen(f"{url}/v1/cluster", timeout=5) as resp:
         return json.load(resp)
@@ -55,9 +60,11 @@ def main() -> int:
         key = Path(tmp) / "cluster.key"
         subprocess.run(EDGETP + ["keygen", str(key)], check=True, stdout=subprocess.DEVNULL)
         try:
-            print("== three daemons on this machine: forming ==", flush=True)
-            for name, priority in (("pi-a", 1), ("pi-b", 0), ("pi-c", 0)):
-                daemons.append(start_daemon("smollm2", str(key), name, priority=priority))
+            print("== three daemons on this machine: forming (pi-c keeps no model: it fetches its slice) ==",
+                  flush=True)
+            for name, model, priority in (("pi-a", "smollm2", 1), ("pi-b", "smollm2", 0), ("pi-c", "none", 0)):
+                env = {"EDGETP_CACHE_DIR": str(Path(tmp) / name)} if model == "none" else {}
+                daemons.append(start_daemon(model, str(key), name, priority=priority, env=env))
             url = daemons[1][1]
             deadline = time.monotonic() + 30
             while not formed(url) and time.monotonic() < deadline:
@@ -65,6 +72,10 @@ def main() -> int:
             print(f"formed: root {cluster(url)['root']}; asking pi-b at {url}", flush=True)
             spread = run("ask", "--url", url, "--temperature", "0", "--max-tokens", "48", "--stats", QUESTION)
             run("status", "--url", daemons[0][1])
+            fetched = {n["node_id"]: n.get("transfer") for n in cluster(daemons[0][1])["nodes"]}.get("pi-c")
+            if fetched:
+                print(f"pi-c keeps no model: it fetched its {fetched[1] / 1e6:.1f} MB slice from the root "
+                      f"(the whole file is {Path(cluster_model_path()).stat().st_size / 1e6:.1f} MB)", flush=True)
         finally:
             for proc, _ in daemons:
                 stop(proc)

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from edgetp import commands
+from edgetp.cli import build_parser
+
 UNIT = Path(__file__).resolve().parent.parent / "systemd" / "edgetp.service"
 
 
@@ -39,7 +42,8 @@ def environment(path: Path) -> dict[str, str]:
 def test_the_unit_declares_notify_restart_dynamic_user_and_directories():
     s = parse_unit(UNIT)["Service"]
     assert s["Type"] == "notify" and s["NotifyAccess"] == "main"
-    assert s["ExecStart"].split()[1:] == ["serve", "--config", "/etc/edgetp/edgetp.toml"]
+    args = build_parser().parse_args(s["ExecStart"].split()[1:])  # the real CLI must accept the line
+    assert args.func is commands.serve and str(args.config) == "/etc/edgetp/edgetp.toml" and args.verbose == 1
     assert s["Restart"] == "on-failure"
     assert s["DynamicUser"] == "yes"
     assert s["StateDirectory"] == "edgetp" and s["CacheDirectory"] == "edgetp"

@@ -83,6 +83,20 @@ def test_matvec_equals_float64_product_of_reference_values(qt):
     assert_product_close(out, ref, x)
 
 
+@pytest.mark.parametrize("qt", [QT.Q4_0, QT.Q4_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 17, 18, 19])
+def test_four_row_matvec_kernels_handle_every_row_tail(qt, rows):
+    # Q4_0/Q4_1 decode walks four rows at a time (repeating the last row past the end,
+    # results not stored) inside chunks of 16 rows: every remainder must come out right,
+    # and nothing may be written past out[rows - 1].
+    w, ref = weight(qt, rows=rows, cols=96, seed=rows)
+    x = np.random.default_rng(6).standard_normal(w.cols).astype(np.float32)
+    buf = np.full(rows + 4, np.nan, np.float32)
+    Q.matvec(w, x, buf[:rows])
+    assert_product_close(buf[:rows], ref, x)
+    assert np.isnan(buf[rows:]).all()
+
+
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
 def test_matmul_equals_float64_product_for_a_batch_of_tokens(qt):
     w, ref = weight(qt, rows=301, cols=256, seed=3)

@@ -14,7 +14,7 @@ F16 block scales are decoded by a 65536-entry float32 table passed in as
 matrices are widened with integer bit operations inside the vector loop.
 
 Measured on this machine (one hot core, 512x4096, GB/s of stored bytes):
-Q8_0 ~19, Q4_0 ~6.6, Q4_1 ~8, Q4_K ~5, Q6_K ~4.6, F16 ~20, repacked
+Q8_0 ~19, Q4_0 ~10.8, Q4_1 ~13, Q4_K ~5, Q6_K ~4.6, F16 ~20, repacked
 U8A32 ~22 and Q8S32 ~21 (see tools/bench_kernels.py).
 """
 
@@ -169,42 +169,79 @@ def _block_sums(x, g):
     return sx
 
 
+# Q4_0 / Q4_1 walk four rows at once and sum each block before scaling it:
+#   acc[i, l] += d_i * (x[l] * lo(q_il) + x[16+l] * hi(q_il))
+# i.e. one mul + two FMAs per 32 values and row (the d*x form needs two muls + two FMAs),
+# with the 16 nibble bytes zero-extended once. Four independent accumulator chains per
+# block hide the FMA latency. Measured on this machine (one core, 2048x2048, GB/s of
+# GGUF bytes) against the two-row d*x form: Q4_0 hot ~8.3 -> ~10.5, cold ~4.3 -> ~6.
+
+
 @njit(inline="always", **_OPTS)
-def _nibbles2(w, r, s, q, d0, d1, x, xo, acc):
-    # acc[0|1, :] += d * nibbles * x for the 16 bytes at w[r|s, q:q+16] and x[xo:xo+32];
-    # value j<16 is lo(byte j), j>=16 is hi(byte j-16)
+def _nib4(w, r0, r1, r2, r3, q, d0, d1, d2, d3, x, xo, acc):
+    # acc[i, :] += d_i * block dot, for the 16 nibble bytes at w[r_i, q:q+16] and x[xo:xo+32];
+    # value j<16 is lo(byte j), j>=16 is hi(byte j-16). Nibbles go through int32 (not
+    # int64) so LLVM converts them with 16-lane vcvtdq2ps.
     for l in range(16):
         xa = x[xo + l]
         xb = x[xo + 16 + l]
-        q0 = w[r, q + l]
-        q1 = w[s, q + l]
-        acc[0, l] += (d0 * xa) * np.float32(np.int32(q0 & 15))
-        acc[0, l + 16] += (d0 * xb) * np.float32(np.int32(q0 >> 4))
-        acc[1, l] += (d1 * xa) * np.float32(np.int32(q1 & 15))
-        acc[1, l + 16] += (d1 * xb) * np.float32(np.int32(q1 >> 4))
+        a0 = w[r0, q + l]
+        a1 = w[r1, q + l]
+        a2 = w[r2, q + l]
+        a3 = w[r3, q + l]
+        acc[0, l] += d0 * (xa * np.float32(np.int32(a0 & 15)) + xb * np.float32(np.int32(a0 >> 4)))
+        acc[1, l] += d1 * (xa * np.float32(np.int32(a1 & 15)) + xb * np.float32(np.int32(a1 >> 4)))
+        acc[2, l] += d2 * (xa * np.float32(np.int32(a2 & 15)) + xb * np.float32(np.int32(a2 >> 4)))
+        acc[3, l] += d3 * (xa * np.float32(np.int32(a3 & 15)) + xb * np.float32(np.int32(a3 >> 4)))
+
+
+@njit(inline="always", **_OPTS)
+def _store4(acc, t0, t1, t2, t3, out, r, rows):
+    # out[r + i] = t_i + sum of the lanes of acc[i], for the rows that exist
+    for l in range(acc.shape[1]):
+        t0 += acc[0, l]
+        t1 += acc[1, l]
+        t2 += acc[2, l]
+        t3 += acc[3, l]
+    out[r] = t0
+    if r + 1 < rows:
+        out[r + 1] = t1
+    if r + 2 < rows:
+        out[r + 2] = t2
+    if r + 3 < rows:
+        out[r + 3] = t3
 
 
 @njit(parallel=True, fastmath=_FM, **_OPTS)
 def matvec_q4_0(w, tab, x, out):
     # block = f16 d, 16 B nibbles (18 B); value (q-8)*d
-    # sum_j v_j x_j = d * sum_j q_j x_j - 8d * sum_j x_j
+    # sum_j v_j x_j = d * sum_j q_j x_j - d * (8 * sum_j x_j)
     rows = w.shape[0]
     nb = x.shape[0] // 32
     sx = _block_sums(x, 32)
+    for b in range(nb):
+        sx[b] *= np.float32(8.0)  # exact
     for c in prange(_nchunks(rows)):
-        acc = np.empty((2, 32), np.float32)
-        for r in range(c * CHUNK, min(rows, (c + 1) * CHUNK), 2):
-            s = min(r + 1, rows - 1)
+        acc = np.empty((4, 16), np.float32)
+        for r in range(c * CHUNK, min(rows, (c + 1) * CHUNK), 4):
+            # rows past the end repeat the last row; their results are not stored
+            r1 = min(r + 1, rows - 1)
+            r2 = min(r + 2, rows - 1)
+            r3 = min(r + 3, rows - 1)
             acc[:] = 0.0
-            t0 = np.float32(0.0)
-            t1 = np.float32(0.0)
+            t0 = t1 = t2 = t3 = np.float32(0.0)
             for b in range(nb):
-                d0 = _hw(w, r, b * 18, tab)
-                d1 = _hw(w, s, b * 18, tab)
-                t0 -= 8.0 * d0 * sx[b]
-                t1 -= 8.0 * d1 * sx[b]
-                _nibbles2(w, r, s, b * 18 + 2, d0, d1, x, b * 32, acc)
-            _store2(acc, t0, t1, out, r, rows)
+                o = b * 18
+                d0 = _hw(w, r, o, tab)
+                d1 = _hw(w, r1, o, tab)
+                d2 = _hw(w, r2, o, tab)
+                d3 = _hw(w, r3, o, tab)
+                t0 -= d0 * sx[b]
+                t1 -= d1 * sx[b]
+                t2 -= d2 * sx[b]
+                t3 -= d3 * sx[b]
+                _nib4(w, r, r1, r2, r3, o + 2, d0, d1, d2, d3, x, b * 32, acc)
+            _store4(acc, t0, t1, t2, t3, out, r, rows)
 
 
 @njit(parallel=True, fastmath=_FM, **_OPTS)
@@ -215,19 +252,22 @@ def matvec_q4_1(w, tab, x, out):
     nb = x.shape[0] // 32
     sx = _block_sums(x, 32)
     for c in prange(_nchunks(rows)):
-        acc = np.empty((2, 32), np.float32)
-        for r in range(c * CHUNK, min(rows, (c + 1) * CHUNK), 2):
-            s = min(r + 1, rows - 1)
+        acc = np.empty((4, 16), np.float32)
+        for r in range(c * CHUNK, min(rows, (c + 1) * CHUNK), 4):
+            r1 = min(r + 1, rows - 1)
+            r2 = min(r + 2, rows - 1)
+            r3 = min(r + 3, rows - 1)
             acc[:] = 0.0
-            t0 = np.float32(0.0)
-            t1 = np.float32(0.0)
+            t0 = t1 = t2 = t3 = np.float32(0.0)
             for b in range(nb):
-                d0 = _hw(w, r, b * 20, tab)
-                d1 = _hw(w, s, b * 20, tab)
-                t0 += _hw(w, r, b * 20 + 2, tab) * sx[b]
-                t1 += _hw(w, s, b * 20 + 2, tab) * sx[b]
-                _nibbles2(w, r, s, b * 20 + 4, d0, d1, x, b * 32, acc)
-            _store2(acc, t0, t1, out, r, rows)
+                o = b * 20
+                t0 += _hw(w, r, o + 2, tab) * sx[b]
+                t1 += _hw(w, r1, o + 2, tab) * sx[b]
+                t2 += _hw(w, r2, o + 2, tab) * sx[b]
+                t3 += _hw(w, r3, o + 2, tab) * sx[b]
+                _nib4(w, r, r1, r2, r3, o + 4, _hw(w, r, o, tab), _hw(w, r1, o, tab),
+                      _hw(w, r2, o, tab), _hw(w, r3, o, tab), x, b * 32, acc)  # fmt: skip
+            _store4(acc, t0, t1, t2, t3, out, r, rows)
 
 
 @njit(inline="always", **_OPTS)

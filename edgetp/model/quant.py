@@ -284,9 +284,11 @@ def repack(w: Weight) -> Weight:
     unchanged. Scales become f32 products computed exactly as the reference
     dequantizer computes them (d*sc for K-quants, -(dmin*m) as the offset).
 
-    Measured (one hot core, GB/s of the original bytes): Q4_0 6.6 -> ~10,
-    Q4_1 8 -> ~11, Q4_K 5 -> ~10, Q6_K 4.6 -> ~13. From RAM the wider rows cost
-    bandwidth, so it pays most for Q6_K and for weights that stay cached.
+    Measured (one hot core, GB/s of the original bytes): Q4_K 5 -> ~10, Q6_K
+    4.6 -> ~13. Since the four-row Q4_0/Q4_1 kernels (~11/~13 hot, ~6/~7 from
+    RAM) widening those two no longer pays: it doubles their memory and reads
+    ~3.6 GB/s from RAM. From RAM the wider rows cost bandwidth, so it pays most
+    for Q6_K and for weights that stay cached.
     Works in tiles of 256 rows; each tile is checked bit-for-bit before use.
     """
     new = _REPACKED.get(w.qtype)

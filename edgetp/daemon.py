@@ -85,13 +85,23 @@ def cluster_view(runner: ClusterRunner, model: str) -> events.ClusterView:
     return events.ClusterView(runner.plan.epoch, runner.nodes[0].node_id, model, tuple(nodes))
 
 
+def replan_event(runner: ClusterRunner) -> events.ClusterEvent:
+    """The `replan` record of a new plan: every node's shares, for the log and the dashboard."""
+    return events.ClusterEvent(
+        "replan", f"planned over {len(runner.nodes)} node(s)", None, runner.plan.epoch,
+        {"nodes": {s.node_id: {"kv_groups": list(s.kv_groups), "ffn_cols": list(s.ffn_cols),
+                               "vocab_rows": list(s.vocab_rows)} for s in runner.plan.shares}})
+
+
 class Recovery:
     """Replaces the engine's runner when a worker is lost: called on the generation thread."""
 
     def __init__(self, engine: Engine, bus: EventBus, loop: asyncio.AbstractEventLoop,
-                 epoch: Callable[[], int] | None = None) -> None:
+                 epoch: Callable[[], int] | None = None,
+                 view: Callable[[], events.ClusterView] | None = None) -> None:
         self.engine, self.bus, self.loop = engine, bus, loop
         self.epoch = epoch  # in a cluster the election owns epochs; alone, a re-plan starts the next one
+        self.view = view    # a fresh snapshot for watchers after the re-plan
 
     def __call__(self, exc: WorkerLost) -> ClusterRunner:
         old: ClusterRunner = self.engine.runner
@@ -100,10 +110,9 @@ class Recovery:
         epoch = self.epoch() if self.epoch else None
         new = asyncio.run_coroutine_threadsafe(old.without(exc.link_name, epoch), self.loop).result(600)
         self.engine.runner = new
-        self._publish(events.ClusterEvent(
-            "replan", f"re-planned over {len(new.nodes)} node(s)", None, new.plan.epoch,
-            {"nodes": {s.node_id: {"kv_groups": list(s.kv_groups), "ffn_cols": list(s.ffn_cols),
-                                   "vocab_rows": list(s.vocab_rows)} for s in new.plan.shares}}))
+        self._publish(replan_event(new))
+        if self.view is not None:
+            self._publish(self.view())
         return new
 
     def _publish(self, record: events.ClusterEvent) -> None:
@@ -130,7 +139,7 @@ async def serve(opts: ServeOptions, on_listening: Callable[[str], None] | None =
         runner = await asyncio.to_thread(LocalRunner, mf, ctx)
     engine = Engine(runner, tok, opts.model_name, queue_size=opts.queue_size, bus=bus)
     if opts.workers:
-        engine.recover = Recovery(engine, bus, asyncio.get_running_loop())
+        engine.recover = Recovery(engine, bus, asyncio.get_running_loop(), view=_view(engine, mf, opts.model_name))
     app = make_app(engine, cluster_view=_view(engine, mf, opts.model_name), key=opts.key)
     try:
         await run_api(app, opts.host, opts.port, on_listening)
@@ -184,7 +193,7 @@ async def serve_cluster(opts: ServeOptions, on_listening: Callable[[str], None] 
                                     peers=opts.peers, key=opts.key)
             roles.append(Roles(engine, membership, mf, opts, node_id, ctx, http_port, shards))
             engine.between = roles[0].between
-            engine.recover = Recovery(engine, bus, loop, lambda: membership.epoch)
+            engine.recover = Recovery(engine, bus, loop, lambda: membership.epoch, view=roles[0].view)
             if mf is None:
                 log.info("node %s holds no model: it never leads, and fetches its slice from the root", node_id)
             if on_listening:
@@ -234,6 +243,8 @@ class Roles:
             runner.close()
         self.engine.runner = await self._connect(want)
         self.planned = revision
+        self.engine.bus.publish(replan_event(self.engine.runner))
+        self.engine.bus.publish(self.view())  # watchers see the new shares and round trips at once
 
     async def _connect(self, addresses: list[str]) -> ClusterRunner:
         """A runner over every peer that accepts us; one that refuses is left out and logged."""

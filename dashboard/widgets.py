@@ -131,7 +131,7 @@ def _share(span: tuple[int, int], total: int) -> str:
 
 def _node_state(n: NodeView) -> Text:
     text = Text(n.state, NodesTable.STATE_STYLES.get(n.state, ""))
-    if n.transfer is not None:
+    if n.transfer is not None and n.transfer[0] < n.transfer[1]:  # a finished download is in the log
         done, total = n.transfer
         frac = done / total if total > 0 else 0.0
         filled = round(frac * 8)

@@ -217,8 +217,8 @@ class Roles:
     def route(self) -> str | None:
         leader = self.membership.leader
         if leader is None:
-            raise NoRoot("the cluster is forming" if self.membership.table.usable() or self.mf
-                         else "no node holding a model has joined yet")
+            holders = self.mf is not None or any(p.advert.model for p in self.membership.usable())
+            raise NoRoot("the cluster is forming" if holders else "no node holding a model has joined yet")
         if leader == self.node_id:
             return None
         peer = self.membership.peer(leader)

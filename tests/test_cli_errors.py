@@ -179,3 +179,14 @@ def test_an_interrupted_download_leaves_no_file_under_the_final_name(tiny, tmp_p
     assert (models / "tiny.gguf.part").stat().st_size == len(body) // 3  # kept for a resume
     listed = edgetp("model", "list", env={"EDGETP_CACHE_DIR": str(tmp_path)})
     assert listed.returncode == 0 and "tiny.gguf" not in listed.stdout.replace("tiny.gguf.part", "")
+
+
+def test_serving_without_a_model_outside_a_cluster_is_refused_in_one_line(tmp_path):
+    result = edgetp("serve", "--model", "none", "--listen", "127.0.0.1:0", env={"EDGETP_CACHE_DIR": str(tmp_path)})
+    assert_one_line_error(result, "--model none", "--key")
+
+
+def test_profile_without_a_key_is_refused_in_one_line():
+    result = edgetp("profile", "--url", "http://127.0.0.1:9", env={"EDGETP_KEY_FILE": ""})
+    assert result.returncode == 4 and "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1 and "cluster key" in result.stderr

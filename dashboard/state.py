@@ -195,7 +195,7 @@ def _cluster(state: DashboardState, ev: ClusterEvent) -> DashboardState:
     if ev.epoch is not None:
         state = replace(state, epoch=ev.epoch)
     entry = LogEntry(ev.event, ev.message, ev.node_id)
-    if ev.event == "join" and ev.node_id is not None:
+    if ev.event in ("join", "profile") and ev.node_id is not None:  # a profile brings new figures
         state = replace(state, nodes=_joined(state.nodes, ev.node_id, ev.detail))
     elif ev.event == "leave" and ev.node_id is not None:
         state = replace(state, nodes=_update(state.nodes, ev.node_id, state="lost", rtt_ms=None, transfer=None))

@@ -259,7 +259,7 @@ class GenerationView(StateView):
 class EventLog(StateView):
     """The last events, newest at the bottom, as many as fit."""
 
-    KIND_STYLES = {"join": "green", "leave": "bold red", "election": "bold magenta", "replan": "cyan",
+    KIND_STYLES = {"join": "green", "profile": "green", "leave": "bold red", "election": "bold magenta", "replan": "cyan",
                    "transfer": "yellow", "error": "bold red", "request": "blue", "connection": "bright_black",
                    "ask": "blue", "warning": "yellow"}
 

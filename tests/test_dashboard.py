@@ -92,6 +92,14 @@ def test_a_join_of_an_unknown_node_adds_it_with_what_the_event_says():
     assert state.root is None
 
 
+def test_a_profile_event_brings_the_node_its_new_figures_and_a_log_line():
+    state = fold(scenes.generating(0) + [ClusterEvent("profile", "opi-c measured again", "opi-c", None,
+                                                      {"speed": 1.5e9, "mem_free": 123})])
+    c = node(state, "opi-c")
+    assert (c.speed, c.mem_free, c.state) == (1.5e9, 123, "ready")
+    assert state.log[-1].kind == "profile" and state.log[-1].message == "opi-c measured again"
+
+
 def test_an_election_moves_the_root_role():
     state = fold(scenes.generating(0) + [ClusterEvent("election", "pi5-b leads", "pi5-b", 5)])
     assert state.root == "pi5-b" and state.epoch == 5

@@ -13,7 +13,7 @@
 - `revision` counts changes to the plan's inputs (members, their speed or
   memory), so the root knows when to plan again.
 
-Changes are published as ClusterEvents (join, leave, election).
+Changes are published as ClusterEvents (join, leave, election, profile).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class Membership:
         self.me = advert
         await self.discovery.update(advert)
         self.revision += 1
-        self.publish(events.ClusterEvent("join", f"{advert.node_id} measured again: {advert.speed / 1e9:.2f} GB/s, "
+        self.publish(events.ClusterEvent("profile", f"{advert.node_id} measured again: {advert.speed / 1e9:.2f} GB/s, "
                                                  f"{advert.mem_free / 1e9:.1f} GB free", advert.node_id,
                                          detail={"speed": advert.speed, "mem_free": advert.mem_free}))
         self._poke()

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-CLUSTER_EVENTS = ("join", "leave", "election", "replan", "transfer", "error")
+CLUSTER_EVENTS = ("join", "leave", "election", "replan", "transfer", "profile", "error")
 NODE_STATES = ("ready", "loading", "lost", "foreign")
 ROLES = ("root", "worker")
 

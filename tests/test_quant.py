@@ -83,10 +83,10 @@ def test_matvec_equals_float64_product_of_reference_values(qt):
     assert_product_close(out, ref, x)
 
 
-@pytest.mark.parametrize("qt", [QT.Q4_0, QT.Q4_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", [QT.Q8_0, QT.Q4_0, QT.Q4_1], ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 17, 18, 19])
 def test_four_row_matvec_kernels_handle_every_row_tail(qt, rows):
-    # Q4_0/Q4_1 decode walks four rows at a time (repeating the last row past the end,
+    # Q8_0/Q4_0/Q4_1 decode walks four rows at a time (repeating the last row past the end,
     # results not stored) inside chunks of 16 rows: every remainder must come out right,
     # and nothing may be written past out[rows - 1].
     w, ref = weight(qt, rows=rows, cols=96, seed=rows)

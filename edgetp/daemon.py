@@ -29,10 +29,11 @@ from typing import Callable, Sequence
 
 from aiohttp import web
 
+from edgetp import store
 from edgetp.cluster import profile
 from edgetp.cluster.discovery import PeerAdvert
-from edgetp.cluster.peering import PeerEndpoints
 from edgetp.cluster.membership import Membership, data_address, http_url
+from edgetp.cluster.peering import PeerEndpoints
 from edgetp.cluster.sdnotify import Notifier
 from edgetp.model import quant
 from edgetp.model.generate import LocalRunner
@@ -163,7 +164,7 @@ async def serve_cluster(opts: ServeOptions, on_listening: Callable[[str], None] 
     ctx = min(opts.ctx, mf.config.ctx_train) if mf else opts.ctx
     engine = Engine(None, Tokenizer.from_metadata(mf.metadata) if mf else None, opts.model_name,
                     queue_size=opts.queue_size, bus=bus, ctx=ctx)
-    shard_dir = opts.shard_dir or Path(opts.index_dir or ".").parent / "shards"
+    shard_dir = opts.shard_dir or store.cache_dir() / "shards"
     worker = Worker(node_id, key=opts.key, threads=opts.threads, model_path=str(mf.path) if mf else None,
                     index_dir=str(opts.index_dir) if opts.index_dir else None, follow_epochs=True,
                     shard_dir=str(shard_dir))

@@ -222,15 +222,15 @@ def _nib4(w, r0, r1, r2, r3, q, d0, d1, d2, d3, x, xo, acc):
         acc[3, l] += d3 * (xa * np.float32(np.int32(a3 & 15)) + xb * np.float32(np.int32(a3 >> 4)))
 
 
-@njit(parallel=True, fastmath=_FM, **_OPTS)
-def matvec_q4_0(w, tab, x, out):
-    # block = f16 d, 16 B nibbles (18 B); value (q-8)*d
-    # sum_j v_j x_j = d * sum_j q_j x_j - d * (8 * sum_j x_j)
+@njit(inline="always", **_OPTS)
+def _matvec_nibbles(w, tab, x, out, bs, with_min):
+    # Q4_0 (bs 18: f16 d, nibbles; value (q-8)*d) and Q4_1 (bs 20: f16 d, f16 m, nibbles;
+    # value q*d + m): sum_j v_j x_j = d * sum_j q_j x_j + c * sum_j x_j, with c = m or -8d.
+    # Inlined with constant bs and with_min, so each caller compiles to its own loop.
     rows = w.shape[0]
     nb = x.shape[0] // 32
     sx = _block_sums(x, 32)
-    for b in range(nb):
-        sx[b] *= np.float32(8.0)  # exact
+    q = 4 if with_min else 2  # where the nibbles start in a block
     for c in prange(_nchunks(rows)):
         acc = np.empty((4, 16), np.float32)
         for r in range(c * CHUNK, min(rows, (c + 1) * CHUNK), 4):
@@ -241,43 +241,33 @@ def matvec_q4_0(w, tab, x, out):
             acc[:] = 0.0
             t0 = t1 = t2 = t3 = np.float32(0.0)
             for b in range(nb):
-                o = b * 18
+                o = b * bs
                 d0 = _hw(w, r, o, tab)
                 d1 = _hw(w, r1, o, tab)
                 d2 = _hw(w, r2, o, tab)
                 d3 = _hw(w, r3, o, tab)
-                t0 -= d0 * sx[b]
-                t1 -= d1 * sx[b]
-                t2 -= d2 * sx[b]
-                t3 -= d3 * sx[b]
-                _nib4(w, r, r1, r2, r3, o + 2, d0, d1, d2, d3, x, b * 32, acc)
+                if with_min:
+                    t0 += _hw(w, r, o + 2, tab) * sx[b]
+                    t1 += _hw(w, r1, o + 2, tab) * sx[b]
+                    t2 += _hw(w, r2, o + 2, tab) * sx[b]
+                    t3 += _hw(w, r3, o + 2, tab) * sx[b]
+                else:  # 8 * sx is exact in f32
+                    t0 -= d0 * (np.float32(8.0) * sx[b])
+                    t1 -= d1 * (np.float32(8.0) * sx[b])
+                    t2 -= d2 * (np.float32(8.0) * sx[b])
+                    t3 -= d3 * (np.float32(8.0) * sx[b])
+                _nib4(w, r, r1, r2, r3, o + q, d0, d1, d2, d3, x, b * 32, acc)
             _store4(acc, t0, t1, t2, t3, out, r, rows)
 
 
 @njit(parallel=True, fastmath=_FM, **_OPTS)
+def matvec_q4_0(w, tab, x, out):
+    _matvec_nibbles(w, tab, x, out, 18, False)
+
+
+@njit(parallel=True, fastmath=_FM, **_OPTS)
 def matvec_q4_1(w, tab, x, out):
-    # block = f16 d, f16 m, 16 B nibbles (20 B); value q*d + m
-    # sum_j v_j x_j = d * sum_j q_j x_j + m * sum_j x_j
-    rows = w.shape[0]
-    nb = x.shape[0] // 32
-    sx = _block_sums(x, 32)
-    for c in prange(_nchunks(rows)):
-        acc = np.empty((4, 16), np.float32)
-        for r in range(c * CHUNK, min(rows, (c + 1) * CHUNK), 4):
-            r1 = min(r + 1, rows - 1)
-            r2 = min(r + 2, rows - 1)
-            r3 = min(r + 3, rows - 1)
-            acc[:] = 0.0
-            t0 = t1 = t2 = t3 = np.float32(0.0)
-            for b in range(nb):
-                o = b * 20
-                t0 += _hw(w, r, o + 2, tab) * sx[b]
-                t1 += _hw(w, r1, o + 2, tab) * sx[b]
-                t2 += _hw(w, r2, o + 2, tab) * sx[b]
-                t3 += _hw(w, r3, o + 2, tab) * sx[b]
-                _nib4(w, r, r1, r2, r3, o + 4, _hw(w, r, o, tab), _hw(w, r1, o, tab),
-                      _hw(w, r2, o, tab), _hw(w, r3, o, tab), x, b * 32, acc)  # fmt: skip
-            _store4(acc, t0, t1, t2, t3, out, r, rows)
+    _matvec_nibbles(w, tab, x, out, 20, True)
 
 
 @njit(inline="always", **_OPTS)

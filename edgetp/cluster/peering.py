@@ -30,10 +30,6 @@ PEERS_PATH = "/v1/cluster/peers"
 PROFILE_PATH = "/v1/cluster/profile"
 
 
-def advert_json(advert: PeerAdvert) -> dict[str, str]:
-    return advert.to_txt()
-
-
 def parse_advert(body: object, address: str) -> PeerAdvert:
     """A validated advert from a JSON body, placed at `address`; DiscoveryError if malformed."""
     if not isinstance(body, dict) or not all(isinstance(v, str) for v in body.values()):
@@ -60,7 +56,7 @@ class PeerEndpoints:
         app.router.add_post(PROFILE_PATH, self.profile)
 
     async def node(self, request: web.Request) -> web.Response:
-        return web.json_response(advert_json(self._me()))
+        return web.json_response(self._me().to_txt())
 
     async def peers(self, request: web.Request) -> web.Response:
         body = await self._signed(request)
@@ -69,13 +65,13 @@ class PeerEndpoints:
         except (ValueError, DiscoveryError) as exc:
             raise web.HTTPBadRequest(text=f"bad advert: {exc}\n") from None
         self._introduce(advert)
-        return web.json_response(advert_json(self._me()))
+        return web.json_response(self._me().to_txt())
 
     async def profile(self, request: web.Request) -> web.Response:
         await self._signed(request)
         async with self._profiling:  # one measurement at a time: two would slow each other
             advert = await self._reprofile()
-        return web.json_response(advert_json(advert))
+        return web.json_response(advert.to_txt())
 
     async def _signed(self, request: web.Request) -> bytes:
         body = await request.read()
@@ -104,5 +100,5 @@ async def introduce(session: aiohttp.ClientSession, address: tuple[str, int], ke
     """Tell the node at (host, HTTP port) that we are here; its advert, placed at that host."""
     host, port = address
     answer = await signed_post(session, f"http://{f'[{host}]' if ':' in host else host}:{port}", PEERS_PATH,
-                               key, advert_json(me))
+                               key, me.to_txt())
     return parse_advert(answer, host)

@@ -81,3 +81,16 @@ def synth_model(model_dir):
         return made[key]
 
     return make
+
+
+@pytest.fixture(params=["float", "int8"])
+def q4_0_kernels(request, monkeypatch) -> str:
+    """Run a test once per Q4_0 kernel path: "float" (f32 activations, exact) and "int8"
+    (activations rounded to Q8_0, AVX-512 VNNI; skipped, loudly, where the CPU lacks it)."""
+    from edgetp.model import vnni  # noqa: PLC0415
+
+    if request.param == "float":
+        monkeypatch.setattr(vnni, "available", lambda: False)
+    elif not vnni.available():
+        pytest.skip("INT8 KERNELS NOT RUN: this CPU has no AVX-512 VNNI (or EDGETP_INT8=0)")
+    return request.param

@@ -15,6 +15,16 @@
    a 0.12-logit near-tie inside llama.cpp's rounding noise; our Q4_1 text
    is the F32 text.)
 
+4. Q4_0 on CPUs with AVX-512 VNNI runs the int8 kernels, which round the
+   activations to Q8_0 blocks just as llama.cpp does, so 1. and 2. hold for
+   the float kernels only (forced there). The int8 engine is held to
+   llama.cpp's own standard instead: its mean distance from the exact logits,
+   over every position, is within INT8_VS_CPP of llama.cpp's. Per-position
+   maxima are no use here: a rounding that lands differently in one layer
+   moves a whole position, in either engine (measured on SmolLM2 Q4_0: max
+   0.21 ours, 0.12 llama.cpp, 0.17 float64 with gguf-py's Q8_0 rounding; means
+   2.9e-2, 2.9e-2, 3.0e-2 of the spread).
+
 Token ids come from llama.cpp's tokenizer, so these tests check the forward
 pass alone (the exactness test uses ours, which is checked against
 llama.cpp's in test_tokenizer.py).
@@ -25,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgetp.model import gguf
+from edgetp.model import gguf, vnni
 from edgetp.model.generate import LocalRunner
 from edgetp.model.tokenizer import Tokenizer
 from tests import reference
@@ -39,6 +49,7 @@ FOX = "the quick brown fox jumps over the lazy dog " * 4
 
 # f32 dot products over a few thousand terms and a few dozen layers: relative error ~1e-6.
 EXACT = 1e-4  # of the logits' spread (max - min) at each position
+INT8_VS_CPP = 1.25  # int8 mean error / llama.cpp mean error, both against the exact logits
 
 
 def _ours(path, ids):
@@ -86,9 +97,14 @@ REAL = ["stories", "smollm2:q4_1", "smollm2:q8_0", "smollm2:q4_0"]
 SYNTH = [f"synth:{t}" for t in ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k")]
 
 
+@pytest.fixture
+def float_kernels(monkeypatch):
+    monkeypatch.setattr(vnni, "available", lambda: False)
+
+
 @pytest.mark.parametrize("which", REAL + SYNTH)
 def test_logits_at_every_position_equal_the_exact_float64_math(which, stories_path, smollm2_path,
-                                                               requantized, synth_model):
+                                                               requantized, synth_model, float_kernels):
     path, text = _models(which, stories_path, smollm2_path, requantized, synth_model)
     ids = Tokenizer.from_metadata(gguf.open_model(path).metadata).encode(text, parse_special=True)
     exact = reference.exact_logits(path, ids)
@@ -98,7 +114,8 @@ def test_logits_at_every_position_equal_the_exact_float64_math(which, stories_pa
 
 @pytest.mark.parametrize("which", REAL + SYNTH)
 def test_logits_are_never_further_from_llamacpp_than_llamacpp_is_from_exact(llama_cpp, which, stories_path,
-                                                                            smollm2_path, requantized, synth_model):
+                                                                            smollm2_path, requantized, synth_model,
+                                                                            float_kernels):
     path, text = _models(which, stories_path, smollm2_path, requantized, synth_model)
     ids = _ids(path, text)
     cpp = reference.logits(path, ids)
@@ -111,6 +128,20 @@ def test_logits_are_never_further_from_llamacpp_than_llamacpp_is_from_exact(llam
     assert np.all(ours_vs_cpp <= cpp_vs_exact + EXACT), (
         f"position {worst}: ours vs llama.cpp {ours_vs_cpp[worst]:.2e} > llama.cpp vs exact "
         f"{cpp_vs_exact[worst]:.2e} + {EXACT:.0e}")
+
+
+@pytest.mark.parametrize("which", ["smollm2:q4_0", "synth:q4_0"])
+def test_int8_q4_0_logits_are_as_close_to_exact_as_llamacpps(llama_cpp, which, stories_path, smollm2_path,
+                                                              requantized, synth_model, q4_0_kernels):
+    if q4_0_kernels != "int8":
+        pytest.skip("the float kernels are held to EXACT above")
+    path, text = _models(which, stories_path, smollm2_path, requantized, synth_model)
+    ids = _ids(path, text)
+    exact = reference.exact_logits(path, ids)
+    spread = _spread(exact)
+    ours = _error(_ours(path, ids), exact, spread).mean()
+    cpp = _error(reference.logits(path, ids), exact, spread).mean()
+    assert 1e-3 < ours <= INT8_VS_CPP * cpp, f"mean error {ours:.2e} vs llama.cpp's {cpp:.2e}"
 
 
 def _greedy_ours(path, ids, n):

@@ -42,6 +42,7 @@ import numpy as np  # noqa: E402
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
 from edgetp.model import kernels as K  # noqa: E402
+from edgetp.model import vnni  # noqa: E402
 
 Q8S32 = 1000
 Q8S16 = 1001
@@ -155,6 +156,8 @@ def matvec(w: Weight, x: np.ndarray, out: np.ndarray) -> None:
     d, t = w.data, w.qtype
     if t == QT.Q8_0:
         K.matvec_q8_0(d, d.view(np.int8), _TAB16, x, out)
+    elif t == QT.Q4_0 and vnni.available():
+        vnni.matvec_q4_0(d, *vnni.quantized(x[None]), out)
     elif t == QT.Q4_0:
         K.matvec_q4_0(d, _TAB16, x, out)
     elif t == QT.Q4_1:
@@ -191,6 +194,9 @@ def matmul(w: Weight, x: np.ndarray, out: np.ndarray) -> None:
     25-37 GFLOP/s per core here, sgemm 60-68.
     """
     _check_io(w, x, out, x.shape[0] if x.ndim == 2 else -1)
+    if w.qtype == QT.Q4_0 and vnni.available():
+        vnni.matmul_q4_0(w.data, *vnni.quantized(x), out)
+        return
     threads = numba.get_num_threads()
     # rows per tile: scratch <= 2 MiB, at least one tile per thread, >= 32 rows for sgemm
     tile = int(np.clip(min(_SCRATCH_BYTES // (4 * w.cols), -(-w.rows // threads)), 32, 1024))

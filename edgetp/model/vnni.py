@@ -270,7 +270,12 @@ def matvec_q4_0(w, qx, dx, cor, out):
 
 @njit(parallel=True, **_OPTS)
 def matmul_q4_0(w, qx, dx, cor, out):
-    """out (n, rows) = x (n tokens, quantized) @ W.T: tiles of 4 rows x 4 tokens."""
+    """out (n, rows) = x (n tokens, quantized) @ W.T, in tiles of 4 rows x 2 tokens.
+
+    Tiles of 2x4, 4x2, 4x3 and 4x4 all ran 63-77 GOPS on one core here (float
+    sgemm on decoded tiles: ~74); 4 rows x 2 tokens was the best and keeps the
+    per-tile accumulators well inside the 32 vector registers.
+    """
     rows = w.shape[0]
     n = qx.shape[0]
     nb = w.shape[1] // 18
@@ -279,20 +284,19 @@ def matmul_q4_0(w, qx, dx, cor, out):
     da, ds = dx.ctypes.data, dx.shape[1] * 4
     ca = cor.ctypes.data
     for c in prange((rows + CHUNK - 1) // CHUNK):
-        res = np.empty(16, np.float32)
+        res = np.empty(8, np.float32)
         for r in range(c * CHUNK, min(rows, (c + 1) * CHUNK), 4):
             r1, r2, r3 = min(r + 1, rows - 1), min(r + 2, rows - 1), min(r + 3, rows - 1)
             rw = (wa + r * st, wa + r1 * st, wa + r2 * st, wa + r3 * st)
             m = min(4, rows - r)
-            for t in range(0, n - n % 4, 4):
-                _dot_q4_0(rw, (qa + t * qs, qa + (t + 1) * qs, qa + (t + 2) * qs, qa + (t + 3) * qs),
-                          (da + t * ds, da + (t + 1) * ds, da + (t + 2) * ds, da + (t + 3) * ds),
-                          (ca + t * ds, ca + (t + 1) * ds, ca + (t + 2) * ds, ca + (t + 3) * ds),
-                          nb, res.ctypes.data)
+            for t in range(0, n - n % 2, 2):
+                _dot_q4_0(rw, (qa + t * qs, qa + (t + 1) * qs), (da + t * ds, da + (t + 1) * ds),
+                          (ca + t * ds, ca + (t + 1) * ds), nb, res.ctypes.data)
                 for i in range(m):
-                    for j in range(4):
-                        out[t + j, r + i] = res[i * 4 + j]
-            for t in range(n - n % 4, n):
+                    out[t, r + i] = res[2 * i]
+                    out[t + 1, r + i] = res[2 * i + 1]
+            if n % 2:
+                t = n - 1
                 _dot_q4_0(rw, (qa + t * qs,), (da + t * ds,), (ca + t * ds,), nb, res.ctypes.data)
                 for i in range(m):
                     out[t, r + i] = res[i]

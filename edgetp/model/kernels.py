@@ -24,6 +24,7 @@ import numpy as np
 from numba import njit, prange
 
 CHUNK = 16  # rows per thread work item in decode kernels
+SPREAD = 16  # distance between the four rows the Q8_0/Q4_0/Q4_1 decode kernels walk together
 
 _OPTS = dict(cache=True, nogil=True)
 # 'contract' lets LLVM fuse mul+add into FMA; nothing else is relaxed
@@ -52,7 +53,9 @@ def _h(row, off, tab):
 # tail): the two lane-accumulator chains are independent, which hides the
 # store-to-load latency of the numba-allocated acc array (measured 7 -> 13
 # GB/s for Q8_0 on one hot core). x is read once per row pair. Q8_0, Q4_0
-# and Q4_1, the types models are mostly made of, walk four rows at once.
+# and Q4_1, the types models are mostly made of, walk four rows at once, SPREAD
+# rows apart: four adjacent short rows share 4 KiB pages and the prefetchers
+# fall behind (Q8_0, 65536x2048 from RAM, one core: ~7.7 GB/s adjacent, 11-14 spread).
 
 
 @njit(inline="always", **_OPTS)
@@ -74,19 +77,26 @@ def _store2(acc, t0, t1, out, r, rows):
 
 @njit(inline="always", **_OPTS)
 def _store4(acc, t0, t1, t2, t3, out, r, rows):
-    # out[r + i] = t_i + sum of the lanes of acc[i], for the rows that exist
+    # out[r + i*SPREAD] = t_i + sum of the lanes of acc[i], for the rows that exist
     for l in range(acc.shape[1]):
         t0 += acc[0, l]
         t1 += acc[1, l]
         t2 += acc[2, l]
         t3 += acc[3, l]
     out[r] = t0
-    if r + 1 < rows:
-        out[r + 1] = t1
-    if r + 2 < rows:
-        out[r + 2] = t2
-    if r + 3 < rows:
-        out[r + 3] = t3
+    if r + SPREAD < rows:
+        out[r + SPREAD] = t1
+    if r + 2 * SPREAD < rows:
+        out[r + 2 * SPREAD] = t2
+    if r + 3 * SPREAD < rows:
+        out[r + 3 * SPREAD] = t3
+
+
+@njit(inline="always", **_OPTS)
+def _spans(rows):
+    # work items of the four-row kernels: 4*SPREAD rows each, walked as rows r, r+SPREAD,
+    # r+2*SPREAD, r+3*SPREAD for the first SPREAD r of the span
+    return (rows + 4 * SPREAD - 1) // (4 * SPREAD)
 
 
 @njit(inline="always", **_OPTS)
@@ -158,14 +168,17 @@ def matvec_q8_0(w, wi, tab, x, out):
     # w/wi: (rows, nb*34) uint8/int8 views of the same bytes; block = f16 d, int8 q[32].
     # Four rows at once: four streams in flight lift the from-RAM rate on one core
     # (2048x2048: 7.2 -> 9.0 GB/s; 8192x2048: 5.8 -> 7.7) where two rows left it latency-bound.
+    # The four are SPREAD rows apart, in separate 4 KiB pages: adjacent short rows share
+    # pages, which the prefetchers serve badly (see vnni.matvec_q4_0).
     rows = w.shape[0]
     nb = x.shape[0] // 32
-    for c in prange(_nchunks(rows)):
+    for c in prange(_spans(rows)):
         acc = np.empty((4, 32), np.float32)
-        for r in range(c * CHUNK, min(rows, (c + 1) * CHUNK), 4):
-            r1 = min(r + 1, rows - 1)  # rows past the end repeat the last; _store4 drops them
-            r2 = min(r + 2, rows - 1)
-            r3 = min(r + 3, rows - 1)
+        for r in range(c * 4 * SPREAD, min(rows, c * 4 * SPREAD + SPREAD)):
+            # rows past the end repeat the last; their results are not stored
+            r1 = min(r + SPREAD, rows - 1)
+            r2 = min(r + 2 * SPREAD, rows - 1)
+            r3 = min(r + 3 * SPREAD, rows - 1)
             acc[:] = 0.0
             for b in range(nb):
                 o = b * 34
@@ -231,13 +244,13 @@ def _matvec_nibbles(w, tab, x, out, bs, with_min):
     nb = x.shape[0] // 32
     sx = _block_sums(x, 32)
     q = 4 if with_min else 2  # where the nibbles start in a block
-    for c in prange(_nchunks(rows)):
+    for c in prange(_spans(rows)):
         acc = np.empty((4, 16), np.float32)
-        for r in range(c * CHUNK, min(rows, (c + 1) * CHUNK), 4):
+        for r in range(c * 4 * SPREAD, min(rows, c * 4 * SPREAD + SPREAD)):
             # rows past the end repeat the last row; their results are not stored
-            r1 = min(r + 1, rows - 1)
-            r2 = min(r + 2, rows - 1)
-            r3 = min(r + 3, rows - 1)
+            r1 = min(r + SPREAD, rows - 1)
+            r2 = min(r + 2 * SPREAD, rows - 1)
+            r3 = min(r + 3 * SPREAD, rows - 1)
             acc[:] = 0.0
             t0 = t1 = t2 = t3 = np.float32(0.0)
             for b in range(nb):

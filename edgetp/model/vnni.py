@@ -8,13 +8,14 @@ round-half-even(x * 127/max|x|)), and each Q4_0 block is one integer dot
 product, `vpdpbusd` (unsigned nibble x signed int8, four products per 32-bit
 lane), scaled by d_w * d_x in f32 - the arithmetic of ggml_vec_dot_q4_0_q8_0.
 So results agree with llama.cpp to its own rounding, not to a float64
-reference: the activation rounding costs about 0.4% of a dot's magnitude.
+reference: the activation rounding moves a dot by up to about half a percent
+of its magnitude (random 2048-column rows).
 
 numba cannot express `vpdpbusd`, so the inner loop is written as LLVM IR in a
-numba intrinsic. It only compiles where the CPU has AVX-512 VNNI; `available()`
-tries it once (compile, run, compare with a plain integer formula) and the
-float kernels stay in use everywhere else (ARM, older x86) or when
-EDGETP_INT8=0.
+numba intrinsic. It only compiles where numba targets a CPU with AVX-512 VNNI;
+`available()` tries it once (compile, run, compare with a plain integer
+formula) and the float kernels stay in use everywhere else (ARM, older x86,
+NUMBA_CPU_NAME/NUMBA_CPU_FEATURES set) or when EDGETP_INT8=0.
 
 Layout. Two Q4_0 blocks (2 x 18 B: f16 d, 16 B nibbles) fill one 64-byte
 register as [lo nibbles b0 | lo b1 | hi b0 | hi b1], i.e. values
@@ -29,12 +30,15 @@ correction. An odd block count is padded with a zero block on the x side.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
+
+log = logging.getLogger(__name__)
 
 CHUNK = 16  # rows per prange work item of matmul
 SPREAD = 16  # distance between the four rows matvec walks together
@@ -332,12 +336,20 @@ def available() -> bool:
     """True when the VNNI kernels run here (and EDGETP_INT8 is not 0)."""
     if os.environ.get("EDGETP_INT8", "1") == "0":
         return False
-    try:
-        from llvmlite import binding
+    from llvmlite import binding
+    from numba.core import config
 
-        feats = binding.get_host_cpu_features()
-        if not (feats.get("avx512vnni") and feats.get("avx512bw") and feats.get("avx512f")):
-            return False
-        return _probe()
-    except Exception:  # noqa: BLE001 - any failure to compile or run means: use the float kernels
+    feats = binding.get_host_cpu_features()
+    if not all(feats.get(f) for f in ("avx512f", "avx512bw", "avx512vnni")):
         return False
+    if config.CPU_NAME or config.CPU_FEATURES:
+        # numba compiles for another CPU than this one: LLVM would abort on vpdpbusd
+        return False
+    try:
+        ok = _probe()
+    except Exception as exc:  # noqa: BLE001 - any failure to compile or run means: use the float kernels
+        log.warning("int8 Q4_0 kernels unavailable, using the float ones: %s", exc)
+        return False
+    if not ok:
+        log.warning("int8 Q4_0 kernels gave wrong results on this CPU; using the float ones")
+    return ok

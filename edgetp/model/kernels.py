@@ -93,10 +93,16 @@ def _store4(acc, t0, t1, t2, t3, out, r, rows):
 
 
 @njit(inline="always", **_OPTS)
-def _spans(rows):
-    # work items of the four-row kernels: 4*SPREAD rows each, walked as rows r, r+SPREAD,
-    # r+2*SPREAD, r+3*SPREAD for the first SPREAD r of the span
+def spans(rows):
+    # work items of the four-row kernels (here and in vnni): 4*SPREAD rows each, walked as
+    # rows r, r+SPREAD, r+2*SPREAD, r+3*SPREAD for the first SPREAD r of the span
     return (rows + 4 * SPREAD - 1) // (4 * SPREAD)
+
+
+@njit(inline="always", **_OPTS)
+def partners(r, rows):
+    # the three rows walked with r; past the end they repeat the last row (results not stored)
+    return min(r + SPREAD, rows - 1), min(r + 2 * SPREAD, rows - 1), min(r + 3 * SPREAD, rows - 1)
 
 
 @njit(inline="always", **_OPTS)
@@ -172,13 +178,10 @@ def matvec_q8_0(w, wi, tab, x, out):
     # pages, which the prefetchers serve badly (see vnni.matvec_q4_0).
     rows = w.shape[0]
     nb = x.shape[0] // 32
-    for c in prange(_spans(rows)):
+    for c in prange(spans(rows)):
         acc = np.empty((4, 32), np.float32)
         for r in range(c * 4 * SPREAD, min(rows, c * 4 * SPREAD + SPREAD)):
-            # rows past the end repeat the last; their results are not stored
-            r1 = min(r + SPREAD, rows - 1)
-            r2 = min(r + 2 * SPREAD, rows - 1)
-            r3 = min(r + 3 * SPREAD, rows - 1)
+            r1, r2, r3 = partners(r, rows)
             acc[:] = 0.0
             for b in range(nb):
                 o = b * 34
@@ -244,13 +247,10 @@ def _matvec_nibbles(w, tab, x, out, bs, with_min):
     nb = x.shape[0] // 32
     sx = _block_sums(x, 32)
     q = 4 if with_min else 2  # where the nibbles start in a block
-    for c in prange(_spans(rows)):
+    for c in prange(spans(rows)):
         acc = np.empty((4, 16), np.float32)
         for r in range(c * 4 * SPREAD, min(rows, c * 4 * SPREAD + SPREAD)):
-            # rows past the end repeat the last row; their results are not stored
-            r1 = min(r + SPREAD, rows - 1)
-            r2 = min(r + 2 * SPREAD, rows - 1)
-            r3 = min(r + 3 * SPREAD, rows - 1)
+            r1, r2, r3 = partners(r, rows)
             acc[:] = 0.0
             t0 = t1 = t2 = t3 = np.float32(0.0)
             for b in range(nb):

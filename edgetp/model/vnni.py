@@ -38,10 +38,11 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from edgetp.model.kernels import SPREAD, partners, spans
+
 log = logging.getLogger(__name__)
 
 CHUNK = 16  # rows per prange work item of matmul
-SPREAD = 16  # distance between the four rows matvec walks together
 _OPTS = dict(cache=True, nogil=True)
 
 _I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -260,12 +261,10 @@ def matvec_q4_0(w, qx, dx, cor, out):
     xa = (qx.ctypes.data,)
     da = (dx.ctypes.data,)
     ca = (cor.ctypes.data,)
-    span = 4 * SPREAD
-    for c in prange((rows + span - 1) // span):
+    for c in prange(spans(rows)):
         res = np.empty(4, np.float32)
-        for r in range(c * span, min(rows, c * span + SPREAD)):
-            # rows past the end repeat the last row; their results are not stored
-            r1, r2, r3 = min(r + SPREAD, rows - 1), min(r + 2 * SPREAD, rows - 1), min(r + 3 * SPREAD, rows - 1)
+        for r in range(c * 4 * SPREAD, min(rows, c * 4 * SPREAD + SPREAD)):
+            r1, r2, r3 = partners(r, rows)
             _dot_q4_0((wa + r * st, wa + r1 * st, wa + r2 * st, wa + r3 * st), xa, da, ca, nb, res.ctypes.data)
             for i in range(4):
                 if r + i * SPREAD < rows:

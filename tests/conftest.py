@@ -83,14 +83,30 @@ def synth_model(model_dir):
     return make
 
 
+def require_int8() -> None:
+    """Skip, loudly, where the CPU lacks AVX-512 VNNI (or EDGETP_INT8=0); where it has
+    it, a failed probe of the int8 kernels is a failure, not a reason to skip."""
+    from edgetp.model import intgemm, vnni  # noqa: PLC0415
+
+    if not vnni.wanted():
+        pytest.skip("INT8 KERNELS NOT RUN: this CPU has no AVX-512 VNNI (or EDGETP_INT8=0)")
+    assert vnni.available() and intgemm.available(), "the int8 kernels failed their probe"
+
+
+@pytest.fixture
+def int8_only() -> None:
+    require_int8()
+
+
 @pytest.fixture(params=["float", "int8"])
-def q4_0_kernels(request, monkeypatch) -> str:
-    """Run a test once per Q4_0 kernel path: "float" (f32 activations, exact) and "int8"
-    (activations rounded to Q8_0, AVX-512 VNNI; skipped, loudly, where the CPU lacks it)."""
+def int8_kernels(request, monkeypatch) -> str:
+    """Run a test once per kernel path: "float" (f32 activations, exact) and "int8"
+    (activations rounded to Q8_0 blocks, AVX-512 VNNI: Q4_0 decode, and Q4_0/Q4_1/Q8_0
+    prefill)."""
     from edgetp.model import vnni  # noqa: PLC0415
 
     if request.param == "float":
         monkeypatch.setattr(vnni, "available", lambda: False)
-    elif not vnni.available():
-        pytest.skip("INT8 KERNELS NOT RUN: this CPU has no AVX-512 VNNI (or EDGETP_INT8=0)")
+    else:
+        require_int8()
     return request.param

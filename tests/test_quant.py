@@ -4,10 +4,12 @@ Reference: `gguf.quants.dequantize` / `gguf.quants.quantize` (numpy ports of
 ggml's C), never our own code. Products are compared with float64 matrix
 products of the reference values.
 
-Q4_0 runs on two paths (fixture q4_0_kernels): the float kernels, and the
-VNNI kernels, which round the activations to Q8_0 blocks first as llama.cpp
-does. For the latter the reference x is gguf-py's own Q8_0 round trip of x
-(quantize, dequantize); the products are then exact integers times scales.
+Q4_0 products, and Q4_1/Q8_0 batch products, run on two paths (fixture
+int8_kernels): the float kernels, and the VNNI kernels, which round the
+activations first: Q4_0 to Q8_0 blocks as llama.cpp does (the reference x is
+then gguf-py's own Q8_0 round trip of x), Q4_1 and Q8_0 to 16 bits per block
+(`as_computed` writes that rounding out). The products are then exact
+integers times scales.
 
 Tolerance for matvec/matmul: every output is a sum of `cols` f32 products.
 The kernels accumulate in f32 with 32 independent lanes (matvec) or in
@@ -66,12 +68,22 @@ def assert_product_close(got: np.ndarray, w_ref: np.ndarray, x: np.ndarray) -> N
     assert not bad.any(), f"max err {np.abs(got - want).max()} vs scale {scale.max()}"
 
 
-def as_computed(qt, x: np.ndarray, kernels: str | None) -> np.ndarray:
-    """x as the kernel sees it: rounded through gguf-py's Q8_0 on the int8 Q4_0 path."""
-    if qt != QT.Q4_0 or kernels != "int8":
+def as_computed(qt, x: np.ndarray, kernels: str | None, batch: bool = False) -> np.ndarray:
+    """x as the kernel sees it. Int8 paths (Q4_0): rounded through gguf-py's Q8_0.
+    16-bit paths (Q4_1 and Q8_0 batches): per block of 32, q = round(x * 32767 / max|x|)
+    and x = q * (max|x| / 32767), written out here in float32 numpy."""
+    if kernels != "int8":
         return x
-    rt = gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(x), QT.Q8_0), QT.Q8_0)
-    return rt.reshape(x.shape)
+    if qt == QT.Q4_0:
+        rt = gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(x), QT.Q8_0), QT.Q8_0)
+        return rt.reshape(x.shape)
+    if batch and qt in (QT.Q4_1, QT.Q8_0):
+        blocks = x.reshape(-1, 32).astype(np.float32)
+        amax = np.abs(blocks).max(axis=1, keepdims=True)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            q = np.rint(blocks * np.where(amax > 0, np.float32(32767) / amax, 0))
+        return (q.astype(np.float64) * (amax / np.float32(32767)).astype(np.float64)).reshape(x.shape)
+    return x
 
 
 def weight(qt, rows=67, cols=512, seed=0) -> tuple[Q.Weight, np.ndarray]:
@@ -88,17 +100,17 @@ def test_dequantize_rows_is_bit_identical_to_gguf_reference(qt):
 
 
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
-def test_matvec_equals_float64_product_of_reference_values(qt, q4_0_kernels):
+def test_matvec_equals_float64_product_of_reference_values(qt, int8_kernels):
     w, ref = weight(qt, seed=1)
     x = np.random.default_rng(2).standard_normal(w.cols).astype(np.float32)
     out = np.full(w.rows, np.nan, np.float32)
     Q.matvec(w, x, out)
-    assert_product_close(out, ref, as_computed(qt, x, q4_0_kernels))
+    assert_product_close(out, ref, as_computed(qt, x, int8_kernels))
 
 
 @pytest.mark.parametrize("qt", [QT.Q8_0, QT.Q4_0, QT.Q4_1], ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 17, 18, 19, 63, 64, 65, 130])
-def test_four_row_matvec_kernels_handle_every_row_tail(qt, rows, q4_0_kernels):
+def test_four_row_matvec_kernels_handle_every_row_tail(qt, rows, int8_kernels):
     # Q8_0/Q4_0/Q4_1 decode walks four rows at a time (repeating the last row past the end,
     # results not stored) inside chunks of 16 rows: every remainder must come out right,
     # and nothing may be written past out[rows - 1]. The VNNI Q4_0 kernel walks rows
@@ -107,17 +119,31 @@ def test_four_row_matvec_kernels_handle_every_row_tail(qt, rows, q4_0_kernels):
     x = np.random.default_rng(6).standard_normal(w.cols).astype(np.float32)
     buf = np.full(rows + 4, np.nan, np.float32)
     Q.matvec(w, x, buf[:rows])
-    assert_product_close(buf[:rows], ref, as_computed(qt, x, q4_0_kernels))
+    assert_product_close(buf[:rows], ref, as_computed(qt, x, int8_kernels))
     assert np.isnan(buf[rows:]).all()
 
 
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
-def test_matmul_equals_float64_product_for_a_batch_of_tokens(qt, q4_0_kernels):
+def test_matmul_equals_float64_product_for_a_batch_of_tokens(qt, int8_kernels):
     w, ref = weight(qt, rows=301, cols=256, seed=3)
     x = np.random.default_rng(4).standard_normal((37, w.cols)).astype(np.float32)
     out = np.full((37, w.rows), np.nan, np.float32)
     Q.matmul(w, x, out)
-    assert_product_close(out, ref, as_computed(qt, x, q4_0_kernels))
+    assert_product_close(out, ref, as_computed(qt, x, int8_kernels, batch=True))
+
+
+@pytest.mark.parametrize("qt", [QT.Q8_0, QT.Q4_0, QT.Q4_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("rows,n", [(1, 2), (15, 7), (16, 8), (17, 9), (33, 17), (40, 3)])
+def test_matmul_handles_every_row_and_token_tail(qt, rows, n, int8_kernels):
+    # the int8 prefill kernels work on panels of 16 rows (the last row repeated past the
+    # end, masked out of the store) and tiles of 8 tokens; 96 columns = 3 blocks
+    w, ref = weight(qt, rows=rows, cols=96, seed=rows + n)
+    x = np.random.default_rng(n).standard_normal((n, w.cols)).astype(np.float32)
+    buf = np.full(n * rows + 64, np.nan, np.float32)
+    out = buf[: n * rows].reshape(n, rows)
+    Q.matmul(w, x, out)
+    assert_product_close(out, ref, as_computed(qt, x, int8_kernels, batch=True))
+    assert np.isnan(buf[n * rows :]).all()
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -136,7 +162,7 @@ def test_results_are_bit_identical_for_any_thread_count(threads):
     np.testing.assert_array_equal(outs[0][1], outs[1][1])
 
 
-def test_smollm2_q4_1_layer_and_q8_0_embeddings_match_reference(smollm2_path):
+def test_smollm2_q4_1_layer_and_q8_0_embeddings_match_reference(smollm2_path, int8_kernels):
     reader = gguf.GGUFReader(smollm2_path)
     tensors = {t.name: t for t in reader.tensors}
     names = [n for n in tensors if n.startswith("blk.0.") and tensors[n].tensor_type == QT.Q4_1]
@@ -157,7 +183,7 @@ def test_smollm2_q4_1_layer_and_q8_0_embeddings_match_reference(smollm2_path):
         xs = rng.standard_normal((19, w.cols)).astype(np.float32)
         outm = np.empty((19, rows), np.float32)
         Q.matmul(Q.slice_rows(w, 0, rows), xs, outm)
-        assert_product_close(outm, ref, xs)
+        assert_product_close(outm, ref, as_computed(t.tensor_type, xs, int8_kernels, batch=True))
 
 
 def test_stories260k_f32_weights_match_reference(stories_path):
@@ -190,7 +216,7 @@ def test_slice_rows_is_a_view_of_the_same_rows(qt):
 
 
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
-def test_slice_cols_equals_the_same_columns_of_the_reference(qt, q4_0_kernels):
+def test_slice_cols_equals_the_same_columns_of_the_reference(qt, int8_kernels):
     w, ref = weight(qt, cols=1024)
     for packed in (w, Q.repack(w)):
         s = Q.slice_cols(packed, 256, 768)
@@ -200,7 +226,7 @@ def test_slice_cols_equals_the_same_columns_of_the_reference(qt, q4_0_kernels):
         x = np.random.default_rng(8).standard_normal(512).astype(np.float32)
         out = np.empty(w.rows, np.float32)
         Q.matvec(s, x, out)
-        assert_product_close(out, ref[:, 256:768], as_computed(s.qtype, x, q4_0_kernels))
+        assert_product_close(out, ref[:, 256:768], as_computed(s.qtype, x, int8_kernels))
 
 
 @pytest.mark.parametrize("qt", QUANTIZED, ids=lambda t: t.name)

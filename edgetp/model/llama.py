@@ -228,9 +228,10 @@ class Shard:
         q = np.empty((n, self.n_heads * hd), np.float32)
         k = np.empty((n, self.n_kv * hd), np.float32)
         v = np.empty((n, self.n_kv * hd), np.float32)
-        _apply(layer.wq, h, q)
-        _apply(layer.wk, h, k)
-        _apply(layer.wv, h, v)
+        hb = quant.Batch(h)
+        _apply(layer.wq, hb, q)
+        _apply(layer.wk, hb, k)
+        _apply(layer.wv, hb, v)
         if layer.bq is not None:
             q += layer.bq
             k += layer.bk
@@ -255,19 +256,21 @@ class Shard:
             return partial
         gate = np.empty((n, self.n_ffn), np.float32)
         up = np.empty((n, self.n_ffn), np.float32)
-        _apply(layer.w_gate, h, gate)
-        _apply(layer.w_up, h, up)
+        hb = quant.Batch(h)
+        _apply(layer.w_gate, hb, gate)
+        _apply(layer.w_up, hb, up)
         ops.silu_mul(gate, up)
         _apply(layer.w_down, gate, partial)
         return partial
 
 
-def _apply(w: quant.Weight, x: np.ndarray, out: np.ndarray) -> None:
+def _apply(w: quant.Weight, x: np.ndarray | quant.Batch, out: np.ndarray) -> None:
     """out = x @ w.T for (n, cols) x: matvec when decoding, matmul for batches."""
-    if x.shape[0] == 1:
-        quant.matvec(w, x[0], out[0])
+    batch = x if isinstance(x, quant.Batch) else quant.Batch(x)
+    if batch.shape[0] == 1:
+        quant.matvec(w, batch, out[0])
     else:
-        quant.matmul(w, x, out)
+        quant.matmul(w, batch, out)
 
 
 def embed(mf: ModelFile, token_ids: list[int]) -> np.ndarray:

@@ -100,14 +100,16 @@ def attention(q, k_cache, v_cache, pos0, group, out):  # pragma: no cover - comp
                 out[t, h * hd + d] += p * v_cache[kv, s, d]
 
 
-@njit(**_JIT)
-def silu_mul(gate, up):  # pragma: no cover - compiled
-    # gate, up: (n, f); gate <- silu(gate) * up
-    n, f = gate.shape
-    for i in range(n):
-        for j in range(f):
-            g = gate[i, j]
-            gate[i, j] = g / (np.float32(1.0) + np.float32(math.exp(-g))) * up[i, j]
+def silu_mul(gate: np.ndarray, up: np.ndarray) -> None:
+    """gate <- silu(gate) * up, (n, f) f32 each, a row at a time through numpy's SIMD
+    exp (the scalar numba loop called libm's exp per value: 2.5x slower)."""
+    tmp = np.empty(gate.shape[1], np.float32)
+    for g, u in zip(gate, up):
+        np.negative(g, out=tmp)
+        np.exp(tmp, out=tmp)
+        tmp += np.float32(1.0)
+        g /= tmp
+        g *= u
 
 
 def attention_batch(q, k_cache, v_cache, pos0, group, out):
@@ -122,14 +124,16 @@ def attention_batch(q, k_cache, v_cache, pos0, group, out):
     n_kv, _, hd = k_cache.shape
     last = pos0 + n
     future = np.arange(last)[None, :] > (pos0 + np.arange(n))[:, None]  # (n, last): s > t
+    causal = np.where(future, np.float32(-np.inf), np.float32(0.0))     # added: x + 0 is x exactly
     qh = q.reshape(n, n_kv, group, hd)
     oh = out.reshape(n, n_kv, group, hd)
     scale = np.float32(1.0 / math.sqrt(hd))
     for kv in range(n_kv):
         qs = qh[:, kv].transpose(1, 0, 2).reshape(group * n, hd)       # rows: head-major
-        scores = (qs @ k_cache[kv, :last].T) * scale                     # (group * n, last)
+        scores = qs @ k_cache[kv, :last].T                               # (group * n, last)
         s3 = scores.reshape(group, n, last)
-        s3[:, future] = -np.inf
+        s3 *= scale
+        s3 += causal
         scores -= scores.max(axis=1, keepdims=True)
         np.exp(scores, out=scores)
         scores /= scores.sum(axis=1, keepdims=True)

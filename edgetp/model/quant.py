@@ -41,8 +41,8 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
+from edgetp.model import intgemm, vnni  # noqa: E402
 from edgetp.model import kernels as K  # noqa: E402
-from edgetp.model import vnni  # noqa: E402
 
 Q8S32 = 1000
 Q8S16 = 1001
@@ -150,14 +150,39 @@ def _check_io(w: Weight, x: np.ndarray, out: np.ndarray, n: int | None) -> None:
             raise ValueError(f"{name} must be C-contiguous float32 {shape}, got {a.dtype} {a.shape}")
 
 
-def matvec(w: Weight, x: np.ndarray, out: np.ndarray) -> None:
-    """out (rows,) = W @ x (cols,), all f32."""
+class Batch:
+    """Activations (n, cols) f32 that several products read: q, k and v read one,
+    gate and up another. The integer kernels round them once per Batch and layout,
+    not once per product. x must not change while the Batch is in use."""
+
+    def __init__(self, x: np.ndarray) -> None:
+        self.x = x
+        self.shape = x.shape
+        self._rounded: dict[object, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def pairs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """vnni.quantized(x): the decode kernel's block-pair layout."""
+        if "pairs" not in self._rounded:
+            self._rounded["pairs"] = vnni.quantized(self.x)
+        return self._rounded["pairs"]
+
+    def ints(self, wide: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """intgemm.quantized(x, wide): the prefill kernels' layouts (int16 if wide, else int8)."""
+        if wide not in self._rounded:
+            self._rounded[wide] = intgemm.quantized(self.x, wide)
+        return self._rounded[wide]
+
+
+def matvec(w: Weight, x: np.ndarray | Batch, out: np.ndarray) -> None:
+    """out (rows,) = W @ x, all f32; x (cols,), or a Batch of one token."""
+    batch = x if isinstance(x, Batch) else None
+    x = x.x[0] if batch is not None else x
     _check_io(w, x, out, None)
     d, t = w.data, w.qtype
     if t == QT.Q8_0:
         K.matvec_q8_0(d, d.view(np.int8), _TAB16, x, out)
     elif t == QT.Q4_0 and vnni.available():
-        vnni.matvec_q4_0(d, *vnni.quantized(x[None]), out)
+        vnni.matvec_q4_0(d, *(batch.pairs() if batch is not None else vnni.quantized(x[None])), out)
     elif t == QT.Q4_0:
         K.matvec_q4_0(d, _TAB16, x, out)
     elif t == QT.Q4_1:
@@ -185,17 +210,22 @@ _pool: ThreadPoolExecutor | None = None  # prefill workers, created on first thr
 _pool_size = 0
 
 
-def matmul(w: Weight, x: np.ndarray, out: np.ndarray) -> None:
-    """out (n, rows) = x (n, cols) @ W.T; each tile of W is decoded once for all n tokens.
+def matmul(w: Weight, x: np.ndarray | Batch, out: np.ndarray) -> None:
+    """out (n, rows) = x (n, cols) @ W.T, x an array or a Batch.
 
-    Workers (numba's thread count of them) take interleaved tiles of rows: a numba
-    kernel decodes the tile into an f32 scratch (tile, cols), single-threaded
-    OpenBLAS sgemm multiplies it by all tokens. A numba axpy micro-kernel reached
-    25-37 GFLOP/s per core here, sgemm 60-68.
+    Q4_0, Q4_1 and Q8_0 go to the integer kernels of intgemm where the CPU has them.
+    Otherwise each tile of W is decoded once for all n tokens: workers (numba's
+    thread count of them) take interleaved tiles of rows, a numba kernel decodes
+    the tile into an f32 scratch (tile, cols), and single-threaded OpenBLAS sgemm
+    multiplies it by all tokens. A numba axpy micro-kernel reached 25-37 GFLOP/s
+    per core here, sgemm 60-68.
     """
+    batch = x if isinstance(x, Batch) else None
+    x = x.x if batch is not None else x
     _check_io(w, x, out, x.shape[0] if x.ndim == 2 else -1)
-    if w.qtype == QT.Q4_0 and vnni.available():
-        vnni.matmul_q4_0(w.data, *vnni.quantized(x), out)
+    if w.qtype in intgemm.KINDS and intgemm.available():
+        xq = (batch or Batch(x)).ints(intgemm.wide(w.qtype))
+        intgemm.matmul(w.qtype, w.data, _TAB16, xq, out)
         return
     threads = numba.get_num_threads()
     # rows per tile: scratch <= 2 MiB, at least one tile per thread, >= 32 rows for sgemm

@@ -1,4 +1,7 @@
-"""Q4_0 times int8 activations with AVX-512 VNNI, as llama.cpp computes it.
+"""Q4_0 decode times int8 activations with AVX-512 VNNI, as llama.cpp computes it.
+
+Prefill (many tokens) has its own kernels in `intgemm.py`; they share this
+module's activation rounding (`q8_block`), IR helpers and `available()`.
 
 The float kernels in `kernels.py` widen every nibble to f32; on one core that
 is compute-bound near 10 GB/s of weights, far from what memory gives. Here the
@@ -42,7 +45,6 @@ from edgetp.model.kernels import SPREAD, partners, spans
 
 log = logging.getLogger(__name__)
 
-CHUNK = 16  # rows per prange work item of matmul
 _OPTS = dict(cache=True, nogil=True)
 
 _I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -187,6 +189,23 @@ def _f16_round(v, f, u):
     return f[0]
 
 
+@njit(inline="always", **_OPTS)
+def q8_block(src, dst, f, u):
+    """One block of 32 activations rounded like ggml's x86 quantize_row_q8_0: the int8
+    values into dst (32,), returns (d, sum of the values). f/u as for _f16_round."""
+    amax = np.float32(0.0)
+    for j in range(32):
+        amax = max(amax, abs(src[j]))
+    d = _f16_round(amax / np.float32(127.0), f, u)
+    inv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
+    s = 0
+    for j in range(32):
+        v = np.int8(np.rint(src[j] * inv))
+        dst[j] = v
+        s += v
+    return d, s
+
+
 @njit(**_OPTS)
 def quantize(x, qx, dx, cor):
     """x (n, nb*32) f32 -> qx (n, npad*32) int8 in pair order, dx (n, npad*8) f32, cor (n, npad*8) int32.
@@ -210,16 +229,7 @@ def quantize(x, qx, dx, cor):
                 cor[t, pb * 16 + 4 + j] = 0
                 cor[t, pb * 16 + 12 + j] = 0
         for b in range(nb):
-            amax = np.float32(0.0)
-            for j in range(32):
-                amax = max(amax, abs(x[t, b * 32 + j]))
-            d = _f16_round(amax / np.float32(127.0), f, u)
-            inv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
-            s = 0
-            for j in range(32):
-                v = np.int8(np.rint(x[t, b * 32 + j] * inv))
-                q[j] = v
-                s += v
+            d, s = q8_block(x[t, b * 32 : b * 32 + 32], q, f, u)
             base = (b // 2) * 64 + (b % 2) * 16
             for j in range(16):
                 qx[t, base + j] = q[j]
@@ -271,40 +281,6 @@ def matvec_q4_0(w, qx, dx, cor, out):
                     out[r + i * SPREAD] = res[i]
 
 
-@njit(parallel=True, **_OPTS)
-def matmul_q4_0(w, qx, dx, cor, out):
-    """out (n, rows) = x (n tokens, quantized) @ W.T, in tiles of 4 rows x 2 tokens.
-
-    Tiles of 2x4, 4x2, 4x3 and 4x4 all ran 63-77 GOPS on one core here (float
-    sgemm on decoded tiles: ~74); 4 rows x 2 tokens was the best and keeps the
-    per-tile accumulators well inside the 32 vector registers.
-    """
-    rows = w.shape[0]
-    n = qx.shape[0]
-    nb = w.shape[1] // 18
-    wa, st = w.ctypes.data, w.shape[1]
-    qa, qs = qx.ctypes.data, qx.shape[1]
-    da, ds = dx.ctypes.data, dx.shape[1] * 4
-    ca = cor.ctypes.data
-    for c in prange((rows + CHUNK - 1) // CHUNK):
-        res = np.empty(8, np.float32)
-        for r in range(c * CHUNK, min(rows, (c + 1) * CHUNK), 4):
-            r1, r2, r3 = min(r + 1, rows - 1), min(r + 2, rows - 1), min(r + 3, rows - 1)
-            rw = (wa + r * st, wa + r1 * st, wa + r2 * st, wa + r3 * st)
-            m = min(4, rows - r)
-            for t in range(0, n - n % 2, 2):
-                _dot_q4_0(rw, (qa + t * qs, qa + (t + 1) * qs), (da + t * ds, da + (t + 1) * ds),
-                          (ca + t * ds, ca + (t + 1) * ds), nb, res.ctypes.data)
-                for i in range(m):
-                    out[t, r + i] = res[2 * i]
-                    out[t + 1, r + i] = res[2 * i + 1]
-            if n % 2:
-                t = n - 1
-                _dot_q4_0(rw, (qa + t * qs,), (da + t * ds,), (ca + t * ds,), nb, res.ctypes.data)
-                for i in range(m):
-                    out[t, r + i] = res[i]
-
-
 # ---------------------------------------------------------------- availability
 
 
@@ -324,15 +300,14 @@ def _probe() -> bool:
     vals = np.concatenate([nib & 15, nib >> 4], axis=2).astype(np.int64) - 8
     want = np.einsum("rbj,tbj,tb->tr", vals, q, d) * 0.5
     got = np.empty((5, rows), np.float32)
-    matmul_q4_0(w, qx, dx, cor, got)
-    one = np.empty(rows, np.float32)
-    matvec_q4_0(w, qx[:1], dx[:1], cor[:1], one)
-    return bool(np.allclose(got, want, rtol=1e-5, atol=1e-4) and np.allclose(one, want[0], rtol=1e-5, atol=1e-4))
+    for t in range(5):
+        matvec_q4_0(w, qx[t : t + 1], dx[t : t + 1], cor[t : t + 1], got[t])
+    return bool(np.allclose(got, want, rtol=1e-5, atol=1e-4))
 
 
-@functools.cache
-def available() -> bool:
-    """True when the VNNI kernels run here (and EDGETP_INT8 is not 0)."""
+def wanted() -> bool:
+    """True when the int8 kernels should run here: the CPU has AVX-512 VNNI, numba
+    compiles for this CPU, and EDGETP_INT8 is not 0. `available()` also probes them."""
     if os.environ.get("EDGETP_INT8", "1") == "0":
         return False
     from llvmlite import binding
@@ -341,14 +316,23 @@ def available() -> bool:
     feats = binding.get_host_cpu_features()
     if not all(feats.get(f) for f in ("avx512f", "avx512bw", "avx512vnni")):
         return False
-    if config.CPU_NAME or config.CPU_FEATURES:
-        # numba compiles for another CPU than this one: LLVM would abort on vpdpbusd
-        return False
+    # numba compiling for another CPU than this one: LLVM would abort on vpdpbusd
+    return not (config.CPU_NAME or config.CPU_FEATURES)
+
+
+def checked(probe, what: str) -> bool:
+    """probe() -> bool, with any failure to compile or run logged once and taken as False."""
     try:
-        ok = _probe()
-    except Exception as exc:  # noqa: BLE001 - any failure to compile or run means: use the float kernels
-        log.warning("int8 Q4_0 kernels unavailable, using the float ones: %s", exc)
+        ok = probe()
+    except Exception as exc:  # noqa: BLE001 - whatever broke, the float kernels still work
+        log.warning("%s unavailable, using the float kernels: %s", what, exc)
         return False
     if not ok:
-        log.warning("int8 Q4_0 kernels gave wrong results on this CPU; using the float ones")
+        log.warning("%s gave wrong results on this CPU; using the float kernels", what)
     return ok
+
+
+@functools.cache
+def available() -> bool:
+    """True when the VNNI decode kernel runs here (see wanted())."""
+    return wanted() and checked(_probe, "int8 Q4_0 decode kernels")

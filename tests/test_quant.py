@@ -284,6 +284,32 @@ def test_quantize_q8_0_is_byte_identical_to_ggml(x):
     np.testing.assert_array_equal(Q.dequantize_q8_0(got, x.shape[0]), gguf.quants.dequantize(want, QT.Q8_0).reshape(-1))
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["int8", "int16"])
+def test_prefill_activation_rounding_is_the_documented_formula(wide, int8_only):
+    # int8 (Q4_0): ggml's x86 quantize_row_q8_0, d = f16(max/127), q = rint(x * 127/max);
+    # int16 (Q4_1, Q8_0): d = max/32767 in f32, q = rint(x * 32767/max), each 4 columns
+    # stored as (0, 2, 1, 3); rows padded with zeros to whole tiles of tokens
+    from edgetp.model import intgemm  # noqa: PLC0415
+
+    rng = np.random.default_rng(12)
+    x = (rng.standard_normal((13, 320)) * rng.uniform(0.01, 100, (13, 1))).astype(np.float32)
+    x[3, 64:96] = 0  # an all-zero block
+    x[5, 0:32] = np.float32(0.5) * np.arange(32, dtype=np.float32) / 31 * 127 / 2  # ties at .5
+    qx, dx, sums = intgemm.quantized(x, wide)
+    assert qx.shape[0] % intgemm.NT == 0 and not qx[13:].any() and not dx[13:].any()
+    top = 32767 if wide else 127
+    blocks = x.reshape(13, 10, 32)
+    amax = np.abs(blocks).max(axis=2, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        want = np.rint(blocks * np.where(amax > 0, np.float32(top) / amax, np.float32(0)))
+    scale = (amax / np.float32(top))[..., 0]
+    got = qx[:13].reshape(13, 10, 8, 4)
+    got = (got[..., [0, 2, 1, 3]] if wide else got).reshape(13, 10, 32)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(dx[:13], scale if wide else scale.astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(sums[:13], want.sum(axis=2))
+
+
 def test_quantize_q8_0_handles_all_zero_and_tie_values():
     x = np.zeros(64, np.float32)
     x[32:] = np.arange(32, dtype=np.float32) - 15.5  # scale 16.5/127: ties and near-ties

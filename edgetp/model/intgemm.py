@@ -1,31 +1,36 @@
-"""Prefill products on AVX-512 VNNI: Q4_0, Q4_1 and Q8_0 weights times int8 activations.
+"""Prefill products on AVX-512 VNNI: Q4_0, Q4_1 and Q8_0 weights times integer activations.
 
 Decode reads every weight once per token, so it is bound by memory (`vnni.py`,
 `kernels.py`). Prefill reuses each weight for every token of the batch, so it
 is bound by arithmetic. f32 sgemm peaks near 116 GFLOP/s on one core here, and
-the pair-layout VNNI tiles reached only 63-80 GOPS: every block costs an
-unpack, a conversion and two scale products per row and token.
+VNNI tiles with 16 columns per register reached only 63-80 GOPS: every block
+cost an unpack, a conversion and two scale products per row and token.
 
 Here the lanes of a register are 16 rows, not 16 columns. A panel of 16 rows
 is packed once per batch:
   q: per block, 4 (Q4_0/Q4_1: nibbles) or 8 (Q8_0: bytes) 64-byte vectors;
      vector g holds the g-th 4 bytes of the block for each of the 16 rows;
   d: per block, the 16 rows' scales (f32); Q4_1 also m, their offsets.
-One `vpdpbusd` then multiplies 4 columns of 16 rows by the same 4 int8
-activations, broadcast from memory. A block of 32 columns is 8 of them into
-one integer accumulator per token; only then is it converted and scaled, once
-per block for 16 rows: sum += float(acc) * dx[t, b] * d[b].
+One dot instruction then multiplies 4 (int8) or 2 (int16) columns of 16 rows
+by the same activations, broadcast from memory. A block of 32 columns goes
+into one integer accumulator per token; only then is it converted and scaled,
+once per block for 16 rows: sum += float(acc) * dx[t, b] * d[b].
 
-Activations are rounded to Q8_0 blocks exactly as in `vnni.quantize`
-(ggml's x86 quantize_row_q8_0), in natural order. vpdpbusd takes unsigned
-times signed bytes, so:
-  Q4_0  nibbles q (0..15) times x; the accumulator starts at -8 * sum(x)
-  Q8_0  weights stored as q + 128 (0..255); it starts at -128 * sum(x)
-  Q4_1  nibbles times x, starts at 0; the offset adds m[b] * dx * sum(x)
-which is ggml's arithmetic for Q4_0 x Q8_0, Q8_0 x Q8_0 and Q4_1 x Q8_1.
+Activations are rounded per block of 32 columns:
+  Q4_0  to int8 exactly as `vnni.quantize` does (ggml's x86 quantize_row_q8_0),
+        so prefill and decode agree with llama.cpp's arithmetic. `vpdpbusd`:
+        nibbles q (0..15) times x, the accumulator starts at -8 * sum(x).
+  Q4_1, Q8_0  to int16 (scale max|x| / 32767, f32), `vpdpwssd` on 16-bit
+        weight pairs unpacked from the panel in registers; Q4_1's offset adds
+        m[b] * dx * sum(x). Int8 activations flip SmolLM2's first answer
+        token (a 0.08-logit tie: "L'Etoile..." instead of "The capital of
+        France is Paris"), as they do in llama.cpp; 16 bits keep the logits
+        within 3e-4 of their spread of the exact math, and these types'
+        decode is exact f32.
 
-One core: ~270 GOPS for 256 tokens on 2048- and 8192-column shapes, against
-~80 for f32 sgemm on decoded tiles. The panel packing is ~1% of that.
+One core, 256 tokens, 2048- and 8192-column shapes: ~270 GOPS (int8) and
+~155 GOPS (int16), against ~80 for f32 sgemm on decoded tiles. Packing the
+panels is ~1% of that.
 """
 
 from __future__ import annotations

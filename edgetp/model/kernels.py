@@ -7,7 +7,8 @@ vectorize without reassociating a float reduction; rows are handed out to
 threads in chunks so lane scratch is allocated once per chunk, not per row.
 
 Prefill decodes a tile of rows into f32 scratch with `dequant_rows_serial`
-and multiplies it by all tokens at once (quant.matmul, via BLAS sgemm).
+and multiplies it by all tokens at once (quant.matmul, via BLAS sgemm), except
+for Q4_0, Q4_1 and Q8_0 on CPUs with AVX-512 VNNI (`intgemm.py`).
 
 F16 block scales are decoded by a 65536-entry float32 table passed in as
 `tab` (exact: every f16 value is representable in f32). F16/BF16 weight

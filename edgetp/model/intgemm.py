@@ -187,10 +187,9 @@ def _load_u32(typingctx, addr):
 
 
 @njit(**_OPTS)
-def _pack(w, r0, kind, tab, pq, pd, pm):
+def _pack(w, r0, kind, bsz, qoff, groups, tab, pq, pd, pm):
     """Rows r0..r0+15 of w (the last row repeated past the end) into a panel."""
     rows = w.shape[0]
-    bsz, qoff, groups = (18, 2, 4) if kind == Q4_0 else ((20, 4, 4) if kind == Q4_1 else (34, 2, 8))
     nb = w.shape[1] // bsz
     wa, st = w.ctypes.data, w.shape[1]
     for i in range(LANES):
@@ -206,10 +205,10 @@ def _pack(w, r0, kind, tab, pq, pd, pm):
 
 
 @njit(parallel=True, **_OPTS)
-def gemm(w, kind, tab, qx, dx, sums, n, out):
-    """out (n, rows) = x @ W.T for W in GGUF blocks of `kind`, x as quantize8/16 left it."""
+def gemm(w, kind, bsz, qoff, groups, tab, qx, dx, sums, n, out):
+    """out (n, rows) = x @ W.T for W in GGUF blocks of `kind` (its _LAYOUT after it),
+    x as quantize8/16 left it."""
     rows = w.shape[0]
-    bsz, groups = (18, 4) if kind == Q4_0 else ((20, 4) if kind == Q4_1 else (34, 8))
     nb = w.shape[1] // bsz
     xs, ds, os_ = qx.shape[1] * qx.itemsize, dx.shape[1] * 4, out.shape[1] * 4
     qa, da, sa, oa = qx.ctypes.data, dx.ctypes.data, sums.ctypes.data, out.ctypes.data
@@ -218,7 +217,7 @@ def gemm(w, kind, tab, qx, dx, sums, n, out):
         pd = np.empty((nb, LANES), np.float32)
         pm = np.empty((nb if kind == Q4_1 else 1, LANES), np.float32)
         r0 = p * LANES
-        _pack(w, r0, kind, tab, pq, pd, pm)
+        _pack(w, r0, kind, bsz, qoff, groups, tab, pq, pd, pm)
         m = min(LANES, rows - r0)
         a, b, c = pq.ctypes.data, pd.ctypes.data, pm.ctypes.data
         for t in range(0, n, NT):
@@ -287,7 +286,8 @@ def matmul(qtype: int, data: np.ndarray, tab: np.ndarray, xq: tuple[np.ndarray, 
            out: np.ndarray) -> None:
     """out (n, rows) = x @ W.T; xq = quantized(x, wide(qtype)), W's raw (rows, row_bytes) blocks."""
     qx, dx, sums = xq
-    gemm(data, KINDS[qtype], tab, qx, dx, sums, out.shape[0], out)
+    kind = KINDS[qtype]
+    gemm(data, kind, *_LAYOUT[kind], tab, qx, dx, sums, out.shape[0], out)
 
 
 def wide(qtype: int) -> bool:

@@ -158,7 +158,7 @@ class Batch:
     def __init__(self, x: np.ndarray) -> None:
         self.x = x
         self.shape = x.shape
-        self._rounded: dict[object, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._rounded: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def pairs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """vnni.quantized(x): the decode kernel's block-pair layout."""
@@ -168,9 +168,10 @@ class Batch:
 
     def ints(self, wide: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """intgemm.quantized(x, wide): the prefill kernels' layouts (int16 if wide, else int8)."""
-        if wide not in self._rounded:
-            self._rounded[wide] = intgemm.quantized(self.x, wide)
-        return self._rounded[wide]
+        key = "int16" if wide else "int8"
+        if key not in self._rounded:
+            self._rounded[key] = intgemm.quantized(self.x, wide)
+        return self._rounded[key]
 
 
 def matvec(w: Weight, x: np.ndarray | Batch, out: np.ndarray) -> None:
@@ -182,7 +183,7 @@ def matvec(w: Weight, x: np.ndarray | Batch, out: np.ndarray) -> None:
     if t == QT.Q8_0:
         K.matvec_q8_0(d, d.view(np.int8), _TAB16, x, out)
     elif t == QT.Q4_0 and vnni.available():
-        vnni.matvec_q4_0(d, *(batch.pairs() if batch is not None else vnni.quantized(x[None])), out)
+        vnni.matvec_q4_0(d, *(batch or Batch(x[None])).pairs(), out)
     elif t == QT.Q4_0:
         K.matvec_q4_0(d, _TAB16, x, out)
     elif t == QT.Q4_1:

@@ -100,9 +100,9 @@ def int8_only() -> None:
 
 @pytest.fixture(params=["float", "int8"])
 def int8_kernels(request, monkeypatch) -> str:
-    """Run a test once per kernel path: "float" (f32 activations, exact) and "int8"
-    (activations rounded to Q8_0 blocks, AVX-512 VNNI: Q4_0 decode, and Q4_0/Q4_1/Q8_0
-    prefill)."""
+    """Run a test once per kernel path: "float" (f32 activations, exact) and "int8",
+    the AVX-512 VNNI integer kernels: Q4_0 decode and prefill with activations rounded
+    to Q8_0 blocks, Q4_1/Q8_0 prefill with them rounded to 16 bits."""
     from edgetp.model import vnni  # noqa: PLC0415
 
     if request.param == "float":

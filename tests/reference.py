@@ -45,16 +45,12 @@ def greedy(path, ids: list[int], n: int) -> list[int]:
     return out
 
 
-def exact_logits(path, ids: list[int], q8_activations: bool = False) -> np.ndarray:
+def exact_logits(path, ids: list[int]) -> np.ndarray:
     """The forward pass written out in float64 numpy on gguf-py's dequantized weights.
 
     An independent statement of the llama math (RMSNorm, RoPE on adjacent pairs,
     GQA causal attention, SwiGLU) with no rounding of activations: the "exact"
     logits both engines approximate. (n, vocab) float64.
-
-    With q8_activations, the input of every product with a Q4_0 weight is first
-    rounded to Q8_0 blocks by gguf-py (quantize, then dequantize): the arithmetic
-    llama.cpp and our VNNI kernels use for Q4_0, still in float64 otherwise.
     """
     from gguf import GGUFReader, quants  # noqa: PLC0415
 
@@ -74,14 +70,6 @@ def exact_logits(path, ids: list[int], q8_activations: bool = False) -> np.ndarr
         return quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float64).reshape(
             [int(s) for s in reversed(t.shape.tolist())])
 
-    def mm(a, name):
-        """a @ W.T for the weight called name."""
-        if q8_activations and tensors[name].tensor_type == quants.GGMLQuantizationType.Q4_0:
-            a32 = np.ascontiguousarray(a, dtype=np.float32)
-            a = quants.dequantize(quants.quantize(a32, quants.GGMLQuantizationType.Q8_0),
-                                  quants.GGMLQuantizationType.Q8_0).astype(np.float64).reshape(a.shape)
-        return a @ weight(name).T
-
     def norm(x, w):
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
@@ -99,17 +87,18 @@ def exact_logits(path, ids: list[int], q8_activations: bool = False) -> np.ndarr
     for layer in range(meta[f"{arch}.block_count"]):
         p = f"blk.{layer}."
         h = norm(x, weight(p + "attn_norm.weight"))
-        q = rope(mm(h, p + "attn_q.weight"), nh)
-        k = rope(mm(h, p + "attn_k.weight"), nkv)
-        v = mm(h, p + "attn_v.weight").reshape(n, nkv, hd)
+        q = rope(h @ weight(p + "attn_q.weight").T, nh)
+        k = rope(h @ weight(p + "attn_k.weight").T, nkv)
+        v = (h @ weight(p + "attn_v.weight").T).reshape(n, nkv, hd)
         att = np.empty((n, nh, hd))
         for head in range(nh):
             kv = head // (nh // nkv)
             s = q[:, head] @ k[:, kv].T / np.sqrt(hd) + causal
             s = np.exp(s - s.max(1, keepdims=True))
             att[:, head] = (s / s.sum(1, keepdims=True)) @ v[:, kv]
-        x = x + mm(att.reshape(n, -1), p + "attn_output.weight")
+        x = x + att.reshape(n, -1) @ weight(p + "attn_output.weight").T
         h = norm(x, weight(p + "ffn_norm.weight"))
-        gate, up = mm(h, p + "ffn_gate.weight"), mm(h, p + "ffn_up.weight")
-        x = x + mm(gate / (1 + np.exp(-gate)) * up, p + "ffn_down.weight")
-    return mm(norm(x, weight("output_norm.weight")), "output.weight" if "output.weight" in tensors else "token_embd.weight")
+        gate, up = h @ weight(p + "ffn_gate.weight").T, h @ weight(p + "ffn_up.weight").T
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ weight(p + "ffn_down.weight").T
+    head = weight("output.weight") if "output.weight" in tensors else embd
+    return norm(x, weight("output_norm.weight")) @ head.T

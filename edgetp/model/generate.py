@@ -20,8 +20,8 @@ from edgetp.model.sampling import Candidates, SamplingParams
 from edgetp.model.tokenizer import Tokenizer
 
 # Tokens per prefill batch: bounds the activations' memory. Measured here, sgemm on a
-# decoded 2048x2048 tile ran ~83 GFLOP/s for 256 tokens against ~71 for 128, and the
-# tile's decoding is shared by twice the tokens.
+# decoded 2048x2048 tile ran ~83 GFLOP/s for 256 tokens against ~71 for 128; a decoded
+# tile (or a packed integer panel, intgemm.py) is shared by twice the tokens.
 PREFILL_CHUNK = 256
 
 

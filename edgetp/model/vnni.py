@@ -67,23 +67,20 @@ def _at(builder, addr, offset, ty):
     return builder.inttoptr(addr, ty.as_pointer())
 
 
-def _emit_pair(builder, rows, xs, off36, off64, accs, full):
-    """One block pair of R rows against T tokens: returns the R*T updated accumulators.
+def _emit_pair(builder, rows, x, off36, off64, accs, full):
+    """One block pair of R rows against the token: returns the R updated accumulators.
 
-    rows: R row addresses; xs: T (qx, dx, cor) address triples; off36/off64: byte
+    rows: R row addresses; x: the token's (qx, dx, cor) addresses; off36/off64: byte
     offsets of this pair in a weight row / in the activation arrays. With full False
     only the first block is read (the second is taken as zero).
     """
     module = builder.module
     dpbusd = _decl(module, "llvm.x86.avx512.vpdpbusd.512", _V16I32, [_V16I32] * 3)
     fma = _decl(module, "llvm.fma.v16f32", _V16F, [_V16F] * 3)
-    tok = []
-    for qx, dx, cor in xs:
-        tok.append((
-            builder.load(_at(builder, builder.add(qx, off64), 0, _V16I32), align=1),
-            builder.load(_at(builder, builder.add(dx, off64), 0, _V16F), align=4),
-            builder.load(_at(builder, builder.add(cor, off64), 0, _V16I32), align=4),
-        ))
+    qx, dx, cor = x
+    xq = builder.load(_at(builder, builder.add(qx, off64), 0, _V16I32), align=1)
+    xd = builder.load(_at(builder, builder.add(dx, off64), 0, _V16F), align=4)
+    xc = builder.load(_at(builder, builder.add(cor, off64), 0, _V16I32), align=4)
     pair = _vec(_I32, [0] * 4 + [1] * 4 + [0] * 4 + [1] * 4)
     v16i8 = ir.VectorType(_I8, 16)
     new = []
@@ -103,26 +100,25 @@ def _emit_pair(builder, rows, xs, off36, off64, accs, full):
         lo = builder.and_(both, _vec(_I8, [15] * 32))
         hi = builder.lshr(both, _vec(_I8, [4] * 32))
         u = builder.bitcast(builder.shuffle_vector(lo, hi, _vec(_I32, range(64))), _V16I32)
-        for t, (xq, xd, xc) in enumerate(tok):
-            dot = builder.sitofp(builder.call(dpbusd, [xc, u, xq]), _V16F)
-            new.append(builder.call(fma, [dot, builder.fmul(dw, xd), accs[r * len(tok) + t]]))
+        dot = builder.sitofp(builder.call(dpbusd, [xc, u, xq]), _V16F)
+        new.append(builder.call(fma, [dot, builder.fmul(dw, xd), accs[r]]))
     return new
 
 
 @intrinsic
-def _dot_q4_0(typingctx, rows, qxs, dxs, cors, nb, out):
-    """out[r*T + t] = row r . token t, for R Q4_0 rows (addresses) and T quantized tokens.
+def _dot_q4_0(typingctx, rows, qx, dx, cor, nb, out):
+    """out[r] = row r . the token, for R Q4_0 rows (a tuple of addresses).
 
-    qxs/dxs/cors: T addresses of each token's permuted int8 values, dx and cor vectors;
-    nb: blocks per row; out: address of R*T f32.
+    qx/dx/cor: addresses of the token's permuted int8 values, dx and cor vectors;
+    nb: blocks per row; out: address of R f32.
     """
-    R, T = rows.count, qxs.count
-    sig = types.void(rows, qxs, dxs, cors, types.int64, types.int64)
+    R = rows.count
+    sig = types.void(rows, types.int64, types.int64, types.int64, types.int64, types.int64)
 
     def codegen(context, builder, signature, args):
-        rows_v, qxs_v, dxs_v, cors_v, nb_v, out_v = args
+        rows_v, qx_v, dx_v, cor_v, nb_v, out_v = args
         rows_a = [builder.extract_value(rows_v, i) for i in range(R)]
-        xs = [tuple(builder.extract_value(v, t) for v in (qxs_v, dxs_v, cors_v)) for t in range(T)]
+        xs = (qx_v, dx_v, cor_v)
         zero = ir.Constant(_V16F, None)
         npairs = builder.ashr(nb_v, ir.Constant(_I64, 1))
         entry = builder.block
@@ -134,7 +130,7 @@ def _dot_q4_0(typingctx, rows, qxs, dxs, cors, nb, out):
 
         builder.position_at_end(loop)
         k = builder.phi(_I64)
-        accs = [builder.phi(_V16F) for _ in range(R * T)]
+        accs = [builder.phi(_V16F) for _ in range(R)]
         new = _emit_pair(builder, rows_a, xs, builder.mul(k, ir.Constant(_I64, 36)),
                          builder.mul(k, ir.Constant(_I64, 64)), accs, True)
         k1 = builder.add(k, ir.Constant(_I64, 1))
@@ -146,7 +142,7 @@ def _dot_q4_0(typingctx, rows, qxs, dxs, cors, nb, out):
         builder.cbranch(builder.icmp_signed("<", k1, npairs), loop, after)
 
         builder.position_at_end(after)
-        mid = [builder.phi(_V16F) for _ in range(R * T)]
+        mid = [builder.phi(_V16F) for _ in range(R)]
         for m, n in zip(mid, new):
             m.add_incoming(zero, entry)
             m.add_incoming(n, loop)
@@ -159,7 +155,7 @@ def _dot_q4_0(typingctx, rows, qxs, dxs, cors, nb, out):
         builder.branch(done)
 
         builder.position_at_end(done)
-        fin = [builder.phi(_V16F) for _ in range(R * T)]
+        fin = [builder.phi(_V16F) for _ in range(R)]
         for f, m, n in zip(fin, mid, last):
             f.add_incoming(m, after)
             f.add_incoming(n, tail)
@@ -268,9 +264,7 @@ def matvec_q4_0(w, qx, dx, cor, out):
     rows = w.shape[0]
     nb = w.shape[1] // 18
     wa, st = w.ctypes.data, w.shape[1]
-    xa = (qx.ctypes.data,)
-    da = (dx.ctypes.data,)
-    ca = (cor.ctypes.data,)
+    xa, da, ca = qx.ctypes.data, dx.ctypes.data, cor.ctypes.data
     for c in prange(spans(rows)):
         res = np.empty(4, np.float32)
         for r in range(c * 4 * SPREAD, min(rows, c * 4 * SPREAD + SPREAD)):

@@ -33,8 +33,9 @@ from hypothesis.extra import numpy as hnp
 
 from edgetp.model import quant as Q
 
-TYPES = [QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q6_K]
-QUANTIZED = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q6_K]
+QUANTIZED = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.IQ4_NL,
+             QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS]  # fmt: skip
+TYPES = [QT.F32, QT.F16, QT.BF16, *QUANTIZED]
 REL_TOL = 2e-4
 
 
@@ -47,8 +48,12 @@ def random_raw(qt: QT, rows: int, cols: int, seed: int = 0) -> np.ndarray:
         return np.ascontiguousarray(raw).view(np.uint8).reshape(rows, -1)
     bs, ts = GGML_QUANT_SIZES[qt]
     raw = rng.integers(0, 256, size=(rows, cols // bs, ts), dtype=np.uint8)
+    # (byte offset of an f16 field in the block, low, high): d, and m / dmin where the type has one
     fields = {QT.Q8_0: [(0, -0.1, 0.1)], QT.Q4_0: [(0, -0.1, 0.1)], QT.Q4_1: [(0, 0, 0.1), (2, -1, 1)],
-              QT.Q4_K: [(0, 0, 0.01), (2, 0, 0.01)], QT.Q6_K: [(208, -0.01, 0.01)]}[qt]  # fmt: skip
+              QT.Q5_0: [(0, -0.1, 0.1)], QT.Q5_1: [(0, 0, 0.1), (2, -1, 1)], QT.IQ4_NL: [(0, -0.01, 0.01)],
+              QT.Q2_K: [(80, 0, 0.01), (82, 0, 0.01)], QT.Q3_K: [(108, -0.01, 0.01)],
+              QT.Q4_K: [(0, 0, 0.01), (2, 0, 0.01)], QT.Q5_K: [(0, 0, 0.01), (2, 0, 0.01)],
+              QT.Q6_K: [(208, -0.01, 0.01)], QT.IQ4_XS: [(0, -0.01, 0.01)]}[qt]  # fmt: skip
     for off, lo, hi in fields:
         f16 = rng.uniform(lo, hi, size=(rows, cols // bs)).astype(np.float16)
         raw[..., off : off + 2] = f16.view(np.uint8).reshape(rows, cols // bs, 2)
@@ -240,7 +245,8 @@ def test_slice_cols_rejects_bounds_that_split_a_block(qt):
 
 
 def test_block_size_per_type():
-    assert [Q.block_size(int(t)) for t in TYPES] == [1, 1, 1, 32, 32, 32, 256, 256]
+    # ggml's block sizes: 32 for the legacy types and IQ4_NL, 256 for the K-quants and IQ4_XS
+    assert [Q.block_size(int(t)) for t in TYPES] == [1, 1, 1] + [32] * 6 + [256] * 6
 
 
 @pytest.mark.parametrize("qt", [QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
@@ -261,7 +267,7 @@ def test_repack_keeps_values_bit_identical_and_products_correct(qt):
     assert_product_close(outm, ref, x)
 
 
-@pytest.mark.parametrize("qt", [QT.F32, QT.F16, QT.BF16, QT.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", [t for t in TYPES if t not in (QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q6_K)], ids=lambda t: t.name)
 def test_repack_returns_types_it_does_not_widen_unchanged(qt):
     w, _ = weight(qt)
     assert Q.repack(w) is w
@@ -318,7 +324,7 @@ def test_quantize_q8_0_handles_all_zero_and_tie_values():
         Q.quantize_q8_0(np.zeros(33, np.float32))
 
 
-@pytest.mark.parametrize("qt", [QT.Q5_K, QT.IQ2_XXS, QT.Q5_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", [QT.IQ2_XXS, QT.TQ1_0, QT.IQ3_S], ids=lambda t: t.name)
 def test_unsupported_type_raises_naming_the_type(qt):
     class FakeTensor:  # the attributes weight_from_gguf reads from a gguf ReaderTensor
         name = "blk.0.ffn_up.weight"

@@ -6,9 +6,10 @@ keep one accumulator per lane of a block (32 or 16 lanes) so LLVM can
 vectorize without reassociating a float reduction; rows are handed out to
 threads in chunks so lane scratch is allocated once per chunk, not per row.
 
-Prefill decodes a tile of rows into f32 scratch with `dequant_rows_serial`
-and multiplies it by all tokens at once (quant.matmul, via BLAS sgemm), except
-for Q4_0, Q4_1 and Q8_0 on CPUs with AVX-512 VNNI (`intgemm.py`).
+Prefill decodes a tile of rows into f32 scratch with `deq.dequant_rows_serial`
+(every block type, bit-identical to gguf-py; in `deq.py`) and multiplies it by
+all tokens at once (quant.matmul, via BLAS sgemm), except for Q4_0, Q4_1 and
+Q8_0 on CPUs with AVX-512 VNNI (`intgemm.py`).
 
 F16 block scales are decoded by a 65536-entry float32 table passed in as
 `tab` (exact: every f16 value is representable in f32). F16/BF16 weight
@@ -41,12 +42,6 @@ def f16_table() -> np.ndarray:
 def bf16_table() -> np.ndarray:
     """f32 value of every bf16 bit pattern, shape (65536,)."""
     return (np.arange(65536, dtype=np.uint32) << np.uint32(16)).view(np.float32)
-
-
-@njit(inline="always", **_OPTS)
-def _h(row, off, tab):
-    """f16 at byte offset `off` of a uint8 row, as f32."""
-    return tab[np.int64(row[off]) | (np.int64(row[off + 1]) << 8)]
 
 
 # ---------------------------------------------------------------- decode
@@ -447,108 +442,6 @@ def matvec_a8(w, wf, x, out):
                     acc[0, l] += (a0 * xv) * np.float32(np.int32(w[r, b * 32 + l]))
                     acc[1, l] += (a1 * xv) * np.float32(np.int32(w[s, b * 32 + l]))
             _store2(acc, t0, t1, out, r, rows)
-
-
-# ---------------------------------------------------------------- dequantize one row
-# Same float operations, in the same order, as gguf-py's numpy dequantizers, and
-# no FMA contraction, so results are bit-identical to that reference.
-
-
-@njit(**_OPTS)
-def deq_row(kind, ru, tab16, tabbf, dst):
-    # ru: (row_bytes,) uint8 -> dst: (cols,) f32; kind is the qtype code
-    cols = dst.shape[0]
-    if kind == 0:  # F32
-        dst[:] = ru.view(np.float32)
-    elif kind == 1 or kind == 30:  # F16 / BF16
-        tab = tab16 if kind == 1 else tabbf
-        h = ru.view(np.uint16)
-        for k in range(cols):
-            dst[k] = tab[h[k]]
-    elif kind == 8:  # Q8_0
-        qi = ru.view(np.int8)
-        for b in range(cols // 32):
-            d = _h(ru, b * 34, tab16)
-            for l in range(32):
-                dst[b * 32 + l] = np.float32(qi[b * 34 + 2 + l]) * d
-    elif kind == 2 or kind == 3:  # Q4_0 / Q4_1
-        bs = 18 if kind == 2 else 20
-        for b in range(cols // 32):
-            o = b * bs
-            d = _h(ru, o, tab16)
-            if kind == 2:
-                for l in range(16):
-                    q = ru[o + 2 + l]
-                    dst[b * 32 + l] = d * np.float32(np.int32(q & 15) - 8)
-                    dst[b * 32 + 16 + l] = d * np.float32(np.int32(q >> 4) - 8)
-            else:
-                m = _h(ru, o + 2, tab16)
-                for l in range(16):
-                    q = ru[o + 4 + l]
-                    dst[b * 32 + l] = d * np.float32(q & 15) + m
-                    dst[b * 32 + 16 + l] = d * np.float32(q >> 4) + m
-    elif kind == 12:  # Q4_K
-        w2 = ru.reshape((1, ru.shape[0]))
-        for b in range(cols // 256):
-            o = b * 144
-            d = _h(ru, o, tab16)
-            dmin = _h(ru, o + 2, tab16)
-            for j in range(8):
-                sc, mn = _q4k_scale_min(w2, 0, o, j)
-                dj = d * sc
-                mj = dmin * mn
-                qo = o + 16 + (j // 2) * 32
-                sh = 4 * (j % 2)
-                for l in range(32):
-                    dst[b * 256 + j * 32 + l] = dj * np.float32((ru[qo + l] >> sh) & 15) - mj
-    elif kind == 14:  # Q6_K
-        for b in range(cols // 256):
-            o = b * 210
-            d = _h(ru, o + 208, tab16)
-            for h in range(2):
-                for g in range(4):
-                    for l in range(32):
-                        e = h * 128 + 32 * g + l
-                        q = ((ru[o + h * 64 + (g % 2) * 32 + l] >> (4 * (g // 2))) & 15) | (
-                            ((ru[o + 128 + h * 32 + l] >> (2 * g)) & 3) << 4
-                        )
-                        dd = d * np.float32(np.int8(ru[o + 192 + e // 16]))
-                        dst[b * 256 + e] = dd * np.float32(np.int32(q) - 32)
-    elif kind == 1000 or kind == 1001:  # repacked int8 + f32 scale per g
-        q = ru.view(np.int8)  # q[0:cols]
-        s = ru.view(np.float32)  # scales at s[cols//4 :]
-        if kind == 1000:  # one scale per 32
-            for j in range(cols // 32):
-                sj = s[cols // 4 + j]
-                for l in range(32):
-                    dst[j * 32 + l] = sj * np.float32(q[j * 32 + l])
-        else:  # one scale per 16
-            for j in range(cols // 16):
-                sj = s[cols // 4 + j]
-                for l in range(16):
-                    dst[j * 16 + l] = sj * np.float32(q[j * 16 + l])
-    elif kind == 1002:  # repacked uint8 + f32 scale + f32 offset per 32
-        nb = cols // 32
-        sm = ru.view(np.float32)  # scales at sm[cols//4 :], offsets after them
-        for j in range(nb):
-            sj = sm[cols // 4 + j]
-            mj = sm[cols // 4 + nb + j]
-            for l in range(j * 32, j * 32 + 32):
-                dst[l] = sj * np.float32(ru[l]) + mj
-
-
-@njit(parallel=True, **_OPTS)
-def dequant_rows(kind, w, tab16, tabbf, out):
-    # w: (n, row_bytes) uint8 -> out: (n, cols) f32
-    for r in prange(w.shape[0]):
-        deq_row(kind, w[r], tab16, tabbf, out[r])
-
-
-@njit(**_OPTS)
-def dequant_rows_serial(kind, w, tab16, tabbf, out):
-    # as dequant_rows, on the calling thread (prefill workers run one each)
-    for r in range(w.shape[0]):
-        deq_row(kind, w[r], tab16, tabbf, out[r])
 
 
 @njit(**_OPTS)

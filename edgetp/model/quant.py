@@ -2,7 +2,8 @@
 
 A `Weight` is a (rows, row_bytes) uint8 view of the bytes exactly as the
 GGUF file stores them (usually a read-only memmap), tagged with its qtype.
-Kernels in `kernels.py` compute on those bytes directly.
+Kernels in `kernels.py` compute on those bytes directly; `deq.py` dequantizes
+rows of any type (prefill, and products of types without a decode kernel).
 
 Block formats (ggml), per row of `cols` values:
   F32 / F16 / BF16   1 value per "block", 4 / 2 / 2 bytes
@@ -10,8 +11,17 @@ Block formats (ggml), per row of `cols` values:
   Q4_0   32 values, 18 B: f16 d, 16 B nibbles              value (q-8)*d
   Q4_1   32 values, 20 B: f16 d, f16 m, 16 B nibbles       value q*d + m
          (nibbles: value j<16 is the low nibble of byte j, j>=16 the high nibble of byte j-16)
+  Q5_0   32 values, 22 B: f16 d, u32 qh, 16 B nibbles    value (q-16)*d, q = nibble | qh bit << 4
+  Q5_1   32 values, 24 B: f16 d, f16 m, u32 qh, nibbles   value q*d + m
+  IQ4_NL 32 values, 18 B: f16 d, 16 B nibbles             value d*kvalues[q] (a 16-entry code book)
+  Q2_K  256 values,  84 B: 4-bit scales/mins[16], 2-bit q 64 B, f16 d, f16 dmin
+  Q3_K  256 values, 110 B: hmask 32 B, 2-bit q 64 B, 12 B 6-bit scales, f16 d
   Q4_K  256 values, 144 B: f16 d, f16 dmin, 12 B 6-bit scales/mins, 128 B nibbles
+  Q5_K  256 values, 176 B: as Q4_K plus qh 32 B (the 5th bits)
   Q6_K  256 values, 210 B: ql 128 B, qh 64 B, int8 scales[16], f16 d
+  IQ4_XS 256 values, 136 B: f16 d, 6-bit scales (u16 high bits, 4 B low), 128 B code-book nibbles
+  (exact layouts in deq.py; K-quants and IQ4_XS need widths that are multiples of 256,
+  which is why llama.cpp writes 576-wide SmolLM2 tensors of a Q4_K_M file as Q5_0/Q8_0/IQ4_NL)
 
 Repacked layouts (ours, codes >= 1000), one row = [q bytes (cols)] [f32 arrays]:
   Q8S32  int8 q, f32 scale per 32            (from Q4_0)
@@ -41,6 +51,7 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
+from edgetp.model import deq as D  # noqa: E402
 from edgetp.model import intgemm, vnni  # noqa: E402
 from edgetp.model import kernels as K  # noqa: E402
 
@@ -56,8 +67,15 @@ _BLOCK = {
     QT.Q8_0: (32, 34),
     QT.Q4_0: (32, 18),
     QT.Q4_1: (32, 20),
+    QT.Q5_0: (32, 22),
+    QT.Q5_1: (32, 24),
+    QT.IQ4_NL: (32, 18),
+    QT.Q2_K: (256, 84),
+    QT.Q3_K: (256, 110),
     QT.Q4_K: (256, 144),
+    QT.Q5_K: (256, 176),
     QT.Q6_K: (256, 210),
+    QT.IQ4_XS: (256, 136),
     Q8S32: (32, 36),
     Q8S16: (16, 20),
     U8A32: (32, 40),
@@ -89,7 +107,7 @@ def _check(qtype: int) -> None:
 
 
 def block_size(qtype: int) -> int:
-    """Values per block: 1 for float types, 32 (16 for Q8S16), 256 for K-quants."""
+    """Values per block: 1 for float types, 32 (16 for Q8S16), 256 for K-quants and IQ4_XS."""
     _check(qtype)
     return _BLOCK[qtype][0]
 
@@ -202,8 +220,18 @@ def matvec(w: Weight, x: np.ndarray | Batch, out: np.ndarray) -> None:
         K.matvec_s8(d.view(np.int8), d.view(np.float32), _BLOCK[t][0], x, out)
     elif t == U8A32:
         K.matvec_a8(d, d.view(np.float32), x, out)
-    else:  # pragma: no cover - _check in Weight rules this out
-        _check(t)
+    else:  # no decode kernel for this type: dequantize tiles of rows, then sgemv (correct, not fast)
+        _matvec_dequant(w, x, out)
+
+
+def _matvec_dequant(w: Weight, x: np.ndarray, out: np.ndarray) -> None:
+    tile = max(1, min(w.rows, _SCRATCH_BYTES // (4 * w.cols)))
+    scratch = np.empty((tile, w.cols), np.float32)  # (tile, cols) decoded rows of W
+    _openblas_single_thread()
+    for r0 in range(0, w.rows, tile):
+        r1 = min(w.rows, r0 + tile)
+        D.dequant_rows(int(w.qtype), w.data[r0:r1], _TAB16, _TABBF, scratch[: r1 - r0])
+        np.matmul(scratch[: r1 - r0], x, out=out[r0:r1])
 
 
 _SCRATCH_BYTES = 2 << 20  # f32 tile of W decoded per step (sgemm is fastest from ~128 rows)
@@ -249,7 +277,7 @@ def _matmul_tiles(w: Weight, x: np.ndarray, out: np.ndarray, starts, tile: int) 
     scratch = np.empty((tile, w.cols), np.float32)  # (tile, cols) decoded rows of W
     for r0 in starts:
         r1 = min(w.rows, r0 + tile)
-        K.dequant_rows_serial(int(w.qtype), w.data[r0:r1], _TAB16, _TABBF, scratch[: r1 - r0])
+        D.dequant_rows_serial(int(w.qtype), w.data[r0:r1], _TAB16, _TABBF, scratch[: r1 - r0])
         np.matmul(x, scratch[: r1 - r0].T, out=out[:, r0:r1])
 
 
@@ -272,7 +300,7 @@ def _openblas_single_thread() -> None:
 def dequantize_rows(w: Weight, start: int, stop: int) -> np.ndarray:
     """Rows start..stop of W as f32 (stop-start, cols), bit-identical to gguf-py."""
     out = np.empty((stop - start, w.cols), np.float32)
-    K.dequant_rows(int(w.qtype), w.data[start:stop], _TAB16, _TABBF, out)
+    D.dequant_rows(int(w.qtype), w.data[start:stop], _TAB16, _TABBF, out)
     return out
 
 
@@ -409,5 +437,5 @@ def quantize_q8_0(x: np.ndarray) -> np.ndarray:
 def dequantize_q8_0(buf: np.ndarray, n: int) -> np.ndarray:
     """(n//32*34,) uint8 Q8_0 blocks -> f32 (n,)."""
     out = np.empty((1, n), np.float32)
-    K.dequant_rows(int(QT.Q8_0), np.frombuffer(buf, np.uint8).reshape(1, -1), _TAB16, _TABBF, out)
+    D.dequant_rows(int(QT.Q8_0), np.frombuffer(buf, np.uint8).reshape(1, -1), _TAB16, _TABBF, out)
     return out[0]

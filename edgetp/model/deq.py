@@ -1,0 +1,275 @@
+"""Dequantize rows of GGUF blocks (and our repacked layouts) to f32.
+
+Same float operations, in the same order, as gguf-py's numpy dequantizers
+(`gguf.quants.dequantize`), and no FMA contraction (no fastmath here), so the
+results are bit-identical to that reference. F16 scales go through the exact
+65536-entry table `tab16` (see kernels.f16_table).
+
+Prefill (quant.matmul) decodes tiles of rows with `dequant_rows_serial` and
+multiplies them by sgemm; quant.matvec does the same for types without a
+dedicated decode kernel. Every njit function these call lives in this module:
+numba's on-disk cache only notices edits to the file a function is defined in.
+
+Block layouts, per 32 or 256 values (byte offsets; `nib` = 16 bytes of
+nibbles, value j<16 the low nibble of byte j, j>=16 the high nibble of byte j-16):
+  Q4_0   18 B: d@0, nib@2                               (q-8)*d
+  Q4_1   20 B: d@0, m@2, nib@4                          d*q + m
+  Q5_0   22 B: d@0, qh u32@2 (bit j = 5th bit of j), nib@6    d*(q-16)
+  Q5_1   24 B: d@0, m@2, qh u32@4, nib@8                d*q + m
+  Q8_0   34 B: d@0, int8 q@2                            q*d
+  IQ4_NL 18 B: d@0, nib@2                               d*KVALUES[q]
+  Q2_K   84 B: scales[16]@0 (lo 4 bits scale, hi 4 min), qs[64]@16, d@80, dmin@82
+  Q3_K  110 B: hmask[32]@0, qs[64]@32, 12 B packed 6-bit scales@96, d@108
+  Q4_K  144 B: d@0, dmin@2, 12 B packed 6-bit scales/mins@4, qs[128]@16
+  Q5_K  176 B: d@0, dmin@2, 12 B scales/mins@4, qh[32]@16, qs[128]@48
+  Q6_K  210 B: ql[128]@0, qh[64]@128, int8 scales[16]@192, d@208
+  IQ4_XS 136 B: d@0, scales_h u16@2, scales_l[4]@4, qs[128]@8
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+_OPTS = dict(cache=True, nogil=True)
+
+# IQ4_NL / IQ4_XS non-linear 4-bit code book (ggml's kvalues_iq4nl)
+KVALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+
+
+@njit(inline="always", **_OPTS)
+def _h(ru, off, tab):
+    """f16 at byte offset `off` of a uint8 row, as f32."""
+    return tab[np.int64(ru[off]) | (np.int64(ru[off + 1]) << 8)]
+
+
+@njit(inline="always", **_OPTS)
+def _nib(ru, q, j):
+    # value j (0..31) of the 16 nibble bytes at ru[q:q+16]
+    return np.int32(ru[q + j] & 15) if j < 16 else np.int32(ru[q + j - 16] >> 4)
+
+
+@njit(inline="always", **_OPTS)
+def _u32(ru, off):
+    return (np.uint32(ru[off]) | (np.uint32(ru[off + 1]) << 8)
+            | (np.uint32(ru[off + 2]) << 16) | (np.uint32(ru[off + 3]) << 24))  # fmt: skip
+
+
+@njit(inline="always", **_OPTS)
+def scale_min_k4(ru, p, j):
+    # 6-bit scale and min of sub-block j (0..7) of Q4_K/Q5_K, packed in the 12 bytes at ru[p:p+12]
+    if j < 4:
+        sc = ru[p + j] & 63
+        mn = ru[p + 4 + j] & 63
+    else:
+        sc = (ru[p + 4 + j] & 15) | ((ru[p + j - 4] >> 6) << 4)
+        mn = (ru[p + 4 + j] >> 4) | ((ru[p + j] >> 6) << 4)
+    return np.float32(sc), np.float32(mn)
+
+
+# ---------------------------------------------------------------- 32-value blocks
+
+
+@njit(**_OPTS)
+def _q4(ru, tab16, dst, with_min):
+    # Q4_0 (with_min False) / Q4_1 (True)
+    bs = 20 if with_min else 18
+    for b in range(dst.shape[0] // 32):
+        o = b * bs
+        d = _h(ru, o, tab16)
+        if with_min:
+            m = _h(ru, o + 2, tab16)
+            for j in range(32):
+                dst[b * 32 + j] = d * np.float32(_nib(ru, o + 4, j)) + m
+        else:
+            for j in range(32):
+                dst[b * 32 + j] = d * np.float32(_nib(ru, o + 2, j) - 8)
+
+
+@njit(**_OPTS)
+def _q5(ru, tab16, dst, with_min):
+    # Q5_0 (with_min False): d*(q-16); Q5_1 (True): d*q + m. q = nibble | (bit j of qh) << 4
+    bs = 24 if with_min else 22
+    hq = 4 if with_min else 2  # offset of qh; nibbles follow it
+    for b in range(dst.shape[0] // 32):
+        o = b * bs
+        d = _h(ru, o, tab16)
+        qh = _u32(ru, o + hq)
+        m = _h(ru, o + 2, tab16) if with_min else np.float32(0.0)
+        for j in range(32):
+            q = _nib(ru, o + hq + 4, j) | np.int32(((qh >> np.uint32(j)) & np.uint32(1)) << np.uint32(4))
+            if with_min:
+                dst[b * 32 + j] = d * np.float32(q) + m
+            else:
+                dst[b * 32 + j] = d * np.float32(q - 16)
+
+
+@njit(**_OPTS)
+def _iq4_nl(ru, tab16, dst):
+    for b in range(dst.shape[0] // 32):
+        o = b * 18
+        d = _h(ru, o, tab16)
+        for j in range(32):
+            dst[b * 32 + j] = d * KVALUES[_nib(ru, o + 2, j)]
+
+
+# ---------------------------------------------------------------- 256-value blocks
+# In Q2_K and Q3_K, 2-bit value e of a block (0..255) sits in half h = e//128 at bit
+# pair g = (e%128)//32 of byte qs[h*32 + e%32]; Q3_K's high bit is bit e//32 of
+# hmask[e%32]. Sub-block scales cover 16 values (Q2_K, Q3_K, Q6_K) or 32 (the rest).
+
+
+@njit(**_OPTS)
+def _q2_k(ru, tab16, dst):
+    for b in range(dst.shape[0] // 256):
+        o = b * 84
+        d = _h(ru, o + 80, tab16)
+        dmin = _h(ru, o + 82, tab16)
+        for s in range(16):
+            dl = d * np.float32(ru[o + s] & 15)
+            ml = dmin * np.float32(ru[o + s] >> 4)
+            for i in range(16):
+                e = s * 16 + i
+                q = (ru[o + 16 + (e // 128) * 32 + e % 32] >> (2 * ((e % 128) // 32))) & 3
+                dst[b * 256 + e] = dl * np.float32(q) - ml
+
+
+@njit(**_OPTS)
+def _q3_k(ru, tab16, dst):
+    # 6-bit scale s (0..15): low 4 bits from byte s%8 (>>4 for s>=8), high 2 bits from
+    # byte 8 + s%4 at bit 2*(s//4); value = d*(scale-32) * (q2 - 4*(1 - hbit))
+    for b in range(dst.shape[0] // 256):
+        o = b * 110
+        d = _h(ru, o + 108, tab16)
+        p = o + 96
+        for s in range(16):
+            lo = (ru[p + s % 8] >> (4 * (s // 8))) & 15
+            hi = (ru[p + 8 + s % 4] >> (2 * (s // 4))) & 3
+            dl = d * np.float32(np.int32(lo | (hi << 4)) - 32)
+            for i in range(16):
+                e = s * 16 + i
+                q2 = np.int32((ru[o + 32 + (e // 128) * 32 + e % 32] >> (2 * ((e % 128) // 32))) & 3)
+                hbit = np.int32((ru[o + e % 32] >> (e // 32)) & 1)
+                dst[b * 256 + e] = dl * np.float32(q2 - ((hbit ^ 1) << 2))
+
+
+@njit(**_OPTS)
+def _q45_k(ru, tab16, dst, five):
+    # Q4_K (five False) / Q5_K (True). Sub-block j (32 values): q = (qs[(j//2)*32 + l] >> 4*(j%2)) & 15,
+    # plus (bit j of qh[l]) << 4 for Q5_K; value = (d*sc_j)*q - dmin*m_j
+    bs = 176 if five else 144
+    qo = 48 if five else 16
+    for b in range(dst.shape[0] // 256):
+        o = b * bs
+        d = _h(ru, o, tab16)
+        dmin = _h(ru, o + 2, tab16)
+        for j in range(8):
+            sc, mn = scale_min_k4(ru, o + 4, j)
+            dj = d * sc
+            mj = dmin * mn
+            for l in range(32):
+                q = (ru[o + qo + (j // 2) * 32 + l] >> (4 * (j % 2))) & 15
+                if five:
+                    q |= ((ru[o + 16 + l] >> j) & 1) << 4
+                dst[b * 256 + j * 32 + l] = dj * np.float32(q) - mj
+
+
+@njit(**_OPTS)
+def _q6_k(ru, tab16, dst):
+    # value e = h*128 + 32g + l: q = nibble (g//2) of ql[h*64 + (g%2)*32 + l] | bits 2g of qh[h*32 + l] << 4
+    for b in range(dst.shape[0] // 256):
+        o = b * 210
+        d = _h(ru, o + 208, tab16)
+        for h in range(2):
+            for g in range(4):
+                for l in range(32):
+                    e = h * 128 + 32 * g + l
+                    q = ((ru[o + h * 64 + (g % 2) * 32 + l] >> (4 * (g // 2))) & 15) | (
+                        ((ru[o + 128 + h * 32 + l] >> (2 * g)) & 3) << 4
+                    )
+                    dd = d * np.float32(np.int8(ru[o + 192 + e // 16]))
+                    dst[b * 256 + e] = dd * np.float32(np.int32(q) - 32)
+
+
+@njit(**_OPTS)
+def _iq4_xs(ru, tab16, dst):
+    # sub-block j (32 values): 6-bit scale = (scales_l[j//2] >> 4*(j%2)) & 15 | ((scales_h >> 2j) & 3) << 4;
+    # its values are the 16 nibble bytes at qs[j*16:], value = (d*(scale-32)) * KVALUES[q]
+    for b in range(dst.shape[0] // 256):
+        o = b * 136
+        d = _h(ru, o, tab16)
+        sh = np.int32(ru[o + 2]) | (np.int32(ru[o + 3]) << 8)
+        for j in range(8):
+            lo = np.int32((ru[o + 4 + j // 2] >> (4 * (j % 2))) & 15)
+            hi = (sh >> (2 * j)) & 3
+            dl = d * np.float32((lo | (hi << 4)) - 32)
+            for l in range(32):
+                dst[b * 256 + j * 32 + l] = dl * KVALUES[_nib(ru, o + 8 + j * 16, l)]
+
+
+# ---------------------------------------------------------------- rows
+
+
+@njit(**_OPTS)
+def deq_row(kind, ru, tab16, tabbf, dst):
+    # ru: (row_bytes,) uint8 -> dst: (cols,) f32; kind is the qtype code (GGML's, or ours >= 1000)
+    cols = dst.shape[0]
+    if kind == 0:  # F32
+        dst[:] = ru.view(np.float32)
+    elif kind == 1 or kind == 30:  # F16 / BF16
+        tab = tab16 if kind == 1 else tabbf
+        h = ru.view(np.uint16)
+        for k in range(cols):
+            dst[k] = tab[h[k]]
+    elif kind == 8:  # Q8_0
+        qi = ru.view(np.int8)
+        for b in range(cols // 32):
+            d = _h(ru, b * 34, tab16)
+            for l in range(32):
+                dst[b * 32 + l] = np.float32(qi[b * 34 + 2 + l]) * d
+    elif kind == 2 or kind == 3:  # Q4_0 / Q4_1
+        _q4(ru, tab16, dst, kind == 3)
+    elif kind == 6 or kind == 7:  # Q5_0 / Q5_1
+        _q5(ru, tab16, dst, kind == 7)
+    elif kind == 20:  # IQ4_NL
+        _iq4_nl(ru, tab16, dst)
+    elif kind == 10:  # Q2_K
+        _q2_k(ru, tab16, dst)
+    elif kind == 11:  # Q3_K
+        _q3_k(ru, tab16, dst)
+    elif kind == 12 or kind == 13:  # Q4_K / Q5_K
+        _q45_k(ru, tab16, dst, kind == 13)
+    elif kind == 14:  # Q6_K
+        _q6_k(ru, tab16, dst)
+    elif kind == 23:  # IQ4_XS
+        _iq4_xs(ru, tab16, dst)
+    elif kind == 1000 or kind == 1001:  # repacked int8 + f32 scale per g (32 or 16)
+        g = 32 if kind == 1000 else 16
+        q = ru.view(np.int8)  # q[0:cols]
+        s = ru.view(np.float32)  # scales at s[cols//4 :]
+        for j in range(cols // g):
+            sj = s[cols // 4 + j]
+            for l in range(g):
+                dst[j * g + l] = sj * np.float32(q[j * g + l])
+    elif kind == 1002:  # repacked uint8 + f32 scale + f32 offset per 32
+        nb = cols // 32
+        sm = ru.view(np.float32)  # scales at sm[cols//4 :], offsets after them
+        for j in range(nb):
+            sj = sm[cols // 4 + j]
+            mj = sm[cols // 4 + nb + j]
+            for l in range(j * 32, j * 32 + 32):
+                dst[l] = sj * np.float32(ru[l]) + mj
+
+
+@njit(parallel=True, **_OPTS)
+def dequant_rows(kind, w, tab16, tabbf, out):
+    # w: (n, row_bytes) uint8 -> out: (n, cols) f32
+    for r in prange(w.shape[0]):
+        deq_row(kind, w[r], tab16, tabbf, out[r])
+
+
+@njit(**_OPTS)
+def dequant_rows_serial(kind, w, tab16, tabbf, out):
+    # as dequant_rows, on the calling thread (prefill workers run one each)
+    for r in range(w.shape[0]):
+        deq_row(kind, w[r], tab16, tabbf, out[r])

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from edgetp import commands
+from edgetp.model import isa
 
 
 def _positive(text: str) -> int:
@@ -158,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.command in ("worker", "serve") or getattr(args, "local", False):
+            isa.require()  # a forced ISA this CPU lacks stops here, not with SIGILL in a kernel
         return args.func(args)
     except commands.client.ClientError as exc:
         print(f"edgetp: {exc}", file=sys.stderr)

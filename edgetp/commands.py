@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 
 from edgetp import client, store
-from edgetp.model import gguf, quant, sampling
+from edgetp.model import gguf, isa, quant, sampling
 from edgetp.model.generate import ContextError, LocalRunner, generate
 from edgetp.model.llama import ContextFull
 from edgetp.model.tokenizer import Tokenizer, UnsupportedTokenizer
@@ -32,6 +32,7 @@ class WorkerError(OSError):
 
 # Errors a user can cause; the CLI prints them as one line and exits non-zero.
 USER_ERRORS = (
+    isa.IsaError,
     gguf.GGUFError,
     store.StoreError,
     quant.UnsupportedTensorType,

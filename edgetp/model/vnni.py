@@ -17,8 +17,8 @@ of its magnitude (random 2048-column rows).
 numba cannot express `vpdpbusd`, so the inner loop is written as LLVM IR in a
 numba intrinsic. It only compiles where numba targets a CPU with AVX-512 VNNI;
 `available()` tries it once (compile, run, compare with a plain integer
-formula) and the float kernels stay in use everywhere else (ARM, older x86,
-NUMBA_CPU_NAME/NUMBA_CPU_FEATURES set) or when EDGETP_INT8=0.
+formula) and the float kernels stay in use everywhere else (any other ISA that
+isa.py chooses or EDGETP_ISA forces) or when EDGETP_INT8=0.
 
 Layout. Two Q4_0 blocks (2 x 18 B: f16 d, 16 B nibbles) fill one 64-byte
 register as [lo nibbles b0 | lo b1 | hi b0 | hi b1], i.e. values
@@ -41,6 +41,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from edgetp.model import isa
 from edgetp.model.kernels import SPREAD, partners, spans
 
 log = logging.getLogger(__name__)
@@ -300,18 +301,14 @@ def _probe() -> bool:
 
 
 def wanted() -> bool:
-    """True when the int8 kernels should run here: the CPU has AVX-512 VNNI, numba
-    compiles for this CPU, and EDGETP_INT8 is not 0. `available()` also probes them."""
+    """True when these AVX-512 VNNI kernels should run here: the ISA in use (isa.py,
+    EDGETP_ISA) is avx512vnni and EDGETP_INT8 is not 0. `available()` also probes them."""
     if os.environ.get("EDGETP_INT8", "1") == "0":
         return False
-    from llvmlite import binding
-    from numba.core import config
-
-    feats = binding.get_host_cpu_features()
-    if not all(feats.get(f) for f in ("avx512f", "avx512bw", "avx512vnni")):
+    try:
+        return isa.current() == "avx512vnni"
+    except isa.IsaError:  # the CLI refuses to start; anything else gets the float kernels
         return False
-    # numba compiling for another CPU than this one: LLVM would abort on vpdpbusd
-    return not (config.CPU_NAME or config.CPU_FEATURES)
 
 
 def checked(probe, what: str) -> bool:

@@ -31,10 +31,19 @@ TYPE_CASES = {
     "q8_0": ("tiny-odd", QT.Q8_0),
     "q4_0": ("tiny-odd", QT.Q4_0),
     "q4_1": ("tiny-odd", QT.Q4_1),
+    "q5_0": ("tiny-odd", QT.Q5_0),
+    "q5_1": ("tiny-odd", QT.Q5_1),
+    "iq4_nl": ("tiny-odd", QT.IQ4_NL),
+    "q2_k": ("tiny-k", QT.Q2_K),
+    "q3_k": ("tiny-k", QT.Q3_K),
     "q4_k": ("tiny-k", QT.Q4_K),
+    "q5_k": ("tiny-k", QT.Q5_K),
     "q6_k": ("tiny-k", QT.Q6_K),
+    "iq4_xs": ("tiny-k", QT.IQ4_XS),
 }
-FILE_TYPES = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_1": 3, "q4_k": 14, "q6_k": 18}
+# llama.cpp's llama_ftype codes (LLAMA_FTYPE_MOSTLY_*; Q3_K and Q5_K files are the "_S" kinds)
+FILE_TYPES = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_1": 3, "q5_0": 8, "q5_1": 9,
+              "iq4_nl": 25, "q2_k": 10, "q3_k": 11, "q4_k": 14, "q5_k": 16, "q6_k": 18, "iq4_xs": 30}
 
 
 def _fields(reader: gguf.GGUFReader) -> dict:

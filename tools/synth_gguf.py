@@ -47,8 +47,15 @@ TYPES: dict[str, tuple[QT, LlamaFileType]] = {
     "q8_0": (QT.Q8_0, LlamaFileType.MOSTLY_Q8_0),
     "q4_0": (QT.Q4_0, LlamaFileType.MOSTLY_Q4_0),
     "q4_1": (QT.Q4_1, LlamaFileType.MOSTLY_Q4_1),
+    "q5_0": (QT.Q5_0, LlamaFileType.MOSTLY_Q5_0),
+    "q5_1": (QT.Q5_1, LlamaFileType.MOSTLY_Q5_1),
+    "iq4_nl": (QT.IQ4_NL, LlamaFileType.MOSTLY_IQ4_NL),
+    "q2_k": (QT.Q2_K, LlamaFileType.MOSTLY_Q2_K),
+    "q3_k": (QT.Q3_K, LlamaFileType.MOSTLY_Q3_K_S),
     "q4_k": (QT.Q4_K, LlamaFileType.MOSTLY_Q4_K_S),
+    "q5_k": (QT.Q5_K, LlamaFileType.MOSTLY_Q5_K_S),
     "q6_k": (QT.Q6_K, LlamaFileType.MOSTLY_Q6_K),
+    "iq4_xs": (QT.IQ4_XS, LlamaFileType.MOSTLY_IQ4_XS),
 }
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -72,7 +79,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # head_dim * n_heads != dim (needs key_length/value_length).
     "tiny-headdim": dict(dim=128, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=32, ffn=256, vocab=512,
                          ctx=256, rope_theta=10000.0, tied=False),
-    # Every input width a multiple of 256, so K-quants (q4_k, q6_k) work.
+    # Every input width a multiple of 256, so K-quants and iq4_xs work.
     "tiny-k": dict(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn=512, vocab=640,
                    ctx=256, rope_theta=10000.0, tied=False),
 }
@@ -164,12 +171,98 @@ def _q6_k(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:
     return blocks
 
 
+def _signs(rng: np.random.Generator, n: int) -> np.ndarray:
+    return np.where(rng.integers(0, 2, n, dtype=np.uint8) == 1, 1.0, -1.0).astype(np.float32)
+
+
+def _q5_0(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:
+    # layout: d f16 | qh u32 | nibbles 16; value = d * (q - 16), q uniform 0..31:
+    # E[(q-16)^2] = 85.25 + 0.25; random sign of d
+    blocks = rng.integers(0, 256, (n_blocks, 22), dtype=np.uint8)
+    d = _block_scale(rng, n_blocks, std / np.sqrt(85.5 * _EU2)) * _signs(rng, n_blocks)
+    blocks[:, 0:2] = _f16_bytes(d)
+    return blocks
+
+
+def _q5_1(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:
+    # layout: d f16 | m f16 | qh u32 | nibbles 16; value = d*q + m with m = -15.5 d: E[...^2] = d^2 85.25
+    blocks = rng.integers(0, 256, (n_blocks, 24), dtype=np.uint8)
+    d = _block_scale(rng, n_blocks, std / np.sqrt(85.25 * _EU2))
+    blocks[:, 0:2] = _f16_bytes(d)
+    blocks[:, 2:4] = _f16_bytes(-15.5 * d)
+    return blocks
+
+
+_EKV2 = float(np.mean(np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.float64) ** 2))  # E[kvalue^2], q uniform
+
+
+def _iq4_nl(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:
+    # layout: d f16 | nibbles 16; value = d * kvalues[q]; the code book's mean is not 0,
+    # so d takes a random sign
+    blocks = rng.integers(0, 256, (n_blocks, 18), dtype=np.uint8)
+    d = _block_scale(rng, n_blocks, std / np.sqrt(_EKV2 * _EU2)) * _signs(rng, n_blocks)
+    blocks[:, 0:2] = _f16_bytes(d)
+    return blocks
+
+
+def _q2_k(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:
+    # layout: scales 16 (low nibble sc, high nibble m) | qs 64 | d f16 | dmin f16.
+    # value = d*sc*q - dmin*m, q in 0..3; with m = sc and dmin = 1.5 d: d*sc*(q - 1.5),
+    # zero mean, E[...^2] = d^2 E[sc^2] 1.25
+    blocks = rng.integers(0, 256, (n_blocks, 84), dtype=np.uint8)
+    sc = rng.integers(8, 16, (n_blocks, 16), dtype=np.uint8)
+    esc2 = float(np.mean(np.arange(8, 16, dtype=np.float64) ** 2))
+    blocks[:, 0:16] = sc | (sc << 4)
+    d = _block_scale(rng, n_blocks, std / np.sqrt(esc2 * 1.25 * _EU2))
+    blocks[:, 80:82] = _f16_bytes(d)
+    blocks[:, 82:84] = _f16_bytes(1.5 * d)
+    return blocks
+
+
+def _q3_k(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:
+    # layout: hmask 32 | qs 64 | scales 12 | d f16. value = d*(s - 32)*q with random 6-bit
+    # s (E[(s-32)^2] = 341.25 + 0.25) and q uniform in -4..3 (E[q^2] = 5.5)
+    blocks = rng.integers(0, 256, (n_blocks, 110), dtype=np.uint8)
+    d = _block_scale(rng, n_blocks, std / np.sqrt(341.5 * 5.5 * _EU2))
+    blocks[:, 108:110] = _f16_bytes(d)
+    return blocks
+
+
+def _q5_k(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:
+    # layout: d f16 | dmin f16 | scales 12 | qh 32 | qs 128; as Q4_K with q in 0..31:
+    # dmin = 15.5 d and m_j = sc_j give d*sc_j*(q - 15.5), E[...^2] = d^2 E[sc^2] 85.25
+    blocks = rng.integers(0, 256, (n_blocks, 176), dtype=np.uint8)
+    sc = rng.integers(32, 64, (n_blocks, 8), dtype=np.uint8)
+    esc2 = float(np.mean(np.arange(32, 64, dtype=np.float64) ** 2))
+    d = _block_scale(rng, n_blocks, std / np.sqrt(esc2 * 85.25 * _EU2))
+    blocks[:, 0:2] = _f16_bytes(d)
+    blocks[:, 2:4] = _f16_bytes(15.5 * d)
+    blocks[:, 4:16] = pack_q4_k_scales(sc, sc)
+    return blocks
+
+
+def _iq4_xs(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:
+    # layout: d f16 | scales_h u16 | scales_l 4 | qs 128; value = d*(s - 32)*kvalues[q],
+    # random 6-bit s: E[(s-32)^2] = 341.5
+    blocks = rng.integers(0, 256, (n_blocks, 136), dtype=np.uint8)
+    d = _block_scale(rng, n_blocks, std / np.sqrt(341.5 * _EKV2 * _EU2)) * _signs(rng, n_blocks)
+    blocks[:, 0:2] = _f16_bytes(d)
+    return blocks
+
+
 _BLOCK_GEN: dict[QT, Callable[[np.random.Generator, int, float], np.ndarray]] = {
     QT.Q8_0: _q8_0,
     QT.Q4_0: _q4_0,
     QT.Q4_1: _q4_1,
+    QT.Q5_0: _q5_0,
+    QT.Q5_1: _q5_1,
+    QT.IQ4_NL: _iq4_nl,
+    QT.Q2_K: _q2_k,
+    QT.Q3_K: _q3_k,
     QT.Q4_K: _q4_k,
+    QT.Q5_K: _q5_k,
     QT.Q6_K: _q6_k,
+    QT.IQ4_XS: _iq4_xs,
 }
 
 

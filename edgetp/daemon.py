@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from aiohttp import web
+from gguf import GGMLQuantizationType as QT
 
 from edgetp import store
 from edgetp.cluster import profile
@@ -157,7 +158,8 @@ async def serve_cluster(opts: ServeOptions, on_listening: Callable[[str], None] 
     if opts.threads:
         quant.set_threads(opts.threads)
     mf = await asyncio.to_thread(open_model, opts.model_path, opts.index_dir) if opts.model_path else None
-    me = await asyncio.to_thread(profile.profile, opts.threads)
+    # a node without the model (it fetches its slice later) times Q8_0, as the planner's unit
+    me = await asyncio.to_thread(profile.profile, opts.threads, 0.5, mf.dominant_type if mf else QT.Q8_0)
     node_id = opts.node_id or f"{socket.gethostname().split('.')[0]}-{uuid.uuid4().hex[:6]}"
     bus = EventBus()
     bus.add_listener(lambda r: status(r.message) if isinstance(r, events.ClusterEvent) else None)
@@ -281,7 +283,8 @@ class Roles:
 
     async def reprofile(self) -> PeerAdvert:
         """POST /v1/cluster/profile: measure again, announce it; the root re-plans before the next request."""
-        me = await asyncio.to_thread(profile.profile, self.opts.threads)
+        qtype = self.mf.dominant_type if self.mf else QT.Q8_0
+        me = await asyncio.to_thread(profile.profile, self.opts.threads, 0.5, qtype)
         advert = replace(self.membership.me, speed=me.speed, mem_free=me.mem_free)
         await self.membership.update_me(advert)
         return advert

@@ -1,7 +1,7 @@
 """How fast and how roomy this device is: the inputs of the planner.
 
-Speed is measured with the real decode kernel on a matrix the size of one
-FFN projection, so it reflects what this device will actually do per token:
+Speed is measured with the real decode kernel, on a matrix of the model's
+dominant weight type the size of one FFN projection, so it reflects what this device will actually do per token:
 weight bytes streamed through `quant.matvec` per second. Free memory comes
 from the kernel's own estimate (MemAvailable).
 """
@@ -26,13 +26,19 @@ class Profile:
     threads: int
 
 
-def random_q8_0(rows: int, cols: int, seed: int = 0) -> quant.Weight:
-    """A random Q8_0 matrix with finite scales (values are irrelevant to speed)."""
+def random_weight(qtype: int, rows: int, cols: int, seed: int = 0) -> quant.Weight:
+    """A random (rows, cols) matrix of any supported type, for timing only.
+
+    Quantized types get random bytes (the kernels' speed does not depend on the
+    values); float types get normal values, so no subnormal slows a product.
+    """
     rng = np.random.default_rng(seed)
-    blocks = rng.integers(-127, 128, size=(rows, cols // 32, 34), dtype=np.int8).view(np.uint8)
-    scale = np.full((rows, cols // 32), 0.01, np.float16).view(np.uint8).reshape(rows, cols // 32, 2)
-    blocks[:, :, :2] = scale
-    return quant.Weight(int(QT.Q8_0), rows, cols, np.ascontiguousarray(blocks.reshape(rows, -1)))
+    if qtype in (QT.F32, QT.F16, QT.BF16):
+        vals = rng.standard_normal((rows, cols)).astype(np.float32)
+        raw = {QT.F32: vals, QT.F16: vals.astype(np.float16), QT.BF16: (vals.view(np.uint32) >> 16).astype(np.uint16)}
+        return quant.Weight(int(qtype), rows, cols, np.ascontiguousarray(raw[QT(qtype)]).view(np.uint8))
+    data = rng.integers(0, 256, size=(rows, quant.row_bytes(qtype, cols)), dtype=np.uint8)
+    return quant.Weight(int(qtype), rows, cols, data)
 
 
 def measure_speed(w: quant.Weight | None = None, seconds: float = 0.5, max_runs: int = 5000) -> float:
@@ -42,17 +48,18 @@ def measure_speed(w: quant.Weight | None = None, seconds: float = 0.5, max_runs:
     (cgroup cpu.max, 100 ms periods) or a busy neighbour on the core must
     show up in the figure, as it will in every token.
     """
-    w = w or random_q8_0(DEFAULT_ROWS, DEFAULT_COLS)
+    w = w or random_weight(QT.Q8_0, DEFAULT_ROWS, DEFAULT_COLS)
     x = np.random.default_rng(1).standard_normal(w.cols).astype(np.float32)
     out = np.empty(w.rows, np.float32)
-    quant.matvec(w, x, out)  # compile / warm up
-    runs = 0
-    t0 = time.perf_counter()
-    while runs < max_runs:
-        quant.matvec(w, x, out)
-        runs += 1
-        if time.perf_counter() - t0 >= seconds:
-            break
+    with np.errstate(all="ignore"):  # random bytes decode to NaN and inf here and there
+        quant.matvec(w, x, out)  # compile / warm up
+        runs = 0
+        t0 = time.perf_counter()
+        while runs < max_runs:
+            quant.matvec(w, x, out)
+            runs += 1
+            if time.perf_counter() - t0 >= seconds:
+                break
     return w.nbytes * runs / (time.perf_counter() - t0)
 
 
@@ -64,9 +71,15 @@ def mem_available(meminfo: str = "/proc/meminfo") -> int:
     raise OSError(f"{meminfo} has no MemAvailable line")
 
 
-def profile(threads: int | None = None, seconds: float = 0.5) -> Profile:
-    import numba  # noqa: PLC0415
+def profile(threads: int | None = None, seconds: float = 0.5, qtype: int = QT.Q8_0) -> Profile:
+    """Speed at the thread count compute uses, on a layer-sized matrix of `qtype`.
 
+    qtype should be the model's dominant weight type (`ModelFile.dominant_type`):
+    kernels of different types run at different speeds, and not in the same ratio
+    on every CPU, so a plan sized by Q8_0 misjudges a Q4_K model on a mixed cluster.
+    """
     if threads:
         quant.set_threads(threads)
-    return Profile(measure_speed(seconds=seconds), mem_available(), numba.get_num_threads())
+    cols = DEFAULT_COLS - DEFAULT_COLS % quant.block_size(qtype)
+    w = random_weight(qtype, DEFAULT_ROWS, cols)
+    return Profile(measure_speed(w, seconds=seconds), mem_available(), quant.threads())

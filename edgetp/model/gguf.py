@@ -115,6 +115,15 @@ class ModelFile:
             raise GGUFError(f"{self.path}: vector {name!r} has type {t.tensor_type.name}, expected F32 or F16")
         return np.asarray(t.data).astype(np.float32).reshape(-1)
 
+    @cached_property
+    def dominant_type(self) -> int:
+        """The type that holds the most bytes of the layers' 2-D weights: what decode mostly reads."""
+        by_type: dict[int, int] = {}
+        for t in self.tensors.values():
+            if t.name.startswith("blk.") and len(t.shape) >= 2 and t.shape[1] > 1:
+                by_type[int(t.tensor_type)] = by_type.get(int(t.tensor_type), 0) + t.n_bytes
+        return max(by_type, key=by_type.__getitem__) if by_type else int(GGMLQuantizationType.F32)
+
     def _tensor(self, name: str) -> TensorInfo:
         try:
             return self.tensors[name]

@@ -34,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -153,8 +154,34 @@ def weight_from_gguf(tensor) -> Weight:
     return Weight(qtype, rows, cols, data)
 
 
-def set_threads(n: int) -> None:
-    numba.set_num_threads(n)
+_threads: int | None = None  # compute threads for every kernel call (set_threads); None: all cores
+_local = threading.local()  # the count numba was last told on each calling thread
+
+
+def set_threads(n: int | None) -> None:
+    """Compute threads for every kernel call from now on, whichever thread makes it.
+
+    numba's own count is per calling thread: set on the event-loop thread, it did
+    not reach the pool threads that run the kernels (`--threads 1` still used every
+    core). So the count is kept here and applied by each kernel entry (`_use_threads`).
+    """
+    global _threads
+    if n is not None and not 1 <= n <= numba.config.NUMBA_NUM_THREADS:
+        raise ValueError(f"threads must be between 1 and {numba.config.NUMBA_NUM_THREADS}, got {n}")
+    _threads = n
+    _use_threads()
+
+
+def threads() -> int:
+    """The compute threads kernel calls use."""
+    return _threads or numba.config.NUMBA_NUM_THREADS
+
+
+def _use_threads() -> None:
+    n = threads()
+    if getattr(_local, "n", None) != n:
+        numba.set_num_threads(n)
+        _local.n = n
 
 
 # ---------------------------------------------------------------- kernels
@@ -197,6 +224,7 @@ def matvec(w: Weight, x: np.ndarray | Batch, out: np.ndarray) -> None:
     batch = x if isinstance(x, Batch) else None
     x = x.x[0] if batch is not None else x
     _check_io(w, x, out, None)
+    _use_threads()
     d, t = w.data, w.qtype
     if t == QT.Q8_0:
         K.matvec_q8_0(d, d.view(np.int8), _TAB16, x, out)
@@ -256,11 +284,13 @@ def matmul(w: Weight, x: np.ndarray | Batch, out: np.ndarray) -> None:
         xq = (batch or Batch(x)).ints(intgemm.wide(w.qtype))
         intgemm.matmul(w.qtype, w.data, _TAB16, xq, out)
         return
-    threads = numba.get_num_threads()
-    # rows per tile: scratch <= 2 MiB, at least one tile per thread, >= 32 rows for sgemm
-    tile = int(np.clip(min(_SCRATCH_BYTES // (4 * w.cols), -(-w.rows // threads)), 32, 1024))
+    _use_threads()
+    # rows per tile: scratch <= 2 MiB, >= 32 rows for sgemm. Never from the thread count:
+    # sgemm's result for a row depends on the tile shape it sits in (1.3e-5 apart on AVX2),
+    # and the same text must come out at any --threads.
+    tile = int(np.clip(min(_SCRATCH_BYTES // (4 * w.cols), -(-w.rows // 4)), 32, 1024))
     starts = range(0, w.rows, tile)
-    nt = min(threads, len(starts))
+    nt = min(threads(), len(starts))
     _openblas_single_thread()
     if nt == 1:
         _matmul_tiles(w, x, out, starts, tile)

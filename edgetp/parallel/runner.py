@@ -93,14 +93,15 @@ class ClusterRunner:
                 links.append(link)
                 await _hello(link, key, node_id, epoch)
             hop = await event_loop_hop()
-            mine = await asyncio.to_thread(profile.profile, threads, 0.5 if weights is None else 0.05)
+            seconds = 0.5 if weights is None else 0.05
+            mine = await asyncio.to_thread(profile.profile, threads, seconds, mf.dominant_type)
             infos = [NodeInfo(node_id, "local", mine.speed, mine.mem_free, 0.0, "local")]
             for link in links:
                 rtt = await link.ping()
                 link.hot_mode = choose_mode(rtt, hop, forced_mode())
                 log.info("link %s: rtt %.3f ms, event-loop hop %.3f ms -> %s mode during generations",
                          link.name, rtt * 1e3, hop * 1e3, link.hot_mode)
-                rep = await link.request(FrameType.PROFILE, {"seconds": 0.5 if weights is None else 0.05},
+                rep = await link.request(FrameType.PROFILE, {"seconds": seconds, "qtype": mf.dominant_type},
                                          FrameType.READY, timeout=60)
                 infos.append(NodeInfo(link.peer_id or link.name, link.name, rep.header["speed"],
                                       int(rep.header["mem_free"]), rtt * 1e3, link.hot_mode))

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
+from gguf import GGMLQuantizationType as QT
 
 from edgetp.cluster import profile
 from edgetp.model import llama, quant, sampling
@@ -177,7 +178,10 @@ class _Session:
         await self.link.send(FrameType.PONG, header)
 
     async def _profile(self, header: dict[str, Any]) -> None:
-        p = await asyncio.to_thread(profile.profile, self.worker.threads, float(header.get("seconds", 0.5)))
+        qtype = int(header.get("qtype", QT.Q8_0))  # the root's model's dominant type: every node times the same
+        if qtype not in quant.SUPPORTED:
+            raise LinkClosed(f"PROFILE asks for tensor type {qtype}, which this node does not support")
+        p = await asyncio.to_thread(profile.profile, self.worker.threads, float(header.get("seconds", 0.5)), qtype)
         await self.link.send(FrameType.READY, {"speed": p.speed, "mem_free": p.mem_free, "threads": p.threads})
 
     async def _load(self, h: dict[str, Any]) -> None:

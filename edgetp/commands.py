@@ -36,6 +36,7 @@ USER_ERRORS = (
     gguf.GGUFError,
     store.StoreError,
     quant.UnsupportedTensorType,
+    quant.ThreadCountError,
     UnsupportedTokenizer,
     sampling.SamplingError,
     ContextError,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numba
@@ -46,7 +48,7 @@ def test_set_threads_on_one_thread_governs_kernels_run_on_another():
 
 
 def test_set_threads_refuses_counts_numba_cannot_run():
-    with pytest.raises(ValueError, match="between 1 and"):
+    with pytest.raises(Q.ThreadCountError, match="compute threads"):
         Q.set_threads(numba.config.NUMBA_NUM_THREADS + 1)
 
 
@@ -72,3 +74,12 @@ def test_dominant_type_is_the_type_holding_most_layer_bytes(stories_path, smollm
                 by_type[int(t.tensor_type)] = by_type.get(int(t.tensor_type), 0) + int(t.n_bytes)
         assert mf.dominant_type == max(by_type, key=by_type.__getitem__)
     assert open_model(smollm2_path).dominant_type == QT.Q4_1  # FACTS.md: 210 Q4_1 tensors
+
+
+def test_cli_says_in_one_line_that_a_thread_count_is_too_high(stories_path):
+    too_many = str(numba.config.NUMBA_NUM_THREADS + 1)
+    run = subprocess.run([sys.executable, "-m", "edgetp", "ask", "--local", "--model", str(stories_path),
+                          "--threads", too_many, "--max-tokens", "2", "Once"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and run.stderr.strip().splitlines() == [
+        f"edgetp: --threads {too_many}: this machine runs 1 to {numba.config.NUMBA_NUM_THREADS} compute threads"
+        " (one per core; NUMBA_NUM_THREADS)"], run.stderr

@@ -87,6 +87,10 @@ _TAB16 = K.f16_table()  # (65536,) f32
 _TABBF = K.bf16_table()  # (65536,) f32
 
 
+class ThreadCountError(ValueError):
+    """A thread count this machine cannot run."""
+
+
 class UnsupportedTensorType(ValueError):
     """A tensor's GGML type has no kernel here."""
 
@@ -167,7 +171,8 @@ def set_threads(n: int | None) -> None:
     """
     global _threads
     if n is not None and not 1 <= n <= numba.config.NUMBA_NUM_THREADS:
-        raise ValueError(f"threads must be between 1 and {numba.config.NUMBA_NUM_THREADS}, got {n}")
+        raise ThreadCountError(f"--threads {n}: this machine runs 1 to {numba.config.NUMBA_NUM_THREADS} "
+                               "compute threads (one per core; NUMBA_NUM_THREADS)")
     _threads = n
     _use_threads()
 

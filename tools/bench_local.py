@@ -1,17 +1,22 @@
 #!/usr/bin/env python3
 """edgetp vs llama.cpp on this machine: prefill and decode tokens/s, one table.
 
-    python tools/bench_local.py                       # every model, 1 and 2 threads
-    python tools/bench_local.py --quick               # SmolLM2 only, 1 thread (smoke run)
-    python tools/bench_local.py --models smollm2,llama1b-q4_0 --threads 2 --out bench.md
+    python tools/bench_local.py                       # every model, 1 and 2 threads, every ISA here
+    python tools/bench_local.py --quick               # SmolLM2 only, 1 thread, best ISA (smoke run)
+    python tools/bench_local.py --models smollm2,llama1b-q4_0 --threads 2 --isas avx2 --out bench.md
 
-For each model and thread count it measures, each in its own subprocess (so
-numba's thread count and llama.cpp's state never leak between runs):
+For each model, ISA and thread count it measures, each in its own subprocess (so
+numba's thread count, its compile target and llama.cpp's state never leak between runs):
 
-* ``edgetp``         - LocalRunner(repack=False)
-* ``edgetp+repack``  - LocalRunner(repack=True), only for models with Q4 weights;
-                       its extra memory comes from ``LocalRunner.weights_cost``
-* ``llama.cpp``      - llama-cpp-python on the same file, same thread count
+* ``edgetp``         - LocalRunner(repack=False) with EDGETP_ISA=<isa>
+* ``edgetp+repack``  - LocalRunner(repack=True), only for models with Q4_0/Q4_1 weights,
+                       for information; its extra memory comes from ``LocalRunner.weights_cost``
+* ``llama.cpp``      - llama-cpp-python on the same file, same thread count, built for
+                       the same ISA (the .venv's build for this CPU's best ISA; for a
+                       narrower one, tools/llama_cpp_wheel.sh builds and caches a variant)
+
+ISAs (``--isas``): every one this CPU can run (edgetp.model.isa), so the AVX2 rows are
+measured on any x86 machine, and an AVX-512 machine also prints AVX2 and generic rows.
 
 Prefill: one call on a PREFILL-token prompt (token ids 10..10+PREFILL), best of
 ``--prefill-reps``.  Decode: DECODE greedy tokens, one at a time, after a short
@@ -21,21 +26,22 @@ full logits of the last position and take the argmax.  Warm-up runs first
 
 Models (``--models``, comma separated; a path to any .gguf file also works):
 
-* ``smollm2``      SmolLM2-135M-Instruct Q4_1 (edgetp.store.resolve("smollm2"))
-* ``llama1b-q8_0`` synthetic Llama-3.2-1B shape, Q8_0 (random weights)
-* ``llama1b-q4_0`` synthetic Llama-3.2-1B shape, Q4_0 (random weights)
+* ``smollm2``        SmolLM2-135M-Instruct Q4_1 (edgetp.store.resolve("smollm2"))
+* ``smollm2-q4_k_m`` SmolLM2 requantized to Q4_K_M by llama.cpp's own quantizer
+* ``llama1b-q8_0``   synthetic Llama-3.2-1B shape, Q8_0 (random weights)
+* ``llama1b-q4_0``   synthetic Llama-3.2-1B shape, Q4_0 (random weights)
+* ``llama1b-q4_k_m`` the 1B shape written in F16, quantized to Q4_K_M by llama.cpp
 
-The synthetic files are written once with tools/synth_gguf.py into
-``<edgetp cache>/bench/`` (``$EDGETP_CACHE_DIR/bench`` or ``~/.cache/edgetp/bench``;
-``--cache-dir`` overrides) and reused afterwards.
+Derived files are written once into ``<edgetp cache>/bench/`` (``$EDGETP_CACHE_DIR/bench``
+or ``~/.cache/edgetp/bench``; ``--cache-dir`` overrides) and reused afterwards.
 
-Targets checked at the end:
+Targets checked at the end, for edgetp as it runs by default (edgetp+repack rows
+are for information):
 
-* edgetp decode >= 0.6x llama.cpp decode, at 1 and at 2 threads (per model);
-* edgetp prefill (PREFILL-token prompt) >= 5x edgetp's own decode rate.
-The targets are for edgetp as it runs by default; the edgetp+repack rows (an
-option that trades memory for a layout) are listed with the same figures, for
-information.
+* decode >= 1.0x llama.cpp, on every row (model, ISA, threads);
+* prefill >= 1.0x llama.cpp and >= 5x edgetp's own decode rate;
+* 1B shapes: decode at >= 80% of the single-core read bandwidth (tools/membw.py),
+  counted as decode tok/s x the weight bytes one token reads, at 1 thread.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -59,8 +66,10 @@ DECODE = 64            # decode tokens
 DECODE_PROMPT = 8      # untimed prompt before decoding
 FIRST_ID = 10          # prompt ids: FIRST_ID, FIRST_ID+1, ...
 N_CTX = 1024
-DECODE_TARGET = 0.6
-PREFILL_TARGET = 5.0
+DECODE_TARGET = 1.0          # x llama.cpp
+PREFILL_VS_CPP_TARGET = 1.0  # x llama.cpp
+PREFILL_TARGET = 5.0         # x own decode
+BANDWIDTH_TARGET = 0.8       # of the single-core read bandwidth, 1B shapes at 1 thread
 
 SMOLLM2_FALLBACK = Path("/root/.cache/edgetp/models/SmolLM2-135M-Instruct.Q4_1.gguf")
 
@@ -72,14 +81,22 @@ class ModelSpec:
     preset: str | None = None        # synth_gguf preset (synthetic models)
     weight_type: str | None = None
     path: Path | None = None
-    q4: bool = False                 # has Q4 weights: also run edgetp+repack
+    q4: bool = False                 # has Q4_0/Q4_1 weights: also run edgetp+repack
+    llama_ftype: str | None = None   # quantized from `source` by llama.cpp to this file type
+    source: str | None = None        # key of the model it is quantized from
 
 
 BUILTIN = {
     "smollm2": ModelSpec("smollm2", "SmolLM2-135M Q4_1", q4=True),
+    "smollm2-q4_k_m": ModelSpec("smollm2-q4_k_m", "SmolLM2-135M Q4_K_M (llama.cpp)", llama_ftype="Q4_K_M",
+                                source="smollm2"),
     "llama1b-q8_0": ModelSpec("llama1b-q8_0", "Llama-3.2-1B-shape Q8_0 (synthetic)", "llama-3.2-1b", "q8_0"),
     "llama1b-q4_0": ModelSpec("llama1b-q4_0", "Llama-3.2-1B-shape Q4_0 (synthetic)", "llama-3.2-1b", "q4_0", q4=True),
+    "llama1b-f16": ModelSpec("llama1b-f16", "Llama-3.2-1B-shape F16 (synthetic)", "llama-3.2-1b", "f16"),
+    "llama1b-q4_k_m": ModelSpec("llama1b-q4_k_m", "Llama-3.2-1B-shape Q4_K_M (llama.cpp)", llama_ftype="Q4_K_M",
+                                source="llama1b-f16"),
 }
+DEFAULT_MODELS = ("smollm2", "smollm2-q4_k_m", "llama1b-q8_0", "llama1b-q4_0", "llama1b-q4_k_m")
 
 
 # --------------------------------------------------------------------------- workers (subprocess side)
@@ -214,6 +231,7 @@ def worker_main(spec_json: str) -> int:
 @dataclass
 class Result:
     model: str
+    isa: str
     threads: int
     engine: str
     data: dict[str, Any] | None = None
@@ -247,6 +265,15 @@ def resolve_model(spec: ModelSpec, cache: Path, log) -> Path:
             if SMOLLM2_FALLBACK.is_file():
                 return SMOLLM2_FALLBACK
             raise
+    if spec.llama_ftype:
+        path = cache / f"{spec.key}.gguf"
+        if not path.is_file():
+            from tools import llama_quantize
+            src = resolve_model(BUILTIN[spec.source], cache, log)
+            log(f"quantizing {src.name} to {spec.llama_ftype} with llama.cpp -> {path} (once) ...")
+            cache.mkdir(parents=True, exist_ok=True)
+            llama_quantize.quantize(src, path, spec.llama_ftype)
+        return path
     path = cache / f"{spec.preset}.{spec.weight_type}.gguf"
     if not path.is_file():
         from tools import synth_gguf
@@ -264,11 +291,38 @@ def has_q4(path: Path) -> bool:
     return any(t.tensor_type in (QT.Q4_0, QT.Q4_1) for t in r.tensors)
 
 
-def run_one(path: Path, engine: str, threads: int, args, log) -> tuple[dict[str, Any] | None, str | None, float]:
+def bytes_per_token(path: Path) -> int:
+    """Weight bytes one decoded token reads: every 2-D weight but the embedding table,
+    of which one row is read (unless it doubles as the output head)."""
+    from gguf import GGUFReader
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors if len(t.shape) >= 2 and t.shape[1] > 1}
+    total = sum(int(t.n_bytes) for name, t in tensors.items() if name != "token_embd.weight")
+    if "output.weight" not in tensors and "token_embd.weight" in tensors:
+        total += int(tensors["token_embd.weight"].n_bytes)  # tied: the embeddings are the head
+    return total
+
+
+def llama_cpp_for(isa_name: str, best: str, cache: Path, log) -> Path | None:
+    """A folder with llama-cpp-python built for `isa_name` (None: the .venv's own build, for `best`)."""
+    if isa_name == best:
+        return None
+    target = cache / "llama-cpp" / isa_name
+    wheels = bench_dir(None).parent / "wheels"
+    log(f"llama.cpp for {isa_name}: tools/llama_cpp_wheel.sh (builds once, minutes) ...")
+    subprocess.run([str(ROOT / "tools" / "llama_cpp_wheel.sh"), sys.executable, str(wheels), isa_name, str(target)],
+                   check=True)
+    return target
+
+
+def run_one(path: Path, engine: str, threads: int, isa_name: str, cpp_dir: Path | None, args,
+            log) -> tuple[dict[str, Any] | None, str | None, float]:
     env = dict(os.environ)
     env.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS="1",
-               NUMBA_NUM_THREADS=str(threads))
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+               NUMBA_NUM_THREADS=str(threads), EDGETP_ISA=isa_name)
+    env.pop("NUMBA_CPU_NAME", None)  # the ISA decides numba's target
+    env.pop("NUMBA_CPU_FEATURES", None)
+    paths = ([str(cpp_dir)] if engine == "llama.cpp" and cpp_dir else []) + [str(ROOT)]
+    env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     spec = dict(path=str(path), engine=engine, threads=threads, prefill_reps=args.prefill_reps)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
     t0 = time.perf_counter()
@@ -327,33 +381,31 @@ def agree(a: list[int], b: list[int]) -> int:
     return n
 
 
-def render(results: list[Result], models: dict[str, str], meta: str) -> tuple[str, list[str], bool]:
-    ref = {(r.model, r.threads): r for r in results if r.engine == "llama.cpp" and r.data}
+def render(results: list[Result], models: dict[str, str], token_bytes: dict[str, int], bandwidth: float,
+           meta: str) -> tuple[str, list[str], bool]:
+    ref = {(r.model, r.isa, r.threads): r for r in results if r.engine == "llama.cpp" and r.data}
     lines = [meta, "",
-             f"| model | threads | engine | prefill tok/s ({PREFILL}) | decode tok/s ({DECODE}) "
-             f"| prefill vs llama.cpp | decode vs llama.cpp | prefill/decode | extra weights MB "
+             f"| model | ISA | threads | engine | prefill tok/s ({PREFILL}) | decode tok/s ({DECODE}) "
+             f"| prefill vs llama.cpp | decode vs llama.cpp | prefill/decode | decode GB/s "
              f"| peak RSS MB | greedy agree | busy CPUs before |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         name = models[r.model]
         if not r.data:
-            lines.append(f"| {name} | {r.threads} | {r.engine} | FAILED: {r.error} | | | | | | | | |")
+            lines.append(f"| {name} | {r.isa} | {r.threads} | {r.engine} | FAILED: {r.error} | | | | | | | | |")
             continue
-        base = ref.get((r.model, r.threads))
+        base = ref.get((r.model, r.isa, r.threads))
         pv = dv = None
         ag = "-"
         if base and r.engine != "llama.cpp":
             pv = r.prefill_tps / base.prefill_tps
             dv = r.decode_tps / base.decode_tps
             ag = f"{agree(r.data['tokens'], base.data['tokens'])}/{DECODE}"
-        extra = "-"
-        if "weights_before" in r.data:
-            extra = f"{(r.data['weights_after'] - r.data['weights_before']) / 1e6:.0f}"
         pd = r.prefill_tps / r.decode_tps
         lines.append(
-            f"| {name} | {r.threads} | {r.engine} | {fmt(r.prefill_tps)} | {fmt(r.decode_tps, 2)} "
+            f"| {name} | {r.isa} | {r.threads} | {r.engine} | {fmt(r.prefill_tps)} | {fmt(r.decode_tps, 2)} "
             f"| {fmt(pv, 2) + 'x' if pv else '-'} | {fmt(dv, 2) + 'x' if dv else '-'} "
-            f"| {fmt(pd, 1)}x | {extra} | {r.data['rss_mb']:.0f} | {ag} "
+            f"| {fmt(pd, 1)}x | {r.decode_tps * token_bytes[r.model] / 1e9:.1f} | {r.data['rss_mb']:.0f} | {ag} "
             f"| {'/'.join(f'{x:.1f}' for x in r.data.get('load', []))} |")
 
     checks: list[str] = []
@@ -364,29 +416,55 @@ def render(results: list[Result], models: dict[str, str], meta: str) -> tuple[st
         target = r.engine == "edgetp"
         ok_all &= ok or not target
         mark = ("x" if ok else " ") if target else ("info, met" if ok else "info, not met")
-        name = f"{models[r.model]}, {r.threads} thread{'s' if r.threads > 1 else ''}, {r.engine}"
+        name = f"{models[r.model]}, {r.isa}, {r.threads} thread{'s' if r.threads > 1 else ''}, {r.engine}"
         checks.append(f"- [{mark}] {what}: {name}: {figures}")
 
-    for r in results:
-        if r.engine == "llama.cpp":
-            continue
-        base = ref.get((r.model, r.threads))
-        what = f"decode >= {DECODE_TARGET}x llama.cpp"
+    ours = [r for r in results if r.engine != "llama.cpp"]
+    for r in ours:
+        base = ref.get((r.model, r.isa, r.threads))
         if not r.data or not base:
-            check(r, what, False, "no measurement")
+            check(r, "measured beside llama.cpp", False, r.error or "no llama.cpp measurement")
             continue
         dv = r.decode_tps / base.decode_tps
-        check(r, what, dv >= DECODE_TARGET, f"{r.decode_tps:.2f} vs {base.decode_tps:.2f} tok/s = {dv:.2f}x")
-    for r in results:
-        if r.engine == "llama.cpp" or not r.data:
+        check(r, f"decode >= {DECODE_TARGET:g}x llama.cpp", dv >= DECODE_TARGET,
+              f"{r.decode_tps:.2f} vs {base.decode_tps:.2f} tok/s = {dv:.2f}x")
+        pv = r.prefill_tps / base.prefill_tps
+        check(r, f"prefill >= {PREFILL_VS_CPP_TARGET:g}x llama.cpp", pv >= PREFILL_VS_CPP_TARGET,
+              f"{r.prefill_tps:.1f} vs {base.prefill_tps:.1f} tok/s = {pv:.2f}x")
+    for r in ours:
+        if not r.data:
             continue
         pd = r.prefill_tps / r.decode_tps
         check(r, f"prefill({PREFILL}) >= {PREFILL_TARGET:g}x own decode", pd >= PREFILL_TARGET,
               f"{r.prefill_tps:.1f} vs {r.decode_tps:.2f} tok/s = {pd:.1f}x")
+    for r in ours:
+        if not r.data or r.threads != 1 or not r.model.startswith("llama1b"):
+            continue
+        gbs = r.decode_tps * token_bytes[r.model]
+        check(r, f"decode >= {BANDWIDTH_TARGET:.0%} of one core's read bandwidth", gbs >= BANDWIDTH_TARGET * bandwidth,
+              f"{gbs / 1e9:.1f} of {bandwidth / 1e9:.1f} GB/s = {gbs / bandwidth:.0%}")
     return "\n".join(lines), checks, ok_all
 
 
-def machine_meta(threads: list[int]) -> str:
+def cpu_line() -> str:
+    """The CPU model and the flags that pick kernels, as the kernel reports them."""
+    model, flags = "?", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                if key.strip() in ("model name", "Model") and model == "?":
+                    model = val.strip()
+                elif key.strip() in ("flags", "Features") and not flags:
+                    flags = set(val.split())
+    except OSError:
+        pass
+    keep = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "amx_int8",
+            "asimd", "asimddp", "i8mm", "sve")
+    return f"{model} ({platform.machine()}; {' '.join(f for f in keep if f in flags) or 'no SIMD flags listed'})"
+
+
+def machine_meta(threads: list[int], isas: list[str], bandwidth: float) -> str:
     try:
         load = os.getloadavg()
         la = f"load avg {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}"
@@ -397,23 +475,27 @@ def machine_meta(threads: list[int]) -> str:
         lv = llama_cpp.__version__
     except Exception:  # noqa: BLE001
         lv = "?"
-    return (f"edgetp vs llama.cpp (llama-cpp-python {lv}) on {os.cpu_count()} CPUs, {la} at start; "
-            f"threads {','.join(map(str, threads))}; {time.strftime('%Y-%m-%d %H:%M')}")
+    return (f"edgetp vs llama.cpp (llama-cpp-python {lv}, built per ISA with GGML_NATIVE=OFF) on "
+            f"{cpu_line()}, {os.cpu_count()} CPUs, {la} at start; ISAs {', '.join(isas)}; "
+            f"threads {','.join(map(str, threads))}; one-core read bandwidth {bandwidth / 1e9:.1f} GB/s "
+            f"(tools/membw.py); {time.strftime('%Y-%m-%d %H:%M')}")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="SmolLM2 only, 1 thread (smoke run)")
-    ap.add_argument("--models", default=",".join(BUILTIN),
-                    help=f"comma-separated: {', '.join(BUILTIN)} or paths to .gguf files (default: all)")
+    ap.add_argument("--quick", action="store_true", help="SmolLM2 only, 1 thread, best ISA (smoke run)")
+    ap.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                    help=f"comma-separated: {', '.join(BUILTIN)} or paths to .gguf files (default: "
+                         f"{', '.join(DEFAULT_MODELS)})")
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
+    ap.add_argument("--isas", default=None, help="comma-separated ISAs (default: every one this CPU runs)")
     ap.add_argument("--engines", default="edgetp,edgetp+repack,llama.cpp",
                     help="subset of edgetp,edgetp+repack,llama.cpp (repack runs only for Q4 models)")
     ap.add_argument("--prefill-reps", type=int, default=1, help="prefill calls per run, best is kept (default 1)")
     ap.add_argument("--runs", type=int, default=1,
                     help="repeat every measurement N times (engines interleaved), keep the best (default 1)")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per measurement subprocess")
-    ap.add_argument("--cache-dir", help="where synthetic models are written (default <edgetp cache>/bench)")
+    ap.add_argument("--cache-dir", help="where derived models are written (default <edgetp cache>/bench)")
     ap.add_argument("--out", help="also write the Markdown table and checks to this file")
     ap.add_argument("--json", help="also write raw results as JSON to this file")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -422,13 +504,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker_main(args.worker)
 
+    from edgetp.model import isa
+    usable = list(isa.usable(*isa.host_features()))
     if args.quick:
-        args.models, args.threads = "smollm2", "1"
+        args.models, args.threads, args.isas = "smollm2", "1", usable[0]
+    isas = [i.strip() for i in (args.isas or ",".join(usable)).split(",") if i.strip()]
     threads = [int(t) for t in args.threads.split(",") if t.strip()]
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     bad = set(engines) - {"edgetp", "edgetp+repack", "llama.cpp"}
     if bad or not threads or any(t < 1 for t in threads) or args.prefill_reps < 1 or args.runs < 1:
         ap.error(f"bad --engines/--threads/--prefill-reps ({', '.join(sorted(bad))})")
+    if set(isas) - set(usable):
+        ap.error(f"this CPU cannot run {', '.join(sorted(set(isas) - set(usable)))} (it runs {', '.join(usable)})")
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -445,41 +532,48 @@ def main(argv: list[str] | None = None) -> int:
         else:
             ap.error(f"unknown model {key!r}: use {', '.join(BUILTIN)} or a .gguf path")
 
-    meta = machine_meta(threads)
+    sys.path.insert(0, str(ROOT / "tools"))
+    from membw import read_bandwidth
+    bandwidth = read_bandwidth(1)
+    meta = machine_meta(threads, isas, bandwidth)
     cache = bench_dir(args.cache_dir)
     paths: dict[str, Path] = {}
     labels: dict[str, str] = {}
+    token_bytes: dict[str, int] = {}
     for s in specs:
         paths[s.key] = resolve_model(s, cache, log)
         labels[s.key] = s.label
+        token_bytes[s.key] = bytes_per_token(paths[s.key])
         if s.path is not None:
             s.q4 = has_q4(s.path)
+    cpp_dirs = {i: llama_cpp_for(i, usable[0], cache, log) for i in isas} if "llama.cpp" in engines else {}
 
     results: list[Result] = []
     for s in specs:
-        for t in threads:
-            order = [e for e in ("llama.cpp", "edgetp", "edgetp+repack") if e in engines
-                     and not (e == "edgetp+repack" and not s.q4)]
-            rows = {e: Result(s.key, t, e) for e in order}
-            results.extend(rows.values())
-            for run in range(args.runs):  # engines interleaved, so slow phases of a shared machine hit all
-                for engine in order:
-                    r = rows[engine]
-                    log(f"[{s.key} threads={t}] {engine} (run {run + 1}/{args.runs}) ...")
-                    load1 = _cpu_busy()
-                    data, err, wall = run_one(paths[s.key], engine, t, args, log)
-                    r.wall_s += wall
-                    if data:
-                        data["load"] = [load1]
-                        log(f"    prefill {PREFILL / data['prefill_s']:8.1f} tok/s  decode {DECODE / data['decode_s']:7.2f} "
-                            f"tok/s  (load {data['load_s']:.1f} s, warm-up {data['warm_s']:.1f} s, wall {wall:.0f} s, "
-                            f"other CPU use before {load1:.2f})")
-                        r.data = data if r.data is None else merge_runs(r.data, data)
-                    else:
-                        log(f"    FAILED: {err}")
-                        r.error = r.error or err
+        for i in isas:
+            for t in threads:
+                order = [e for e in ("llama.cpp", "edgetp", "edgetp+repack") if e in engines
+                         and not (e == "edgetp+repack" and not s.q4)]
+                rows = {e: Result(s.key, i, t, e) for e in order}
+                results.extend(rows.values())
+                for run in range(args.runs):  # engines interleaved, so slow phases of a shared machine hit all
+                    for engine in order:
+                        r = rows[engine]
+                        log(f"[{s.key} {i} threads={t}] {engine} (run {run + 1}/{args.runs}) ...")
+                        load1 = _cpu_busy()
+                        data, err, wall = run_one(paths[s.key], engine, t, i, cpp_dirs.get(i), args, log)
+                        r.wall_s += wall
+                        if data:
+                            data["load"] = [load1]
+                            log(f"    prefill {PREFILL / data['prefill_s']:8.1f} tok/s  decode "
+                                f"{DECODE / data['decode_s']:7.2f} tok/s  (load {data['load_s']:.1f} s, warm-up "
+                                f"{data['warm_s']:.1f} s, wall {wall:.0f} s, other CPU use before {load1:.2f})")
+                            r.data = data if r.data is None else merge_runs(r.data, data)
+                        else:
+                            log(f"    FAILED: {err}")
+                            r.error = r.error or err
 
-    table, checks, ok = render(results, labels, meta)
+    table, checks, ok = render(results, labels, token_bytes, bandwidth, meta)
     verdict = "ALL TARGETS MET (edgetp; edgetp+repack rows are for information)" if ok else "TARGETS NOT MET"
     text = table + "\n\nTargets:\n\n" + "\n".join(checks) + "\n\n" + verdict + "\n"
     busy = [x for r in results if r.data for x in r.data.get("load", []) if x > 0.25]
@@ -493,8 +587,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"wrote {args.out}")
     if args.json:
         Path(args.json).write_text(json.dumps(
-            [dict(model=r.model, threads=r.threads, engine=r.engine, error=r.error, wall_s=r.wall_s, **(r.data or {}))
-             for r in results], indent=1))
+            [dict(model=r.model, isa=r.isa, threads=r.threads, engine=r.engine, error=r.error, wall_s=r.wall_s,
+                  **(r.data or {})) for r in results], indent=1))
     return 0 if ok else 1
 
 

@@ -1,0 +1,216 @@
+"""Integer decode kernels (edgetp.model.intdot) against gguf-py and across ISAs.
+
+References are independent of the code under test: gguf-py's dequantizers and
+its own Q8_0 round trip of x, evaluated in float64. Bit-identity across ISAs is
+shown with real child processes, one per ISA (EDGETP_ISA in their environment).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+from gguf import quants
+
+from edgetp.model import intdot, isa
+from edgetp.model.intdot_layouts import LAYOUTS, decode
+
+REPO = Path(__file__).resolve().parent.parent
+TYPES = sorted(LAYOUTS, key=lambda t: LAYOUTS[t].qtype.name)
+IDS = [LAYOUTS[t].qtype.name for t in TYPES]
+# where the f16 "d" of each type with an offset sits: a block with d zeroed dequantizes to its offsets alone
+D_FIELD = {QT.Q4_1: 0, QT.Q5_1: 0, QT.Q4_K: 0, QT.Q5_K: 0, QT.Q2_K: 80}
+
+
+def _weights(qt, rows, nb, seed):
+    return intdot.random_blocks(qt, rows, nb, np.random.default_rng(seed))
+
+
+def _x(cols, seed):
+    return np.random.default_rng(seed).standard_normal(cols).astype(np.float32)
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=IDS)
+def test_every_layout_row_dequantizes_to_gguf_bits(qt):
+    w = _weights(qt, 5, 3, 1)
+    codes, ws, wm = decode(LAYOUTS[qt], w)
+    ours = np.repeat(ws, 16, axis=1) * codes.astype(np.float32)
+    ours = ours + np.repeat(wm, 16, axis=1) if wm is not None else ours
+    want = quants.dequantize(w, qt).reshape(5, -1).astype(np.float32)
+    assert np.array_equal(ours.view(np.uint32), want.view(np.uint32))
+
+
+def test_activation_rounding_is_ggml_q8_0_and_sums_are_its_integers():
+    x = _x(32 * 37, 2)
+    x[64:96] = 0.0  # an all-zero block: d = 0, q = 0
+    r = intdot.rounded(x)
+    # gguf-py's Q8_0 round trip gives q*d exactly; it rounds with 1/d and half away from
+    # zero where ggml's x86 code uses 127/amax and half to even: equal on these inputs
+    want = quants.dequantize(quants.quantize(x, QT.Q8_0), QT.Q8_0)
+    got = r.xq.astype(np.float32) * np.repeat(r.dx, 32)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    q = r.xq.astype(np.int64)
+    assert np.array_equal(r.s4, q.reshape(-1, 4).sum(1)) and np.array_equal(r.s16, q.reshape(-1, 16).sum(1))
+
+
+def _float64_reference(qt, w, x):
+    """(out, bound): sum_j w_j * x^_j in float64, with gguf's w and gguf's rounded x^ = q*d.
+
+    The kernel's f32 steps: per value ws*dx and (ws*dx)*lane (2 roundings), per lane one add
+    per 32 columns (cols/32), 7 adds across lanes, 1 + one per sub-block for the offsets;
+    and gguf's own w_j = fl(ws*code) + wm rounds twice more. With u = 2**-24, each is a
+    relative error <= u on partial sums bounded by sum_j (|ws_j code_j| + |wm_j|) |x^_j|,
+    so |kernel - exact| <= n u sum(...) for n = cols/32 + 16 + (cols/16 for offsets)
+    (first-order; n u << 1). |ws code| + |wm| <= |w| + 2|wm|, and wm is what gguf returns
+    for the block with d zeroed.
+    """
+    rows = w.shape[0]
+    wf = quants.dequantize(w, qt).reshape(rows, -1).astype(np.float64)
+    cols = wf.shape[1]
+    xh = quants.dequantize(quants.quantize(x, QT.Q8_0), QT.Q8_0).astype(np.float64)
+    mag = np.abs(wf)
+    n = cols / 32 + 16
+    if qt in D_FIELD:
+        z = w.reshape(rows, -1, LAYOUTS[qt].nbytes).copy()
+        z[:, :, D_FIELD[qt] : D_FIELD[qt] + 2] = 0
+        mag = mag + 2 * np.abs(quants.dequantize(z.reshape(rows, -1), qt).reshape(rows, -1))
+        n += cols / 16
+    return wf @ xh, n * 2.0**-24 * (mag @ np.abs(xh)) + 1e-30
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=IDS)
+def test_integer_kernel_matches_the_float64_dot_of_gguf_weights_and_rounded_x(qt):
+    assert intdot.available(qt), "the probe failed on this CPU"
+    for i, (rows, nb) in enumerate([(1, 1), (3, 3), (17, 5), (63, 3), (64, 7), (65, 1), (130, 3)]):
+        L = LAYOUTS[qt]
+        w = _weights(qt, rows, nb, 10 + i)
+        x = _x(nb * L.values, 20 + i)
+        out = np.full(rows, np.nan, np.float32)
+        intdot.matvec(qt, w, intdot.rounded(x), out)
+        want, bound = _float64_reference(qt, w, x)
+        err = np.abs(out - want)
+        assert np.all(err <= bound), f"{rows}x{nb} blocks: worst error {err.max():.3g}, bound {bound[err.argmax()]:.3g}"
+
+
+# ---------------------------------------------------------------- across ISAs, in child processes
+
+CHILD = """
+import json, sys
+import numpy as np
+from edgetp.model import intdot, isa
+d = sys.argv[1]
+inp = np.load(sys.argv[2])
+for k in inp.files:
+    if k.startswith("w"):
+        qt = int(k[1:])
+        w = inp[k]
+        out = np.empty(w.shape[0], np.float32)
+        intdot.matvec(qt, w, intdot.rounded(inp["x"][: w.shape[1] // intdot.LAYOUTS[qt].nbytes * intdot.LAYOUTS[qt].values]), out)
+        np.save(d + f"/out{qt}.npy", out)
+json.dump({"isa": isa.current()}, open(d + "/isa.json", "w"))
+"""
+HOST = isa.host_features()
+RUNNABLE = isa.usable(*HOST)
+WHERE = {
+    "avx512vnni": "an x86-64 CPU with AVX-512 VNNI (Ice Lake, Zen 4)",
+    "avxvnni": "an x86-64 CPU with AVX-VNNI (Alder Lake or later)",
+    "avx2": "an x86-64 CPU with AVX2, FMA and F16C",
+    "neon": "an aarch64 CPU with dotprod; the arm64 qemu test bed runs it (EDGETP_ISA=neon NUMBA_CPU_NAME=cortex-a76)",
+    "generic": "any CPU",
+}
+
+
+def _child_env(name: str) -> dict[str, str]:
+    env = dict(os.environ, EDGETP_ISA=name, PYTHONPATH=str(REPO))
+    if name != isa.current():  # a numba target set for this process's ISA is not the child's
+        env.pop("NUMBA_CPU_NAME", None)
+        env.pop("NUMBA_CPU_FEATURES", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def isa_outputs(tmp_path_factory):
+    """{isa: {qtype: out}} from one child process per ISA this CPU runs, on the same inputs."""
+    base = tmp_path_factory.mktemp("isas")
+    arrays = {"x": _x(256 * 5, 3)}
+    for i, qt in enumerate(TYPES):
+        nb = 5 if LAYOUTS[qt].values == 256 else 37
+        arrays[f"w{int(qt)}"] = _weights(qt, 130, nb, 40 + i)
+    np.savez(base / "inputs.npz", **arrays)
+    results = {}
+    for name in RUNNABLE:
+        d = base / name
+        d.mkdir()
+        subprocess.run([sys.executable, "-c", CHILD, str(d), str(base / "inputs.npz")], check=True, env=_child_env(name), cwd=REPO, timeout=900)
+        assert json.loads((d / "isa.json").read_text())["isa"] == name
+        results[name] = {int(qt): np.load(d / f"out{int(qt)}.npy") for qt in TYPES}
+    return arrays, results
+
+
+def test_every_isa_this_cpu_runs_returns_the_same_bits(isa_outputs):
+    _, results = isa_outputs
+    assert len(results) >= 2 or HOST[0] not in ("x86_64", "aarch64"), f"only {list(results)} ran"
+    first, *others = results
+    for name in others:
+        for qt in TYPES:
+            a, b = results[first][int(qt)], results[name][int(qt)]
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"{first} and {name} differ on {LAYOUTS[qt].qtype.name}"
+
+
+@pytest.mark.parametrize("name", isa.ISAS)
+def test_isa_returns_the_canonical_bits_of_the_numpy_reference(name, isa_outputs):
+    if name not in RUNNABLE:
+        pytest.skip(f"{name} cannot run on this {HOST[0]} CPU: it needs {WHERE[name]}")
+    arrays, results = isa_outputs
+    for qt in TYPES:
+        w = arrays[f"w{int(qt)}"]
+        cols = w.shape[1] // LAYOUTS[qt].nbytes * LAYOUTS[qt].values
+        want = intdot.reference(qt, w, intdot.rounded(arrays["x"][:cols]))
+        assert np.array_equal(results[name][int(qt)].view(np.uint32), want.view(np.uint32)), LAYOUTS[qt].qtype.name
+
+
+ASM_CHILD = """
+import re, sys
+import numpy as np
+from edgetp.model import intdot
+from gguf import GGMLQuantizationType as QT
+for qt in (QT.Q4_0, QT.Q8_0, QT.Q4_K):
+    w = intdot.random_blocks(qt, 8, 1, np.random.default_rng(0))
+    intdot.matvec(qt, w, intdot.rounded(np.ones(intdot.LAYOUTS[qt].values, np.float32)), np.empty(8, np.float32))
+    k = intdot._kernel(int(qt))
+    asm = k.inspect_asm(k.signatures[0])
+    print(qt.name, " ".join(sorted(set(re.findall(r"\\b(vpmaddubsw|vpmaddwd|vpdpbusd|vpsignb|sdot|vfmadd\\w*)\\b", asm)))))
+"""
+
+
+@pytest.mark.parametrize("name, want", [("avx2", {"vpmaddubsw", "vpmaddwd"})])
+def test_compiled_kernel_uses_the_isas_multiply_instructions_and_no_fma(name, want, tmp_path):
+    if name not in RUNNABLE:
+        pytest.skip(f"{name} cannot run on this {HOST[0]} CPU: it needs {WHERE[name]}")
+    env = dict(_child_env(name), NUMBA_CACHE_DIR=str(tmp_path))  # a fresh cache: numba shows no asm of cached code
+    res = subprocess.run([sys.executable, "-c", ASM_CHILD], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    for line in res.stdout.splitlines():
+        qt, *found = line.split()
+        assert want <= set(found), f"{qt}: {found}"
+        assert not any(f.startswith("vfmadd") for f in found), f"{qt} fuses multiply-adds: {found}"
+
+
+def test_a_forced_isa_the_cpu_lacks_imports_quietly_and_leaves_the_kernels_off():
+    lacking = next((n for n in isa.ISAS if n not in RUNNABLE), None)
+    if lacking is None:  # pragma: no cover - a CPU that runs every ISA does not exist
+        pytest.skip("this CPU runs every ISA")
+    code = (
+        "from edgetp.model import intdot, isa\n"
+        "assert not intdot.available(2)\n"
+        "try:\n    isa.require()\nexcept isa.IsaError as e:\n    print(e)\nelse:\n    raise SystemExit('no IsaError')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_child_env(lacking), cwd=REPO, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert f"EDGETP_ISA={lacking} cannot run" in res.stdout

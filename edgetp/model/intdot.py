@@ -50,7 +50,7 @@ isa.configure()  # before anything compiles: numba reads its target once
 
 import numpy as np  # noqa: E402
 from llvmlite import ir  # noqa: E402
-from numba import literally, njit, prange, types  # noqa: E402
+from numba import njit, prange, types  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from edgetp.model.intdot_layouts import LAYOUTS, Field, Layout, Scale, decode  # noqa: E402
@@ -347,22 +347,27 @@ def _rows4(typingctx, kind, rows, xq, dx, s4, s16, tab, nb, out):
     return sig, codegen
 
 
-@njit(parallel=True, **_OPTS)
-def _matvec(kind, w, xq, dx, s4, s16, tab, nb, out):
-    # w: (rows, nb * block bytes) uint8; xq/dx/s4/s16: one Rounded token; out: (rows,) f32
-    literally(kind)
-    rows = w.shape[0]
-    wa, st = w.ctypes.data, w.shape[1]
-    xa, da, s4a, s16a, ta = xq.ctypes.data, dx.ctypes.data, s4.ctypes.data, s16.ctypes.data, tab.ctypes.data
-    for c in prange(spans(rows)):
-        res = np.empty(4, np.float32)
-        for r in range(c * 4 * SPREAD, min(rows, c * 4 * SPREAD + SPREAD)):
-            r1, r2, r3 = partners(r, rows)
-            _rows4(kind, (wa + r * st, wa + r1 * st, wa + r2 * st, wa + r3 * st), xa, da, s4a, s16a, ta, nb,
-                   res.ctypes.data)
-            for i in range(4):
-                if r + i * SPREAD < rows:
-                    out[r + i * SPREAD] = res[i]
+@functools.cache
+def _kernel(kind: int):
+    """The compiled decode kernel of one layout (`kind` is a constant inside it)."""
+
+    @njit(parallel=True, **_OPTS)
+    def matvec_rows(w, xq, dx, s4, s16, tab, nb, out):
+        # w: (rows, nb * block bytes) uint8; xq/dx/s4/s16: one Rounded token; out: (rows,) f32
+        rows = w.shape[0]
+        wa, st = w.ctypes.data, w.shape[1]
+        xa, da, s4a, s16a, ta = xq.ctypes.data, dx.ctypes.data, s4.ctypes.data, s16.ctypes.data, tab.ctypes.data
+        for c in prange(spans(rows)):
+            res = np.empty(4, np.float32)
+            for r in range(c * 4 * SPREAD, min(rows, c * 4 * SPREAD + SPREAD)):
+                r1, r2, r3 = partners(r, rows)
+                _rows4(kind, (wa + r * st, wa + r1 * st, wa + r2 * st, wa + r3 * st), xa, da, s4a, s16a, ta, nb,
+                       res.ctypes.data)
+                for i in range(4):
+                    if r + i * SPREAD < rows:
+                        out[r + i * SPREAD] = res[i]
+
+    return matvec_rows
 
 
 @functools.cache
@@ -378,7 +383,7 @@ def matvec(qtype: int, w: np.ndarray, x: Rounded, out: np.ndarray) -> None:
         raise ValueError(f"weight {w.dtype} {w.shape} does not match {x.xq.shape[0]} rounded columns")
     if out.dtype != np.float32 or out.shape != (w.shape[0],):
         raise ValueError(f"out must be float32 ({w.shape[0]},), got {out.dtype} {out.shape}")
-    _matvec(int(qtype), w, x.xq, x.dx, x.s4, x.s16, _tab(), nb, out)
+    _kernel(int(qtype))(w, x.xq, x.dx, x.s4, x.s16, _tab(), nb, out)
 
 
 # ---------------------------------------------------------------- reference and availability

@@ -1,6 +1,7 @@
 """GB/s of the decode matvec per weight type and thread count, and prefill speedup.
 
     python tools/bench_kernels.py [--rows 4096 --cols 4096 --threads 1,2 --types Q8_0,Q4_0 --batch 64]
+    python tools/bench_kernels.py --intdot [--threads 1 --types Q4_0,Q8_0,Q4_K]   (EDGETP_ISA=generic for the plain code)
 
 GB/s counts the GGUF bytes of the original type (also for repacked layouts,
 so numbers compare what a model file costs to stream). "cold" cycles through
@@ -12,11 +13,14 @@ from __future__ import annotations
 import argparse
 import time
 
+import numba
 import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
+from edgetp.model import intdot, isa
 from edgetp.model import quant as Q
+from edgetp.model.kernels import SPREAD, partners, spans
 
 
 def random_weight(qt: QT, rows: int, cols: int, rng: np.random.Generator) -> Q.Weight:
@@ -72,6 +76,66 @@ def bench(qt: QT, rows: int, cols: int, threads: list[int], batch: int, repacked
         )
 
 
+@numba.njit(parallel=True, cache=True)
+def _read_rows(w, out):
+    # a plain read of a (rows, words) uint64 matrix in the decode kernels' order: four rows
+    # SPREAD apart at a time, each summed in 8 lanes
+    rows, n = w.shape
+    for c in numba.prange(spans(rows)):
+        acc = np.zeros((4, 8), np.uint64)
+        for r in range(c * 4 * SPREAD, min(rows, c * 4 * SPREAD + SPREAD)):
+            r1, r2, r3 = partners(r, rows)
+            for i in range(n // 8):
+                for l in range(8):
+                    acc[0, l] += w[r, i * 8 + l]
+                    acc[1, l] += w[r1, i * 8 + l]
+                    acc[2, l] += w[r2, i * 8 + l]
+                    acc[3, l] += w[r3, i * 8 + l]
+            out[r] = acc.sum()
+
+
+def bench_intdot(types: list[str], threads: list[int]) -> None:
+    """GB/s (stored bytes) of the integer decode kernels beside the float ones and a plain read of the same bytes.
+
+    Shapes of a 1B model's decode: 8192x2048 (gate/up) and 2048x8192 (down). "cold" cycles
+    through copies of the matrix totalling > 256 MB, so weights come from RAM. Best of many
+    calls: the machine is shared.
+    """
+    arch, feats = isa.host_features()
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith(("model name", "Model"))), arch)
+    print(f"CPU {cpu}; {arch} {' '.join(sorted(f for f in feats if f.startswith(('avx', 'fma', 'f16c', 'dotprod', 'neon'))))}")
+    print(f"ISA {isa.current()} (NUMBA_CPU_NAME={numba.config.CPU_NAME or 'host'})", flush=True)
+    rng = np.random.default_rng(0)
+    for name in types:
+        qt = QT[name]
+        lay = intdot.LAYOUTS[qt]
+        for rows, cols in ((8192, 2048), (2048, 8192)):
+            base = intdot.random_blocks(qt, rows, cols // lay.values, rng)
+            ws = [base] + [base.copy() for _ in range(max(1, int(np.ceil(256e6 / base.nbytes))) - 1)]
+            x = rng.standard_normal(cols).astype(np.float32)
+            xr = intdot.rounded(x)
+            out = np.empty(rows, np.float32)
+            for nt in threads:
+                Q.set_threads(nt)
+                it = iter(range(1 << 62))
+                row = f"{name:7s} {rows}x{cols} threads={nt}"
+                if base.shape[1] % 64 == 0:  # the same bytes read plainly (whole 8-word groups)
+                    w64 = [w.view(np.uint64) for w in ws]
+                    hot = _time(lambda: _read_rows(w64[0], out))
+                    cold = _time(lambda: _read_rows(w64[next(it) % len(w64)], out))
+                    row += f"  read hot {base.nbytes / hot / 1e9:6.2f} cold {base.nbytes / cold / 1e9:6.2f}"
+                if intdot.available(qt):
+                    hot = _time(lambda: intdot.matvec(qt, base, xr, out))
+                    cold = _time(lambda: intdot.matvec(qt, ws[next(it) % len(ws)], xr, out))
+                    row += f"  int hot {base.nbytes / hot / 1e9:6.2f} cold {base.nbytes / cold / 1e9:6.2f} GB/s"
+                if int(qt) in Q.SUPPORTED:
+                    wq = [Q.Weight(int(qt), rows, cols, w) for w in ws]
+                    hot = _time(lambda: Q.matvec(wq[0], x, out))
+                    cold = _time(lambda: Q.matvec(wq[next(it) % len(wq)], x, out))
+                    row += f"  float hot {base.nbytes / hot / 1e9:6.2f} cold {base.nbytes / cold / 1e9:6.2f} GB/s"
+                print(row, flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=4096)
@@ -80,8 +144,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--types", default="F32,F16,BF16,Q8_0,Q4_0,Q4_1,Q4_K,Q6_K")
     ap.add_argument("--no-repack", action="store_true")
+    ap.add_argument("--intdot", action="store_true", help="integer decode kernels vs float kernels vs a plain read")
     args = ap.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
+    if args.intdot:
+        default = "F32,F16,BF16,Q8_0,Q4_0,Q4_1,Q4_K,Q6_K"
+        bench_intdot(("Q8_0,Q4_0,Q4_1,Q4_K,Q6_K,Q5_0,Q5_1,Q5_K,Q2_K,Q3_K,IQ4_NL,IQ4_XS" if args.types == default
+                      else args.types).split(","), threads)
+        return
     for name in args.types.split(","):
         qt = QT[name]
         bench(qt, args.rows, args.cols, threads, args.batch, repacked=False)

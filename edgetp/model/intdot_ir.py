@@ -1,0 +1,248 @@
+"""LLVM IR of the integer decode kernels: a layout row (intdot_layouts) emitted for one ISA.
+
+How an ISA forms the 8 int32 lanes of a chunk (its `_dot_*`), from unsigned codes u (code = u - bias,
+the bias removed afterwards as bias * s4) or signed codes (Q8_0, IQ4):
+  avx2        vpmaddubsw (u8 x s8 -> pairs in i16) then vpmaddwd by 1 (-> fours in i32);
+              signed codes as |code| x sign(xq, code) (vpabsb, vpsignb), as llama.cpp does
+  avxvnni,
+  avx512vnni  vpdpbusd (u8 x s8, four products per i32 lane), 256 bits wide
+  neon        sdot (s8 x s8, four products per i32 lane), two 128-bit halves
+  generic     sign-extend to i32, multiply, add each four (plain LLVM vectors)
+IQ4's table lookup is the ISA's byte shuffle (vpshufb, tbl; generic: selects).
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+
+from edgetp.model.intdot_layouts import Field, Layout, Scale
+
+# ---------------------------------------------------------------- IR helpers
+
+_I1, _I8, _I16, _I32, _I64 = (ir.IntType(n) for n in (1, 8, 16, 32, 64))
+_F32 = ir.FloatType()
+_V32I8, _V16I8, _V8I32, _V4I32, _V8F = (ir.VectorType(t, n) for t, n in
+                                        ((_I8, 32), (_I8, 16), (_I32, 8), (_I32, 4), (_F32, 8)))  # fmt: skip
+
+
+def _vec(ty, vals):
+    return ir.Constant(ir.VectorType(ty, len(vals)), [ir.Constant(ty, int(v)) for v in vals])
+
+
+def _splat8(v):
+    return _vec(_I8, [v] * 32)
+
+
+def _decl(module, name, ret, args):
+    fn = module.globals.get(name)
+    return fn if fn is not None else ir.Function(module, ir.FunctionType(ret, args), name)
+
+
+def _ptr(b, addr, off, ty):
+    if not (isinstance(off, int) and off == 0):
+        addr = b.add(addr, off if not isinstance(off, int) else ir.Constant(_I64, off))
+    return b.inttoptr(addr, ty.as_pointer())
+
+
+def _load(b, addr, off, ty, align=1):
+    return b.load(_ptr(b, addr, off, ty), align=align)
+
+
+# ---------------------------------------------------------------- ISAs: how int8 lanes multiply
+
+
+def _dot_avx2(b, u, x, signed):
+    if signed:  # pmaddubsw wants one unsigned operand: |code| x (xq with the code's sign)
+        u, x = b.call(_decl(b.module, "llvm.abs.v32i8", _V32I8, [_V32I8, _I1]), [u, ir.Constant(_I1, 0)]), \
+            b.call(_decl(b.module, "llvm.x86.avx2.psign.b", _V32I8, [_V32I8] * 2), [x, u])
+    v16 = ir.VectorType(_I16, 16)
+    pairs = b.call(_decl(b.module, "llvm.x86.avx2.pmadd.ub.sw", v16, [_V32I8] * 2), [u, x])
+    return b.call(_decl(b.module, "llvm.x86.avx2.pmadd.wd", _V8I32, [v16] * 2), [pairs, _vec(_I16, [1] * 16)])
+
+
+def _dot_vnni(b, u, x, signed):
+    if signed:
+        u, x = b.call(_decl(b.module, "llvm.abs.v32i8", _V32I8, [_V32I8, _I1]), [u, ir.Constant(_I1, 0)]), \
+            b.call(_decl(b.module, "llvm.x86.avx2.psign.b", _V32I8, [_V32I8] * 2), [x, u])
+    fn = _decl(b.module, "llvm.x86.avx512.vpdpbusd.256", _V8I32, [_V8I32] * 3)
+    return b.call(fn, [ir.Constant(_V8I32, None), b.bitcast(u, _V8I32), b.bitcast(x, _V8I32)])
+
+
+def _dot_neon(b, u, x, signed):
+    fn = _decl(b.module, "llvm.aarch64.neon.sdot.v4i32.v16i8", _V4I32, [_V4I32, _V16I8, _V16I8])
+    halves = []
+    for h in range(2):
+        sel = _vec(_I32, range(16 * h, 16 * h + 16))
+        halves.append(b.call(fn, [ir.Constant(_V4I32, None), b.shuffle_vector(u, u, sel), b.shuffle_vector(x, x, sel)]))
+    return b.shuffle_vector(halves[0], halves[1], _vec(_I32, range(8)))
+
+
+def _dot_generic(b, u, x, signed):
+    v32 = ir.VectorType(_I32, 32)
+    p = b.mul(b.sext(u, v32), b.sext(x, v32))  # unsigned codes are < 128: sext is zext
+    parts = [b.shuffle_vector(p, p, _vec(_I32, range(k, 32, 4))) for k in range(4)]
+    return b.add(b.add(parts[0], parts[1]), b.add(parts[2], parts[3]))
+
+
+def _lookup_x86(b, table, idx):
+    fn = _decl(b.module, "llvm.x86.avx2.pshuf.b", _V32I8, [_V32I8] * 2)
+    return b.call(fn, [_vec(_I8, list(table) * 2), idx])
+
+
+def _lookup_neon(b, table, idx):
+    fn = _decl(b.module, "llvm.aarch64.neon.tbl1.v16i8", _V16I8, [_V16I8] * 2)
+    halves = [b.call(fn, [_vec(_I8, table), b.shuffle_vector(idx, idx, _vec(_I32, range(16 * h, 16 * h + 16)))])
+              for h in range(2)]  # fmt: skip
+    return b.shuffle_vector(halves[0], halves[1], _vec(_I32, range(32)))
+
+
+def _lookup_generic(b, table, idx):
+    v = ir.Constant(_V32I8, None)
+    for k, t in enumerate(table):
+        v = b.select(b.icmp_unsigned("==", idx, _splat8(k)), _splat8(t), v)
+    return v
+
+
+# isa -> (dot, lookup, f16 by fpext (else a table))
+ISA_OPS = {
+    "avx2": (_dot_avx2, _lookup_x86, True),
+    "avxvnni": (_dot_vnni, _lookup_x86, True),
+    "avx512vnni": (_dot_vnni, _lookup_x86, True),
+    "neon": (_dot_neon, _lookup_neon, True),
+    "generic": (_dot_generic, _lookup_generic, False),
+}
+
+
+# ---------------------------------------------------------------- layout rows -> IR
+
+
+class _Emit:
+    """Emits one layout's block arithmetic for one ISA into a builder."""
+
+    def __init__(self, b: ir.IRBuilder, layout: Layout, name: str, tab):
+        self.b, self.layout, self.tab = b, layout, tab
+        self.dot, self.lookup, self.fpext = ISA_OPS[name]
+
+    def f16(self, base, off):
+        b = self.b
+        h = _load(b, base, off, _I16)
+        if self.fpext:
+            return b.fpext(b.bitcast(h, ir.HalfType()), _F32)
+        return _load(b, self.tab, b.mul(b.zext(h, _I64), ir.Constant(_I64, 4)), _F32, align=4)
+
+    def integer(self, base, fields, int8=False):
+        b, v = self.b, None
+        for f in fields:
+            byte = _load(b, base, f.off + f.idx, _I8)
+            x = b.sext(byte, _I32) if int8 else b.zext(byte, _I32)
+            if not int8:
+                x = b.and_(b.lshr(x, ir.Constant(_I32, f.shift)), ir.Constant(_I32, f.mask))
+                x = b.shl(x, ir.Constant(_I32, f.pos)) if f.pos else x
+            v = x if v is None else b.or_(v, x)
+        return v
+
+    def scale(self, base, s: Scale):
+        """(ws, wm or None) of a sub-block, rounded as the dequantizer rounds them."""
+        b = self.b
+        ws = self.f16(base, s.d)
+        if s.sc:
+            sc = self.integer(base, s.sc, s.sc_int8)
+            sc = b.sub(sc, ir.Constant(_I32, s.sc_bias)) if s.sc_bias else sc
+            ws = b.fmul(ws, b.sitofp(sc, _F32))
+        if s.m is None:
+            return ws, None
+        wm = self.f16(base, s.m)
+        return ws, (wm if not s.mn else b.fneg(b.fmul(wm, b.sitofp(self.integer(base, s.mn), _F32))))
+
+    def codes(self, base, fields: tuple[Field, ...]):
+        """<32 x i8> unsigned codes u of a chunk."""
+        b, u = self.b, None
+        for f in fields:
+            n = next(n for n in (4, 16, 32) if max(f.idx) < n)
+            raw = _load(b, base, f.off, ir.VectorType(_I8, n))
+            g = raw if n == 32 and f.idx == tuple(range(32)) else b.shuffle_vector(raw, raw, _vec(_I32, f.idx))
+            if f.mask == 1:  # one bit: test it in place
+                bit = b.and_(g, _vec(_I8, [1 << s for s in f.shift]))
+                v = b.select(b.icmp_unsigned("!=", bit, _splat8(0)), _splat8(1 << f.pos), _splat8(0))
+            else:
+                part = {s: (b.lshr(g, _splat8(s)) if s else g) for s in sorted(set(f.shift))}
+                part = {s: (b.and_(p, _splat8(f.mask)) if f.mask != 255 else p) for s, p in part.items()}
+                v = part[f.shift[0]]
+                if len(part) == 2:  # two shifts (nibble pairs): take each value from its own
+                    lo = f.shift[0]
+                    v = b.shuffle_vector(part[lo], part[max(part)], _vec(_I32, [j if f.shift[j] == lo else 32 + j for j in range(32)]))
+                v = b.shl(v, _splat8(f.pos)) if f.pos else v
+            u = v if u is None else b.or_(u, v)
+        return u
+
+    def block(self, k, rows, x, accs, maccs):
+        """One block of R rows: returns the updated (accs, maccs)."""
+        b, L = self.b, self.layout
+        xq, dx, s4, s16 = x
+        accs, maccs = list(accs), list(maccs)
+        nch = len(L.chunks)
+        bases = [b.add(r, b.mul(k, ir.Constant(_I64, L.nbytes))) for r in rows]
+        for c, ch in enumerate(L.chunks):
+            ci = b.add(b.mul(k, ir.Constant(_I64, nch)), ir.Constant(_I64, c))
+            xv = _load(b, xq, b.mul(ci, ir.Constant(_I64, 32)), _V32I8)
+            dxs = _load(b, dx, b.mul(ci, ir.Constant(_I64, 4)), _F32, 4)
+            if L.bias:
+                corr = b.shl(_load(b, s4, b.mul(ci, ir.Constant(_I64, 32)), _V8I32, 4),
+                             ir.Constant(_V8I32, [ir.Constant(_I32, L.bias.bit_length() - 1)] * 8))
+            if L.offset:
+                sa = _load(b, s16, b.mul(ci, ir.Constant(_I64, 8)), _I32, 4)
+                sb = _load(b, s16, b.add(b.mul(ci, ir.Constant(_I64, 8)), ir.Constant(_I64, 4)), _I32, 4)
+            for r, base in enumerate(bases):
+                u = self.codes(base, ch.code)
+                if L.table is not None:
+                    u = self.lookup(b, L.table, u)
+                lanes = self.dot(b, u, xv, L.signed or L.table is not None)
+                lanes = b.sub(lanes, corr) if L.bias else lanes
+                ws_lo, wm_lo = self.scale(base, ch.lo)
+                ws_hi, wm_hi = (ws_lo, wm_lo) if ch.hi == ch.lo else self.scale(base, ch.hi)
+                two = b.insert_element(ir.Constant(ir.VectorType(_F32, 2), None), b.fmul(ws_lo, dxs), ir.Constant(_I32, 0))
+                two = b.insert_element(two, b.fmul(ws_hi, dxs), ir.Constant(_I32, 1))
+                sv = b.shuffle_vector(two, two, _vec(_I32, [0] * 4 + [1] * 4))
+                accs[r] = b.fadd(accs[r], b.fmul(sv, b.sitofp(lanes, _V8F)))
+                if L.offset:
+                    parts = [(wm_lo, b.add(sa, sb))] if ch.hi == ch.lo else [(wm_lo, sa), (wm_hi, sb)]
+                    for wm, s in parts:
+                        maccs[r] = b.fadd(maccs[r], b.fmul(b.fmul(wm, dxs), b.sitofp(s, _F32)))
+        return accs, maccs
+
+
+def emit_rows(b: ir.IRBuilder, layout: Layout, name: str, rows, x, tab, nb, out) -> None:
+    """out[0:R] = R rows (addresses) . the token x = (xq, dx, s4, s16 addresses), nb blocks, on ISA `name`."""
+    em = _Emit(b, layout, name, tab)
+    R = len(rows)
+    zero_v, zero = ir.Constant(_V8F, None), ir.Constant(_F32, 0.0)
+    entry = b.block
+    loop, done = b.append_basic_block("intdot.loop"), b.append_basic_block("intdot.done")
+    b.cbranch(b.icmp_signed(">", nb, ir.Constant(_I64, 0)), loop, done)
+    b.position_at_end(loop)
+    k = b.phi(_I64)
+    accs = [b.phi(_V8F) for _ in range(R)]
+    maccs = [b.phi(_F32) for _ in range(R)]
+    new_a, new_m = em.block(k, rows, x, accs, maccs)
+    k1 = b.add(k, ir.Constant(_I64, 1))
+    for phi, init, new in [(k, ir.Constant(_I64, 0), k1), *((a, zero_v, n) for a, n in zip(accs, new_a)),
+                           *((m, zero, n) for m, n in zip(maccs, new_m))]:
+        phi.add_incoming(init, entry)
+        phi.add_incoming(new, b.block)
+    last = b.block
+    b.cbranch(b.icmp_signed("<", k1, nb), loop, done)
+    b.position_at_end(done)
+    fin = [(b.phi(_V8F), b.phi(_F32)) for _ in range(R)]  # phis first in the block
+    for r, (acc, macc) in enumerate(fin):
+        acc.add_incoming(zero_v, entry)
+        acc.add_incoming(new_a[r], last)
+        macc.add_incoming(zero, entry)
+        macc.add_incoming(new_m[r], last)
+    for r, (acc, macc) in enumerate(fin):
+        h = b.extract_element(acc, ir.Constant(_I32, 0))
+        for l in range(1, 8):
+            h = b.fadd(h, b.extract_element(acc, ir.Constant(_I32, l)))
+        h = b.fadd(h, macc) if layout.offset else h
+        b.store(h, _ptr(b, out, 4 * r, _F32), align=4)
+
+

@@ -11,6 +11,7 @@ enough copies of the matrix to exceed the L3 cache, so weights come from RAM.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import numba
@@ -128,10 +129,13 @@ def bench_intdot(types: list[str], threads: list[int]) -> None:
                     hot = _time(lambda: intdot.matvec(qt, base, xr, out))
                     cold = _time(lambda: intdot.matvec(qt, ws[next(it) % len(ws)], xr, out))
                     row += f"  int hot {base.nbytes / hot / 1e9:6.2f} cold {base.nbytes / cold / 1e9:6.2f} GB/s"
-                if int(qt) in Q.SUPPORTED:
+                if int(qt) in Q.SUPPORTED:  # quant.matvec on its float kernels (EDGETP_INT8=0)
                     wq = [Q.Weight(int(qt), rows, cols, w) for w in ws]
+                    was = os.environ.get("EDGETP_INT8")
+                    os.environ["EDGETP_INT8"] = "0"
                     hot = _time(lambda: Q.matvec(wq[0], x, out))
                     cold = _time(lambda: Q.matvec(wq[next(it) % len(wq)], x, out))
+                    os.environ.pop("EDGETP_INT8") if was is None else os.environ.update(EDGETP_INT8=was)
                     row += f"  float hot {base.nbytes / hot / 1e9:6.2f} cold {base.nbytes / cold / 1e9:6.2f} GB/s"
                 print(row, flush=True)
 

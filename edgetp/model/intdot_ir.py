@@ -7,7 +7,8 @@ the bias removed afterwards as bias * s4) or signed codes (Q8_0, IQ4):
   avxvnni,
   avx512vnni  vpdpbusd (u8 x s8, four products per i32 lane), 256 bits wide
   neon        sdot (s8 x s8, four products per i32 lane), two 128-bit halves
-  generic     sign-extend to i32, multiply, add each four (plain LLVM vectors)
+  generic     sign-extend to i32, multiply, add even and odd products (LLVM forms
+              pmaddwd from that on any x86), then adjacent pairs: plain LLVM vectors
 IQ4's table lookup is the ISA's byte shuffle (vpshufb, tbl; generic: selects).
 """
 
@@ -78,10 +79,16 @@ def _dot_neon(b, u, x, signed):
 
 
 def _dot_generic(b, u, x, signed):
-    v32 = ir.VectorType(_I32, 32)
-    p = b.mul(b.sext(u, v32), b.sext(x, v32))  # unsigned codes are < 128: sext is zext
-    parts = [b.shuffle_vector(p, p, _vec(_I32, range(k, 32, 4))) for k in range(4)]
-    return b.add(b.add(parts[0], parts[1]), b.add(parts[2], parts[3]))
+    # products of even and odd values added in i32: the shape LLVM matches to pmaddwd on
+    # any x86 (SSE2) and to smull/smlal on aarch64; then adjacent pairs added
+    v16i32 = ir.VectorType(_I32, 16)
+    even, odd = _vec(_I32, range(0, 32, 2)), _vec(_I32, range(1, 32, 2))
+
+    def prod(sel):  # unsigned codes are < 128: sext is zext
+        return b.mul(b.sext(b.shuffle_vector(u, u, sel), v16i32), b.sext(b.shuffle_vector(x, x, sel), v16i32))
+
+    s = b.add(prod(even), prod(odd))
+    return b.add(b.shuffle_vector(s, s, _vec(_I32, range(0, 16, 2))), b.shuffle_vector(s, s, _vec(_I32, range(1, 16, 2))))
 
 
 def _lookup_x86(b, table, idx):

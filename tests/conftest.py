@@ -83,30 +83,36 @@ def synth_model(model_dir):
     return make
 
 
-def require_int8() -> None:
-    """Skip, loudly, where the CPU lacks AVX-512 VNNI (or EDGETP_INT8=0); where it has
-    it, a failed probe of the int8 kernels is a failure, not a reason to skip."""
-    from edgetp.model import intgemm, vnni  # noqa: PLC0415
+def require_int8_prefill() -> None:
+    """Skip, loudly, where the integer prefill kernels cannot run: they exist for AVX-512
+    VNNI only (intgemm.py); elsewhere prefill multiplies f32 tiles. Where they can run,
+    a failed probe is a failure, not a reason to skip."""
+    from edgetp.model import intgemm, isa, vnni  # noqa: PLC0415
 
     if not vnni.wanted():
-        pytest.skip("INT8 KERNELS NOT RUN: this CPU has no AVX-512 VNNI (or EDGETP_INT8=0)")
-    assert vnni.available() and intgemm.available(), "the int8 kernels failed their probe"
+        pytest.skip(f"INT8 PREFILL NOT RUN: its kernels need AVX-512 VNNI; this process runs {isa.current()} "
+                    "(or EDGETP_INT8=0)")
+    assert intgemm.available(), "the int8 prefill kernels failed their probe"
 
 
 @pytest.fixture
-def int8_only() -> None:
-    require_int8()
+def int8_prefill() -> None:
+    require_int8_prefill()
 
 
 @pytest.fixture(params=["float", "int8"])
 def int8_kernels(request, monkeypatch) -> str:
-    """Run a test once per kernel path: "float" (f32 activations, exact) and "int8",
-    the AVX-512 VNNI integer kernels: Q4_0 decode and prefill with activations rounded
-    to Q8_0 blocks, Q4_1/Q8_0 prefill with them rounded to 16 bits."""
-    from edgetp.model import vnni  # noqa: PLC0415
+    """Run a test once per kernel path, as a user chooses them:
+    "float" (EDGETP_INT8=0): f32 activations everywhere, exact against the dequantized weights;
+    "int8": quantized weights decode on the integer kernels of the ISA in use (every CPU has
+    them: activations rounded to Q8_0 blocks as llama.cpp rounds them) and, on AVX-512 VNNI,
+    prefill on the integer panels (Q4_0 int8, Q4_1/Q8_0 16-bit)."""
+    from edgetp.model import intdot  # noqa: PLC0415
 
     if request.param == "float":
-        monkeypatch.setattr(vnni, "available", lambda: False)
+        monkeypatch.setenv("EDGETP_INT8", "0")
     else:
-        require_int8()
+        monkeypatch.delenv("EDGETP_INT8", raising=False)
+        broken = sorted(k for k in intdot.KINDS if not intdot.available(k))
+        assert not broken, f"integer decode kernels failed their probe for types {broken}"
     return request.param

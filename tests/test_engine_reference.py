@@ -37,7 +37,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgetp.model import gguf, vnni
+from edgetp.model import gguf
 from edgetp.model.generate import LocalRunner
 from edgetp.model.tokenizer import Tokenizer
 from tests import reference
@@ -104,7 +104,7 @@ SYNTH = [f"synth:{t}" for t in ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q
 
 @pytest.fixture
 def float_kernels(monkeypatch):
-    monkeypatch.setattr(vnni, "available", lambda: False)
+    monkeypatch.setenv("EDGETP_INT8", "0")
 
 
 @pytest.mark.parametrize("which", REAL + SYNTH)
@@ -137,7 +137,7 @@ def test_logits_are_never_further_from_llamacpp_than_llamacpp_is_from_exact(llam
 
 @pytest.mark.parametrize("which", ["smollm2:q4_0", "synth:q4_0"])
 def test_int8_q4_0_logits_are_as_close_to_exact_as_llamacpps(llama_cpp, which, stories_path, smollm2_path,
-                                                              requantized, synth_model, int8_only):
+                                                              requantized, synth_model, int8_prefill):
     path, text = _models(which, stories_path, smollm2_path, requantized, synth_model)
     ids = _ids(path, text)
     exact = reference.exact_logits(path, ids)
@@ -149,7 +149,7 @@ def test_int8_q4_0_logits_are_as_close_to_exact_as_llamacpps(llama_cpp, which, s
 
 @pytest.mark.parametrize("which", ["smollm2:q4_1", "smollm2:q8_0", "synth:q4_1", "synth:q8_0"])
 def test_16_bit_prefill_logits_stay_near_the_exact_math(which, stories_path, smollm2_path, requantized,
-                                                        synth_model, int8_only):
+                                                        synth_model, int8_prefill):
     # every position's logits come from the batched (prefill) products here
     path, text = _models(which, stories_path, smollm2_path, requantized, synth_model)
     ids = Tokenizer.from_metadata(gguf.open_model(path).metadata).encode(text, parse_special=True)

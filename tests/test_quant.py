@@ -4,10 +4,11 @@ Reference: `gguf.quants.dequantize` / `gguf.quants.quantize` (numpy ports of
 ggml's C), never our own code. Products are compared with float64 matrix
 products of the reference values.
 
-Q4_0 products, and Q4_1/Q8_0 batch products, run on two paths (fixture
-int8_kernels): the float kernels, and the VNNI kernels, which round the
-activations first: Q4_0 to Q8_0 blocks as llama.cpp does (the reference x is
-then gguf-py's own Q8_0 round trip of x), Q4_1 and Q8_0 to 16 bits per block
+Products run on two paths (fixture int8_kernels): the float kernels
+(EDGETP_INT8=0), and the integer kernels, which round the activations first:
+decode of every quantized type (intdot.py, any ISA) and AVX-512 VNNI prefill
+of Q4_0 to Q8_0 blocks as llama.cpp does (the reference x is then gguf-py's
+own Q8_0 round trip of x); VNNI prefill of Q4_1 and Q8_0 to 16 bits per block
 (`as_computed` writes that rounding out). The products are then exact
 integers times scales.
 
@@ -74,15 +75,19 @@ def assert_product_close(got: np.ndarray, w_ref: np.ndarray, x: np.ndarray) -> N
 
 
 def as_computed(qt, x: np.ndarray, kernels: str | None, batch: bool = False) -> np.ndarray:
-    """x as the kernel sees it. Int8 paths (Q4_0): rounded through gguf-py's Q8_0.
-    16-bit paths (Q4_1 and Q8_0 batches): per block of 32, q = round(x * 32767 / max|x|)
-    and x = q * (max|x| / 32767), written out here in float32 numpy."""
+    """x as the kernel sees it. Int8 paths (decode of every quantized type; VNNI prefill of
+    Q4_0): rounded through gguf-py's Q8_0. 16-bit paths (VNNI prefill of Q4_1 and Q8_0):
+    per block of 32, q = round(x * 32767 / max|x|) and x = q * (max|x| / 32767), written
+    out here in float32 numpy."""
+    from edgetp.model import intdot, intgemm  # noqa: PLC0415
+
     if kernels != "int8":
         return x
-    if qt == QT.Q4_0:
+    int8 = intgemm.available() and qt == QT.Q4_0 if batch else int(qt) in intdot.KINDS
+    if int8:
         rt = gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(x), QT.Q8_0), QT.Q8_0)
         return rt.reshape(x.shape)
-    if batch and qt in (QT.Q4_1, QT.Q8_0):
+    if batch and intgemm.available() and qt in (QT.Q4_1, QT.Q8_0):
         blocks = x.reshape(-1, 32).astype(np.float32)
         amax = np.abs(blocks).max(axis=1, keepdims=True)
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -184,7 +189,7 @@ def test_smollm2_q4_1_layer_and_q8_0_embeddings_match_reference(smollm2_path, in
         x = rng.standard_normal(w.cols).astype(np.float32)
         out = np.empty(rows, np.float32)
         Q.matvec(Q.slice_rows(w, 0, rows), x, out)
-        assert_product_close(out, ref, x)
+        assert_product_close(out, ref, as_computed(t.tensor_type, x, int8_kernels))
         xs = rng.standard_normal((19, w.cols)).astype(np.float32)
         outm = np.empty((19, rows), np.float32)
         Q.matmul(Q.slice_rows(w, 0, rows), xs, outm)
@@ -291,7 +296,7 @@ def test_quantize_q8_0_is_byte_identical_to_ggml(x):
 
 
 @pytest.mark.parametrize("wide", [False, True], ids=["int8", "int16"])
-def test_prefill_activation_rounding_is_the_documented_formula(wide, int8_only):
+def test_prefill_activation_rounding_is_the_documented_formula(wide, int8_prefill):
     # int8 (Q4_0): ggml's x86 quantize_row_q8_0, d = f16(max/127), q = rint(x * 127/max);
     # int16 (Q4_1, Q8_0): d = max/32767 in f32, q = rint(x * 32767/max), each 4 columns
     # stored as (0, 2, 1, 3); rows padded with zeros to whole tiles of tokens

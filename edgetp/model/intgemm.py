@@ -1,6 +1,6 @@
 """Prefill products on AVX-512 VNNI: Q4_0, Q4_1 and Q8_0 weights times integer activations.
 
-Decode reads every weight once per token, so it is bound by memory (`vnni.py`,
+Decode reads every weight once per token, so it is bound by memory (`intdot.py`,
 `kernels.py`). Prefill reuses each weight for every token of the batch, so it
 is bound by arithmetic. f32 sgemm peaks near 116 GFLOP/s on one core here, and
 VNNI tiles with 16 columns per register reached only 63-80 GOPS: every block
@@ -17,7 +17,7 @@ into one integer accumulator per token; only then is it converted and scaled,
 once per block for 16 rows: sum += float(acc) * dx[t, b] * d[b].
 
 Activations are rounded per block of 32 columns:
-  Q4_0  to int8 exactly as `vnni.quantize` does (ggml's x86 quantize_row_q8_0),
+  Q4_0  to int8 exactly as `vnni.q8_block` does (ggml's x86 quantize_row_q8_0),
         so prefill and decode agree with llama.cpp's arithmetic. `vpdpbusd`:
         nibbles q (0..15) times x, the accumulator starts at -8 * sum(x).
   Q4_1, Q8_0  to int16 (scale max|x| / 32767, f32), `vpdpwssd` on 16-bit
@@ -334,5 +334,5 @@ def _probed() -> bool:
 
 
 def available() -> bool:
-    """True when the VNNI prefill kernels run here: vnni.available() and a passing probe."""
-    return vnni.available() and _probed()
+    """True when the VNNI prefill kernels run here: vnni.wanted() and a passing probe."""
+    return vnni.wanted() and _probed()

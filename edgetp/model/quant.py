@@ -53,7 +53,7 @@ import numpy as np  # noqa: E402
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
 from edgetp.model import deq as D  # noqa: E402
-from edgetp.model import intgemm, vnni  # noqa: E402
+from edgetp.model import intdot, intgemm  # noqa: E402
 from edgetp.model import kernels as K  # noqa: E402
 
 Q8S32 = 1000
@@ -208,13 +208,13 @@ class Batch:
     def __init__(self, x: np.ndarray) -> None:
         self.x = x
         self.shape = x.shape
-        self._rounded: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._rounded: dict[str, tuple] = {}
 
-    def pairs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """vnni.quantized(x): the decode kernel's block-pair layout."""
-        if "pairs" not in self._rounded:
-            self._rounded["pairs"] = vnni.quantized(self.x)
-        return self._rounded["pairs"]
+    def token(self) -> intdot.Rounded:
+        """intdot.rounded(x[0]): one token as the integer decode kernels read it."""
+        if "token" not in self._rounded:
+            self._rounded["token"] = intdot.rounded(self.x[0])
+        return self._rounded["token"]
 
     def ints(self, wide: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """intgemm.quantized(x, wide): the prefill kernels' layouts (int16 if wide, else int8)."""
@@ -224,6 +224,13 @@ class Batch:
         return self._rounded[key]
 
 
+def int8_decode() -> bool:
+    """Quantized weights decode on the integer kernels (intdot: x rounded to int8 blocks,
+    the same bits on every ISA) unless EDGETP_INT8=0 keeps them on the float kernels
+    (f32 activations: exact against the dequantized weights, slower)."""
+    return os.environ.get("EDGETP_INT8", "1") != "0"
+
+
 def matvec(w: Weight, x: np.ndarray | Batch, out: np.ndarray) -> None:
     """out (rows,) = W @ x, all f32; x (cols,), or a Batch of one token."""
     batch = x if isinstance(x, Batch) else None
@@ -231,10 +238,10 @@ def matvec(w: Weight, x: np.ndarray | Batch, out: np.ndarray) -> None:
     _check_io(w, x, out, None)
     _use_threads()
     d, t = w.data, w.qtype
-    if t == QT.Q8_0:
+    if t in intdot.KINDS and int8_decode() and intdot.available(t):
+        intdot.matvec(t, d, (batch or Batch(x[None])).token(), out)
+    elif t == QT.Q8_0:
         K.matvec_q8_0(d, d.view(np.int8), _TAB16, x, out)
-    elif t == QT.Q4_0 and vnni.available():
-        vnni.matvec_q4_0(d, *(batch or Batch(x[None])).pairs(), out)
     elif t == QT.Q4_0:
         K.matvec_q4_0(d, _TAB16, x, out)
     elif t == QT.Q4_1:

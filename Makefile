@@ -33,3 +33,9 @@ bench: $(VENV)/.test
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# kernels, stories260K text and tensor parallelism on arm64 under qemu-user (root; no .venv needed;
+# the Debian arm64 rootfs is built once and cached under $(CACHE)/arm64). Not part of `make test`.
+.PHONY: test-arm64
+test-arm64:
+	EDGETP_CACHE_DIR=$(CACHE) tools/arm64_testbed.sh

@@ -14,9 +14,14 @@ Canonical arithmetic (the same bits on every ISA; `reference()` is it in numpy):
         acc[l] = acc[l] + (ws * dx) * f32(lane l)      (ws of the lane's 16 values)
     each operation rounded to f32 separately: no FMA, no reassociation;
   - for types with an offset (Q4_1, Q5_1, Q4_K, Q5_K, Q2_K) one more f32
-    accumulator m, zero at first; for each sub-block in order (32 values, or 16
-    for Q2_K): m = m + (wm * dx) * f32(S), S the integer sum of xq over it;
-  - out = ((acc[0] + acc[1]) + acc[2]) + ... + acc[7], then + m.
+    accumulator m[j] per scale slot j of a block (`Layout.slots`: 1 for Q4_1 and
+    Q5_1, 8 for Q4_K and Q5_K (32 values each), 16 for Q2_K (16 each)), zero at
+    first; for each block in order, each slot: m[j] = m[j] + (wm * dx) * f32(S),
+    S the integer sum of xq over the slot's values;
+  - out = ((acc[0] + acc[1]) + acc[2]) + ... + acc[7], then
+    + (((m[0] + m[1]) + m[2]) + ... + m[n-1]).
+A K-quant's per-slot values (ws * dx, the offset term) are then one vector per
+block, not a scalar chain per 32 values.
 This is llama.cpp's ggml_vec_dot_q4_0_q8_0 on AVX2 (a per-lane f32 accumulator,
 integer dot within a block) without its FMA, and a K-quant's sub-block scale
 is a float (d*sc, as the dequantizer rounds it) rather than folded into an
@@ -170,13 +175,16 @@ def reference(qtype: int, w: np.ndarray, x: Rounded) -> np.ndarray:
         h = h + acc[:, lane]
     if wm is None:
         return h
-    m = np.zeros(rows, np.float32)
-    for c in range(nch):
-        ch = L.chunks[c % len(L.chunks)]
-        sa, sb = x.s16[2 * c], x.s16[2 * c + 1]
-        parts = [(wm[:, 2 * c], sa + sb)] if ch.hi == ch.lo else [(wm[:, 2 * c], sa), (wm[:, 2 * c + 1], sb)]
-        for wmc, s in parts:
-            m = m + (wmc * x.dx[c]) * np.float32(s)
+    n = len(L.slots)  # one offset accumulator per slot of a block (1, 8 or 16)
+    per = L.values // n  # values per slot: 32 or 16
+    wmg = wm[:, :: per // 16]  # (rows, cols/per)
+    p = (wmg * np.repeat(x.dx, 32 // per)[None]) * x.s16.reshape(-1, per // 16).sum(1).astype(np.float32)[None]
+    macc = np.zeros((rows, n), np.float32)
+    for k in range(cols // L.values):
+        macc = macc + p[:, k * n : (k + 1) * n]
+    m = macc[:, 0]
+    for j in range(1, n):
+        m = m + macc[:, j]
     return h + m
 
 

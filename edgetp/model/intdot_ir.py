@@ -182,39 +182,106 @@ class _Emit:
             u = v if u is None else b.or_(u, v)
         return u
 
+    def slot_ints(self, base, fieldsets, int8):
+        """<N x i16>: lane i = the integer of fieldsets[i] (OR'd fields, or one int8 byte), all
+        N at once from one 16-byte load of the block's scale bytes."""
+        b, N = self.b, len(fieldsets)
+        offs = [f.off + f.idx for fs in fieldsets for f in fs]
+        lo = min(min(offs), self.layout.nbytes - 16)  # never past the block
+        assert max(offs) - lo < 16, "scale bytes must lie within 16"
+        raw = _load(b, base, lo, _V16I8)
+        vi16, v = ir.VectorType(_I16, N), None
+        for k in range(max(len(fs) for fs in fieldsets)):
+            fk = [fs[k] if k < len(fs) else None for fs in fieldsets]  # None: contributes 0
+            g = b.shuffle_vector(raw, raw, _vec(_I32, [f.off + f.idx - lo if f else 0 for f in fk]))
+            if int8:
+                x = b.sext(g, vi16)
+            else:
+                x = b.zext(g, vi16)
+                if any(f and f.shift for f in fk):
+                    x = b.lshr(x, _vec(_I16, [f.shift if f else 0 for f in fk]))
+                x = b.and_(x, _vec(_I16, [f.mask if f else 0 for f in fk]))
+                if any(f and f.pos for f in fk):
+                    x = b.shl(x, _vec(_I16, [f.pos if f else 0 for f in fk]))
+            v = x if v is None else b.or_(v, x)
+        return v
+
+    def slot_scales(self, base, dxs, S):
+        """Per block, all slots at once: (ws * dx, (wm * dx) * f32(S) or None) as <n x f32>;
+        dxs and S are the dx and xq sums of each slot."""
+        b, slots = self.b, self.layout.slots
+        n, s0 = len(slots), slots[0]
+        assert all(s.d == s0.d and s.m == s0.m and bool(s.mn) == bool(s0.mn) for s in slots)
+        vf = ir.VectorType(_F32, n)
+
+        def splat(v):
+            return b.shuffle_vector(b.insert_element(ir.Constant(vf, None), v, ir.Constant(_I32, 0)), ir.Constant(vf, None),
+                                    ir.Constant(ir.VectorType(_I32, n), [0] * n))
+
+        def ints_f32(v, lanes, bias):
+            sel = b.shuffle_vector(v, v, _vec(_I32, lanes))
+            sel = b.sub(sel, _vec(_I16, [bias] * n)) if bias else sel
+            return b.sitofp(sel, vf)
+
+        fieldsets = [s.sc for s in slots] + ([s.mn for s in slots] if s0.mn else [])
+        ints = self.slot_ints(base, fieldsets, s0.sc_int8)
+        ws = b.fmul(splat(self.f16(base, s0.d)), ints_f32(ints, range(n), s0.sc_bias))
+        if s0.m is None:
+            return b.fmul(ws, dxs), None
+        wm = b.fneg(b.fmul(splat(self.f16(base, s0.m)), ints_f32(ints, range(n, 2 * n), 0)))
+        return b.fmul(ws, dxs), b.fmul(b.fmul(wm, dxs), S)
+
     def block(self, k, rows, x, accs, maccs):
         """One block of R rows: returns the updated (accs, maccs)."""
         b, L = self.b, self.layout
         xq, dx, s4, s16 = x
         accs, maccs = list(accs), list(maccs)
-        nch = len(L.chunks)
+        nch, n = len(L.chunks), len(L.slots)
         bases = [b.add(r, b.mul(k, ir.Constant(_I64, L.nbytes))) for r in rows]
+        if n > 1:  # K-quants: every slot's ws*dx (and offset term) once per block, as vectors
+            dxv = _load(b, dx, b.mul(k, ir.Constant(_I64, 4 * nch)), ir.VectorType(_F32, nch), 4)
+            dxs = b.shuffle_vector(dxv, dxv, _vec(_I32, [i * nch // n for i in range(n)]))
+            S = None
+            if L.offset:  # xq sums per slot: s16 per 16 values, or adjacent pairs of them
+                v16 = _load(b, s16, b.mul(k, ir.Constant(_I64, 4 * 2 * nch)), ir.VectorType(_I32, 2 * nch), 4)
+                if n < 2 * nch:
+                    v16 = b.add(b.shuffle_vector(v16, v16, _vec(_I32, range(0, 2 * nch, 2))),
+                                b.shuffle_vector(v16, v16, _vec(_I32, range(1, 2 * nch, 2))))
+                S = b.sitofp(v16, ir.VectorType(_F32, n))
+            tv = []
+            for r, base in enumerate(bases):
+                t, p = self.slot_scales(base, dxs, S)
+                tv.append(t)
+                if p is not None:
+                    maccs[r] = b.fadd(maccs[r], p)
         for c, ch in enumerate(L.chunks):
             ci = b.add(b.mul(k, ir.Constant(_I64, nch)), ir.Constant(_I64, c))
             xv = _load(b, xq, b.mul(ci, ir.Constant(_I64, 32)), _V32I8)
-            dxs = _load(b, dx, b.mul(ci, ir.Constant(_I64, 4)), _F32, 4)
             if L.bias:
                 corr = b.shl(_load(b, s4, b.mul(ci, ir.Constant(_I64, 32)), _V8I32, 4),
                              ir.Constant(_V8I32, [ir.Constant(_I32, L.bias.bit_length() - 1)] * 8))
-            if L.offset:
-                sa = _load(b, s16, b.mul(ci, ir.Constant(_I64, 8)), _I32, 4)
-                sb = _load(b, s16, b.add(b.mul(ci, ir.Constant(_I64, 8)), ir.Constant(_I64, 4)), _I32, 4)
+            if n == 1:
+                dxs = _load(b, dx, b.mul(ci, ir.Constant(_I64, 4)), _F32, 4)
+                if L.offset:
+                    sa = _load(b, s16, b.mul(ci, ir.Constant(_I64, 8)), _I32, 4)
+                    sb = _load(b, s16, b.add(b.mul(ci, ir.Constant(_I64, 8)), ir.Constant(_I64, 4)), _I32, 4)
             for r, base in enumerate(bases):
                 u = self.codes(base, ch.code)
                 if L.table is not None:
                     u = self.lookup(b, L.table, u)
                 lanes = self.dot(b, u, xv, L.signed or L.table is not None)
                 lanes = b.sub(lanes, corr) if L.bias else lanes
-                ws_lo, wm_lo = self.scale(base, ch.lo)
-                ws_hi, wm_hi = (ws_lo, wm_lo) if ch.hi == ch.lo else self.scale(base, ch.hi)
-                two = b.insert_element(ir.Constant(ir.VectorType(_F32, 2), None), b.fmul(ws_lo, dxs), ir.Constant(_I32, 0))
-                two = b.insert_element(two, b.fmul(ws_hi, dxs), ir.Constant(_I32, 1))
-                sv = b.shuffle_vector(two, two, _vec(_I32, [0] * 4 + [1] * 4))
+                if n == 1:  # one scale per block
+                    ws, wm = self.scale(base, ch.lo)
+                    sv = b.fmul(ws, dxs)
+                    sv = b.shuffle_vector(b.insert_element(ir.Constant(_V8F, None), sv, ir.Constant(_I32, 0)),
+                                          ir.Constant(_V8F, None), _vec(_I32, [0] * 8))
+                    if L.offset:
+                        maccs[r] = b.fadd(maccs[r], b.fmul(b.fmul(wm, dxs), b.sitofp(b.add(sa, sb), _F32)))
+                else:
+                    lo, hi = (2 * c, 2 * c + 1) if L.split else (c, c)
+                    sv = b.shuffle_vector(tv[r], tv[r], _vec(_I32, [lo] * 4 + [hi] * 4))
                 accs[r] = b.fadd(accs[r], b.fmul(sv, b.sitofp(lanes, _V8F)))
-                if L.offset:
-                    parts = [(wm_lo, b.add(sa, sb))] if ch.hi == ch.lo else [(wm_lo, sa), (wm_hi, sb)]
-                    for wm, s in parts:
-                        maccs[r] = b.fadd(maccs[r], b.fmul(b.fmul(wm, dxs), b.sitofp(s, _F32)))
         return accs, maccs
 
 
@@ -222,14 +289,16 @@ def emit_rows(b: ir.IRBuilder, layout: Layout, name: str, rows, x, tab, nb, out)
     """out[0:R] = R rows (addresses) . the token x = (xq, dx, s4, s16 addresses), nb blocks, on ISA `name`."""
     em = _Emit(b, layout, name, tab)
     R = len(rows)
-    zero_v, zero = ir.Constant(_V8F, None), ir.Constant(_F32, 0.0)
+    nslot = len(layout.slots)
+    mty = _F32 if nslot == 1 else ir.VectorType(_F32, nslot)  # offset accumulators, one per slot
+    zero_v, zero = ir.Constant(_V8F, None), ir.Constant(mty, None if nslot > 1 else 0.0)
     entry = b.block
     loop, done = b.append_basic_block("intdot.loop"), b.append_basic_block("intdot.done")
     b.cbranch(b.icmp_signed(">", nb, ir.Constant(_I64, 0)), loop, done)
     b.position_at_end(loop)
     k = b.phi(_I64)
     accs = [b.phi(_V8F) for _ in range(R)]
-    maccs = [b.phi(_F32) for _ in range(R)]
+    maccs = [b.phi(mty) for _ in range(R)]
     new_a, new_m = em.block(k, rows, x, accs, maccs)
     k1 = b.add(k, ir.Constant(_I64, 1))
     for phi, init, new in [(k, ir.Constant(_I64, 0), k1), *((a, zero_v, n) for a, n in zip(accs, new_a)),
@@ -239,7 +308,7 @@ def emit_rows(b: ir.IRBuilder, layout: Layout, name: str, rows, x, tab, nb, out)
     last = b.block
     b.cbranch(b.icmp_signed("<", k1, nb), loop, done)
     b.position_at_end(done)
-    fin = [(b.phi(_V8F), b.phi(_F32)) for _ in range(R)]  # phis first in the block
+    fin = [(b.phi(_V8F), b.phi(mty)) for _ in range(R)]  # phis first in the block
     for r, (acc, macc) in enumerate(fin):
         acc.add_incoming(zero_v, entry)
         acc.add_incoming(new_a[r], last)
@@ -249,6 +318,11 @@ def emit_rows(b: ir.IRBuilder, layout: Layout, name: str, rows, x, tab, nb, out)
         h = b.extract_element(acc, ir.Constant(_I32, 0))
         for l in range(1, 8):
             h = b.fadd(h, b.extract_element(acc, ir.Constant(_I32, l)))
+        if layout.offset and nslot > 1:
+            m = b.extract_element(macc, ir.Constant(_I32, 0))
+            for l in range(1, nslot):
+                m = b.fadd(m, b.extract_element(macc, ir.Constant(_I32, l)))
+            macc = m
         h = b.fadd(h, macc) if layout.offset else h
         b.store(h, _ptr(b, out, 4 * r, _F32), align=4)
 

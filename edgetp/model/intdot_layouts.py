@@ -70,6 +70,17 @@ class Layout:
     def offset(self) -> bool:
         return self.chunks[0].lo.m is not None
 
+    @property
+    def split(self) -> bool:
+        """True when a chunk's two 16-value halves have scales of their own."""
+        return any(ch.lo != ch.hi for ch in self.chunks)
+
+    @property
+    def slots(self) -> tuple[Scale, ...]:
+        """The scales of a block in value order: one per chunk, or one per 16 values if split
+        (1 for the 32-value types, 8 or 16 for the K-quants)."""
+        return tuple(s for ch in self.chunks for s in ((ch.lo, ch.hi) if self.split else (ch.lo,)))
+
 
 def nibbles(off: int) -> tuple[Field]:
     """16 bytes: value j < 16 is the low nibble of byte j, j >= 16 the high nibble of byte j-16."""

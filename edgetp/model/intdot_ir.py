@@ -137,6 +137,11 @@ class _Emit:
             return b.fpext(b.bitcast(h, ir.HalfType()), _F32)
         return _load(b, self.tab, b.mul(b.zext(h, _I64), ir.Constant(_I64, 4)), _F32, align=4)
 
+    def splat(self, v):
+        b = self.b
+        return b.shuffle_vector(b.insert_element(ir.Constant(_V8F, None), v, ir.Constant(_I32, 0)), ir.Constant(_V8F, None),
+                                _vec(_I32, [0] * 8))
+
     def integer(self, base, fields, int8=False):
         b, v = self.b, None
         for f in fields:
@@ -171,6 +176,11 @@ class _Emit:
             if f.mask == 1:  # one bit: test it in place
                 bit = b.and_(g, _vec(_I8, [1 << s for s in f.shift]))
                 v = b.select(b.icmp_unsigned("!=", bit, _splat8(0)), _splat8(1 << f.pos), _splat8(0))
+            elif len(set(f.shift)) > 1 and all(len(set(f.shift[i : i + 4])) == 1 for i in range(0, 32, 4)) \
+                    and f.mask < 1 << (8 - max(f.shift)):  # a shift per 4 bytes (nibble halves): one i32 shift,
+                sh = _vec(_I32, f.shift[::4])  # the bits it pulls from a neighbour byte are masked off
+                v = b.and_(b.bitcast(b.lshr(b.bitcast(g, _V8I32), sh), _V32I8), _splat8(f.mask))
+                v = b.shl(v, _splat8(f.pos)) if f.pos else v
             else:
                 part = {s: (b.lshr(g, _splat8(s)) if s else g) for s in sorted(set(f.shift))}
                 part = {s: (b.and_(p, _splat8(f.mask)) if f.mask != 255 else p) for s, p in part.items()}
@@ -273,9 +283,7 @@ class _Emit:
                 lanes = b.sub(lanes, corr) if L.bias else lanes
                 if n == 1:  # one scale per block
                     ws, wm = self.scale(base, ch.lo)
-                    sv = b.fmul(ws, dxs)
-                    sv = b.shuffle_vector(b.insert_element(ir.Constant(_V8F, None), sv, ir.Constant(_I32, 0)),
-                                          ir.Constant(_V8F, None), _vec(_I32, [0] * 8))
+                    sv = self.splat(b.fmul(ws, dxs))
                     if L.offset:
                         maccs[r] = b.fadd(maccs[r], b.fmul(b.fmul(wm, dxs), b.sitofp(b.add(sa, sb), _F32)))
                 else:

@@ -273,3 +273,17 @@ def dequant_rows_serial(kind, w, tab16, tabbf, out):
     # as dequant_rows, on the calling thread (prefill workers run one each)
     for r in range(w.shape[0]):
         deq_row(kind, w[r], tab16, tabbf, out[r])
+
+
+@njit(**_OPTS)
+def exact_dots(kind, w, rows, x, tab16, tabbf, out):
+    # out[i] = f32(sum_j f64(W[rows[i], j]) * f64(x[j])), the sum taken in column order in
+    # float64 with nothing fused or reordered (no fastmath): the same bits on every CPU.
+    # w: (n, row_bytes) uint8 of type kind; rows: (k,) int64; x: (cols,) f32; out: (k,) f32
+    scratch = np.empty(x.shape[0], np.float32)
+    for i in range(rows.shape[0]):
+        deq_row(kind, w[rows[i]], tab16, tabbf, scratch)
+        t = 0.0
+        for j in range(x.shape[0]):
+            t += np.float64(scratch[j]) * np.float64(x[j])
+        out[i] = np.float32(t)

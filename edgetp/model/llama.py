@@ -34,6 +34,7 @@ class ShardMismatch(ValueError):
 
 # metadata of a shard file: the spec it holds, its source, the source's vocabulary size
 SHARD_KEYS = {k: f"edgetp.shard.{k}" for k in ("kv_groups", "ffn_cols", "vocab_rows", "vocab", "source_fingerprint")}
+EXACT_TOP = 64  # logits recomputed exactly per decoded token and shard (Shard.logits)
 
 
 @dataclass(frozen=True)
@@ -212,11 +213,20 @@ class Shard:
         return h
 
     def logits(self, h: np.ndarray) -> np.ndarray:
-        """This shard's vocabulary rows of the logits: (n, vocab_l)."""
+        """This shard's vocabulary rows of the logits: (n, vocab_l).
+
+        Decoding (n == 1), the EXACT_TOP largest are recomputed exactly (quant.refine_top):
+        the head picks the token, and the int8 rounding of h flips near-ties. SmolLM2's
+        answer to "What is the capital of France?" starts on a 0.08-logit tie between
+        "The" and "L"; llama.cpp's rounding answers "L'Étoile, la Cité..." and so did
+        the integer kernels alone. Exact candidates are also the same bits on every CPU.
+        """
         head = self.w.lm_head
         out = np.zeros((h.shape[0], 0 if head is None else head.rows), np.float32)
         if head is not None:
             _apply(head, h, out)
+            if h.shape[0] == 1:
+                quant.refine_top(head, h[0], out[0], EXACT_TOP)
         return out
 
     def _attention(self, i: int, layer: Layer, h: np.ndarray, pos: int) -> np.ndarray:

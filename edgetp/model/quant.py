@@ -274,6 +274,24 @@ def _matvec_dequant(w: Weight, x: np.ndarray, out: np.ndarray) -> None:
         np.matmul(scratch[: r1 - r0], x, out=out[r0:r1])
 
 
+def refine_top(w: Weight, x: np.ndarray, out: np.ndarray, k: int) -> None:
+    """Recompute the k largest of out = W @ x exactly: f64 dots of the dequantized rows
+    with the f32 x, in column order, the same bits on every CPU (deq.exact_dots).
+
+    For a vocabulary projection: the int8 rounding of x moves logits by up to a few
+    hundredths, enough to flip a near-tie between the tokens that can be chosen, and
+    the float kernels' FMA makes the last bits depend on the CPU. The candidates that
+    sampling looks at are then exact, and the rest cost what decode costs.
+    """
+    k = min(k, w.rows)
+    if k <= 0:
+        return
+    rows = np.argpartition(out, w.rows - k)[w.rows - k :].astype(np.int64)
+    exact = np.empty(k, np.float32)
+    D.exact_dots(int(w.qtype), w.data, rows, np.ascontiguousarray(x, np.float32), _TAB16, _TABBF, exact)
+    out[rows] = exact
+
+
 _SCRATCH_BYTES = 2 << 20  # f32 tile of W decoded per step (sgemm is fastest from ~128 rows)
 _pool: ThreadPoolExecutor | None = None  # prefill workers, created on first threaded matmul
 _pool_size = 0

@@ -86,7 +86,7 @@ def test_lying_tensor_offsets_are_named_and_refused(tiny, tmp_path):
 
 
 def _rewrite(src: Path, dst: Path, *, arch: str | None = None, retype: str | None = None) -> Path:
-    """A copy of src with another architecture name, or one tensor stored as Q5_0."""
+    """A copy of src with another architecture name, or one tensor stored as MXFP4 (unsupported)."""
     reader = GGUFReader(src)
     old_arch = reader.fields["general.architecture"].contents()
     writer = GGUFWriter(dst, arch or old_arch)
@@ -101,8 +101,8 @@ def _rewrite(src: Path, dst: Path, *, arch: str | None = None, retype: str | Non
     for t in reader.tensors:
         data = np.asarray(t.data)
         if t.name == retype:
-            q = quants.quantize(data.astype(np.float32), GGMLQuantizationType.Q5_0)
-            writer.add_tensor(t.name, q, raw_dtype=GGMLQuantizationType.Q5_0)
+            q = quants.quantize(data.astype(np.float32), GGMLQuantizationType.MXFP4)
+            writer.add_tensor(t.name, q, raw_dtype=GGMLQuantizationType.MXFP4)
         else:
             writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
     writer.write_header_to_file()
@@ -118,8 +118,8 @@ def test_an_unsupported_architecture_is_named(tiny, tmp_path):
 
 
 def test_an_unsupported_tensor_type_is_named_with_its_tensor(tiny, tmp_path):
-    bad = _rewrite(tiny, tmp_path / "q5.gguf", retype="blk.0.ffn_up.weight")
-    assert_one_line_error(ask(bad), str(bad), "blk.0.ffn_up.weight", "Q5_0")
+    bad = _rewrite(tiny, tmp_path / "mxfp4.gguf", retype="blk.0.ffn_up.weight")
+    assert_one_line_error(ask(bad), str(bad), "blk.0.ffn_up.weight", "MXFP4")
 
 
 def test_a_missing_model_says_what_was_looked_for(tmp_path):

@@ -1,9 +1,17 @@
 """Tensor parallelism across real processes, against the single-node engine.
 
 Workers are real `edgetp worker` processes on 127.0.0.1; the root runs in
-this process. With f32 sync the greedy tokens of 1-4 processes, on uneven
-weights, must equal the single-node tokens; with Q8_0 sync the logits must
-stay within the bound stated at Q8_TOLERANCE.
+this process. With f32 sync and the float kernels (EDGETP_INT8=0) the greedy
+tokens of 1-4 processes, on uneven weights, must equal the single-node
+tokens; with Q8_0 sync the logits must stay within the bound stated at
+Q8_TOLERANCE.
+
+With the integer decode kernels (the default) that equality does not hold:
+a node's partial sum adds the same exact terms in another grouping than one
+node's full sum (f32, ~1e-7 apart), and the next layer's int8 rounding of
+the activations turns an element that sits at a rounding boundary into a
+whole rounding step. That is the kind of error Q8_0 sync makes on purpose,
+so those logits are held to the same bound (test at the end).
 """
 
 from __future__ import annotations
@@ -29,12 +37,40 @@ QUESTION = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, tr
 GREEDY = sampling.SamplingParams(temperature=0)
 
 
+def _start(n: int, int8: bool) -> list:
+    with pytest.MonkeyPatch.context() as mp:
+        if int8:
+            mp.delenv("EDGETP_INT8", raising=False)
+        else:
+            mp.setenv("EDGETP_INT8", "0")
+        return [start_worker() for _ in range(n)]
+
+
 @pytest.fixture(scope="module")
 def workers():
-    procs = [start_worker() for _ in range(3)]
+    """Three workers on the float kernels: the exact mode the token-equality tests hold to."""
+    procs = _start(3, int8=False)
     yield [addr for _, addr in procs]
     for proc, _ in procs:
         stop(proc)
+
+
+@pytest.fixture(scope="module")
+def int8_workers():
+    """Two workers on the integer decode kernels (the default)."""
+    procs = _start(2, int8=True)
+    yield [addr for _, addr in procs]
+    for proc, _ in procs:
+        stop(proc)
+
+
+@pytest.fixture(autouse=True)
+def _root_kernels(request, monkeypatch):
+    """The root (this process) runs the kernels its workers run."""
+    if "int8_workers" in request.fixturenames:
+        monkeypatch.delenv("EDGETP_INT8", raising=False)
+    else:
+        monkeypatch.setenv("EDGETP_INT8", "0")
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +168,31 @@ def test_q8_0_sync_keeps_logits_within_the_stated_bound(which, workers, control,
     print(f"{which}: Q8_0 sync max error {err.max():.3e} of the spread, mean {err.mean():.3e}, top-1 agrees {agree:.3f}")
     assert err.max() <= Q8_TOLERANCE and err.mean() <= Q8_TOLERANCE / 2
     assert err.max() > 0, "Q8_0 sync should not be bit-exact; is the sync type ignored?"
+    assert agree >= 0.9
+
+
+@pytest.mark.parametrize("which", ["smollm2", "tiny-odd"])
+def test_integer_kernels_across_processes_keep_decode_logits_within_the_q8_bound(
+        which, int8_workers, control, stories_path, smollm2_path, synth_model):
+    # teacher-forced, one token at a time: every product runs the decode (integer) path
+    path, ids = _model(which, stories_path, smollm2_path, synth_model)
+    ids = ids[:48]
+    local = LocalRunner(gguf.open_model(path), 256)
+    want = np.stack([local.logits([t], p)[0] for p, t in enumerate(ids)])
+    runner = cluster(control, path, int8_workers, [1, 2, 3])
+    try:
+        runner.begin(GREEDY)
+        try:
+            got = np.stack([runner.logits([t], p)[0] for p, t in enumerate(ids)])
+        finally:
+            runner.end()
+    finally:
+        runner.close()
+    spread = want.max(1) - want.min(1)
+    err = np.abs(got - want).max(1) / spread
+    agree = float(np.mean(got.argmax(1) == want.argmax(1)))
+    print(f"{which}: int8 across 3 processes: max {err.max():.3e} of the spread, mean {err.mean():.3e}, top-1 {agree:.3f}")
+    assert err.max() <= Q8_TOLERANCE and err.mean() <= Q8_TOLERANCE / 2
     assert agree >= 0.9
 
 

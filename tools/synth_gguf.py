@@ -143,18 +143,23 @@ def pack_q4_k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
     return out
 
 
-def _q4_k(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:
-    # layout: d f16 | dmin f16 | scales 12 | qs 128. Sub-block j (32 values):
-    # value = d*sc_j*q - dmin*m_j, q in 0..15.  With dmin = 7.5 d and m_j = sc_j
-    # the value is d*sc_j*(q - 7.5): zero mean, E[...^2] = d^2 E[sc^2] 21.25.
-    blocks = rng.integers(0, 256, (n_blocks, 144), dtype=np.uint8)
+def _qk_with_mins(rng: np.random.Generator, n_blocks: int, std: float, nbytes: int, levels: int) -> np.ndarray:
+    # Q4_K (144 B, 16 levels) and Q5_K (176 B, 32 levels): d f16 | dmin f16 | scales 12 | ...
+    # Sub-block j (32 values): value = d*sc_j*q - dmin*m_j, q in 0..levels-1. With
+    # dmin = (levels-1)/2 d and m_j = sc_j the value is d*sc_j*(q - (levels-1)/2): zero mean,
+    # E[...^2] = d^2 E[sc^2] (levels^2 - 1)/12 (21.25 for Q4_K, 85.25 for Q5_K).
+    blocks = rng.integers(0, 256, (n_blocks, nbytes), dtype=np.uint8)
     sc = rng.integers(32, 64, (n_blocks, 8), dtype=np.uint8)
     esc2 = float(np.mean(np.arange(32, 64, dtype=np.float64) ** 2))
-    d = _block_scale(rng, n_blocks, std / np.sqrt(esc2 * 21.25 * _EU2))
+    d = _block_scale(rng, n_blocks, std / np.sqrt(esc2 * (levels * levels - 1) / 12 * _EU2))
     blocks[:, 0:2] = _f16_bytes(d)
-    blocks[:, 2:4] = _f16_bytes(7.5 * d)
+    blocks[:, 2:4] = _f16_bytes((levels - 1) / 2 * d)
     blocks[:, 4:16] = pack_q4_k_scales(sc, sc)
     return blocks
+
+
+def _q4_k(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:
+    return _qk_with_mins(rng, n_blocks, std, 144, 16)  # d | dmin | scales 12 | qs 128
 
 
 def _q6_k(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:
@@ -229,16 +234,7 @@ def _q3_k(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:
 
 
 def _q5_k(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:
-    # layout: d f16 | dmin f16 | scales 12 | qh 32 | qs 128; as Q4_K with q in 0..31:
-    # dmin = 15.5 d and m_j = sc_j give d*sc_j*(q - 15.5), E[...^2] = d^2 E[sc^2] 85.25
-    blocks = rng.integers(0, 256, (n_blocks, 176), dtype=np.uint8)
-    sc = rng.integers(32, 64, (n_blocks, 8), dtype=np.uint8)
-    esc2 = float(np.mean(np.arange(32, 64, dtype=np.float64) ** 2))
-    d = _block_scale(rng, n_blocks, std / np.sqrt(esc2 * 85.25 * _EU2))
-    blocks[:, 0:2] = _f16_bytes(d)
-    blocks[:, 2:4] = _f16_bytes(15.5 * d)
-    blocks[:, 4:16] = pack_q4_k_scales(sc, sc)
-    return blocks
+    return _qk_with_mins(rng, n_blocks, std, 176, 32)  # d | dmin | scales 12 | qh 32 | qs 128
 
 
 def _iq4_xs(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:

@@ -16,26 +16,12 @@ import time
 
 import numba
 import numpy as np
-from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
+from edgetp.cluster.profile import random_weight
 from edgetp.model import intdot, isa
 from edgetp.model import quant as Q
 from edgetp.model.kernels import SPREAD, partners, spans
-
-
-def random_weight(qt: QT, rows: int, cols: int, rng: np.random.Generator) -> Q.Weight:
-    """Random bytes with sane f16 scale fields, so the values are finite."""
-    bs, ts = GGML_QUANT_SIZES[qt]
-    raw = rng.integers(0, 256, size=(rows, cols // bs, ts), dtype=np.uint8)
-    scale = rng.uniform(0.001, 0.01, size=(rows, cols // bs)).astype(np.float16).view(np.uint8)
-    offsets = {QT.Q8_0: [0], QT.Q4_0: [0], QT.Q4_1: [0, 2], QT.Q4_K: [0, 2], QT.Q6_K: [208]}.get(qt, [])
-    for off in offsets:
-        raw[..., off : off + 2] = scale.reshape(rows, cols // bs, 2)
-    if qt in (QT.F16, QT.BF16, QT.F32):
-        vals = rng.standard_normal((rows, cols)).astype(np.float32)
-        raw = {QT.F32: vals, QT.F16: vals.astype(np.float16), QT.BF16: (vals.view(np.uint32) >> 16).astype(np.uint16)}[qt]
-    return Q.Weight(int(qt), rows, cols, np.ascontiguousarray(raw.view(np.uint8).reshape(rows, -1)))
 
 
 def _time(fn, min_time=0.3) -> float:
@@ -50,7 +36,7 @@ def _time(fn, min_time=0.3) -> float:
 
 def bench(qt: QT, rows: int, cols: int, threads: list[int], batch: int, repacked: bool) -> None:
     rng = np.random.default_rng(0)
-    base = random_weight(qt, rows, cols, rng)
+    base = random_weight(int(qt), rows, cols, seed=0)
     gguf_bytes = base.nbytes
     copies = max(1, int(np.ceil(128e6 / base.nbytes)))
     ws = [base] + [Q.Weight(base.qtype, rows, cols, base.data.copy()) for _ in range(copies - 1)]

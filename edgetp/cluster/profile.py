@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from edgetp.model import quant
+from edgetp.model import intdot, quant
 
 DEFAULT_ROWS, DEFAULT_COLS = 8192, 2048  # a Llama-3.2-1B FFN projection: 17.8 MB in Q8_0
 
@@ -27,17 +27,15 @@ class Profile:
 
 
 def random_weight(qtype: int, rows: int, cols: int, seed: int = 0) -> quant.Weight:
-    """A random (rows, cols) matrix of any supported type, for timing only.
-
-    Quantized types get random bytes (the kernels' speed does not depend on the
-    values); float types get normal values, so no subnormal slows a product.
-    """
+    """A random (rows, cols) matrix of any supported type, for timing only: float types
+    get normal values, quantized ones random blocks with finite, small f16 scales
+    (intdot.random_blocks), so no NaN, inf or subnormal changes a kernel's pace."""
     rng = np.random.default_rng(seed)
     if qtype in (QT.F32, QT.F16, QT.BF16):
         vals = rng.standard_normal((rows, cols)).astype(np.float32)
         raw = {QT.F32: vals, QT.F16: vals.astype(np.float16), QT.BF16: (vals.view(np.uint32) >> 16).astype(np.uint16)}
         return quant.Weight(int(qtype), rows, cols, np.ascontiguousarray(raw[QT(qtype)]).view(np.uint8))
-    data = rng.integers(0, 256, size=(rows, quant.row_bytes(qtype, cols)), dtype=np.uint8)
+    data = intdot.random_blocks(int(qtype), rows, cols // quant.block_size(qtype), rng)
     return quant.Weight(int(qtype), rows, cols, data)
 
 
@@ -51,15 +49,14 @@ def measure_speed(w: quant.Weight | None = None, seconds: float = 0.5, max_runs:
     w = w or random_weight(QT.Q8_0, DEFAULT_ROWS, DEFAULT_COLS)
     x = np.random.default_rng(1).standard_normal(w.cols).astype(np.float32)
     out = np.empty(w.rows, np.float32)
-    with np.errstate(all="ignore"):  # random bytes decode to NaN and inf here and there
-        quant.matvec(w, x, out)  # compile / warm up
-        runs = 0
-        t0 = time.perf_counter()
-        while runs < max_runs:
-            quant.matvec(w, x, out)
-            runs += 1
-            if time.perf_counter() - t0 >= seconds:
-                break
+    quant.matvec(w, x, out)  # compile / warm up
+    runs = 0
+    t0 = time.perf_counter()
+    while runs < max_runs:
+        quant.matvec(w, x, out)
+        runs += 1
+        if time.perf_counter() - t0 >= seconds:
+            break
     return w.nbytes * runs / (time.perf_counter() - t0)
 
 

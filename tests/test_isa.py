@@ -52,6 +52,13 @@ def test_an_isa_the_cpu_cannot_run_is_refused_with_a_reason(env, arch, feats, wo
     assert all(w in str(err.value) for w in words)
 
 
+def test_an_isa_llvm_cannot_see_on_this_cpu_compiles_for_a_cpu_that_has_it():
+    # qemu-user: HWCAP says dot product, LLVM sees a "generic" aarch64 and could not select sdot
+    assert isa.choose({}, "aarch64", PI5, frozenset({"neon"})) == isa.Choice("neon", "cortex-a76", "best this CPU has")
+    assert isa.choose({"EDGETP_ISA": "neon"}, "aarch64", PI5, frozenset()).target == "cortex-a76"
+    assert isa.choose({}, "aarch64", PI5, PI5).target is None  # a real Pi 5: compile for itself
+
+
 def test_a_users_numba_target_names_the_isa():
     assert isa.choose({"NUMBA_CPU_NAME": "haswell"}, "x86_64", X86_AVX512) == isa.Choice("avx2", "haswell",
                                                                                         "NUMBA_CPU_NAME=haswell")

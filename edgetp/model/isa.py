@@ -77,8 +77,15 @@ def usable(arch: str, features: frozenset[str]) -> tuple[str, ...]:
     return tuple(i for i in ISAS if _ARCH.get(i, arch) == arch and all(f in features for f in _NEEDS[i]))
 
 
-def choose(env: Mapping[str, str], arch: str, features: frozenset[str]) -> Choice:
-    """The ISA for this process (pure: environment, architecture and CPU features in)."""
+def choose(env: Mapping[str, str], arch: str, features: frozenset[str],
+           llvm_features: frozenset[str] | None = None) -> Choice:
+    """The ISA for this process (pure: environment, architecture and CPU features in).
+
+    llvm_features: what LLVM itself sees of this CPU (numba compiles for that). Where it
+    lacks what the ISA needs (qemu-user shows LLVM a "generic" aarch64, though the kernel's
+    HWCAP has the dot product), the ISA compiles for a named CPU that has it; otherwise
+    LLVM cannot select the instructions and aborts.
+    """
     can = usable(arch, features)
     forced = env.get("EDGETP_ISA", "").strip().lower()
     user_target = env.get("NUMBA_CPU_NAME") or None
@@ -93,11 +100,19 @@ def choose(env: Mapping[str, str], arch: str, features: frozenset[str]) -> Choic
         if isa not in can:
             raise IsaError(f"NUMBA_CPU_NAME={user_target} targets {isa} code, which this CPU cannot run ({', '.join(can)})")
         return Choice(isa, user_target, f"NUMBA_CPU_NAME={user_target}")
-    if forced:
-        # the CPU's own best ISA compiles for the CPU itself; a narrower one for a CPU that has just it
-        target = None if forced == can[0] else _TARGET.get((forced, arch))
-        return Choice(forced, target, "EDGETP_ISA")
-    return Choice(can[0], None, "best this CPU has")
+    isa = forced or can[0]
+    # the CPU's own best ISA compiles for the CPU itself (if LLVM sees it as it is);
+    # a narrower one for a CPU that has just it
+    seen = llvm_features is None or all(f in llvm_features for f in _NEEDS[isa])
+    target = None if isa == can[0] and seen else _TARGET.get((isa, arch))
+    return Choice(isa, target, "EDGETP_ISA" if forced else "best this CPU has")
+
+
+def llvm_host_features() -> frozenset[str]:
+    """The CPU features LLVM sees here (what numba compiles for by default)."""
+    from llvmlite import binding  # noqa: PLC0415 - llvmlite only, numba not yet
+
+    return frozenset(k for k, v in binding.get_host_cpu_features().items() if v)
 
 
 def host_features() -> tuple[str, frozenset[str]]:
@@ -108,9 +123,7 @@ def host_features() -> tuple[str, frozenset[str]]:
     """
     arch = platform.machine().lower()
     arch = {"amd64": "x86_64", "arm64": "aarch64"}.get(arch, arch)
-    from llvmlite import binding  # noqa: PLC0415 - llvmlite only, numba not yet
-
-    feats = {k for k, v in binding.get_host_cpu_features().items() if v}
+    feats = set(llvm_host_features())
     if arch == "aarch64" and sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None)
@@ -135,7 +148,7 @@ def configure() -> None:
     if _choice is not None or _error is not None:
         return
     try:
-        _choice = choose(os.environ, *host_features())
+        _choice = choose(os.environ, *host_features(), llvm_host_features())
     except IsaError as exc:
         _error = exc
         return

@@ -120,13 +120,18 @@ def _q4_0(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:
     return blocks
 
 
-def _q4_1(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:
-    # value = d * q + m with m = -7.5 d: zero-mean, E[(q-7.5)^2] = 21.25
-    blocks = rng.integers(0, 256, (n_blocks, 20), dtype=np.uint8)
-    d = _block_scale(rng, n_blocks, std / np.sqrt(21.25 * _EU2))
+def _with_min(rng: np.random.Generator, n_blocks: int, std: float, nbytes: int, levels: int) -> np.ndarray:
+    # Q4_1 (20 B, 16 levels) and Q5_1 (24 B, 32 levels): d f16 | m f16 | ...; value = d*q + m
+    # with m = -(levels-1)/2 d: zero mean, E[...^2] = d^2 (levels^2 - 1)/12 (21.25, 85.25)
+    blocks = rng.integers(0, 256, (n_blocks, nbytes), dtype=np.uint8)
+    d = _block_scale(rng, n_blocks, std / np.sqrt((levels * levels - 1) / 12 * _EU2))
     blocks[:, 0:2] = _f16_bytes(d)
-    blocks[:, 2:4] = _f16_bytes(-7.5 * d)
+    blocks[:, 2:4] = _f16_bytes(-(levels - 1) / 2 * d)
     return blocks
+
+
+def _q4_1(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:
+    return _with_min(rng, n_blocks, std, 20, 16)  # d | m | nibbles 16
 
 
 def pack_q4_k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
@@ -190,12 +195,7 @@ def _q5_0(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:
 
 
 def _q5_1(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:
-    # layout: d f16 | m f16 | qh u32 | nibbles 16; value = d*q + m with m = -15.5 d: E[...^2] = d^2 85.25
-    blocks = rng.integers(0, 256, (n_blocks, 24), dtype=np.uint8)
-    d = _block_scale(rng, n_blocks, std / np.sqrt(85.25 * _EU2))
-    blocks[:, 0:2] = _f16_bytes(d)
-    blocks[:, 2:4] = _f16_bytes(-15.5 * d)
-    return blocks
+    return _with_min(rng, n_blocks, std, 24, 32)  # d | m | qh u32 | nibbles 16
 
 
 _EKV2 = float(np.mean(np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.float64) ** 2))  # E[kvalue^2], q uniform

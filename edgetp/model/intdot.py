@@ -216,21 +216,24 @@ def _probe(qtype: int) -> bool:
 
 
 @functools.cache
-def working() -> frozenset[int]:
-    """The qtypes whose integer kernel compiled and passed its probe on this ISA (empty when
-    EDGETP_ISA names one this CPU lacks: `isa.require()` says why)."""
-    from edgetp.model.vnni import checked  # noqa: PLC0415
-
+def _isa() -> str | None:
+    """The ISA the kernels compile for, logged once; None when EDGETP_ISA names one this
+    CPU lacks (`isa.require()` says why)."""
     try:
         name = isa.current()
     except isa.IsaError as exc:
         log.warning("integer decode kernels unavailable: %s", exc)
-        return frozenset()
-    ok = frozenset(t for t in sorted(KINDS) if checked(lambda t=t: _probe(t), f"integer {LAYOUTS[t].qtype.name} decode ({name})"))
-    log.info("integer decode kernels on %s: %s", name, ", ".join(LAYOUTS[t].qtype.name for t in sorted(ok)) or "none")
-    return ok
+        return None
+    log.info("integer decode kernels on %s", name)
+    return name
 
 
+@functools.cache
 def available(qtype: int) -> bool:
-    """True when qtype's integer decode kernel runs correctly here (probed once per process)."""
-    return qtype in KINDS and qtype in working()
+    """True when qtype's integer decode kernel compiled and passed its probe on this ISA.
+    Probed on first use, one type at a time: a model compiles only the kernels it uses."""
+    from edgetp.model.vnni import checked  # noqa: PLC0415
+
+    name = _isa()
+    return (qtype in KINDS and name is not None
+            and checked(lambda: _probe(qtype), f"integer {LAYOUTS[qtype].qtype.name} decode ({name})"))

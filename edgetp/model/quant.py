@@ -260,18 +260,10 @@ def matvec(w: Weight, x: np.ndarray | Batch, out: np.ndarray) -> None:
         K.matvec_s8(d.view(np.int8), d.view(np.float32), _BLOCK[t][0], x, out)
     elif t == U8A32:
         K.matvec_a8(d, d.view(np.float32), x, out)
-    else:  # no decode kernel for this type: dequantize tiles of rows, then sgemv (correct, not fast)
-        _matvec_dequant(w, x, out)
-
-
-def _matvec_dequant(w: Weight, x: np.ndarray, out: np.ndarray) -> None:
-    tile = max(1, min(w.rows, _SCRATCH_BYTES // (4 * w.cols)))
-    scratch = np.empty((tile, w.cols), np.float32)  # (tile, cols) decoded rows of W
-    _openblas_single_thread()
-    for r0 in range(0, w.rows, tile):
-        r1 = min(w.rows, r0 + tile)
-        D.dequant_rows(int(w.qtype), w.data[r0:r1], _TAB16, _TABBF, scratch[: r1 - r0])
-        np.matmul(scratch[: r1 - r0], x, out=out[r0:r1])
+    else:  # no decode kernel for this type: the prefill path's decoded tiles (correct, not fast)
+        _openblas_single_thread()
+        tile = int(np.clip(_SCRATCH_BYTES // (4 * w.cols), 1, w.rows))
+        _matmul_tiles(w, x[None], out[None], range(0, w.rows, tile), tile)
 
 
 def refine_top(w: Weight, x: np.ndarray, out: np.ndarray, k: int) -> None:

@@ -151,6 +151,12 @@ async def serve(opts: ServeOptions, on_listening: Callable[[str], None] | None =
             close()
 
 
+def _profile_type(mf: ModelFile | None) -> int:
+    """The type a node times for the planner: its model's dominant one; Q8_0 for a node
+    without the model (it fetches its slice later)."""
+    return mf.dominant_type if mf else QT.Q8_0
+
+
 async def serve_cluster(opts: ServeOptions, on_listening: Callable[[str], None] | None = None,
                         status: Callable[[str], None] = lambda line: None) -> None:
     if opts.key is None:
@@ -158,8 +164,7 @@ async def serve_cluster(opts: ServeOptions, on_listening: Callable[[str], None] 
     if opts.threads:
         quant.set_threads(opts.threads)
     mf = await asyncio.to_thread(open_model, opts.model_path, opts.index_dir) if opts.model_path else None
-    # a node without the model (it fetches its slice later) times Q8_0, as the planner's unit
-    me = await asyncio.to_thread(profile.profile, opts.threads, 0.5, mf.dominant_type if mf else QT.Q8_0)
+    me = await asyncio.to_thread(profile.profile, opts.threads, 0.5, _profile_type(mf))
     node_id = opts.node_id or f"{socket.gethostname().split('.')[0]}-{uuid.uuid4().hex[:6]}"
     bus = EventBus()
     bus.add_listener(lambda r: status(r.message) if isinstance(r, events.ClusterEvent) else None)
@@ -283,8 +288,7 @@ class Roles:
 
     async def reprofile(self) -> PeerAdvert:
         """POST /v1/cluster/profile: measure again, announce it; the root re-plans before the next request."""
-        qtype = self.mf.dominant_type if self.mf else QT.Q8_0
-        me = await asyncio.to_thread(profile.profile, self.opts.threads, 0.5, qtype)
+        me = await asyncio.to_thread(profile.profile, self.opts.threads, 0.5, _profile_type(self.mf))
         advert = replace(self.membership.me, speed=me.speed, mem_free=me.mem_free)
         await self.membership.update_me(advert)
         return advert

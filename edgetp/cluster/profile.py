@@ -1,7 +1,8 @@
 """How fast and how roomy this device is: the inputs of the planner.
 
 Speed is measured with the real decode kernel, on a matrix of the model's
-dominant weight type the size of one FFN projection, so it reflects what this device will actually do per token:
+dominant weight type the size of one FFN projection, so it reflects what this
+device will actually do per token:
 weight bytes streamed through `quant.matvec` per second. Free memory comes
 from the kernel's own estimate (MemAvailable).
 """

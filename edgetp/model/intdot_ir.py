@@ -17,6 +17,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from edgetp.model.intdot_layouts import Field, Layout, Scale
+from edgetp.model.vnni import _decl, _vec  # the IR helpers the VNNI prefill panels use too
 
 # ---------------------------------------------------------------- IR helpers
 
@@ -26,17 +27,8 @@ _V32I8, _V16I8, _V8I32, _V4I32, _V8F = (ir.VectorType(t, n) for t, n in
                                         ((_I8, 32), (_I8, 16), (_I32, 8), (_I32, 4), (_F32, 8)))  # fmt: skip
 
 
-def _vec(ty, vals):
-    return ir.Constant(ir.VectorType(ty, len(vals)), [ir.Constant(ty, int(v)) for v in vals])
-
-
 def _splat8(v):
     return _vec(_I8, [v] * 32)
-
-
-def _decl(module, name, ret, args):
-    fn = module.globals.get(name)
-    return fn if fn is not None else ir.Function(module, ir.FunctionType(ret, args), name)
 
 
 def _ptr(b, addr, off, ty):

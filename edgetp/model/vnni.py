@@ -34,7 +34,8 @@ _V16I32, _V16F = ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
 
 
 def _vec(ty, vals):
-    return ir.Constant(ir.VectorType(ty, len(vals)), [ir.Constant(ty, v) for v in vals])
+    """A constant integer vector of type ty (numpy integers welcome)."""
+    return ir.Constant(ir.VectorType(ty, len(vals)), [ir.Constant(ty, int(v)) for v in vals])
 
 
 def _decl(module, name, ret, args):

@@ -14,6 +14,8 @@ from textual.binding import Binding
 
 from .messages import PromptSubmitted, RecordArrived
 from .screens import MainScreen
+from edgetp.net.httpauth import Credentials
+
 from .source import Asker, AskError, EventSource, HttpAsker, WebSocketSource
 from .state import AskChunk, AskFinished, AskStarted, ClearLog, ConnectionStatus, DashboardState, Notice, apply
 
@@ -89,6 +91,6 @@ class DashboardApp(App[None]):
         self.fold(ClearLog())
 
 
-def run(url: str) -> None:
-    """Watch the cluster whose API is at `url` (e.g. http://127.0.0.1:8080) until the user quits."""
-    DashboardApp(WebSocketSource(url), HttpAsker(url)).run()
+def run(url: str, creds: Credentials = Credentials()) -> None:
+    """Watch the cluster whose API is at `url` (e.g. http://127.0.0.1:7711) until the user quits."""
+    DashboardApp(WebSocketSource(url, creds=creds), HttpAsker(url, creds=creds)).run()

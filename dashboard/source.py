@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator, Iterable, Protocol, Sequence
 
 import aiohttp
 
+from edgetp.net.httpauth import Credentials, ProofError
 from edgetp.serve.events import EventError, from_dict
 
 from .state import ConnectionStatus, Notice
@@ -41,9 +42,10 @@ class AskError(Exception):
 class WebSocketSource:
     """`{url}/v1/events` over a WebSocket, reconnecting after `first`, 2×, 4× … at most `cap` seconds."""
 
-    def __init__(self, url: str, first: float = 1.0, cap: float = 10.0, heartbeat: float = 10.0) -> None:
+    def __init__(self, url: str, first: float = 1.0, cap: float = 10.0, heartbeat: float = 10.0,
+                 creds: Credentials = Credentials()) -> None:
         self.url = url.rstrip("/")
-        self.first, self.cap, self.heartbeat = first, cap, heartbeat
+        self.first, self.cap, self.heartbeat, self.creds = first, cap, heartbeat, creds
 
     def delay(self, attempt: int) -> float:
         """Seconds to wait before reconnect attempt `attempt` (0-based): doubling, bounded by `cap`."""
@@ -57,7 +59,8 @@ class WebSocketSource:
                 yield ConnectionStatus("connecting", f"connecting to {self.url}")
                 reason = "connection closed"
                 try:
-                    async with session.ws_connect(endpoint, heartbeat=self.heartbeat) as ws:
+                    headers = await self.creds.headers(session, self.url, "GET", "/v1/events")
+                    async with session.ws_connect(endpoint, heartbeat=self.heartbeat, headers=headers) as ws:
                         attempt = 0
                         yield ConnectionStatus("connected", f"connected to {self.url}")
                         async for msg in ws:
@@ -66,7 +69,9 @@ class WebSocketSource:
                             elif msg.type == aiohttp.WSMsgType.ERROR:
                                 reason = f"connection error: {ws.exception()}"
                                 break
-                except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+                except aiohttp.WSServerHandshakeError as exc:
+                    reason = f"refused: HTTP {exc.status}" + (" (give --key or --api-key)" if exc.status == 401 else "")
+                except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ProofError) as exc:
                     reason = str(exc) or type(exc).__name__
                 wait = self.delay(attempt)
                 attempt += 1
@@ -108,8 +113,9 @@ class ScriptedSource:
 class HttpAsker:
     """`POST {url}/v1/chat/completions` with `stream: true`; yields each delta's content."""
 
-    def __init__(self, url: str, model: str | None = None, max_tokens: int | None = None) -> None:
-        self.url = url.rstrip("/")
+    def __init__(self, url: str, model: str | None = None, max_tokens: int | None = None,
+                 creds: Credentials = Credentials()) -> None:
+        self.url, self.creds = url.rstrip("/"), creds
         self.model, self.max_tokens = model, max_tokens  # model None: whatever the cluster serves
 
     async def ask(self, prompt: str) -> AsyncIterator[str]:
@@ -119,8 +125,14 @@ class HttpAsker:
         if self.max_tokens is not None:
             body["max_tokens"] = self.max_tokens
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+        data = json.dumps(body).encode()
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            async with session.post(f"{self.url}/v1/chat/completions", json=body) as resp:
+            try:
+                headers = {"Content-Type": "application/json"} | \
+                    await self.creds.headers(session, self.url, "POST", "/v1/chat/completions", data)
+            except ProofError as exc:
+                raise AskError(str(exc)) from None
+            async with session.post(f"{self.url}/v1/chat/completions", data=data, headers=headers) as resp:
                 if resp.status != 200:
                     raise AskError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
                 async for raw in resp.content:

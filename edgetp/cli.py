@@ -40,6 +40,10 @@ def _weights(text: str) -> list[float]:
     return values
 
 
+_API_KEY = dict(default=os.environ.get("EDGETP_API_KEY"),
+                help="an API token of the node (its api_tokens setting; default $EDGETP_API_KEY)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="edgetp", description="One language model across the small computers on your LAN.")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
@@ -72,13 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--sync", choices=("f32", "q8_0"), default="f32",
                      help="all-reduce payload: exact f32 or Q8_0 blocks (3.8x fewer bytes)")
     ask.add_argument("--key", default=os.environ.get("EDGETP_KEY_FILE"), help="cluster key file")
+    ask.add_argument("--api-key", **_API_KEY)
     ask.add_argument("--url", default=os.environ.get("EDGETP_URL"),
                      help="a node's API (default: $EDGETP_URL, else found by mDNS)")
     ask.set_defaults(func=commands.ask)
 
     chat = sub.add_parser("chat", help="an interactive session with the cluster (keeps the history)")
     for flag, kw in (("--url", dict(default=os.environ.get("EDGETP_URL"))),
-                     ("--key", dict(default=os.environ.get("EDGETP_KEY_FILE"))),
+                     ("--key", dict(default=os.environ.get("EDGETP_KEY_FILE"))), ("--api-key", _API_KEY),
                      ("--max-tokens", dict(type=_positive, default=512)),
                      ("--temperature", dict(type=float, default=0.8)), ("--top-k", dict(type=int, default=40)),
                      ("--top-p", dict(type=float, default=0.95)), ("--min-p", dict(type=float, default=0.05)),
@@ -89,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="the cluster as a table")
     status.add_argument("--url", default=os.environ.get("EDGETP_URL"))
     status.add_argument("--key", default=os.environ.get("EDGETP_KEY_FILE"))
+    status.add_argument("--api-key", **_API_KEY)
     status.set_defaults(func=commands.status)
 
     worker = sub.add_parser("worker", help="hold a shard for a root (static cluster, no discovery)")
@@ -135,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     dash = sub.add_parser("dashboard", help="the live view of a cluster: nodes, shares, per-token time and bytes")
     dash.add_argument("--url", default=os.environ.get("EDGETP_URL", "http://127.0.0.1:7711"),
                       help="any node's HTTP API (default: $EDGETP_URL or http://127.0.0.1:7711)")
+    dash.add_argument("--key", default=os.environ.get("EDGETP_KEY_FILE"),
+                      help="cluster key file (the event stream of a node listening beyond loopback needs it, "
+                           "or --api-key)")
+    dash.add_argument("--api-key", **_API_KEY)
     dash.set_defaults(func=commands.dashboard)
 
     keygen = sub.add_parser("keygen", help="write a new cluster key file (0600); share it out of band")

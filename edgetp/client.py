@@ -18,6 +18,7 @@ import aiohttp
 from edgetp.cluster.discovery import browse
 from edgetp.cluster.membership import http_url
 from edgetp.net import auth
+from edgetp.net.httpauth import Credentials, ProofError
 from edgetp.serve import events
 
 
@@ -52,13 +53,6 @@ async def find_url(url: str | None, key: bytes | None, seconds: float = 2.0,
     return http_url(best)
 
 
-def _headers(key: bytes | None, path: str, body: bytes) -> dict[str, str]:
-    head = {"Content-Type": "application/json"}
-    if key is not None:
-        head |= auth.signed_headers(key, "POST", path, body)
-    return head
-
-
 async def _check(resp: aiohttp.ClientResponse, url: str) -> None:
     if resp.status == 200:
         return
@@ -67,21 +61,34 @@ async def _check(resp: aiohttp.ClientResponse, url: str) -> None:
     except (aiohttp.ContentTypeError, KeyError, TypeError, ValueError):
         message = (await resp.text())[:200]
     if resp.status in (401, 403):
-        raise KeyRefused(f"{url}: the cluster refused our key: {message}")
+        raise KeyRefused(f"{url}: refused: {message}")
     if resp.status >= 500:
         raise ServerError(f"{url}: server error {resp.status}: {message}")
     raise ClientError(f"{url}: {message}")
 
 
 async def stream_chat(url: str, messages: list[dict[str, str]], options: dict[str, Any],
-                      key: bytes | None = None) -> AsyncIterator[tuple[str, str | None, str]]:
+                      creds: Credentials = Credentials()) -> AsyncIterator[tuple[str, str | None, str]]:
     """(text piece, finish_reason, request id) per SSE chunk of a streaming chat completion."""
-    path = "/v1/chat/completions"
-    body = json.dumps({"messages": messages, "stream": True} | options).encode()
+    async for piece in _stream(url, "/v1/chat/completions", {"messages": messages} | options, creds):
+        yield piece
+
+
+async def stream_completion(url: str, prompt: str, options: dict[str, Any],
+                            creds: Credentials = Credentials()) -> AsyncIterator[tuple[str, str | None, str]]:
+    """The same for a plain completion: the prompt as it is, no chat template (`ask --raw`)."""
+    async for piece in _stream(url, "/v1/completions", {"prompt": prompt} | options, creds):
+        yield piece
+
+
+async def _stream(url: str, path: str, request: dict[str, Any],
+                  creds: Credentials) -> AsyncIterator[tuple[str, str | None, str]]:
+    body = json.dumps(request | {"stream": True}).encode()
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=600)
     try:
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            async with session.post(url + path, data=body, headers=_headers(key, path, body)) as resp:
+            headers = {"Content-Type": "application/json"} | await creds.headers(session, url, "POST", path, body)
+            async with session.post(url + path, data=body, headers=headers) as resp:
                 await _check(resp, url)
                 async for raw in resp.content:
                     line = raw.decode().strip()
@@ -91,21 +98,26 @@ async def stream_chat(url: str, messages: list[dict[str, str]], options: dict[st
                     if "error" in chunk:
                         raise ServerError(f"{url}: {chunk['error'].get('message', 'error')}")
                     for choice in chunk.get("choices", []):
-                        yield choice.get("delta", {}).get("content") or "", choice.get("finish_reason"), chunk["id"]
+                        text = choice["delta"].get("content") if "delta" in choice else choice.get("text")
+                        yield text or "", choice.get("finish_reason"), chunk["id"]
     except aiohttp.ClientConnectorError as exc:
         raise NoCluster(f"{url}: cannot connect ({exc.os_error or exc})") from None
     except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
         raise ServerError(f"{url}: the answer broke off ({exc})") from None
+    except ProofError as exc:
+        raise KeyRefused(str(exc)) from None
 
 
-async def get_json(url: str, path: str) -> Any:
+async def get_json(url: str, path: str, creds: Credentials = Credentials()) -> Any:
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-            async with session.get(url + path) as resp:
+            async with session.get(url + path, headers=await creds.headers(session, url, "GET", path)) as resp:
                 await _check(resp, url)
                 return await resp.json()
     except aiohttp.ClientConnectorError as exc:
         raise NoCluster(f"{url}: cannot connect ({exc.os_error or exc})") from None
+    except ProofError as exc:
+        raise KeyRefused(str(exc)) from None
 
 
 @dataclass
@@ -134,12 +146,14 @@ class TokenStats:
 
 
 async def watch_tokens(url: str, stats: TokenStats, request_id: asyncio.Future[str],
-                       connected: asyncio.Event) -> None:
+                       connected: asyncio.Event, creds: Credentials = Credentials()) -> None:
     """Collect the token records of one request (its id arrives once the answer starts)."""
     ws_url = url.replace("http://", "ws://").replace("https://", "wss://") + "/v1/events"
     pending: list[events.TokenRecord] = []
     try:
-        async with aiohttp.ClientSession() as session, session.ws_connect(ws_url, heartbeat=30) as ws:
+        async with aiohttp.ClientSession() as session, \
+                session.ws_connect(ws_url, heartbeat=30,
+                                   headers=await creds.headers(session, url, "GET", "/v1/events")) as ws:
             connected.set()
             async for msg in ws:
                 if msg.type != aiohttp.WSMsgType.TEXT:
@@ -153,5 +167,5 @@ async def watch_tokens(url: str, stats: TokenStats, request_id: asyncio.Future[s
                     if request_id.done():
                         stats.records += [r for r in pending if r.request_id == request_id.result()]
                         pending.clear()
-    except aiohttp.ClientError:
+    except (aiohttp.ClientError, ProofError):
         connected.set()  # no stats, but never a hang

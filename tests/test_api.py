@@ -25,8 +25,7 @@ from edgetp.model.generate import LocalRunner, generate
 from edgetp.model.sampling import SamplingParams
 from edgetp.model.tokenizer import Tokenizer
 from edgetp.serve import events
-from edgetp.net import auth
-from edgetp.serve.api import make_app, require_key, serving
+from edgetp.serve.api import make_app, serving
 from edgetp.serve.root import Engine
 
 CTX = 256
@@ -447,34 +446,3 @@ async def test_the_event_websocket_sends_a_snapshot_then_one_token_record_per_ge
     assert "".join(t.text for t in tokens) == answer["choices"][0]["text"]
     assert all(t.total_ms > 0 and t.sync_ms == 0 and t.compute_ms == t.total_ms for t in tokens)
     assert records[-1].completion_tokens == 9 and records[-1].finish_reason == "length"
-
-
-async def test_a_cluster_change_runs_only_when_signed_with_the_cluster_key(stories):
-    mf, tok = stories
-    key = auth.generate_key()
-    changed = []
-
-    async def change(request):
-        changed.append(await request.read())
-        return aiohttp.web.json_response({"ok": True})
-
-    apps = {}
-    for name, k in (("keyed", key), ("keyless", None)):
-        apps[name] = make_app(Engine(LocalRunner(mf, CTX), tok, "stories260K"), key=k)
-        apps[name].router.add_post("/v1/cluster/change", require_key(change))
-    body = b'{"x": 1}'
-    async with serving(apps["keyed"]) as url, serving(apps["keyless"]) as keyless, \
-            aiohttp.ClientSession(timeout=TIMEOUT) as s:
-        good = auth.signed_headers(key, "POST", "/v1/cluster/change", body)
-        async with s.post(url + "/v1/cluster/change", data=body, headers=good) as r:
-            assert r.status == 200
-        async with s.post(url + "/v1/cluster/change", data=body, headers=good) as r:  # replayed
-            assert r.status == 401 and "replayed" in (await r.json())["error"]["message"]
-        forged = auth.signed_headers(auth.generate_key(), "POST", "/v1/cluster/change", body)
-        async with s.post(url + "/v1/cluster/change", data=body, headers=forged) as r:
-            assert r.status == 401 and (await r.json())["error"]["code"] == "bad_signature"
-        async with s.post(url + "/v1/cluster/change", data=body) as r:
-            assert r.status == 401
-        async with s.post(keyless + "/v1/cluster/change", data=body, headers=good) as r:
-            assert r.status == 403 and (await r.json())["error"]["code"] == "no_cluster_key"
-    assert changed == [body]

@@ -8,15 +8,24 @@ Every error, even an unexpected one, leaves as OpenAI's
     POST /v1/chat/completions, /v1/completions   (SSE when "stream": true)
     GET  /v1/models, /v1/cluster, /metrics
     GET  /v1/events                               (WebSocket: snapshot, then records)
+    GET  /v1/auth/challenge                       (a nonce for a key proof; net/httpauth.py)
 
-Requests that change the cluster must carry the cluster key's signature
-(`require_key`); there are none yet.
+Who may call what (`_access`, one place for every route):
+
+- `/v1/cluster/...` (slices, peers, profile: what members do to each other):
+  a proof of the cluster key, always;
+- `/v1/events` (every prompt and every token): the key, or an API token;
+  anyone only while the API listens on loopback alone;
+- everything else (the OpenAI API, the cluster view, metrics): an API token
+  (`Authorization: Bearer`) or the key when `api_tokens` are set; anyone when
+  none are set (a node that listens beyond loopback then warns loudly at start).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import socket
 import time
@@ -29,7 +38,7 @@ from aiohttp import WSCloseCode, web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from edgetp.model.chat import ChatTemplateError
-from edgetp.net import auth
+from edgetp.net import httpauth
 from edgetp.serve import events, openai_shape as shape
 from edgetp.serve.root import Engine, EngineClosed, GenerationFailed, Job, QueueFull, Request, local_view
 
@@ -38,10 +47,15 @@ log = logging.getLogger(__name__)
 ENGINE = web.AppKey("engine", Engine)
 CLUSTER_VIEW = web.AppKey("cluster_view", Callable[[], events.ClusterView])
 KEY = web.AppKey("key", bytes | None)
-NONCES = web.AppKey("nonces", auth.NonceCache)
+TOKENS = web.AppKey("tokens", tuple)  # API bearer tokens; () means the OpenAI API needs none
+GATE = web.AppKey("gate", httpauth.KeyGate)
+LOOPBACK = web.AppKey("loopback", list)  # [True] while serving on loopback only (set by `serving`)
 METRICS = web.AppKey("metrics", "Metrics")
 SOCKETS = web.AppKey("sockets", weakref.WeakSet)
 ROUTE = web.AppKey("route", object)  # Callable[[], str | None] | None
+
+HEADER_HOPS = "X-Edgetp-Hops"
+MAX_HOPS = 2  # a client -> a node -> the root is one hop; a second means the root moved meanwhile
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ApiError = shape.ApiError
@@ -51,21 +65,27 @@ ApiError = shape.ApiError
 
 
 def make_app(engine: Engine, *, cluster_view: Callable[[], events.ClusterView] | None = None,
-             key: bytes | None = None, route: Callable[[], str | None] | None = None) -> web.Application:
+             key: bytes | None = None, route: Callable[[], str | None] | None = None,
+             tokens: tuple[str, ...] = ()) -> web.Application:
     """The API over one engine. The app owns the engine's serving task (started and cancelled with it).
+
+    `key` is the cluster key (None: no cluster endpoint can be used); `tokens`
+    are the API bearer tokens (see the module docstring for who may call what).
 
     `route`, in a cluster, says where completions go: None means this node
     (the root) serves them, a base URL means forward to the root there; it
     raises NoRoot while no root is elected.
     """
-    app = web.Application(middlewares=[_errors])
+    app = web.Application(middlewares=[_errors, _access])
     app[ENGINE] = engine
     app[ROUTE] = route
     node_id = socket.gethostname()
     config = getattr(getattr(engine.runner, "mf", None), "config", None)
     app[CLUSTER_VIEW] = cluster_view or (lambda: local_view(engine.model_name, config, node_id))
     app[KEY] = key
-    app[NONCES] = auth.NonceCache()
+    app[TOKENS] = tuple(tokens)
+    app[GATE] = httpauth.KeyGate(key)
+    app[LOOPBACK] = [True]
     app[METRICS] = Metrics(engine)
     app[SOCKETS] = weakref.WeakSet()
     engine.bus.add_listener(app[METRICS].observe)
@@ -79,6 +99,7 @@ def make_app(engine: Engine, *, cluster_view: Callable[[], events.ClusterView] |
         web.get("/v1/cluster", cluster),
         web.get("/v1/events", events_ws),
         web.get("/metrics", metrics),
+        web.get(httpauth.CHALLENGE_PATH, app[GATE].challenge),
     ])
     return app
 
@@ -100,6 +121,11 @@ async def _close_sockets(app: web.Application) -> None:
 async def serving(app: web.Application, host: str = "127.0.0.1", port: int = 0,
                   shutdown_timeout: float = 5.0) -> AsyncIterator[str]:
     """Serve `app` on host:port (0: any free port) while inside; yields the base URL."""
+    app[LOOPBACK][0] = is_loopback(host)
+    if not app[LOOPBACK][0] and not app[TOKENS]:
+        log.warning("THE API ON %s:%s IS OPEN TO THE NETWORK: no api_tokens are set, so anyone who can reach "
+                    "this port can use the model; /v1/events is refused to callers without the cluster key "
+                    "or a token. Set api_tokens, or listen on 127.0.0.1.", host, port)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout, access_log=None)
     await runner.setup()
     try:
@@ -112,7 +138,7 @@ async def serving(app: web.Application, host: str = "127.0.0.1", port: int = 0,
         await runner.cleanup()
 
 
-async def run_api(app: web.Application, host: str = "127.0.0.1", port: int = 8080,
+async def run_api(app: web.Application, host: str = "127.0.0.1", port: int = 7711,
                   on_listening: Callable[[str], None] | None = None) -> None:
     """Serve until cancelled (localhost unless told otherwise); cancellation is the shutdown."""
     async with serving(app, host, port) as url:
@@ -138,7 +164,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
+        headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after", "www-authenticate")}
         text = exc.text or ""
         message = exc.reason if not text or text.startswith(f"{exc.status}:") else text
         return ApiError(exc.status, message, headers=headers).response()
@@ -149,21 +175,51 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return ApiError(500, "internal server error (logged on the server)", type="server_error").response()
 
 
-def require_key(handler: Handler) -> Handler:
-    """Wrap a handler that changes the cluster: it runs only for requests signed with the cluster key."""
-    async def signed(request: web.Request) -> web.StreamResponse:
-        key = request.app[KEY]
-        if key is None:
-            raise ApiError(403, "this node has no cluster key, so it accepts no cluster changes",
-                           type="permission_error", code="no_cluster_key")
-        body = await request.read()
-        try:
-            auth.verify_headers(key, request.method, request.path, body, request.headers, request.app[NONCES])
-        except auth.AuthError as exc:
-            raise ApiError(401, f"cluster key required: {exc}", type="authentication_error",
-                           code="bad_signature") from None
+def is_loopback(host: str) -> bool:
+    """True when `host` (a listen address) reaches this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _needs(path: str) -> str:
+    """What a path asks of its caller: "key", "watch", "api" or "open" (module docstring)."""
+    if path == httpauth.CHALLENGE_PATH:
+        return "open"
+    if path.startswith("/v1/cluster/"):
+        return "key"
+    return "watch" if path == "/v1/events" else "api"
+
+
+@web.middleware
+async def _access(request: web.Request, handler: Handler) -> web.StreamResponse:
+    app, needs = request.app, _needs(request.path)
+    if needs == "key" and app[KEY] is None:
+        raise ApiError(403, "this node has no cluster key, so it has no cluster endpoints",
+                       type="permission_error", code="no_cluster_key")
+    if needs in ("open", "key"):  # cluster endpoints check the key proof themselves, through app[GATE]
         return await handler(request)
-    return signed
+    if app[KEY] is not None and httpauth.has_proof(request.headers):
+        try:
+            await app[GATE].verify(request)
+        except httpauth.ProofError as exc:
+            log.warning("refused %s %s from %s: %s", request.method, request.path, request.remote, exc)
+            raise ApiError(401, f"cluster key refused: {exc}", type="authentication_error",
+                           code="bad_key_proof") from None
+        return await handler(request)
+    if httpauth.token_ok(app[TOKENS], httpauth.bearer(request.headers)):
+        return await handler(request)
+    if app[LOOPBACK][0] or (needs == "api" and not app[TOKENS]):
+        return await handler(request)
+    given = httpauth.bearer(request.headers) is not None
+    what = "the event stream carries every prompt and token: it" if needs == "watch" else "this API"
+    raise ApiError(401, f"{'invalid API token' if given else 'missing API token'}: {what} needs "
+                        "'Authorization: Bearer <token>' (a token from api_tokens) or the cluster key",
+                   type="authentication_error", code="invalid_api_key",
+                   headers={"WWW-Authenticate": 'Bearer realm="edgetp"'})
 
 
 # --------------------------------------------------------------------------- completions
@@ -189,12 +245,22 @@ async def _routed(request: web.Request, *, local_while_forming: bool = False) ->
         raise ApiError(503, f"no root elected yet: {exc}", type="server_error", code="no_root", headers={"Retry-After": "2"}) from None
     if target is None:
         return None
+    hops = _hops(request)
+    if hops >= MAX_HOPS:
+        raise ApiError(508, f"forwarded {hops} times without reaching the root: the nodes disagree on who leads; "
+                            "retry in a few seconds", type="server_error", code="forward_loop", headers={"Retry-After": "2"})
     body = await request.read()
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+    headers = {"Content-Type": "application/json", HEADER_HOPS: str(hops + 1)}
+    if "Authorization" in request.headers:
+        headers["Authorization"] = request.headers["Authorization"]
     try:
         async with aiohttp.ClientSession(timeout=timeout) as session:
+            if request.app[KEY] is not None:  # the root trusts a member: it proves the key, whoever asked us
+                headers |= await httpauth.proven_headers(session, target, request.app[KEY], request.method,
+                                                         request.path_qs, body)
             async with session.request(request.method, target + request.path_qs, data=body,
-                                       headers={"Content-Type": "application/json"}) as upstream:
+                                       headers=headers) as upstream:
                 resp = web.StreamResponse(status=upstream.status, headers={
                     k: v for k, v in upstream.headers.items()
                     if k.lower() in ("content-type", "cache-control", "retry-after")})
@@ -205,6 +271,12 @@ async def _routed(request: web.Request, *, local_while_forming: bool = False) ->
                 return resp
     except aiohttp.ClientError as exc:
         raise ApiError(502, f"the root at {target} did not answer: {exc}", type="server_error", code="root_unreachable") from None
+
+
+def _hops(request: web.Request) -> int:
+    """How many nodes forwarded this request already (the X-Edgetp-Hops header; 0 from a client)."""
+    text = request.headers.get(HEADER_HOPS, "0")
+    return int(text) if text.isdigit() and len(text) < 4 else MAX_HOPS
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

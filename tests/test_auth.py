@@ -1,8 +1,10 @@
-"""Cluster key files, the mutual HMAC handshake, and signed HTTP requests."""
+"""Cluster key files, the mutual HMAC handshake and its session keys, and signed HTTP requests.
+
+The handshake over real sockets (and the sealed frames after it) is in test_link_security.py.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import os
@@ -19,16 +21,14 @@ from edgetp.net.auth import (
     Responder,
     cluster_id,
     generate_key,
-    initiate,
     read_key,
-    respond,
     sign_request,
     signed_headers,
     verify_headers,
     verify_request,
     write_key,
 )
-from edgetp.net.frames import FrameType, read_frame, write_frame
+import msgpack
 
 KEY = bytes(range(32))
 OTHER = bytes(range(1, 33))
@@ -112,16 +112,48 @@ def test_cluster_id_is_the_documented_hmac_and_does_not_contain_the_key():
 
 
 def handshake(init: Initiator, resp: Responder) -> None:
-    challenge = resp.on_hello(init.hello())
-    ok = resp.on_auth(init.on_challenge(challenge))
-    init.on_ok(ok)
+    resp.on_auth(init.on_challenge(resp.on_hello(init.hello())))
 
 
 def test_right_key_authenticates_both_sides_and_names_the_peers():
     init, resp = Initiator(KEY, "pi-1"), Responder(KEY, "pi-2")
     handshake(init, resp)
-    assert init.done and resp.done
+    assert init.keys is not None and resp.keys is not None
     assert init.peer_id == "pi-2" and resp.peer_id == "pi-1"
+
+
+def _hkdf(ikm: bytes, salt: bytes, info: bytes, n: int) -> bytes:
+    """RFC 5869 HKDF-SHA256, written out from the RFC as the reference."""
+    prk = hmac.new(salt, ikm, hashlib.sha256).digest()
+    out, t, i = b"", b"", 1
+    while len(out) < n:
+        t = hmac.new(prk, t + info + bytes([i]), hashlib.sha256).digest()
+        out, i = out + t, i + 1
+    return out[:n]
+
+
+def test_session_keys_are_the_documented_hkdf_one_per_direction_and_new_each_session():
+    ni, nr = bytes([1]) * 32, bytes([2]) * 32
+    init, resp = Initiator(KEY, "pi-1", {"epoch": 7}, nonce=ni), Responder(KEY, "pi-2", nonce=nr)
+    handshake(init, resp)
+    hello = {"epoch": 7, "node_id": "pi-1", "cluster_id": cluster_id(KEY), "nonce": ni}
+    parts = [b"edgetp-link-v2", msgpack.packb(sorted(hello.items()), use_bin_type=True), b"pi-2", nr]
+    transcript = b"".join(len(p).to_bytes(4, "big") + p for p in parts)
+    okm = _hkdf(KEY, ni + nr, b"edgetp-link-keys-v2" + hashlib.sha256(transcript).digest(), 64)
+    assert init.keys == (okm[:32], okm[32:])  # initiator sends with the first, receives with the second
+    assert resp.keys == (okm[32:], okm[:32])
+    again_i, again_r = Initiator(KEY, "pi-1", {"epoch": 7}), Responder(KEY, "pi-2")
+    handshake(again_i, again_r)
+    assert set(again_i.keys).isdisjoint(init.keys)
+
+
+@pytest.mark.parametrize(("field", "value"), [("epoch", 99), ("extra", "added on the way")])
+def test_every_hello_field_the_epoch_too_is_inside_the_proof(field, value):
+    init, resp = Initiator(KEY, "root", {"epoch": 3}), Responder(KEY, "worker")
+    hello = {**init.hello(), field: value}  # changed between the two nodes
+    with pytest.raises(AuthError, match="failed to prove"):
+        init.on_challenge(resp.on_hello(hello))
+    assert init.keys is None
 
 
 def test_initiator_with_wrong_key_is_refused_by_responder():
@@ -134,7 +166,7 @@ def test_initiator_with_wrong_key_is_refused_by_responder():
     forged = {"proof": hmac.new(OTHER, b"guess", hashlib.sha256).digest()}
     with pytest.raises(AuthError, match="failed to prove"):
         resp.on_auth(forged)
-    assert not resp.done
+    assert resp.keys is None
 
 
 def test_responder_with_wrong_key_is_refused_by_initiator():
@@ -143,7 +175,7 @@ def test_responder_with_wrong_key_is_refused_by_initiator():
     hello["cluster_id"] = cluster_id(OTHER)
     with pytest.raises(AuthError, match="'evil' failed to prove"):
         init.on_challenge(resp.on_hello(hello))
-    assert not init.done
+    assert init.keys is None
 
 
 def test_hello_from_another_cluster_is_refused_by_id_before_any_proof():
@@ -207,108 +239,6 @@ def test_handshake_steps_out_of_order_fail():
         init.on_challenge({})
     with pytest.raises(AuthError, match="out of order"):
         resp.on_auth({"proof": bytes(32)})
-
-
-# --------------------------------------------------------------------------- handshake over frames
-
-
-async def run_pair(init_key: bytes, resp_key: bytes):
-    results: dict[str, object] = {}
-
-    async def handle(reader, writer):
-        try:
-            results["responder"] = await respond(reader, writer, resp_key, "root", timeout=2)
-        except AuthError as exc:
-            results["responder"] = exc
-        writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    async with server:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        try:
-            results["initiator"] = await initiate(reader, writer, init_key, "worker", timeout=2)
-        except AuthError as exc:
-            results["initiator"] = exc
-        writer.close()
-        await writer.wait_closed()
-        for _ in range(100):
-            if "responder" in results:
-                break
-            await asyncio.sleep(0.01)
-    return results
-
-
-@pytest.mark.asyncio
-async def test_handshake_over_loopback_frames_succeeds_with_the_right_key():
-    results = await run_pair(KEY, KEY)
-    assert results == {"initiator": "root", "responder": "worker"}
-
-
-@pytest.mark.asyncio
-async def test_handshake_over_loopback_frames_fails_on_both_sides_with_a_wrong_key():
-    results = await run_pair(KEY, OTHER)
-    assert isinstance(results["initiator"], AuthError) and isinstance(results["responder"], AuthError)
-    assert "another cluster" in str(results["responder"])
-    assert "another cluster" in str(results["initiator"])  # told why through an ERROR frame
-
-
-@pytest.mark.asyncio
-async def test_silent_peer_times_out_with_auth_error():
-    release = asyncio.Event()
-
-    async def handle(reader, writer):
-        await release.wait()
-        writer.close()
-        await writer.wait_closed()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    async with server:
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
-        with pytest.raises(AuthError, match="timed out"):
-            await initiate(reader, writer, KEY, "worker", timeout=0.2)
-        release.set()
-        writer.close()
-        await writer.wait_closed()
-        await asyncio.sleep(0.05)  # let the handler finish closing its side
-
-
-@pytest.mark.asyncio
-async def test_garbage_instead_of_a_hello_is_an_auth_error():
-    reader = asyncio.StreamReader()
-    reader.feed_data(b"GET / HTTP/1.1\r\n\r\n")
-    reader.feed_eof()
-
-    class Sink:
-        def writelines(self, parts):
-            pass
-
-        async def drain(self):
-            pass
-
-    with pytest.raises(AuthError, match="bad frame"):
-        await respond(reader, Sink(), KEY, "root", timeout=1)
-
-
-@pytest.mark.asyncio
-async def test_wrong_frame_type_during_handshake_is_refused():
-    server_result = []
-
-    async def handle(reader, writer):
-        try:
-            await respond(reader, writer, KEY, "root", timeout=2)
-        except AuthError as exc:
-            server_result.append(exc)
-        writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    async with server:
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
-        await write_frame(writer, FrameType.STEP, {"token": 1})
-        reply = await asyncio.wait_for(read_frame(reader), 2)
-        assert reply.type is FrameType.ERROR and "expected HELLO" in reply.header["reason"]
-        writer.close()
-    assert server_result
 
 
 # --------------------------------------------------------------------------- HTTP signatures

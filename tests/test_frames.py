@@ -1,8 +1,7 @@
-"""The frame codec: round trips over real sockets, and nothing but FrameError on bad bytes."""
+"""The frame codec: round trips over real sockets (plain and sealed), and nothing but FrameError on bad bytes."""
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import struct
 import threading
@@ -16,29 +15,43 @@ from hypothesis import strategies as st
 from edgetp.net.frames import (
     MAGIC,
     PREFIX,
+    PROTOCOL_VERSION,
+    SEALED,
+    Cipher,
     Frame,
-    FrameDecoder,
     FrameError,
     FrameType,
     encode_frame,
     payload_to_array,
-    read_frame,
     recv_frame,
     send_frame,
     tensor_header,
-    write_frame,
 )
+
+V = PROTOCOL_VERSION
 
 
 def joined(parts) -> bytes:
     return b"".join(bytes(p) for p in parts)
 
 
-def decode_all(data: bytes, max_frame: int = 2**20) -> list[Frame]:
-    dec = FrameDecoder(max_frame)
-    frames = dec.feed(data)
-    dec.close()
-    return frames
+def decode_all(data: bytes, max_frame: int = 2**20, cipher: Cipher | None = None) -> list[Frame]:
+    """Every frame in `data`, received the production way: recv_frame on a real socket."""
+    a, b = socket.socketpair()
+    with a, b:
+        sender = threading.Thread(target=lambda: (a.sendall(data), a.shutdown(socket.SHUT_WR)))
+        sender.start()
+        try:
+            frames = []
+            for _ in range(len(data) + 1):  # a frame takes 16 bytes at least
+                frame, _ = recv_frame(b, None, max_frame, cipher)
+                if frame is None:
+                    return frames
+                frames.append(Frame(frame.type, frame.header, bytes(frame.payload), frame.flags, frame.size))
+            raise AssertionError("more frames than bytes")
+        finally:
+            b.shutdown(socket.SHUT_RD)
+            sender.join(10)
 
 
 @pytest.mark.parametrize("ftype", list(FrameType))
@@ -54,9 +67,9 @@ def test_every_frame_type_round_trips_with_a_tensor_payload(ftype, dtype):
 
 
 def test_prefix_layout_is_magic_version_type_flags_and_two_lengths():
-    head = joined(encode_frame(FrameType.PING, {"t": 1}, b"abc", flags=5))
+    head = joined(encode_frame(FrameType.PING, {"t": 1}, b"abc", flags=5))  # a plain frame drops SEALED
     packed = msgpack.packb({"t": 1})
-    assert head[:16] == struct.pack(">4sBBHII", b"ETP1", 1, FrameType.PING, 5, len(packed), 3)
+    assert head[:16] == struct.pack(">4sBBHII", b"ETP1", 2, FrameType.PING, 4, len(packed), 3)  # bit 0 is SEALED
     assert head[16:] == packed + b"abc"
 
 
@@ -67,18 +80,75 @@ def test_encoding_hands_back_the_tensor_buffer_itself_not_a_copy():
 
 
 def test_empty_payload_is_one_part_and_decodes_to_empty_bytes():
-    parts = encode_frame(FrameType.BYE, {"why": "done"})
+    parts = encode_frame(FrameType.ERROR, {"why": "done"})
     assert len(parts) == 1
     [frame] = decode_all(joined(parts))
     assert frame.payload == b"" and frame.header == {"why": "done"}
 
 
-def test_many_frames_fed_one_byte_at_a_time_come_out_in_order():
+def test_many_frames_sent_one_byte_at_a_time_come_out_in_order():
     data = b"".join(joined(encode_frame(FrameType.STEP, {"i": i}, bytes([i]) * i)) for i in range(20))
-    dec = FrameDecoder()
-    frames = [f for b in data for f in dec.feed(bytes([b]))]
-    assert [f.header["i"] for f in frames] == list(range(20))
-    assert [bytes(f.payload) for f in frames] == [bytes([i]) * i for i in range(20)]
+    a, b = socket.socketpair()
+    with a, b:
+        def trickle() -> None:
+            for i in range(len(data)):
+                a.send(data[i:i + 1])
+
+        sender = threading.Thread(target=trickle)
+        sender.start()
+        frames = []
+        for _ in range(20):
+            frame, _ = recv_frame(b)
+            frames.append((frame.header["i"], bytes(frame.payload)))
+        sender.join(10)
+    assert frames == [(i, bytes([i]) * i) for i in range(20)]
+
+
+KEY_A, KEY_B = bytes(range(32)), bytes(range(32, 64))
+
+
+def test_sealed_frames_round_trip_and_cost_a_16_byte_tag_each():
+    arr = np.arange(600, dtype=np.float32)
+    tx = Cipher(KEY_A)
+    wire = b"".join(joined(encode_frame(FrameType.PARTIAL, {"i": i}, arr, cipher=tx)) for i in range(3))
+    plain = joined(encode_frame(FrameType.PARTIAL, {"i": 0}, arr))
+    assert len(wire) == 3 * (len(plain) + 16)
+    assert arr.tobytes() not in wire  # encrypted, not just signed
+    frames = decode_all(wire, cipher=Cipher(KEY_A))
+    assert [f.header["i"] for f in frames] == [0, 1, 2] and all(f.flags & SEALED for f in frames)
+    np.testing.assert_array_equal(frames[2].array(), arr)
+
+
+def _sealed(n: int) -> list[bytes]:
+    tx = Cipher(KEY_A)
+    return [joined(encode_frame(FrameType.STEP, {"i": i}, bytes([i]) * 40, cipher=tx)) for i in range(n)]
+
+
+@pytest.mark.parametrize("attack", ["replay", "reorder", "drop", "flip_body", "flip_type", "wrong_key", "plain"])
+def test_a_sealed_stream_refuses_replayed_reordered_dropped_altered_or_injected_frames(attack):
+    f = _sealed(3)
+    if attack == "replay":
+        data = f[0] + f[0]
+    elif attack == "reorder":
+        data = f[1] + f[0]
+    elif attack == "drop":
+        data = f[0] + f[2]
+    elif attack == "flip_body":
+        data = f[0] + f[1][:30] + bytes([f[1][30] ^ 1]) + f[1][31:]
+    elif attack == "flip_type":  # the prefix is authenticated: a STEP turned into a LOAD does not open
+        data = f[0] + f[1][:5] + bytes([FrameType.LOAD]) + f[1][6:]
+    elif attack == "wrong_key":
+        data = joined(encode_frame(FrameType.STEP, {}, b"x", cipher=Cipher(KEY_B)))
+    else:
+        data = f[0] + joined(encode_frame(FrameType.STEP, {"i": 1}, b"x"))
+    reason = "unsealed frame on a sealed link" if attack == "plain" else "failed authentication"
+    with pytest.raises(FrameError, match=reason):
+        decode_all(data, cipher=Cipher(KEY_A))
+
+
+def test_a_sealed_frame_on_a_link_without_keys_is_refused():
+    with pytest.raises(FrameError, match="sealed frame on a link without a session key"):
+        decode_all(_sealed(1)[0])
 
 
 def test_blocking_socketpair_receives_payload_into_the_callers_buffer_without_copy():
@@ -88,13 +158,14 @@ def test_blocking_socketpair_receives_payload_into_the_callers_buffer_without_co
         sender = threading.Thread(target=send_frame, args=(a, FrameType.PARTIAL, {"layer": 3}, arr))
         sender.start()
         into = bytearray(arr.nbytes + 100)
-        frame = recv_frame(b, into=into)
+        frame, used = recv_frame(b, into=into)
         sender.join()
+        assert used is into
         got = frame.array()
         np.testing.assert_array_equal(got, arr)
         assert np.shares_memory(got, np.frombuffer(into, dtype=np.uint8))
         a.shutdown(socket.SHUT_WR)
-        assert recv_frame(b) is None  # clean close between frames
+        assert recv_frame(b) == (None, None)  # clean close between frames
 
 
 def test_blocking_socket_closed_mid_frame_is_a_truncated_frame_error():
@@ -106,47 +177,10 @@ def test_blocking_socket_closed_mid_frame_is_a_truncated_frame_error():
             recv_frame(b)
 
 
-@pytest.mark.asyncio
-async def test_asyncio_streams_on_loopback_carry_frames_both_ways():
-    got: list[Frame] = []
-
-    async def handle(reader, writer):
-        while (frame := await read_frame(reader)) is not None:
-            got.append(frame)
-            await write_frame(writer, FrameType.REDUCED, {"echo": frame.header["n"]}, frame.array() * 2)
-        writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    async with server:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        for n in range(3):
-            x = np.full((4, 8), n, dtype=np.float32)
-            await write_frame(writer, FrameType.PARTIAL, {"n": n}, x)
-            reply = await asyncio.wait_for(read_frame(reader), 5)
-            assert reply.type is FrameType.REDUCED and reply.header["echo"] == n
-            np.testing.assert_array_equal(reply.array(), x * 2)
-        writer.close()
-        await writer.wait_closed()
-    assert len(got) == 3
-
-
-@pytest.mark.asyncio
-async def test_asyncio_reader_reports_truncation_and_clean_eof():
-    reader = asyncio.StreamReader()
-    reader.feed_data(joined(encode_frame(FrameType.PING, {}))[:10])
-    reader.feed_eof()
-    with pytest.raises(FrameError, match="truncated"):
-        await read_frame(reader)
-    empty = asyncio.StreamReader()
-    empty.feed_eof()
-    assert await read_frame(empty) is None
-
-
 def test_oversize_frame_is_refused_from_the_prefix_alone():
-    prefix = PREFIX.pack(MAGIC, 1, FrameType.STEP, 0, 10, 2**31)
+    prefix = PREFIX.pack(MAGIC, V, FrameType.STEP, 0, 10, 2**31)
     with pytest.raises(FrameError, match="oversize"):
-        FrameDecoder(max_frame=2**20).feed(prefix)  # nothing beyond 16 bytes was needed
+        decode_all(prefix)  # nothing beyond 16 bytes was needed
 
 
 def test_oversize_frame_on_a_socket_is_refused_before_allocating(monkeypatch):
@@ -154,13 +188,32 @@ def test_oversize_frame_on_a_socket_is_refused_before_allocating(monkeypatch):
 
     a, b = socket.socketpair()
     with a, b:
-        a.sendall(PREFIX.pack(MAGIC, 1, FrameType.STEP, 0, 10, 3 * 2**30))
+        a.sendall(PREFIX.pack(MAGIC, V, FrameType.STEP, 0, 10, 3 * 2**30))
         allocations = []
         real = bytearray
         monkeypatch.setattr(frames, "bytearray", lambda n=0: allocations.append(n) or real(n), raising=False)
         with pytest.raises(FrameError, match="oversize"):
             recv_frame(b, max_frame=2**20)
         assert max(allocations) <= PREFIX.size
+
+
+def test_a_payload_buffer_grows_with_the_bytes_that_arrive_not_with_the_announced_size():
+    import tracemalloc
+
+    a, b = socket.socketpair()
+    with a, b:
+        data = PREFIX.pack(MAGIC, V, FrameType.STEP, 0, 1, 50 * 2**20) + msgpack.packb({}) + bytes(100_000)
+        sender = threading.Thread(target=lambda: (a.sendall(data), a.shutdown(socket.SHUT_WR)))
+        sender.start()  # 50 MiB announced, 100 kB sent
+        tracemalloc.start()
+        try:
+            with pytest.raises(FrameError, match="truncated"):
+                recv_frame(b, max_frame=64 * 2**20)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+            sender.join(10)
+    assert peak < 1_000_000, f"{peak} bytes allocated for 100 kB received"
 
 
 def test_encoder_refuses_to_build_an_oversize_frame():
@@ -173,11 +226,12 @@ def test_encoder_refuses_to_build_an_oversize_frame():
     [
         (b"XXXX" + joined(encode_frame(FrameType.PING, {}))[4:], "bad magic"),
         (PREFIX.pack(MAGIC, 9, 1, 0, 1, 0) + b"\x80", "unsupported protocol version"),
-        (PREFIX.pack(MAGIC, 1, 200, 0, 1, 0) + b"\x80", "unknown frame type"),
-        (PREFIX.pack(MAGIC, 1, 1, 0, 1, 0) + b"\xc1", "bad msgpack"),
-        (PREFIX.pack(MAGIC, 1, 1, 0, 0, 0), "bad msgpack"),
-        (PREFIX.pack(MAGIC, 1, 1, 0, 2, 0) + msgpack.packb([1]), "not a dict"),
-        (PREFIX.pack(MAGIC, 1, 1, 0, 3, 0) + msgpack.packb({1: 2}), "bad msgpack"),
+        (PREFIX.pack(MAGIC, V, 200, 0, 1, 0) + b"\x80", "unknown frame type"),
+        (PREFIX.pack(MAGIC, V, 5, 0, 1, 0) + b"\x80", "unknown frame type 5"),  # PLAN, never sent, is gone
+        (PREFIX.pack(MAGIC, V, 1, 0, 1, 0) + b"\xc1", "bad msgpack"),
+        (PREFIX.pack(MAGIC, V, 1, 0, 0, 0), "bad msgpack"),
+        (PREFIX.pack(MAGIC, V, 1, 0, 2, 0) + msgpack.packb([1]), "not a dict"),
+        (PREFIX.pack(MAGIC, V, 1, 0, 3, 0) + msgpack.packb({1: 2}), "bad msgpack"),
         (joined(encode_frame(FrameType.PING, {}))[:-1], "truncated"),
     ],
 )
@@ -203,20 +257,10 @@ def test_tensor_header_names_dtype_and_shape_and_refuses_objects():
         tensor_header(np.array([object()]))
 
 
-def test_a_failed_decoder_stays_failed():
-    dec = FrameDecoder()
-    with pytest.raises(FrameError):
-        dec.feed(b"NOPE" + bytes(12))
-    with pytest.raises(FrameError):
-        dec.feed(joined(encode_frame(FrameType.PING, {})))
-
-
 def _only_frame_errors(data: bytes) -> None:
-    dec = FrameDecoder(max_frame=4096)
     try:
-        for frame in dec.feed(data):
+        for frame in decode_all(data, max_frame=4096):
             assert isinstance(frame.type, FrameType) and isinstance(frame.header, dict)
-        dec.close()
     except FrameError:
         pass
 
@@ -225,7 +269,7 @@ def _only_frame_errors(data: bytes) -> None:
 @given(st.binary(max_size=200))
 def test_arbitrary_bytes_decode_or_raise_frame_error_only(data):
     _only_frame_errors(data)
-    _only_frame_errors(MAGIC + bytes([1]) + data)  # get past the magic more often
+    _only_frame_errors(MAGIC + bytes([V]) + data)  # get past the magic more often
 
 
 valid_frames = st.builds(
@@ -247,16 +291,10 @@ def test_mutated_or_truncated_frames_decode_or_raise_frame_error_only(data, flip
     _only_frame_errors(bytes(buf[: cut % (len(buf) + 1)]))
 
 
-@pytest.mark.asyncio
 @settings(max_examples=200, deadline=2000)
 @given(st.binary(max_size=200))
-async def test_arbitrary_bytes_on_an_asyncio_stream_end_in_frame_error_or_eof(data):
-    reader = asyncio.StreamReader()
-    reader.feed_data(MAGIC + bytes([1]) + data)
-    reader.feed_eof()
+def test_arbitrary_bytes_on_a_sealed_link_end_in_frame_error_or_eof(data):
     try:
-        async with asyncio.timeout(2):
-            while await read_frame(reader, max_frame=4096) is not None:
-                pass
+        decode_all(MAGIC + bytes([V]) + data, max_frame=4096, cipher=Cipher(KEY_A))
     except FrameError:
         pass

@@ -4,16 +4,20 @@ The key is 32 random bytes in a 0600 file, shared out of band. It never
 travels: peers see only `cluster_id(key)` (in mDNS TXT records) and
 HMAC-SHA256 proofs bound to fresh nonces from both sides.
 
-Link handshake (frames HELLO, CHALLENGE, AUTH, AUTH_OK):
+Link handshake (frames HELLO, CHALLENGE, AUTH, AUTH_OK; net/link.py runs it):
 
-    initiator -> HELLO      {node_id, cluster_id, nonce Ni}
-    responder -> CHALLENGE  {node_id, nonce Nr, proof HMAC(key, "responder", Nr, Ni, ids)}
-    initiator -> AUTH       {proof HMAC(key, "initiator", Ni, Nr, ids)}
+    initiator -> HELLO      {node_id, cluster_id, nonce Ni, epoch, ...}
+    responder -> CHALLENGE  {node_id, nonce Nr, proof HMAC(key, "responder" T)}
+    initiator -> AUTH       {proof HMAC(key, "initiator" T)}
     responder -> AUTH_OK    {}
+    T = every HELLO field (sorted), the responder's id and Nr
 
 Each proof covers the other side's fresh nonce, so a recorded transcript
-replayed to a new peer fails. `Initiator`/`Responder` are transport-free;
-`initiate`/`respond` run them over frames with a timeout.
+replayed to a new peer fails, and the whole HELLO (the root's epoch too),
+so none of it can be changed on the way. Both sides then derive one
+ChaCha20-Poly1305 key per direction (`session_keys`: HKDF over the cluster
+key, both nonces and T) and every frame after AUTH_OK is sealed with it
+(net/frames.py `Cipher`). `Initiator`/`Responder` are transport-free.
 
 HTTP requests carry a signature over method, path, timestamp, nonce and
 body hash; `NonceCache` refuses a nonce seen before and anything too old
@@ -22,7 +26,6 @@ to be remembered.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import heapq
 import hmac
@@ -34,7 +37,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from edgetp.net.frames import FrameError, FrameType, read_frame, write_frame
+import msgpack
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from edgetp.net.frames import KEY_BYTES as LINK_KEY_BYTES
 
 KEY_BYTES = 32
 NONCE_BYTES = 32
@@ -116,10 +123,25 @@ def cluster_id(key: bytes) -> str:
 # --------------------------------------------------------------------------- handshake
 
 
-def _proof(key: bytes, role: bytes, own_nonce: bytes, peer_nonce: bytes, own_id: str, peer_id: str) -> bytes:
-    parts = [b"edgetp-auth-v1", role, own_nonce, peer_nonce, own_id.encode(), peer_id.encode()]
-    msg = b"".join(len(p).to_bytes(2, "big") + p for p in parts)  # unambiguous framing
-    return hmac.new(key, msg, hashlib.sha256).digest()
+def _canonical(hello: dict[str, Any]) -> bytes:
+    """The HELLO as both sides encode it for the proof: msgpack of its (key, value) pairs, sorted."""
+    return msgpack.packb(sorted(hello.items()), use_bin_type=True)
+
+
+def _transcript(hello: dict[str, Any], responder_id: str, responder_nonce: bytes) -> bytes:
+    parts = [b"edgetp-link-v2", _canonical(hello), responder_id.encode(), responder_nonce]
+    return b"".join(len(p).to_bytes(4, "big") + p for p in parts)  # unambiguous framing
+
+
+def _proof(key: bytes, role: bytes, transcript: bytes) -> bytes:
+    return hmac.new(key, role + transcript, hashlib.sha256).digest()
+
+
+def session_keys(key: bytes, transcript: bytes, initiator_nonce: bytes, responder_nonce: bytes) -> tuple[bytes, bytes]:
+    """(initiator->responder, responder->initiator) link keys: HKDF-SHA256 of the cluster key over both nonces."""
+    okm = HKDF(algorithm=hashes.SHA256(), length=2 * LINK_KEY_BYTES, salt=initiator_nonce + responder_nonce,
+               info=b"edgetp-link-keys-v2" + hashlib.sha256(transcript).digest()).derive(key)
+    return okm[:LINK_KEY_BYTES], okm[LINK_KEY_BYTES:]
 
 
 def _field(msg: Any, name: str, kind: type, size: int | None = None) -> Any:
@@ -136,36 +158,34 @@ def _field(msg: Any, name: str, kind: type, size: int | None = None) -> Any:
 
 
 class Initiator:
-    """The connecting side: hello() -> on_challenge(msg) -> on_ok(msg)."""
+    """The connecting side: hello() -> on_challenge(msg) -> AUTH message; then .keys.
 
-    def __init__(self, key: bytes, node_id: str, nonce: bytes | None = None) -> None:
+    Every HELLO field (`extra` too, e.g. the root's epoch) is inside both proofs.
+    """
+
+    def __init__(self, key: bytes, node_id: str, extra: dict[str, Any] | None = None,
+                 nonce: bytes | None = None) -> None:
         self._key, self.node_id = key, node_id
         self._nonce = nonce or secrets.token_bytes(NONCE_BYTES)
+        self._hello = {**(extra or {}), "node_id": node_id, "cluster_id": cluster_id(key), "nonce": self._nonce}
         self._state = "start"
         self.peer_id: str | None = None
-
-    @property
-    def done(self) -> bool:
-        return self._state == "done"
+        self.keys: tuple[bytes, bytes] | None = None  # (send, receive) once the peer has proven the key
 
     def hello(self) -> dict[str, Any]:
         self._step("start", "hello")
-        return {"node_id": self.node_id, "cluster_id": cluster_id(self._key), "nonce": self._nonce}
+        return dict(self._hello)
 
     def on_challenge(self, msg: Any) -> dict[str, Any]:
-        self._step("hello", "challenged")
+        self._step("hello", "failed")
         peer_id = _field(msg, "node_id", str)
         peer_nonce = _field(msg, "nonce", bytes, NONCE_BYTES)
-        want = _proof(self._key, b"responder", peer_nonce, self._nonce, peer_id, self.node_id)
-        if not hmac.compare_digest(_field(msg, "proof", bytes, 32), want):
+        transcript = _transcript(self._hello, peer_id, peer_nonce)
+        if not hmac.compare_digest(_field(msg, "proof", bytes, 32), _proof(self._key, b"responder", transcript)):
             raise AuthError(f"peer {peer_id!r} failed to prove the cluster key")
-        self.peer_id = peer_id
-        return {"proof": _proof(self._key, b"initiator", self._nonce, peer_nonce, self.node_id, peer_id)}
-
-    def on_ok(self, msg: Any) -> None:
-        self._step("challenged", "done")
-        if not isinstance(msg, dict):
-            raise AuthError("bad AUTH_OK message")
+        self._state, self.peer_id = "done", peer_id
+        self.keys = session_keys(self._key, transcript, self._nonce, peer_nonce)
+        return {"proof": _proof(self._key, b"initiator", transcript)}
 
     def _step(self, expect: str, then: str) -> None:
         if self._state != expect:
@@ -174,96 +194,45 @@ class Initiator:
 
 
 class Responder:
-    """The accepting side: on_hello(msg) -> challenge; on_auth(msg) -> ok."""
+    """The accepting side: on_hello(msg) -> CHALLENGE; on_auth(msg) checks the proof; then .keys."""
 
     def __init__(self, key: bytes, node_id: str, nonce: bytes | None = None) -> None:
         self._key, self.node_id = key, node_id
         self._nonce = nonce or secrets.token_bytes(NONCE_BYTES)
         self._state = "start"
+        self._transcript = b""
         self._peer_nonce = b""
         self.peer_id: str | None = None
-
-    @property
-    def done(self) -> bool:
-        return self._state == "done"
+        self.hello: dict[str, Any] = {}
+        self.keys: tuple[bytes, bytes] | None = None  # (send, receive) once the peer has proven the key
 
     def on_hello(self, msg: Any) -> dict[str, Any]:
         if self._state != "start":
             raise AuthError(f"handshake out of order: hello at {self._state!r}")
         self._state = "challenged"
         peer_id = _field(msg, "node_id", str)
+        if "cluster_id" not in msg:
+            raise AuthError("this node requires the cluster key (--key) and the peer sent none")
         if _field(msg, "cluster_id", str) != cluster_id(self._key):
             raise AuthError(f"peer {peer_id!r} belongs to another cluster ({msg['cluster_id']})")
         self._peer_nonce = _field(msg, "nonce", bytes, NONCE_BYTES)
-        self.peer_id = peer_id
-        proof = _proof(self._key, b"responder", self._nonce, self._peer_nonce, self.node_id, peer_id)
-        return {"node_id": self.node_id, "nonce": self._nonce, "proof": proof}
+        if not all(isinstance(k, str) for k in msg):
+            raise AuthError("HELLO keys must be strings")
+        self.peer_id, self.hello = peer_id, dict(msg)
+        self._transcript = _transcript(self.hello, self.node_id, self._nonce)
+        return {"node_id": self.node_id, "nonce": self._nonce,
+                "proof": _proof(self._key, b"responder", self._transcript)}
 
-    def on_auth(self, msg: Any) -> dict[str, Any]:
+    def on_auth(self, msg: Any) -> None:
         if self._state != "challenged" or self.peer_id is None:
             raise AuthError(f"handshake out of order: auth at {self._state!r}")
         self._state = "failed"
-        want = _proof(self._key, b"initiator", self._peer_nonce, self._nonce, self.peer_id, self.node_id)
+        want = _proof(self._key, b"initiator", self._transcript)
         if not hmac.compare_digest(_field(msg, "proof", bytes, 32), want):
             raise AuthError(f"peer {self.peer_id!r} failed to prove the cluster key")
         self._state = "done"
-        return {}
-
-
-async def _expect(reader: asyncio.StreamReader, ftype: FrameType) -> dict[str, Any]:
-    frame = await read_frame(reader, max_frame=64 * 1024)
-    if frame is None:
-        raise AuthError(f"peer closed the connection before {ftype.name}")
-    if frame.type is FrameType.ERROR:
-        raise AuthError(f"peer refused: {frame.header.get('reason') or frame.header.get('message', '?')}")
-    if frame.type is not ftype:
-        raise AuthError(f"expected {ftype.name}, got {frame.type.name}")
-    return frame.header
-
-
-async def _run(coro, writer: asyncio.StreamWriter, timeout: float) -> str:
-    try:
-        async with asyncio.timeout(timeout):
-            return await coro
-    except TimeoutError:
-        raise AuthError(f"handshake timed out after {timeout} s") from None
-    except FrameError as exc:
-        raise AuthError(f"bad frame during handshake: {exc}") from None
-    except AuthError as exc:
-        try:  # tell the peer why, best effort
-            await asyncio.wait_for(write_frame(writer, FrameType.ERROR, {"reason": str(exc)}), 1.0)
-        except (OSError, TimeoutError):
-            pass
-        raise
-
-
-async def initiate(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes, node_id: str,
-                   timeout: float = 5.0) -> str:
-    """Authenticate an outgoing connection; returns the proven peer id or raises AuthError."""
-    side = Initiator(key, node_id)
-
-    async def go() -> str:
-        await write_frame(writer, FrameType.HELLO, side.hello())
-        await write_frame(writer, FrameType.AUTH, side.on_challenge(await _expect(reader, FrameType.CHALLENGE)))
-        side.on_ok(await _expect(reader, FrameType.AUTH_OK))
-        assert side.peer_id is not None
-        return side.peer_id
-
-    return await _run(go(), writer, timeout)
-
-
-async def respond(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes, node_id: str,
-                  timeout: float = 5.0) -> str:
-    """Authenticate an incoming connection; returns the proven peer id or raises AuthError."""
-    side = Responder(key, node_id)
-
-    async def go() -> str:
-        await write_frame(writer, FrameType.CHALLENGE, side.on_hello(await _expect(reader, FrameType.HELLO)))
-        await write_frame(writer, FrameType.AUTH_OK, side.on_auth(await _expect(reader, FrameType.AUTH)))
-        assert side.peer_id is not None
-        return side.peer_id
-
-    return await _run(go(), writer, timeout)
+        to_us, from_us = session_keys(self._key, self._transcript, self._peer_nonce, self._nonce)
+        self.keys = (from_us, to_us)
 
 
 # --------------------------------------------------------------------------- HTTP

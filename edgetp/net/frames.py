@@ -6,21 +6,28 @@ raw payload (tensor bytes, never re-encoded):
     magic   4s   b"ETP1"
     version u8   PROTOCOL_VERSION
     type    u8   FrameType
-    flags   u16  reserved, carried through
+    flags   u16  bit 0: SEALED; other bits reserved, carried through
     hlen    u32  msgpack header bytes
     plen    u32  payload bytes
 
-Sizes are checked against the bounds before a byte of buffer is allocated.
-Encoding returns a gather list so `sendmsg`/`writelines` send the tensor's
-own buffer; decoding receives the payload straight into one bytearray that
+A **sealed** frame (every frame after a keyed handshake) carries the same
+prefix in clear, then header and payload encrypted together with
+ChaCha20-Poly1305 and a 16-byte tag. The prefix is the associated data, so
+its type and sizes are authenticated too, and the nonce is the frame's
+number in its direction (`Cipher`): a frame replayed, reordered, injected
+or altered fails to open.
+
+Sizes are checked against the bounds before a byte of buffer is allocated,
+and a payload's buffer grows as its bytes arrive (never to an announced size
+that has not been sent). Encoding returns a gather list so `sendmsg` sends a
+plain tensor's own buffer; decoding receives into a reused buffer that
 `payload_to_array` wraps with `np.frombuffer`, without another copy. Every
-decode problem is a `FrameError` with a reason; the link closes, the
-process lives on.
+decode problem is a `FrameError` with a reason; the link closes, the process
+lives on.
 """
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import socket
 import struct
@@ -29,12 +36,19 @@ from typing import Any, Union
 
 import msgpack
 import numpy as np
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
 MAGIC = b"ETP1"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: sealed frames after the handshake, HELLO inside the proof
 PREFIX = struct.Struct("!4sBBHII")
-MAX_FRAME = 64 * 2**20  # header + payload, default bound
+MAX_FRAME = 64 * 2**20  # header + payload, default bound once a peer has authenticated
+PREAUTH_MAX_FRAME = 64 * 2**10  # header + payload, before it has
 MAX_HEADER = 64 * 2**10
+FIRST_CHUNK = 64 * 2**10  # a payload's buffer starts this big and doubles as its bytes arrive
+SEALED = 0x1  # flags bit: header and payload are ChaCha20-Poly1305 ciphertext, a tag follows
+TAG_BYTES = 16
+KEY_BYTES = 32
 TENSOR_DTYPES = ("float32", "float16", "uint8", "int8", "int32", "int64")
 
 Buffer = Union[bytes, bytearray, memoryview]
@@ -49,8 +63,7 @@ class FrameType(enum.IntEnum):
     CHALLENGE = 2
     AUTH = 3
     AUTH_OK = 4
-    PLAN = 5
-    LOAD = 6
+    LOAD = 6  # 5 was PLAN, never sent; numbers never change
     READY = 7
     STEP = 8
     PARTIAL = 9
@@ -60,8 +73,7 @@ class FrameType(enum.IntEnum):
     PING = 13
     PONG = 14
     ERROR = 15
-    BYE = 16
-    PROFILE = 17  # measure a node's speed (append new types; numbers never change)
+    PROFILE = 17  # measure a node's speed (16 was BYE, never sent; append new types)
     PROGRESS = 18  # a worker fetching its slice: bytes done and total
 
 
@@ -115,14 +127,56 @@ def _payload_view(payload: Buffer | np.ndarray) -> Buffer:
     return payload
 
 
+# --------------------------------------------------------------------------- sealing
+
+
+class Cipher:
+    """One direction of a sealed link: ChaCha20-Poly1305 under that direction's key.
+
+    The nonce is the frame's number in this direction (0, 1, 2, ...), never
+    sent: both ends count, so a frame opens only in its own place in the
+    stream. Each key serves one direction of one link, so no nonce repeats.
+    """
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"a link key is {KEY_BYTES} bytes, got {len(key)}")
+        self._aead = ChaCha20Poly1305(key)
+        self.counter = 0
+
+    def _nonce(self) -> bytes:
+        nonce = self.counter.to_bytes(12, "little")
+        self.counter += 1
+        return nonce
+
+    def seal(self, prefix: bytes, header: bytes, payload: Buffer) -> bytes:
+        """header + payload encrypted, then the tag; the prefix is authenticated, not encrypted."""
+        return self._aead.encrypt(self._nonce(), b"".join((header, payload)), prefix)
+
+    def open(self, prefix: Buffer, body: Buffer, out: bytearray | None = None) -> memoryview:
+        """The plaintext of a sealed body (into `out` when it is big enough), or FrameError."""
+        n = len(body) - TAG_BYTES
+        if n < 0:
+            raise FrameError("sealed frame shorter than its tag")
+        number = self.counter
+        view = memoryview(out)[:n] if out is not None and len(out) >= n else memoryview(bytearray(n))
+        try:
+            self._aead.decrypt_into(self._nonce(), body, bytes(prefix), view)
+        except InvalidTag:
+            raise FrameError(f"frame {number} failed authentication (tampered, replayed, reordered or injected)") \
+                from None
+        return view
+
+
 # --------------------------------------------------------------------------- encoding
 
 
 def encode_frame(ftype: FrameType, header: dict[str, Any] | None = None, payload: Buffer | np.ndarray = b"",
-                 *, flags: int = 0, max_frame: int = MAX_FRAME) -> list[Buffer]:
-    """prefix+header, then the payload buffer itself: a gather list for sendmsg/writelines.
+                 *, flags: int = 0, max_frame: int = MAX_FRAME, cipher: Cipher | None = None) -> list[Buffer]:
+    """prefix+header, then the payload buffer itself: a gather list for sendmsg.
 
-    An ndarray payload gets its dtype and shape added to the header.
+    An ndarray payload gets its dtype and shape added to the header. With a
+    cipher the list is the prefix and the sealed header, payload and tag.
     """
     header = dict(header or {})
     if isinstance(payload, np.ndarray):
@@ -131,7 +185,11 @@ def encode_frame(ftype: FrameType, header: dict[str, Any] | None = None, payload
     packed = msgpack.packb(header, use_bin_type=True)
     if len(packed) > MAX_HEADER or len(packed) + len(body) > max_frame:
         raise ValueError(f"frame too large: header {len(packed)} + payload {len(body)} > {max_frame}")
-    head = PREFIX.pack(MAGIC, PROTOCOL_VERSION, int(FrameType(ftype)), flags, len(packed), len(body)) + packed
+    flags = (flags | SEALED) if cipher is not None else (flags & ~SEALED)
+    prefix = PREFIX.pack(MAGIC, PROTOCOL_VERSION, int(FrameType(ftype)), flags, len(packed), len(body))
+    if cipher is not None:
+        return [prefix, cipher.seal(prefix, packed, body)]
+    head = prefix + packed
     return [head, body] if len(body) else [head]
 
 
@@ -153,6 +211,23 @@ def parse_prefix(prefix: Buffer, max_frame: int = MAX_FRAME) -> tuple[FrameType,
     return kind, flags, hlen, plen
 
 
+def body_bytes(flags: int, hlen: int, plen: int, cipher: Cipher | None) -> int:
+    """Bytes after the prefix; refuses a frame whose sealing does not match the link's."""
+    sealed = bool(flags & SEALED)
+    if cipher is not None and not sealed:
+        raise FrameError("unsealed frame on a sealed link (injected?)")
+    if cipher is None and sealed:
+        raise FrameError("sealed frame on a link without a session key")
+    return hlen + plen + (TAG_BYTES if sealed else 0)
+
+
+def split_body(prefix: Buffer, body: memoryview, hlen: int, cipher: Cipher | None,
+               out: bytearray | None = None) -> tuple[dict[str, Any], memoryview]:
+    """(header, payload view) of a received body, opened first when sealed."""
+    plain = cipher.open(prefix, body, out) if cipher is not None else body
+    return parse_header(plain[:hlen]), plain[hlen:]
+
+
 def parse_header(raw: Buffer) -> dict[str, Any]:
     try:
         header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
@@ -163,67 +238,7 @@ def parse_header(raw: Buffer) -> dict[str, Any]:
     return header
 
 
-# --------------------------------------------------------------------------- decoding
-
-
-class FrameDecoder:
-    """Push bytes in, get whole frames out (sans I/O); poisoned after the first error."""
-
-    def __init__(self, max_frame: int = MAX_FRAME) -> None:
-        self.max_frame = max_frame
-        self._buf = bytearray()
-        self._failed: FrameError | None = None
-
-    def feed(self, data: Buffer) -> list[Frame]:
-        if self._failed:
-            raise self._failed
-        self._buf += data
-        frames = []
-        try:
-            while len(self._buf) >= PREFIX.size:
-                kind, flags, hlen, plen = parse_prefix(self._buf[: PREFIX.size], self.max_frame)
-                end = PREFIX.size + hlen + plen
-                if len(self._buf) < end:
-                    break
-                header = parse_header(self._buf[PREFIX.size: PREFIX.size + hlen])
-                payload = bytes(self._buf[PREFIX.size + hlen: end])
-                del self._buf[:end]
-                frames.append(Frame(kind, header, payload, flags, PREFIX.size + hlen + plen))
-        except FrameError as exc:
-            self._failed = exc
-            raise
-        return frames
-
-    def close(self) -> None:
-        """End of stream: anything left over is a truncated frame."""
-        if self._buf:
-            raise FrameError(f"truncated frame: {len(self._buf)} bytes left at end of stream")
-
-
-async def read_frame(reader: asyncio.StreamReader, max_frame: int = MAX_FRAME) -> Frame | None:
-    """The next frame from an asyncio stream; None on a clean end of stream."""
-    try:
-        prefix = await reader.readexactly(PREFIX.size)
-    except asyncio.IncompleteReadError as exc:
-        if not exc.partial:
-            return None
-        raise FrameError(f"truncated prefix: {len(exc.partial)} of {PREFIX.size} bytes") from None
-    kind, flags, hlen, plen = parse_prefix(prefix, max_frame)
-    try:
-        header = parse_header(await reader.readexactly(hlen))
-        payload = await reader.readexactly(plen) if plen else b""
-    except asyncio.IncompleteReadError as exc:
-        raise FrameError(f"truncated frame: stream ended {exc.expected - len(exc.partial)} bytes short") from None
-    return Frame(kind, header, payload, flags, PREFIX.size + hlen + plen)
-
-
-async def write_frame(writer: asyncio.StreamWriter, ftype: FrameType, header: dict[str, Any] | None = None,
-                      payload: Buffer | np.ndarray = b"") -> int:
-    """Encode, write and drain one frame; returns the bytes sent."""
-    parts = encode_frame(ftype, header, payload)
-    writer.writelines(parts)
-    await writer.drain()
-    return sum(len(p) for p in parts)
+# --------------------------------------------------------------------------- blocking sockets
 
 
 def _recv_exactly(sock: socket.socket, view: memoryview, allow_eof: bool = False) -> bool:
@@ -238,33 +253,52 @@ def _recv_exactly(sock: socket.socket, view: memoryview, allow_eof: bool = False
     return True
 
 
-def recv_frame(sock: socket.socket, into: bytearray | memoryview | None = None,
-               max_frame: int = MAX_FRAME) -> Frame | None:
-    """The next frame from a blocking socket; None on a clean close.
+def recv_growing(sock: socket.socket, n: int, reuse: bytearray | None = None) -> tuple[bytearray, memoryview]:
+    """n bytes from a blocking socket: (buffer, view of its first n bytes).
 
-    The payload is received with recv_into straight into `into` when it is
-    big enough (the returned payload is then a view of it, valid until the
-    caller reuses it), otherwise into a fresh bytearray of exactly its size.
+    Into `reuse` when it is big enough; otherwise into a new buffer that
+    starts at FIRST_CHUNK and doubles only as bytes arrive, so an announced
+    size costs memory only once the peer has really sent it.
+    """
+    if reuse is not None and len(reuse) >= n:
+        view = memoryview(reuse)[:n]
+        _recv_exactly(sock, view)
+        return reuse, view
+    buf = bytearray(min(n, FIRST_CHUNK))
+    got = 0
+    while True:
+        with memoryview(buf) as mv:
+            with mv[got:] as rest:
+                _recv_exactly(sock, rest)
+        got = len(buf)
+        if got == n:
+            return buf, memoryview(buf)
+        buf.extend(bytes(min(n - got, got)))
+
+
+def recv_frame(sock: socket.socket, into: bytearray | None = None, max_frame: int = MAX_FRAME,
+               cipher: Cipher | None = None, plain: bytearray | None = None) -> tuple[Frame | None, bytearray | None]:
+    """The next frame from a blocking socket (None on a clean close), and the receive buffer used.
+
+    The body lands in `into` when it is big enough, else in a grown buffer
+    (returned, for the caller to keep). A sealed body opens into `plain`
+    when that is big enough. The payload views one of these buffers: valid
+    until the caller reuses them.
     """
     prefix = bytearray(PREFIX.size)
     if not _recv_exactly(sock, memoryview(prefix), allow_eof=True):
-        return None
+        return None, into
     kind, flags, hlen, plen = parse_prefix(prefix, max_frame)
-    raw = bytearray(hlen)
-    _recv_exactly(sock, memoryview(raw))
-    header = parse_header(raw)
-    if into is not None and len(into) >= plen:
-        payload = memoryview(into)[:plen]
-    else:
-        payload = memoryview(bytearray(plen))
-    _recv_exactly(sock, payload)
-    return Frame(kind, header, payload, flags, PREFIX.size + hlen + plen)
+    n = body_bytes(flags, hlen, plen, cipher)
+    buf, body = recv_growing(sock, n, into)
+    header, payload = split_body(prefix, body, hlen, cipher, plain)
+    return Frame(kind, header, payload, flags, PREFIX.size + n), buf
 
 
 def send_frame(sock: socket.socket, ftype: FrameType, header: dict[str, Any] | None = None,
-               payload: Buffer | np.ndarray = b"") -> int:
-    """Encode and send one frame with sendmsg (no join of the payload); returns bytes sent."""
-    parts = [memoryview(p).cast("B") for p in encode_frame(ftype, header, payload)]
+               payload: Buffer | np.ndarray = b"", cipher: Cipher | None = None) -> int:
+    """Encode (and seal) one frame and send it with sendmsg (no join of a plain payload); bytes sent."""
+    parts = [memoryview(p).cast("B") for p in encode_frame(ftype, header, payload, cipher=cipher)]
     total = sum(len(p) for p in parts)
     while parts:
         sent = sock.sendmsg(parts)

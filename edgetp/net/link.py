@@ -13,6 +13,15 @@ against the measured cost of an event-loop hop, and logs the choice.
 Every link counts bytes and seconds spent sending and receiving, per
 direction; callers read `counters` before and after a token for per-token
 figures.
+
+Before the handshake a link trusts nothing: frames are held to
+PREAUTH_MAX_FRAME (64 KiB), the handshake to a deadline, and no buffer is
+ever sized from an announced length before those bytes arrive. After a keyed
+handshake every frame is sealed (net/frames.py `Cipher`, keys from
+net/auth.py): one that fails to open closes the link with the reason.
+Data links keep TCP keepalive on (idle 10 s, then 3 probes 5 s apart) and a
+30 s TCP user timeout, so a peer that lost power is noticed in ~25 s even by
+a thread blocked in a receive.
 """
 
 from __future__ import annotations
@@ -34,6 +43,9 @@ log = logging.getLogger(__name__)
 
 BLOCKING, ASYNC = "blocking", "asyncio"
 HOP_FACTOR = 20  # blocking mode pays while the RTT is under this many event-loop hops
+HANDSHAKE_TIMEOUT = 10.0  # seconds, the whole handshake, either side
+KEEPALIVE = {"TCP_KEEPIDLE": 10, "TCP_KEEPINTVL": 5, "TCP_KEEPCNT": 3}  # seconds, seconds, probes: a LAN's
+USER_TIMEOUT_MS = 30_000  # unacknowledged data older than this closes the connection
 
 
 class LinkClosed(ConnectionError):
@@ -65,6 +77,7 @@ class Link:
     def __init__(self, sock: socket.socket, name: str, *, timeout: float = 60.0,
                  max_frame: int = frames.MAX_FRAME) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _keepalive(sock)
         sock.setblocking(False)
         self.sock = sock
         self.name = name                 # peer address or node id, for messages
@@ -77,29 +90,59 @@ class Link:
         self.embeds = False              # the peer embeds token ids itself (it maps the embedding table)
         self.hello: dict[str, Any] = {}  # the peer's HELLO header, once received
         self.counters = Counters()
-        self._buf = bytearray(1 << 16)   # reused receive buffer for blocking-mode payloads
+        self.trusted = False             # the handshake is done: max_frame applies, not PREAUTH_MAX_FRAME
+        self._tx: frames.Cipher | None = None  # seals what we send, once a keyed handshake is done
+        self._rx: frames.Cipher | None = None  # opens what we receive
+        self._buf: bytearray | None = None     # reused receive buffers for blocking-mode frames
+        self._plain: bytearray | None = None
+
+    @property
+    def sealed(self) -> bool:
+        return self._tx is not None
+
+    @property
+    def limit(self) -> int:
+        """Largest frame (header + payload) accepted now."""
+        return self.max_frame if self.trusted else min(self.max_frame, frames.PREAUTH_MAX_FRAME)
+
+    def trust(self, keys: tuple[bytes, bytes] | None = None) -> None:
+        """The handshake is done; with (send, receive) keys every later frame is sealed."""
+        if keys is not None:
+            self._tx, self._rx = frames.Cipher(keys[0]), frames.Cipher(keys[1])
+        self.trusted = True
 
     # ------------------------------------------------------------------ asyncio mode
     @classmethod
     async def connect(cls, host: str, port: int, *, timeout: float = 10.0, **kw: Any) -> "Link":
+        """A link to host:port (each address it resolves to, in turn); LinkClosed names it on failure."""
+        name = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         loop = asyncio.get_running_loop()
-        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        family, kind, proto, _, addr = infos[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setblocking(False)
         try:
-            await asyncio.wait_for(loop.sock_connect(sock, addr), timeout)
+            infos = await asyncio.wait_for(loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), timeout)
         except (OSError, asyncio.TimeoutError) as exc:
-            sock.close()
-            raise LinkClosed(f"{host}:{port}: cannot connect ({exc or 'timed out'})") from None
-        return cls(sock, f"{host}:{port}", **kw)
+            raise LinkClosed(f"link {name}: cannot resolve {host!r} ({exc or 'timed out'})", name) from None
+        why = "no address"
+        for family, kind, proto, _, addr in infos:
+            sock = socket.socket(family, kind, proto)
+            sock.setblocking(False)
+            try:
+                await asyncio.wait_for(loop.sock_connect(sock, addr), timeout)
+            except (OSError, asyncio.TimeoutError) as exc:
+                sock.close()
+                why = str(exc) or "timed out"
+                continue
+            except BaseException:
+                sock.close()
+                raise
+            return cls(sock, name, **kw)
+        raise LinkClosed(f"link {name}: cannot connect ({why})", name)
 
     async def send(self, ftype: FrameType, header: dict[str, Any] | None = None,
                    payload: Any = b"") -> None:
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         try:
-            for part in frames.encode_frame(ftype, header, payload, max_frame=self.max_frame):
+            for part in frames.encode_frame(ftype, header, payload, max_frame=self.max_frame, cipher=self._tx):
                 await loop.sock_sendall(self.sock, part)
                 self.counters.sent += len(part)
         except OSError as exc:
@@ -117,25 +160,30 @@ class Link:
         t0 = time.perf_counter()
 
         async def exactly(n: int) -> memoryview:
-            view = memoryview(bytearray(n))
+            """n bytes; the buffer grows (from FIRST_CHUNK, doubling) only as they arrive."""
+            buf = bytearray(min(n, frames.FIRST_CHUNK))
             got = 0
             while got < n:
+                if got == len(buf):
+                    buf.extend(bytes(min(n - got, got)))
                 try:
-                    k = await loop.sock_recv_into(self.sock, view[got:])
+                    with memoryview(buf) as mv, mv[got:] as rest:
+                        k = await loop.sock_recv_into(self.sock, rest)
                 except OSError as exc:
                     raise self._closed(f"receive failed ({exc})") from None
                 if k == 0:
                     raise self._closed("connection closed by peer")
                 got += k
-            return view
+            return memoryview(buf)
 
         try:
-            kind, flags, hlen, plen = frames.parse_prefix(await exactly(frames.PREFIX.size), self.max_frame)
-            header = frames.parse_header(await exactly(hlen))
-            payload = await exactly(plen) if plen else b""
+            prefix = await exactly(frames.PREFIX.size)
+            kind, flags, hlen, plen = frames.parse_prefix(prefix, self.limit)
+            body = frames.body_bytes(flags, hlen, plen, self._rx)
+            header, payload = frames.split_body(prefix, await exactly(body), hlen, self._rx)
         except FrameError as exc:
-            raise self._closed(f"bad frame ({exc})") from None
-        size = frames.PREFIX.size + hlen + plen
+            raise self._closed(f"bad frame{'' if self.trusted else ' before the handshake'} ({exc})") from None
+        size = frames.PREFIX.size + body
         self.counters.received += size
         self.counters.recv_s += time.perf_counter() - t0
         return Frame(kind, header, payload, flags, size)
@@ -162,38 +210,41 @@ class Link:
 
     # ------------------------------------------------------------------ authentication
     async def authenticate(self, key: bytes, node_id: str, extra: dict[str, Any] | None = None) -> str:
-        """Run the HMAC challenge as the connecting side; returns the peer's node id.
+        """Run the HMAC challenge as the connecting side, then seal the link; returns the peer's node id.
 
-        `extra` rides in the HELLO (e.g. the root's epoch); it is not part of the proof.
+        `extra` rides in the HELLO (e.g. the root's epoch), inside the proof.
         """
-        ini = auth.Initiator(key, node_id)
-        hello = ini.hello() | (extra or {})
-        await self.send(FrameType.HELLO, hello)
-        msg = ini.on_challenge((await self.expect(FrameType.CHALLENGE, 10)).header)
-        await self.send(FrameType.AUTH, msg)
-        ok = await self.expect(FrameType.AUTH_OK, 10)
+        ini = auth.Initiator(key, node_id, extra)
         try:
-            ini.on_ok(ok.header)
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT):
+                await self.send(FrameType.HELLO, ini.hello())
+                await self.send(FrameType.AUTH, ini.on_challenge((await self.expect(FrameType.CHALLENGE)).header))
+                await self.expect(FrameType.AUTH_OK)
         except auth.AuthError as exc:
             raise self._closed(f"authentication failed ({exc})") from None
+        except TimeoutError:
+            raise self._closed(f"no handshake within {HANDSHAKE_TIMEOUT:.0f} s") from None
         self.peer_id = ini.peer_id
-        return self.peer_id
+        self.trust(ini.keys)
+        return str(self.peer_id)
 
     async def accept_auth(self, key: bytes, node_id: str) -> str:
-        """Run the HMAC challenge as the accepting side; returns the peer's node id."""
+        """Run the HMAC challenge as the accepting side, then seal the link; returns the peer's node id."""
         res = auth.Responder(key, node_id)
         try:
-            hello = (await self.expect(FrameType.HELLO, 10)).header
-            self.hello = hello
-            if "cluster_id" not in hello:
-                raise auth.AuthError("this node requires the cluster key (--key) and the peer sent none")
-            await self.send(FrameType.CHALLENGE, res.on_hello(hello))
-            await self.send(FrameType.AUTH_OK, res.on_auth((await self.expect(FrameType.AUTH, 10)).header))
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT):
+                await self.send(FrameType.CHALLENGE, res.on_hello((await self.expect(FrameType.HELLO)).header))
+                self.hello = res.hello
+                res.on_auth((await self.expect(FrameType.AUTH)).header)
+                await self.send(FrameType.AUTH_OK, {})
         except auth.AuthError as exc:
             await self._try_error(f"authentication failed: {exc}")
             raise self._closed(f"authentication failed ({exc})") from None
+        except TimeoutError:
+            raise self._closed(f"no handshake within {HANDSHAKE_TIMEOUT:.0f} s") from None
         self.peer_id = res.peer_id
-        return self.peer_id
+        self.trust(res.keys)
+        return str(self.peer_id)
 
     async def _try_error(self, message: str) -> None:
         try:
@@ -215,7 +266,7 @@ class Link:
     def send_blocking(self, ftype: FrameType, header: dict[str, Any] | None = None, payload: Any = b"") -> None:
         t0 = time.perf_counter()
         try:
-            self.counters.sent += frames.send_frame(self.sock, ftype, header, payload)
+            self.counters.sent += frames.send_frame(self.sock, ftype, header, payload, self._tx)
         except OSError as exc:
             raise self._closed(f"send failed ({exc})") from None
         self.counters.send_s += time.perf_counter() - t0
@@ -224,15 +275,17 @@ class Link:
         """The next frame (must be ftype). Its payload may view a reused buffer: use it before the next receive."""
         t0 = time.perf_counter()
         try:
-            frame = frames.recv_frame(self.sock, self._buf, self.max_frame)
+            frame, self._buf = frames.recv_frame(self.sock, self._buf, self.limit, self._rx, self._plain)
         except socket.timeout:
             raise self._closed(f"no frame within {self.timeout:.0f} s") from None
-        except (OSError, FrameError) as exc:
+        except FrameError as exc:
+            raise self._closed(f"bad frame ({exc})") from None
+        except OSError as exc:
             raise self._closed(f"receive failed ({exc})") from None
         if frame is None:
             raise self._closed("connection closed by peer")
-        if len(frame.payload) > len(self._buf) // 2:
-            self._buf = bytearray(2 * len(frame.payload))  # next time it lands in the reused buffer
+        if self._rx is not None and (self._plain is None or len(self._plain) < frame.size):
+            self._plain = bytearray(frame.size)  # the next sealed frame of this size opens in place
         self.counters.received += frame.size
         self.counters.recv_s += time.perf_counter() - t0
         return self._check(frame, ftype)
@@ -250,6 +303,12 @@ class Link:
         return LinkClosed(f"link {self.name}: {why}", self.name)
 
     def close(self) -> None:
+        """Close the socket; a thread blocked in a receive on it wakes up (shutdown first)."""
+        if self.sock.fileno() >= 0:
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         try:
             self.sock.close()
         except OSError:
@@ -258,6 +317,16 @@ class Link:
     @property
     def closed(self) -> bool:
         return self.sock.fileno() < 0
+
+
+def _keepalive(sock: socket.socket) -> None:
+    """TCP keepalive and a user timeout suited to a LAN (where the platform has them)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in KEEPALIVE.items():
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    if hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, USER_TIMEOUT_MS)
 
 
 async def event_loop_hop(samples: int = 50) -> float:

@@ -225,9 +225,10 @@ async def _loaded(link: Link, node_id: str, on_progress: Progress | None) -> Fra
 
 
 async def _hello(link: Link, key: bytes | None, node_id: str, epoch: int) -> None:
-    """Authenticate when we hold a cluster key; otherwise a plain HELLO (trusted networks only).
+    """Authenticate and seal the link when we hold a cluster key; otherwise a plain HELLO (trusted networks only).
 
-    Either way the HELLO carries our epoch: workers refuse roots older than one they follow.
+    Either way the HELLO carries our epoch (inside the proof, with a key): workers refuse roots older
+    than one they follow.
     """
     if key is not None:
         await link.authenticate(key, node_id, {"epoch": epoch})
@@ -235,8 +236,9 @@ async def _hello(link: Link, key: bytes | None, node_id: str, epoch: int) -> Non
     await link.send(FrameType.HELLO, {"node_id": node_id, "epoch": epoch})
     reply = await link.recv(10)
     if reply.type == FrameType.ERROR:
-        raise LinkClosed(f"link {link.name}: {reply.header.get('message', 'refused')}")
+        raise link._closed(str(reply.header.get("message", "refused")))
     if reply.type == FrameType.CHALLENGE:
-        raise LinkClosed(f"link {link.name}: the worker requires the cluster key (--key)")
+        raise link._closed("the worker requires the cluster key (--key)")
     link.peer_id = str(reply.header.get("node_id") or link.name)
+    link.trust()  # no key: frames stay plain (trusted networks only)
 

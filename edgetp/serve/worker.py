@@ -18,6 +18,11 @@ it got about once a second.
 One root at a time; a second connection is told "busy" and closed. Any
 protocol or decode error closes that link with a logged reason; the worker
 keeps running and waits for the next root.
+
+Before a peer has finished its handshake it gets little: frames of 64 KiB at
+most, HANDSHAKE_TIMEOUT seconds, and a place among MAX_PENDING handshakes in
+progress; connections beyond that are closed at once. Refusals are logged
+at most once per LOG_EVERY seconds, with a count of the ones left out.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from edgetp.cluster import profile
 from edgetp.model import llama, quant, sampling
 from edgetp.model.gguf import GGUFError, ModelFile, open_model
 from edgetp.net.frames import FrameType
-from edgetp.net.link import BLOCKING, Link, LinkClosed
+from edgetp.net.link import BLOCKING, HANDSHAKE_TIMEOUT, Link, LinkClosed
 from edgetp.parallel.collective import Hot, WorkerReduce, candidates_message
 from edgetp.serve.weights import fetch_shard
 from edgetp.store.errors import DownloadError
@@ -47,6 +52,26 @@ log = logging.getLogger(__name__)
 IDLE_TIMEOUT = 24 * 3600.0  # a root may stay connected and idle this long
 BUSY_WAIT = 3.0  # seconds a new root waits for the previous one's session to end
 PROGRESS_S = 1.0  # seconds between PROGRESS frames while fetching a slice
+MAX_PENDING = 32  # connections in their handshake at once, per listening port; more are closed at once
+LOG_EVERY = 10.0  # seconds between two log lines about refused connections
+
+
+class _Quiet:
+    """A warning logged at most once per `every` seconds, saying how many were left out."""
+
+    def __init__(self, every: float = LOG_EVERY) -> None:
+        self.every = every
+        self._last = float("-inf")
+        self._left_out = 0
+
+    def warn(self, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._last < self.every:
+            self._left_out += 1
+            return
+        more = f" (and {self._left_out} more refusal(s) since the last such line)" if self._left_out else ""
+        log.warning(message + more, *args)
+        self._last, self._left_out = now, 0
 
 
 def rss_bytes() -> int:
@@ -70,6 +95,9 @@ class Worker:
     _link_epoch: int = field(default=0, init=False)
     _task: asyncio.Task | None = field(default=None, init=False)
     _idle: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+    _pending: int = field(default=0, init=False)  # connections still in their handshake
+    _over_cap: _Quiet = field(default_factory=_Quiet, init=False)
+    _refused: _Quiet = field(default_factory=_Quiet, init=False)
 
     async def serve(self, host: str, port: int, on_listening: Callable[[int], None] | None = None) -> None:
         """Accept roots until cancelled."""
@@ -86,6 +114,12 @@ class Worker:
         try:
             while True:
                 conn, addr = await loop.sock_accept(sock)
+                if self._pending >= MAX_PENDING:
+                    conn.close()
+                    self._over_cap.warn("port %d: %d handshakes already in progress; closing new connections "
+                                        "(from %s first) until they end", bound, MAX_PENDING, addr[0])
+                    continue
+                self._pending += 1
                 task = asyncio.create_task(self._session(Link(conn, f"{addr[0]}:{addr[1]}")))
                 sessions.add(task)
                 task.add_done_callback(sessions.discard)
@@ -97,11 +131,15 @@ class Worker:
 
     async def _session(self, link: Link) -> None:
         try:
-            peer, epoch = await self._greet(link)
-        except LinkClosed as exc:
-            log.warning("connection refused: %s", exc)
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT):
+                peer, epoch = await self._greet(link)
+        except (LinkClosed, TimeoutError) as exc:
+            self._refused.warn("connection refused: %s", str(exc) or f"link {link.name}: no handshake within "
+                                                                f"{HANDSHAKE_TIMEOUT:.0f} s")
             link.close()
             return
+        finally:
+            self._pending -= 1
         if self.follow_epochs and epoch < self.epoch:  # no split brain: older roots are refused
             log.warning("refused root %s of stale epoch %d (following epoch %d)", peer, epoch, self.epoch)
             await link._try_error(f"stale epoch {epoch}: worker {self.node_id} follows epoch {self.epoch}")
@@ -146,9 +184,13 @@ class Worker:
             peer = await link.accept_auth(self.key, self.node_id)
             hello = link.hello
         else:
-            hello = (await link.expect(FrameType.HELLO, 10)).header
+            hello = (await link.expect(FrameType.HELLO)).header
+            if "cluster_id" in hello:
+                await link._try_error(f"worker {self.node_id} holds no cluster key; start it with --key")
+                raise LinkClosed(f"link {link.name}: a keyed root, and this worker has no key", link.name)
             peer = str(hello.get("node_id", "?"))
             await link.send(FrameType.HELLO, {"node_id": self.node_id, "auth": False})
+            link.trust()
         epoch = hello.get("epoch", 0)
         if not isinstance(epoch, int) or epoch < 0:
             raise LinkClosed(f"link {link.name}: bad epoch {epoch!r} in HELLO", link.name)

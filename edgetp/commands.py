@@ -306,7 +306,9 @@ def serve(args: argparse.Namespace) -> int:
         weights=tuple(args.weights) if args.weights else None, sync=settings.sync, ctx=settings.ctx,
         threads=settings.threads, key=key, queue_size=args.queue, index_dir=Path(settings.cache_dir) / "index",
         cluster=key is not None and not args.workers, data_port=settings.data_port,
-        node_id=settings.node_id if args.node_id or args.config else None, priority=settings.priority,
+        node_id=settings.node_id if settings.node_id_given
+        else config.persistent_node_id(config.state_dir(os.environ, Path(settings.cache_dir))),
+        priority=settings.priority,
         no_root=settings.no_root, interfaces=tuple(settings.interfaces), peers=settings.peer_addresses,
         shard_dir=Path(settings.cache_dir) / "shards")
     try:

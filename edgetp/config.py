@@ -43,6 +43,49 @@ def default_node_id() -> str:
     return label if NODE_ID_RE.fullmatch(label) else "edgetp"
 
 
+NODE_ID_FILE = "node-id"
+
+
+def state_dir(env: Mapping[str, str], cache_dir: Path) -> Path:
+    """Where this node keeps what must survive a restart: systemd's $STATE_DIRECTORY, else the cache dir."""
+    first = env.get("STATE_DIRECTORY", "").split(":")[0]
+    return Path(first) if first else cache_dir
+
+
+def persistent_node_id(directory: Path) -> str:
+    """The node id kept in `directory`/node-id; on first use a new one (host name + 6 hex) is written there.
+
+    Pis are all called "raspberrypi", hence the random tail; it is kept so a restart is the same node.
+    A file that cannot be read or written is logged and a fresh id is used for this run.
+    """
+    import logging  # noqa: PLC0415 - only this function logs
+    import os  # noqa: PLC0415
+    import uuid  # noqa: PLC0415
+
+    path = directory / NODE_ID_FILE
+    try:
+        text = path.read_text().strip()
+        if NODE_ID_RE.fullmatch(text):
+            return text
+        logging.getLogger(__name__).warning("%s holds no valid node id (%r): writing a new one", path, text[:70])
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logging.getLogger(__name__).warning("cannot read %s: %s", path, exc)
+    node_id = f"{default_node_id()[:56]}-{uuid.uuid4().hex[:6]}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        part = path.with_name(NODE_ID_FILE + ".part")
+        with open(part, "w") as f:
+            f.write(node_id + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(part, path)
+    except OSError as exc:
+        logging.getLogger(__name__).warning("cannot keep the node id in %s (%s): it will change at restart", path, exc)
+    return node_id
+
+
 def _default_cache_dir() -> Path:
     from edgetp.store import cache_dir  # deferred: nothing happens at import time
 
@@ -67,12 +110,14 @@ class Settings:
     ctx: int = 2048                         # context length (KV cache size)
     # derived
     peer_addresses: tuple[tuple[str, int], ...] = field(init=False, repr=False, compare=False)
+    node_id_given: bool = field(init=False, repr=False, compare=False)  # False: node_id is the host name default
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             if f.init:
                 value = _check(f.name, getattr(self, f.name), "Settings")
                 object.__setattr__(self, f.name, value)
+        object.__setattr__(self, "node_id_given", bool(self.node_id))
         if not self.node_id:
             object.__setattr__(self, "node_id", default_node_id())
         if self.cache_dir is None:

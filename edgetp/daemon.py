@@ -22,6 +22,7 @@ import asyncio
 import logging
 import signal
 import socket
+import time
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -42,8 +43,10 @@ from edgetp.model.gguf import ModelFile, open_model
 from edgetp.model.tokenizer import Tokenizer
 from edgetp.net import auth
 from edgetp.net.link import LinkClosed
+from edgetp.parallel.plan import PlanError
 from edgetp.parallel.runner import ClusterRunner, WorkerLost
 from edgetp.serve import events
+from edgetp.serve.backoff import Backoff
 from edgetp.serve.api import NoRoot, make_app, run_api, serving
 from edgetp.serve.root import Engine, EventBus, local_view
 from edgetp.serve.weights import ShardServer
@@ -122,10 +125,11 @@ class Recovery:
 
 
 async def serve(opts: ServeOptions, on_listening: Callable[[str], None] | None = None,
-                status: Callable[[str], None] = lambda line: None) -> None:
+                status: Callable[[str], None] = lambda line: None,
+                on_engine: Callable[[Engine], None] = lambda engine: None) -> None:
     """Build the engine and the API, serve until cancelled, then close every link."""
     if opts.cluster:
-        return await serve_cluster(opts, on_listening, status)
+        return await serve_cluster(opts, on_listening, status, on_engine)
     if opts.model_path is None:
         raise ValueError("only a cluster member (--key, no --workers) can serve without a model")
     if opts.threads:
@@ -140,6 +144,7 @@ async def serve(opts: ServeOptions, on_listening: Callable[[str], None] | None =
     else:
         runner = await asyncio.to_thread(LocalRunner, mf, ctx)
     engine = Engine(runner, tok, opts.model_name, queue_size=opts.queue_size, bus=bus)
+    on_engine(engine)
     if opts.workers:
         engine.recover = Recovery(engine, bus, asyncio.get_running_loop(), view=_view(engine, mf, opts.model_name))
     app = make_app(engine, cluster_view=_view(engine, mf, opts.model_name), key=opts.key)
@@ -158,7 +163,8 @@ def _profile_type(mf: ModelFile | None) -> int:
 
 
 async def serve_cluster(opts: ServeOptions, on_listening: Callable[[str], None] | None = None,
-                        status: Callable[[str], None] = lambda line: None) -> None:
+                        status: Callable[[str], None] = lambda line: None,
+                        on_engine: Callable[[Engine], None] = lambda engine: None) -> None:
     if opts.key is None:
         raise ValueError("a cluster needs a key: --key FILE (make one with `edgetp keygen`)")
     if opts.threads:
@@ -171,6 +177,7 @@ async def serve_cluster(opts: ServeOptions, on_listening: Callable[[str], None] 
     ctx = min(opts.ctx, mf.config.ctx_train) if mf else opts.ctx
     engine = Engine(None, Tokenizer.from_metadata(mf.metadata) if mf else None, opts.model_name,
                     queue_size=opts.queue_size, bus=bus, ctx=ctx)
+    on_engine(engine)
     shard_dir = opts.shard_dir or store.cache_dir() / "shards"
     worker = Worker(node_id, key=opts.key, threads=opts.threads, model_path=str(mf.path) if mf else None,
                     index_dir=str(opts.index_dir) if opts.index_dir else None, follow_epochs=True,
@@ -221,6 +228,7 @@ class Roles:
         self.node_id, self.ctx, self.http_port, self.shards = node_id, ctx, http_port, shards
         self.planned = -1  # membership.revision the current runner was planned at
         self.fetching: dict[str, tuple[int, int]] = {}  # node id -> (done, total) of a slice download
+        self.backoff = Backoff()  # data address -> how long it is left out after a failure
 
     def route(self) -> str | None:
         leader = self.membership.leader
@@ -235,41 +243,90 @@ class Roles:
         return http_url(peer.advert)
 
     async def between(self) -> None:
-        """Before each request on the root: (re)plan when the members, their figures or the epoch changed."""
+        """Before each request on the root: (re)plan when the members, their figures or the epoch changed.
+
+        A peer that fails (refuses, cannot be resolved, breaks the protocol, cannot fit) is left out and
+        tried again after a backoff; what is left serves. Raises only when not even this node alone can.
+        """
         runner = self.engine.runner
         if self.membership.leader != self.node_id:
             if runner is not None:
                 runner.close()
                 self.engine.runner = None
             return
-        want = sorted(data_address(p.advert) for p in self.membership.usable())
+        names = {data_address(p.advert): p.node_id for p in self.membership.usable()}
+        self.backoff.forget(set(names))
+        waiting = self.backoff.excluded(time.monotonic())
+        want = sorted(a for a in names if a not in waiting)
         revision = self.membership.revision
-        if runner is not None and runner.plan.epoch == self.membership.epoch and \
-                set(runner.options["addresses"]) == set(want) and self.planned == revision:
-            return  # a peer left out for refusing is tried again at the next request
+        if runner is not None and not any(link.closed for link in runner.links) and \
+                runner.plan.epoch == self.membership.epoch and set(runner.options["addresses"]) == set(want) \
+                and self.planned == revision:
+            return
         if runner is not None:
             runner.close()
-        self.engine.runner = await self._connect(want)
+            self.engine.runner = None
+        for address, strike in waiting.items():
+            log.info("planning without %s for %.0f s more (failed %d time(s): %s)", address,
+                     strike.until - time.monotonic(), strike.failures, strike.cause)
+        self.engine.runner = await self._connect(want, names)
         self.planned = revision
         self.engine.bus.publish(replan_event(self.engine.runner))
         self.engine.bus.publish(self.view())  # watchers see the new shares and round trips at once
 
-    async def _connect(self, addresses: list[str]) -> ClusterRunner:
-        """A runner over every peer that accepts us; one that refuses is left out and logged."""
+    async def _connect(self, addresses: list[str], names: dict[str, str]) -> ClusterRunner:
+        """A runner over every peer that works; each that fails is left out (with a backoff) and logged.
+
+        Bounded: every failed attempt drops at least one peer, and the last one is this node alone.
+        """
         try:
-            while True:
+            for _ in range(len(addresses) + 1):
                 try:
-                    return await ClusterRunner.connect(
+                    runner = await ClusterRunner.connect(
                         self.mf, addresses, ctx=self.ctx, sync=self.opts.sync, key=self.opts.key,
                         threads=self.opts.threads, epoch=self.membership.epoch, node_id=self.node_id,
                         fetch_port=self.http_port, on_progress=self._progress)
-                except LinkClosed as exc:
-                    if exc.link_name not in addresses:
+                except Exception as exc:  # noqa: BLE001 - whatever a peer did, plan without it
+                    if not addresses:
                         raise
-                    log.warning("planning without %s: %s", exc.link_name, exc)
-                    addresses = [a for a in addresses if a != exc.link_name]
+                    culprits = await self._culprits(exc, addresses, names)
+                    now = time.monotonic()
+                    for address in culprits:
+                        cause = f"{type(exc).__name__}: {exc}" if not str(exc) else str(exc)
+                        strike = self.backoff.failed(address, cause, now)
+                        message = (f"planning without {names.get(address, address)} ({address}) for "
+                                   f"{strike.until - now:.0f} s: {cause}")
+                        log.warning("%s", message)
+                        self.engine.bus.publish(events.ClusterEvent("error", message, names.get(address),
+                                                                    self.membership.epoch))
+                    addresses = [a for a in addresses if a not in culprits]
+                    continue
+                for address in addresses:
+                    self.backoff.succeeded(address)
+                return runner
+            raise AssertionError("not reached: the last attempt plans this node alone")
         finally:
             self.fetching.clear()
+
+    async def _culprits(self, exc: Exception, addresses: list[str], names: dict[str, str]) -> set[str]:
+        """Which peers a failed connect is to blame on; all of them when it cannot be told.
+
+        A LinkClosed names its link, a PlanError the node too small; else each peer's data port is
+        tried (a refusal or a name that does not resolve shows up there). A PlanError that names this
+        node, or none (the whole cluster is too small), is not a peer's fault: it is raised.
+        """
+        if isinstance(exc, LinkClosed) and exc.link_name in addresses:
+            return {exc.link_name}
+        if isinstance(exc, PlanError):
+            by_id = {node: a for a, node in names.items() if a in addresses}
+            if exc.node_id in by_id:
+                return {by_id[exc.node_id]}
+            raise exc
+        bad = {a for a, ok in zip(addresses, await asyncio.gather(*(_reachable(a) for a in addresses))) if not ok}
+        if not bad:
+            log.warning("cannot tell which peer made planning fail (%s: %s); planning without all %d",
+                        type(exc).__name__, exc, len(addresses))
+        return bad or set(addresses)
 
     def _progress(self, node: str, done: int, total: int) -> None:
         """A worker's PROGRESS while it fetches its slice from us (about once a second, and at the end)."""
@@ -325,6 +382,17 @@ class Roles:
             self.engine.runner.close()
 
 
+async def _reachable(address: str, timeout: float = 3.0) -> bool:
+    """Whether HOST:PORT accepts a TCP connection (closed at once)."""
+    host, _, port = address.rpartition(":")
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
+    except (OSError, asyncio.TimeoutError, ValueError):
+        return False
+    writer.close()
+    return True
+
+
 def _view(engine: Engine, mf: ModelFile, model: str) -> Callable[[], events.ClusterView]:
     def view() -> events.ClusterView:
         if isinstance(engine.runner, ClusterRunner):
@@ -334,23 +402,33 @@ def _view(engine: Engine, mf: ModelFile, model: str) -> Callable[[], events.Clus
 
 
 def run(opts: ServeOptions, on_listening: Callable[[str], None] | None = None,
-        stop_signals: Sequence[int] = (signal.SIGTERM,)) -> None:
-    """asyncio.run(serve(...)): stop signals cancel it like Ctrl-C; systemd hears READY, WATCHDOG, STOPPING."""
-    notifier = Notifier()
+        stop_signals: Sequence[int] = (signal.SIGTERM,), notifier: Notifier | None = None) -> None:
+    """asyncio.run(serve(...)): stop signals cancel it like Ctrl-C; systemd hears READY, WATCHDOG, STOPPING.
+
+    Until READY (opening the model, profiling, the first kernel compiles) systemd's start timeout is
+    extended every few seconds; WATCHDOG=1 pings stop while the engine cannot serve (Engine.health).
+    """
+    notifier = notifier or Notifier()
+    extender = notifier.extending(status="opening the model and timing the kernels")
+    engines: list[Engine] = []
 
     def listening(url: str) -> None:
+        extender.stop()
         notifier.ready(f"serving on {url}")
         if on_listening:
             on_listening(url)
+
+    def health() -> str | None:
+        return engines[0].health() if engines else None
 
     async def main() -> None:
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()
         for sig in stop_signals:
             loop.add_signal_handler(sig, task.cancel)
-        watchdog = asyncio.create_task(notifier.run_watchdog())
+        watchdog = asyncio.create_task(notifier.run_watchdog(health=health))
         try:
-            await serve(opts, listening, notifier.status)
+            await serve(opts, listening, notifier.status, engines.append)
         except asyncio.CancelledError:
             notifier.stopping("leaving the cluster")
             log.info("stopped")
@@ -361,4 +439,5 @@ def run(opts: ServeOptions, on_listening: Callable[[str], None] | None = None,
     try:
         asyncio.run(main())
     finally:
+        extender.stop()
         notifier.close()

@@ -4,13 +4,17 @@ Speed is measured with the real decode kernel, on a matrix of the model's
 dominant weight type the size of one FFN projection, so it reflects what this
 device will actually do per token:
 weight bytes streamed through `quant.matvec` per second. Free memory comes
-from the kernel's own estimate (MemAvailable).
+from the kernel's own estimate (MemAvailable), lowered to the room left under
+our cgroup's memory limit (systemd MemoryMax=, a container) where that is less:
+past it the kernel kills us however much the machine has free. It is measured
+after the timing run, so the kernels it compiled are already counted as used.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
@@ -69,6 +73,44 @@ def mem_available(meminfo: str = "/proc/meminfo") -> int:
     raise OSError(f"{meminfo} has no MemAvailable line")
 
 
+def cgroup_room(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes left under the tightest memory limit of our cgroup and its ancestors (v1 or v2); None if unlimited."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    rooms = []
+    for line in lines:
+        hid, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hid == "0" and not controllers:
+            base, limit_name, usage_name = Path(root), "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):
+            base, limit_name, usage_name = Path(root) / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+            continue
+        d = base / path.strip("/")
+        while True:
+            try:
+                limit = (d / limit_name).read_text().strip()
+                usage = int((d / usage_name).read_text())
+                if limit.isdigit() and int(limit) < 2**60:  # "max" / v1's huge number: no limit
+                    rooms.append(max(0, int(limit) - usage))
+            except (OSError, ValueError):
+                pass
+            if d == base or base not in d.parents:
+                break
+            d = d.parent
+    return min(rooms) if rooms else None
+
+
+def memory_free(meminfo: str = "/proc/meminfo") -> int:
+    """What this process may still allocate: MemAvailable, or less when a cgroup limit is closer."""
+    room = cgroup_room()
+    free = mem_available(meminfo)
+    return free if room is None else min(free, room)
+
+
 def profile(threads: int | None = None, seconds: float = 0.5, qtype: int = QT.Q8_0) -> Profile:
     """Speed at the thread count compute uses, on a layer-sized matrix of `qtype`.
 
@@ -80,4 +122,6 @@ def profile(threads: int | None = None, seconds: float = 0.5, qtype: int = QT.Q8
         quant.set_threads(threads)
     cols = DEFAULT_COLS - DEFAULT_COLS % quant.block_size(qtype)
     w = random_weight(qtype, DEFAULT_ROWS, cols)
-    return Profile(measure_speed(w, seconds=seconds), mem_available(), quant.threads())
+    speed = measure_speed(w, seconds=seconds)
+    del w  # measured after the run (kernels compiled and loaded), without the timing matrix
+    return Profile(speed, memory_free(), quant.threads())

@@ -6,7 +6,11 @@ Without $NOTIFY_SOCKET (not under systemd) every call is a no-op that returns Fa
 
 The socket is non-blocking: a full receive queue drops the message (logged) rather
 than stalling the event loop. `run_watchdog` pings from the event loop itself, so a
-blocked loop stops the pings and systemd restarts the daemon.
+blocked loop stops the pings and systemd restarts the daemon; given a health check,
+it also stops them (and says why in STATUS) while the node cannot serve.
+
+`extending()` keeps pushing systemd's start timeout out (EXTEND_TIMEOUT_USEC) from a
+thread while a first model pull, load or kernel compile runs before READY.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import asyncio
 import logging
 import os
 import socket
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +52,7 @@ class Notifier:
         raw = env.get("NOTIFY_SOCKET", "")
         self.address: str | bytes | None = socket_address(raw) if raw else None
         self._sock: socket.socket | None = None
+        self._lock = threading.Lock()  # the extender thread sends too
 
     @property
     def enabled(self) -> bool:
@@ -59,14 +65,15 @@ class Notifier:
         for line in lines:
             if "=" not in line or "\n" in line:
                 raise ValueError(f"an sd_notify line is KEY=VALUE without newlines, got {line!r}")
-        if self._sock is None:
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-            self._sock.setblocking(False)
-        try:
-            self._sock.sendto("\n".join(lines).encode(), self.address)
-        except OSError as exc:  # queue full, socket gone: systemd will notice by itself
-            log.warning("sd_notify to %r failed: %s", self.address, exc)
-            return False
+        with self._lock:
+            if self._sock is None:
+                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+                self._sock.setblocking(False)
+            try:
+                self._sock.sendto("\n".join(lines).encode(), self.address)
+            except OSError as exc:  # queue full, socket gone: systemd will notice by itself
+                log.warning("sd_notify to %r failed: %s", self.address, exc)
+                return False
         return True
 
     def ready(self, status: str | None = None) -> bool:
@@ -81,19 +88,70 @@ class Notifier:
     def stopping(self, status: str | None = None) -> bool:
         return self.notify("STOPPING=1", *([f"STATUS={status}"] if status else []))
 
-    def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+    def extend_timeout(self, seconds: float) -> bool:
+        """Ask for `seconds` more before systemd gives up on our start (or stop)."""
+        return self.notify(f"EXTEND_TIMEOUT_USEC={int(seconds * 1e6)}")
 
-    async def run_watchdog(self, interval: float | None = None) -> None:
+    def extending(self, period: float = 10.0, status: str = "loading") -> Extender:
+        """A context (or `stop()`-able object) that extends the start timeout every `period` s until stopped."""
+        return Extender(self, period, status)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+
+    async def run_watchdog(self, interval: float | None = None,
+                           health: Callable[[], str | None] | None = None) -> None:
         """Ping WATCHDOG=1 every `interval` s (default: half of $WATCHDOG_USEC) until cancelled.
 
+        `health()` returns None while the node can serve, else why not: then no ping is sent
+        (systemd restarts us if it lasts) and STATUS says why; pings resume when it recovers.
         Returns at once when there is no watchdog to feed; the caller owns the task.
         """
         interval = watchdog_interval() if interval is None else interval
         if interval is None or not self.enabled:
             return
+        said: str | None = None
         while True:
-            self.watchdog()
+            why = health() if health is not None else None
+            if why is None:
+                if said is not None:
+                    self.status("serving again")
+                    log.info("this node can serve again")
+                self.watchdog()
+            elif why != said:
+                self.status(f"cannot serve: {why}")
+                log.error("watchdog withheld: this node cannot serve: %s", why)
+            said = why
             await asyncio.sleep(interval)
+
+
+class Extender:
+    """Sends EXTEND_TIMEOUT_USEC (3 periods' worth) every `period` s from a thread until `stop()`."""
+
+    def __init__(self, notifier: Notifier, period: float, status: str) -> None:
+        self._notifier, self._period = notifier, period
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if notifier.enabled:
+            notifier.status(status)
+            notifier.extend_timeout(3 * period)
+            self._thread = threading.Thread(target=self._run, name="edgetp-sd-extend", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            self._notifier.extend_timeout(3 * self._period)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(self._period + 1)
+
+    def __enter__(self) -> Extender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -50,25 +50,25 @@ def _check_nodes(nodes: Iterable[NodeSpec]) -> tuple[NodeSpec, ...]:
     return nodes
 
 
-def _explain_memory(shape: ModelShape, nodes: tuple[NodeSpec, ...], overhead: int) -> str | None:
-    """Why the model cannot fit in memory, or None when the simple checks pass."""
+def _explain_memory(shape: ModelShape, nodes: tuple[NodeSpec, ...], overhead: int) -> PlanError | None:
+    """Why the model cannot fit in memory (naming the node when one is too small), or None when the simple checks pass."""
     unit_g = shape.group_bytes + shape.group_kv_bytes
     smallest = min(unit_g, shape.ffn_block_bytes, shape.vocab_row_bytes * min(shape.vocab_block, shape.vocab))
     for n in nodes:
         if n.mem_bytes < overhead + smallest:
-            return (f"node {n.node_id}: needs {fmt_bytes(overhead + smallest)} for its smallest share, "
-                    f"has {fmt_bytes(n.mem_bytes)} free")
+            return PlanError(f"node {n.node_id}: needs {fmt_bytes(overhead + smallest)} for its smallest share, "
+                             f"has {fmt_bytes(n.mem_bytes)} free", node_id=n.node_id)
     need = shape.weight_bytes + shape.n_kv_heads * shape.group_kv_bytes + len(nodes) * overhead
     have = sum(n.mem_bytes for n in nodes)
     if need > have:
-        return (f"total model {fmt_bytes(need)} (weights {fmt_bytes(shape.weight_bytes)}, KV cache for ctx {shape.ctx} "
-                f"{fmt_bytes(shape.n_kv_heads * shape.group_kv_bytes)}, overhead {len(nodes)} x {fmt_bytes(overhead)}) "
-                f"> total free memory {fmt_bytes(have)}")
+        return PlanError(f"total model {fmt_bytes(need)} (weights {fmt_bytes(shape.weight_bytes)}, KV cache for ctx {shape.ctx} "
+                         f"{fmt_bytes(shape.n_kv_heads * shape.group_kv_bytes)}, overhead {len(nodes)} x {fmt_bytes(overhead)}) "
+                         f"> total free memory {fmt_bytes(have)}")
     fits = {n.node_id: (n.mem_bytes - overhead) // unit_g for n in nodes}
     if sum(fits.values()) < shape.n_kv_heads:
         each = ", ".join(f"node {k}: {v}" for k, v in fits.items())
-        return (f"attention needs {shape.n_kv_heads} KV groups of {fmt_bytes(unit_g)} each (weights + KV cache), "
-                f"the nodes hold only {sum(fits.values())} ({each})")
+        return PlanError(f"attention needs {shape.n_kv_heads} KV groups of {fmt_bytes(unit_g)} each (weights + KV cache), "
+                         f"the nodes hold only {sum(fits.values())} ({each})")
     return None
 
 
@@ -276,7 +276,7 @@ def make_plan(shape: ModelShape, nodes: Iterable[NodeSpec], *, epoch: int = 0, s
     nodes = _check_nodes(nodes)
     why = _explain_memory(shape, nodes, overhead_bytes)
     if why:
-        raise PlanError(why)
+        raise why
     balanced = _balance_families(shape, nodes, overhead_bytes)
     if balanced is not None:
         return Plan(epoch, sync, shape, nodes, _shares(shape, nodes, *balanced), overhead_bytes)
@@ -365,5 +365,5 @@ def equal_plan(shape: ModelShape, nodes: Iterable[NodeSpec], *, epoch: int = 0, 
         need = plan.memory_bytes(node.node_id)
         if need > node.mem_bytes:
             raise PlanError(f"node {node.node_id}: needs {fmt_bytes(need)} for its equal share, "
-                            f"has {fmt_bytes(node.mem_bytes)} free")
+                            f"has {fmt_bytes(node.mem_bytes)} free", node_id=node.node_id)
     return plan

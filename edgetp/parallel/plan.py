@@ -30,7 +30,11 @@ Range = tuple[int, int]
 
 
 class PlanError(ValueError):
-    """No plan fits: the message names what does not fit and where."""
+    """No plan fits: the message names what does not fit and where; `node_id` the node too small, if one is."""
+
+    def __init__(self, message: str, node_id: str | None = None) -> None:
+        super().__init__(message)
+        self.node_id = node_id
 
 
 def _int(name: str, value: Any, minimum: int = 0) -> int:

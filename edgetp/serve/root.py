@@ -52,6 +52,10 @@ class EngineClosed(Exception):
     """The engine is shutting down and takes no more requests."""
 
 
+class Unavailable(EngineClosed):
+    """This node cannot serve the request now (no plan, even alone); the message says why. The next one is tried afresh."""
+
+
 class GenerationFailed(Exception):
     """The runner raised during a generation (a worker lost, the context full...)."""
 
@@ -200,6 +204,8 @@ class Engine:
         self._wake = asyncio.Event()
         self._current: Job | None = None
         self._closed = False
+        self._serving = False   # serve() is running
+        self.failure: str | None = None  # why the last attempt to serve failed, until one succeeds
         self._durations: collections.deque[float] = collections.deque(maxlen=16)
 
     @property
@@ -214,6 +220,12 @@ class Engine:
     @property
     def busy(self) -> bool:
         return self._current is not None
+
+    def health(self) -> str | None:
+        """None while this node can serve; else why not (its serve loop is gone, or it cannot plan even alone)."""
+        if self._closed or not self._serving:
+            return "the generation loop is not running"
+        return self.failure
 
     def submit(self, request: Request) -> Job:
         """Queue a request; QueueFull when `queue_size` are already waiting."""
@@ -248,13 +260,15 @@ class Engine:
         """Run queued jobs until cancelled; then every waiting and running job ends with EngineClosed."""
         loop = asyncio.get_running_loop()
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgetp-generate")
+        self._serving = True
         try:
             while True:
                 while not self._waiting:
                     self._wake.clear()
                     await self._wake.wait()
                 if self.between is not None:
-                    await self.between()
+                    if not await self._prepare():
+                        continue
                     if not self._waiting:
                         continue
                 job = self._waiting.popleft()
@@ -264,11 +278,31 @@ class Engine:
                 finally:
                     self._current = None
         finally:
+            self._serving = False
             self._closed = True
             while self._waiting:
                 self._finish(self._waiting.popleft(), "cancelled", EngineClosed("the server is shutting down"))
             pool.shutdown(wait=False)
             self.bus.close()
+
+    async def _prepare(self) -> bool:
+        """Run `between` (connect, plan, load); on failure the oldest waiting job gets a 503 saying why.
+
+        Serving goes on: the next job calls `between` afresh.
+        """
+        try:
+            await self.between()
+        except Exception as exc:  # noqa: BLE001 - any failure to plan must leave the loop serving
+            why = f"{type(exc).__name__}: {exc}" if not str(exc) or isinstance(exc, (KeyError, TypeError)) else str(exc)
+            log.error("cannot serve: %s", why, exc_info=not isinstance(exc, (OSError, ValueError, Unavailable)))
+            self.failure = why
+            self.bus.publish(events.ClusterEvent("error", f"cannot serve: {why}"))
+            if self._waiting:
+                job = self._waiting.popleft()
+                self._finish(job, "error", Unavailable(f"this node cannot serve now: {why}; retry later"))
+            return False
+        self.failure = None
+        return True
 
     async def _run(self, job: Job, pool: ThreadPoolExecutor, loop: asyncio.AbstractEventLoop) -> None:
         req = job.request

@@ -433,3 +433,68 @@ def test_a_worker_closes_a_silent_connection_at_the_handshake_deadline_and_logs_
     refusals = [line for line in err.splitlines() if "connection refused" in line]
     assert refusals and "no handshake within" in refusals[0]
     assert len(refusals) <= 3, refusals  # rate-limited, not one line per connection
+
+
+# --------------------------------------------------------------------------- end to end: injection, then recovery
+
+
+def test_a_frame_injected_into_a_workers_link_mid_answer_drops_that_link_and_the_replanned_answer_is_unchanged(
+        tmp_path, stories_path):
+    from edgetp.model import gguf, quant, sampling  # noqa: PLC0415
+    from edgetp.model.generate import LocalRunner, generate  # noqa: PLC0415
+    from edgetp.model.tokenizer import Tokenizer  # noqa: PLC0415
+    from edgetp.net.loopthread import LoopThread  # noqa: PLC0415
+    from edgetp.parallel.runner import ClusterRunner  # noqa: PLC0415
+    from edgetp.serve.spawn import start_worker, stop  # noqa: PLC0415
+
+    greedy = sampling.SamplingParams(temperature=0)
+    mf = gguf.open_model(stories_path)
+    tok = Tokenizer.from_metadata(mf.metadata)
+    ids = tok.encode("Once upon a time, there was a little girl named Lily. She", parse_special=True)
+    expected = [ev.token_id for ev in generate(LocalRunner(gguf.open_model(stories_path), 256), tok, ids, greedy, 40)]
+    key_file = tmp_path / "cluster.key"
+    auth.write_key(key_file, KEY)
+    armed, injected = threading.Event(), []
+    garbage = PREFIX.pack(MAGIC, PROTOCOL_VERSION, FrameType.STEP, SEALED, 1, 8) + bytes(9 + TAG_BYTES)
+
+    def tamper(i: int, frame: bytes) -> list[bytes]:
+        if armed.is_set() and not injected:
+            injected.append(i)
+            return [garbage, frame]
+        return [frame]
+
+    procs = [start_worker("--key", str(key_file)) for _ in range(2)]
+    (keep, a), (victim, b) = procs
+    proxy = Proxy(int(b.rsplit(":", 1)[1]), tamper)
+    via = f"127.0.0.1:{proxy.port}"
+    quant.set_threads(1)
+    try:
+        with LoopThread() as control:
+            current = [control.run(ClusterRunner.connect(mf, [a, via], ctx=256, weights=[1, 1, 1], key=KEY),
+                                   timeout=300)]
+
+            def recover(exc):
+                current[0] = control.run(current[0].without(exc.link_name), timeout=300)
+                return current[0]
+
+            try:
+                got, notes = [], []
+                for ev in generate(current[0], tok, ids, greedy, 40, recover=recover):
+                    got.append(ev.token_id)
+                    notes += [ev.note] if ev.note else []
+                    if ev.index == 8:
+                        armed.set()
+            finally:
+                current[0].close()
+        assert injected, "the attacker never got to inject"
+        assert got == expected
+        assert len(notes) == 1 and via in notes[0]
+        assert [s.node_id for s in current[0].plan.shares] == ["root", current[0].nodes[1].node_id]
+        victim.terminate()
+        victim.wait(10)
+        log = victim.stderr.read()
+        assert "failed authentication (tampered, replayed, reordered or injected)" in log, log[-2000:]
+    finally:
+        proxy.close()
+        for proc, _ in procs:
+            stop(proc)

@@ -119,23 +119,45 @@ def _rows4(typingctx, kind, which, rows, xq, dx, s4, s16, tab, nb, out):
 @functools.cache
 def _kernel(kind: int, which: str):
     """The decode kernel of one layout on one ISA (both constants inside it, and so in
-    numba's cache key: two ISAs compiled for one NUMBA_CPU_NAME stay apart)."""
+    numba's cache key: two ISAs compiled for one NUMBA_CPU_NAME stay apart).
+
+    It multiplies one token by several weights of that layout at once (q, k and v read
+    one token; gate and up another), handing all their spans of rows to one parallel
+    loop; `serial` runs the same spans in order on the calling thread, without the
+    parallel launch (one thread). Each row's arithmetic is the same either way."""
+
+    @njit(**_OPTS)
+    def span(ws, k, xa, da, s4a, s16a, ta, nb, out, res):
+        # span k of all the weights' spans, in weight order: span c of weight i, as kernels.spans cuts them
+        i, c = 0, k
+        while c >= spans(ws[i, 2]):
+            c -= spans(ws[i, 2])
+            i += 1
+        wa, st, rows, o = ws[i, 0], ws[i, 1], ws[i, 2], ws[i, 3]
+        for r in range(c * 4 * SPREAD, min(rows, c * 4 * SPREAD + SPREAD)):
+            r1, r2, r3 = partners(r, rows)
+            _rows4(kind, which, (wa + r * st, wa + r1 * st, wa + r2 * st, wa + r3 * st), xa, da, s4a, s16a, ta, nb,
+                   res.ctypes.data)
+            for j in range(4):
+                if r + j * SPREAD < rows:
+                    out[o + r + j * SPREAD] = res[j]
 
     @njit(parallel=True, **_OPTS)
-    def matvec_rows(w, xq, dx, s4, s16, tab, nb, out):
-        # w: (rows, nb * block bytes) uint8; xq/dx/s4/s16: one Rounded token; out: (rows,) f32
-        rows = w.shape[0]
-        wa, st = w.ctypes.data, w.shape[1]
+    def matvec_rows(ws, xq, dx, s4, s16, tab, nb, out, serial):
+        # ws: (weights, 4) int64, per weight: address of its (rows, nb * block bytes) uint8 blocks, row bytes,
+        # rows, and where its rows start in out; xq/dx/s4/s16: one Rounded token; out: (sum of rows,) f32
         xa, da, s4a, s16a, ta = xq.ctypes.data, dx.ctypes.data, s4.ctypes.data, s16.ctypes.data, tab.ctypes.data
-        for c in prange(spans(rows)):
+        total = 0
+        for i in range(ws.shape[0]):
+            total += spans(ws[i, 2])
+        if serial:
             res = np.empty(4, np.float32)
-            for r in range(c * 4 * SPREAD, min(rows, c * 4 * SPREAD + SPREAD)):
-                r1, r2, r3 = partners(r, rows)
-                _rows4(kind, which, (wa + r * st, wa + r1 * st, wa + r2 * st, wa + r3 * st), xa, da, s4a, s16a, ta, nb,
-                       res.ctypes.data)
-                for i in range(4):
-                    if r + i * SPREAD < rows:
-                        out[r + i * SPREAD] = res[i]
+            for job in range(total):
+                span(ws, job, xa, da, s4a, s16a, ta, nb, out, res)
+        else:
+            for job in prange(total):
+                scratch = np.empty(4, np.float32)
+                span(ws, job, xa, da, s4a, s16a, ta, nb, out, scratch)
 
     return matvec_rows
 
@@ -145,15 +167,37 @@ def _tab() -> np.ndarray:
     return f16_table()
 
 
-def matvec(qtype: int, w: np.ndarray, x: Rounded, out: np.ndarray) -> None:
+class Products:
+    """out[starts[i] : starts[i] + rows_i] = W_i . x for several weights of one layout that
+    read one rounded token (q, k and v; gate and up), checked and resolved once; each call
+    runs them all in one kernel call. The weights, x and out must outlive it (the kernel
+    reads them by address) and keep their shapes."""
+
+    def __init__(self, qtype: int, ws: list[np.ndarray], x: Rounded, out: np.ndarray, starts: list[int]) -> None:
+        L = LAYOUTS[qtype]
+        nb = x.xq.shape[0] // L.values
+        if x.xq.shape[0] != nb * L.values:
+            raise ValueError(f"{x.xq.shape[0]} rounded columns is not a whole number of {L.qtype.name} blocks")
+        for w, a in zip(ws, starts, strict=True):
+            if w.dtype != np.uint8 or w.ndim != 2 or not w.flags.c_contiguous or w.shape[1] != nb * L.nbytes:
+                raise ValueError(f"weight {w.dtype} {w.shape} does not match {x.xq.shape[0]} rounded columns")
+            if out.dtype != np.float32 or out.ndim != 1 or not out.flags.c_contiguous or not 0 <= a <= a + w.shape[0] <= out.shape[0]:
+                raise ValueError(f"out must be C-contiguous float32 holding rows {a}:{a + w.shape[0]}, got {out.dtype} {out.shape}")
+        self._keep = (ws, x, out)
+        table = np.array([(w.ctypes.data, w.shape[1], w.shape[0], a) for w, a in zip(ws, starts)], np.int64)
+        self._args = (table.reshape(len(ws), 4), *x, _tab(), nb, out)
+        self._kernel = _kernel(int(qtype), isa.current())
+
+    def __call__(self, serial: bool) -> None:
+        """Run them; serial (one thread) skips the parallel launch, with the same bits."""
+        self._kernel(*self._args, serial)
+
+
+def matvec(qtype: int, w: np.ndarray, x: Rounded, out: np.ndarray, serial: bool = False) -> None:
     """out (rows,) f32 = W . x: w (rows, row_bytes) uint8 GGUF blocks of qtype, x = rounded(token)."""
-    L = LAYOUTS[qtype]
-    nb = w.shape[1] // L.nbytes
-    if w.dtype != np.uint8 or not w.flags.c_contiguous or w.shape[1] != nb * L.nbytes or x.xq.shape[0] != nb * L.values:
-        raise ValueError(f"weight {w.dtype} {w.shape} does not match {x.xq.shape[0]} rounded columns")
-    if out.dtype != np.float32 or out.shape != (w.shape[0],):
+    if out.shape != (w.shape[0],):
         raise ValueError(f"out must be float32 ({w.shape[0]},), got {out.dtype} {out.shape}")
-    _kernel(int(qtype), isa.current())(w, x.xq, x.dx, x.s4, x.s16, _tab(), nb, out)
+    Products(qtype, [w], x, out, [0])(serial)
 
 
 # ---------------------------------------------------------------- reference and availability

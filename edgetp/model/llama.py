@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from edgetp.model import ops, quant
+from edgetp.model import decode, ops, quant
 from edgetp.model.gguf import ModelConfig, ModelFile
 
 Range = tuple[int, int]
@@ -173,8 +173,10 @@ class Shard:
     w: Weights
     ctx: int
     reduce: Reduce = _no_reduce
+    fast_decode: bool = True  # one token through decode.Plan (False: the per-op path, as for batches)
     k_cache: list[np.ndarray] = field(init=False, repr=False)
     v_cache: list[np.ndarray] = field(init=False, repr=False)
+    _plans: dict[bool, decode.Plan] = field(init=False, repr=False, default_factory=dict)  # by int8_decode()
 
     def __post_init__(self) -> None:
         cfg, spec = self.w.cfg, self.w.spec
@@ -198,6 +200,11 @@ class Shard:
         n = x.shape[0]
         if pos + n > self.ctx:
             raise ContextFull(f"context is full: {pos + n} positions needed, the KV cache holds {self.ctx}")
+        if n == 1 and self.fast_decode:
+            int8 = quant.int8_decode()
+            if int8 not in self._plans:
+                self._plans[int8] = decode.Plan(self, int8)
+            return self._plans[int8].forward(x, pos)
         cfg = self.w.cfg
         h = np.empty_like(x)
         for i, layer in enumerate(self.w.layers):
@@ -253,7 +260,7 @@ class Shard:
         vc[:, pos:pos + n, :] = v.reshape(n, self.n_kv, hd).transpose(1, 0, 2)
         att = np.empty_like(q)
         if n == 1:
-            ops.attention(q, kc, vc, pos, cfg.group_size, att)
+            ops.attention(q, kc, vc, pos, cfg.group_size, att, quant.threads() == 1)
         else:
             ops.attention_batch(q, kc, vc, pos, cfg.group_size, att)
         _apply(layer.wo, att, partial)

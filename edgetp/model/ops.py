@@ -98,51 +98,70 @@ def rope(x, n_heads, head_dim, rope_dims, pos0, cos, sin, neox):  # pragma: no c
 
 
 @njit(parallel=True, **_JIT)
-def attention(q, k_cache, v_cache, pos0, group, out):  # pragma: no cover - compiled
+def attention(q, k_cache, v_cache, pos0, group, out, serial):  # pragma: no cover - compiled
     # q: (n, n_heads * hd) roped queries for positions pos0 .. pos0+n-1
     # k_cache, v_cache: (n_kv, ctx, hd); rows up to pos0+n-1 are filled
     # out: (n, n_heads * hd); query head h reads KV head h // group (causal)
-    n = q.shape[0]
+    # serial: one thread, without the parallel launch (each head's arithmetic is the same)
+    jobs = q.shape[0] * k_cache.shape[0] * group
+    if serial:
+        for job in range(jobs):
+            _attend(q, k_cache, v_cache, pos0, group, out, job)
+    else:
+        for job in prange(jobs):
+            _attend(q, k_cache, v_cache, pos0, group, out, job)
+
+
+@njit(**_JIT)
+def _attend(q, k_cache, v_cache, pos0, group, out, job):  # pragma: no cover - compiled
+    # one (token, query head) of `attention`
     n_kv, ctx, hd = k_cache.shape
     n_heads = n_kv * group
     scale = np.float32(1.0 / math.sqrt(hd))
-    for job in prange(n * n_heads):
-        t = job // n_heads
-        h = job % n_heads
-        kv = h // group
-        last = pos0 + t  # attends to 0 .. last
-        scores = np.empty(last + 1, dtype=np.float32)
-        top = np.float32(-np.inf)
-        for s in range(last + 1):
-            acc = np.float32(0.0)
-            for d in range(hd):
-                acc += q[t, h * hd + d] * k_cache[kv, s, d]
-            acc *= scale
-            scores[s] = acc
-            if acc > top:
-                top = acc
-        total = np.float32(0.0)
-        for s in range(last + 1):
-            e = np.float32(math.exp(scores[s] - top))
-            scores[s] = e
-            total += e
-        inv = np.float32(1.0) / total
+    t = job // n_heads
+    h = job % n_heads
+    kv = h // group
+    last = pos0 + t  # attends to 0 .. last
+    scores = np.empty(last + 1, dtype=np.float32)
+    top = np.float32(-np.inf)
+    for s in range(last + 1):
+        acc = np.float32(0.0)
         for d in range(hd):
-            out[t, h * hd + d] = 0.0
-        for s in range(last + 1):
-            p = scores[s] * inv
-            for d in range(hd):
-                out[t, h * hd + d] += p * v_cache[kv, s, d]
+            acc += q[t, h * hd + d] * k_cache[kv, s, d]
+        acc *= scale
+        scores[s] = acc
+        if acc > top:
+            top = acc
+    total = np.float32(0.0)
+    for s in range(last + 1):
+        e = np.float32(math.exp(scores[s] - top))
+        scores[s] = e
+        total += e
+    inv = np.float32(1.0) / total
+    for d in range(hd):
+        out[t, h * hd + d] = 0.0
+    for s in range(last + 1):
+        p = scores[s] * inv
+        for d in range(hd):
+            out[t, h * hd + d] += p * v_cache[kv, s, d]
 
 
 @njit(parallel=True, **_JIT)
 def silu_mul(gate, up):  # pragma: no cover - compiled
-    # gate, up: (n, f); gate <- silu(gate) * up
-    n, f = gate.shape
-    for i in prange(n):
-        for j in range(f):
-            g = gate[i, j]
-            gate[i, j] = g / (np.float32(1.0) + exp32(-g)) * up[i, j]
+    # gate, up: (n, f); gate <- silu(gate) * up; one token runs on the calling thread
+    n = gate.shape[0]
+    if n == 1:
+        _silu_mul_row(gate, up, 0)
+    else:
+        for i in prange(n):
+            _silu_mul_row(gate, up, i)
+
+
+@njit(**_JIT)
+def _silu_mul_row(gate, up, i):  # pragma: no cover - compiled
+    for j in range(gate.shape[1]):
+        g = gate[i, j]
+        gate[i, j] = g / (np.float32(1.0) + exp32(-g)) * up[i, j]
 
 
 QBLOCK = 64  # query rows per attention block: a block reads keys only up to its own last row

@@ -237,10 +237,21 @@ def matvec(w: Weight, x: np.ndarray | Batch, out: np.ndarray) -> None:
     x = x.x[0] if batch is not None else x
     _check_io(w, x, out, None)
     _use_threads()
+    if int8_kernel(w, int8_decode()):
+        intdot.matvec(w.qtype, w.data, (batch or Batch(x[None])).token(), out, threads() == 1)
+    else:
+        float_matvec(w, x, out)
+
+
+def int8_kernel(w: Weight, int8: bool) -> bool:
+    """True when matvec(w) runs on the integer kernels, int8 being int8_decode()."""
+    return int8 and w.qtype in intdot.KINDS and intdot.available(w.qtype)
+
+
+def float_matvec(w: Weight, x: np.ndarray, out: np.ndarray) -> None:
+    """out (rows,) = W @ x on the float kernels, f32 x; shapes as matvec checks them (unchecked here)."""
     d, t = w.data, w.qtype
-    if t in intdot.KINDS and int8_decode() and intdot.available(t):
-        intdot.matvec(t, d, (batch or Batch(x[None])).token(), out)
-    elif t == QT.Q8_0:
+    if t == QT.Q8_0:
         K.matvec_q8_0(d, d.view(np.int8), _TAB16, x, out)
     elif t == QT.Q4_0:
         K.matvec_q4_0(d, _TAB16, x, out)

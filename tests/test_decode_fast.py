@@ -1,0 +1,135 @@
+"""One-token decode through decode.Plan gives the per-op path's bits: hidden states,
+the partial sums each shard hands to reduce, and logits, token after token."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+
+from gguf import GGMLQuantizationType as QT
+
+from edgetp.model import decode, gguf, llama, quant
+from tools import synth_gguf
+
+PROMPT = [1, 17, 42, 99, 7]
+DECODE = [5, 300, 12, 77, 150, 3, 64, 200]  # fed one at a time after the prompt
+
+# A layer of a llama.cpp Q4_K_M file mixes types, and q/k/v or gate/up of one layer
+# need not share one: here layer 0 has q,k Q5_0 beside v Q8_0, layer 1 an F16 k (a float
+# kernel inside an integer group) and gate/up of two K-quants.
+MIXED = {"attn_q": "q5_0", "attn_k": "q5_0", "attn_v": "q8_0", "attn_output": "q4_k",
+         "ffn_gate": "q4_k", "ffn_up": "iq4_nl", "ffn_down": "q6_k",
+         "blk.1.attn_k": "f16", "blk.1.ffn_gate": "q5_k", "blk.1.ffn_up": "q2_k", "blk.1.attn_output": "q5_1",
+         "output.weight": "q6_k", "token_embd": "q8_0"}
+
+
+@pytest.fixture(scope="module")
+def mixed_path(tmp_path_factory):
+    """tiny-k (every width a multiple of 256) with the per-tensor types of MIXED."""
+    base = synth_gguf.model_tensors
+
+    def mixed(**kw):
+        specs = base(**kw)
+        for s in specs:
+            for key in sorted(MIXED, key=len):  # the more specific (blk.1.) wins
+                if "." + key in "." + s.name and not s.is_norm:
+                    s.qtype = synth_gguf.TYPES[MIXED[key]][0]
+        return specs
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(synth_gguf, "model_tensors", mixed)
+        return synth_gguf.write_preset(tmp_path_factory.mktemp("mixed") / "mixed.gguf", "tiny-k")
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    if request.param > numba.config.NUMBA_NUM_THREADS:
+        pytest.skip(f"needs {request.param} cores, this machine runs {numba.config.NUMBA_NUM_THREADS} threads")
+    quant.set_threads(request.param)
+    yield request.param
+    quant.set_threads(None)
+
+
+@pytest.fixture(params=["1", "0"], ids=["int8", "float"])
+def int8(request, monkeypatch):
+    monkeypatch.setenv("EDGETP_INT8", request.param)
+    return request.param == "1"
+
+
+def _run(mf, spec, fast: bool, flip_at: int | None = None, monkeypatch=None):
+    """Prefill PROMPT, then decode DECODE one token at a time; every forward output, every
+    partial handed to reduce and every logits row, as uint32 bits."""
+    seen: list[np.ndarray] = []
+
+    def reduce(partial):
+        seen.append(partial.copy().view(np.uint32))
+        partial *= np.float32(1.5)  # a stand-in for the other shards' sum: the result must flow on
+
+    shard = llama.Shard(llama.load_weights(mf, spec), ctx=64, reduce=reduce, fast_decode=fast)
+    shard.forward(llama.embed(mf, PROMPT), 0)
+    for i, t in enumerate(DECODE):
+        if i == flip_at:
+            monkeypatch.setenv("EDGETP_INT8", "0")
+        h = shard.forward(llama.embed(mf, [t]), len(PROMPT) + i)
+        seen += [h.view(np.uint32), shard.logits(h).view(np.uint32)]
+    return seen, shard
+
+
+def _same(mf, spec=None):
+    fast, shard = _run(mf, spec, True)
+    slow, _ = _run(mf, spec, False)
+    assert len(fast) == len(slow)
+    for i, (a, b) in enumerate(zip(fast, slow)):
+        assert a.shape == b.shape and np.array_equal(a, b), f"record {i} differs"
+    return shard
+
+
+def _integer_products(shard) -> int:
+    return sum(len(m.products) for plan in shard._plans.values() for p in plan.layers
+               for m in (p.qkv, p.o, p.gate_up, p.down) if m is not None)
+
+
+def test_stories260k_decodes_bit_identical_to_the_per_op_path(stories_path, threads, int8):
+    _same(gguf.open_model(stories_path))
+
+
+def test_mixed_type_model_decodes_bit_identical_to_the_per_op_path(mixed_path, threads, int8):
+    mf = gguf.open_model(mixed_path)
+    types = {mf.weight(f"blk.{i}.{n}.weight").qtype for i in (0, 1)
+             for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
+    assert len(types) == 9  # the file really mixes them
+    shard = _same(mf)
+    assert (_integer_products(shard) > 0) == (int8 and quant.intdot.available(int(QT.Q5_0)))
+
+
+@pytest.mark.parametrize("spec", [((1, 2), (256, 512), (0, 320)), ((0, 0), (0, 96), (320, 640)),
+                                  ((0, 2), (0, 0), (0, 0))], ids=["half", "no-attention", "no-ffn"])
+def test_a_shards_slice_decodes_bit_identical_to_the_per_op_path(mixed_path, spec, int8):
+    _same(gguf.open_model(mixed_path), llama.ShardSpec(*spec))
+
+
+def test_smollm2_decodes_bit_identical_to_the_per_op_path(smollm2_path, threads):
+    shard = _same(gguf.open_model(smollm2_path))
+    if quant.intdot.available(int(QT.Q4_1)):  # q, k and v are Q4_1: one kernel call for the three
+        assert [len(p.qkv.products) for p in shard._plans[True].layers] == [1] * 30
+
+
+def test_turning_int8_off_mid_decode_switches_the_fast_path_too(mixed_path, monkeypatch):
+    mf = gguf.open_model(mixed_path)
+    monkeypatch.setenv("EDGETP_INT8", "1")
+    fast, shard = _run(mf, None, True, flip_at=3, monkeypatch=monkeypatch)
+    monkeypatch.setenv("EDGETP_INT8", "1")
+    slow, _ = _run(mf, None, False, flip_at=3, monkeypatch=monkeypatch)
+    assert all(np.array_equal(a, b) for a, b in zip(fast, slow, strict=True))
+    assert set(shard._plans) == {True, False}
+
+
+def test_the_plan_keeps_no_reference_to_a_returned_hidden_state(mixed_path):
+    mf = gguf.open_model(mixed_path)
+    shard = llama.Shard(llama.load_weights(mf), ctx=16)
+    a = shard.forward(llama.embed(mf, [5]), 0)
+    keep = a.copy()
+    shard.forward(llama.embed(mf, [6]), 1)
+    assert np.array_equal(a, keep)
+    assert isinstance(shard._plans[quant.int8_decode()], decode.Plan)

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from edgetp.cluster.discovery import (
-    Discovery, DiscoveryError, Joined, Left, PeerAdvert, PeerTable, Updated, ballot_of, parse_txt,
+    Discovery, DiscoveryError, Joined, Left, PeerAdvert, PeerTable, Updated, ballot_of, parse_txt, sign,
 )
 from edgetp.net.auth import cluster_id
 from edgetp.net.frames import PROTOCOL_VERSION
@@ -25,6 +25,14 @@ def advert(node_id="n1", **kw) -> PeerAdvert:
     return PeerAdvert(**(base | kw))
 
 
+BOOT = "0123456789abcdef"
+
+
+def signed(node_id="n1", key=KEY, **kw) -> PeerAdvert:
+    """An advert as a member of the cluster of `key` announces it."""
+    return sign(key, advert(node_id, **({"boot": BOOT, "seq": 1} | kw)))
+
+
 def as_zeroconf(txt: dict[str, str]) -> dict[bytes, bytes]:
     return {k.encode(): v.encode() for k, v in txt.items()}
 
@@ -33,7 +41,7 @@ def as_zeroconf(txt: dict[str, str]) -> dict[bytes, bytes]:
 
 
 def test_an_advert_survives_the_trip_through_txt_records():
-    a = advert(priority=-2, no_root=True, speed=123.25)
+    a = signed(priority=-2, no_root=True, speed=123.25, epoch=7, leader="n2", seq=3)
     assert parse_txt(as_zeroconf(a.to_txt()), ["10.0.0.2"]) == PeerAdvert(**{**a.__dict__, "addresses": ("10.0.0.2",)})
 
 
@@ -56,9 +64,14 @@ def test_the_txt_records_carry_the_cluster_id_and_never_the_key():
     ("nr", "yes", "'nr' must be 0 or 1"),
     ("pv", "", "'pv' must be an integer"),
     ("mdl", "a b", "'mdl' is not a model fingerprint"),
+    ("ep", "-1", "'ep' must be an integer"),
+    ("ldr", "a.b", "'ldr' is not a node id"),
+    ("bt", "xyz", "'bt' must be 16 lowercase hex digits"),
+    ("sq", "1e3", "'sq' must be an integer"),
+    ("sig", "00", "'sig' must be 64 lowercase hex digits"),
 ])
 def test_a_malformed_field_is_refused_with_its_name(key, value, why):
-    txt = as_zeroconf(advert().to_txt())
+    txt = as_zeroconf(signed().to_txt())
     if value is None:
         del txt[key.encode()]
     else:
@@ -79,10 +92,21 @@ def test_unknown_extra_records_are_ignored_for_forward_compatibility():
     assert parse_txt(txt).node_id == "n1"
 
 
+def test_unknown_extra_records_are_covered_by_the_signature():
+    later = signed(extra=(("future", "1"),))
+    table = PeerTable(KEY)
+    table.apply(Joined(parse_txt(as_zeroconf(later.to_txt()))))
+    changed = as_zeroconf(later.to_txt()) | {b"future": b"2"}
+    other = PeerTable(KEY)
+    other.apply(Joined(parse_txt(changed)))
+    assert table.foreign() == [] and [p.node_id for p in other.foreign()] == ["n1"]
+
+
 txt_values = st.one_of(st.none(), st.binary(max_size=20), st.text(max_size=20).map(str.encode))
 
 
-@given(st.dictionaries(st.sampled_from(["id", "pv", "cid", "dp", "hp", "spd", "mem", "mdl", "pri", "nr", "x"]),
+@given(st.dictionaries(st.sampled_from(["id", "pv", "cid", "dp", "hp", "spd", "mem", "mdl", "pri", "nr", "ep", "ldr",
+                                        "bt", "sq", "sig", "x"]),
                        txt_values))
 def test_arbitrary_txt_records_either_parse_to_a_valid_advert_or_raise_discovery_error(fields):
     props = {k.encode(): v for k, v in fields.items()}
@@ -94,7 +118,8 @@ def test_arbitrary_txt_records_either_parse_to_a_valid_advert_or_raise_discovery
     assert parse_txt(as_zeroconf(a.to_txt())) == a
 
 
-@given(st.sampled_from(["id", "pv", "cid", "dp", "hp", "spd", "mem", "mdl", "pri", "nr"]), st.binary(max_size=12))
+@given(st.sampled_from(["id", "pv", "cid", "dp", "hp", "spd", "mem", "mdl", "pri", "nr", "ep", "ldr", "bt", "sq",
+                        "sig"]), st.binary(max_size=12))
 def test_corrupting_one_field_never_raises_anything_but_discovery_error(key, junk):
     txt = as_zeroconf(advert().to_txt())
     txt[key.encode()] = junk
@@ -115,51 +140,98 @@ class FakeClock:
         return self.now
 
 
-def test_a_peer_is_usable_until_it_falls_silent_for_longer_than_the_timeout():
+def test_a_signed_peer_is_usable_only_once_proven_and_until_silent_for_longer_than_the_timeout():
     clock = FakeClock()
-    table = PeerTable(CID, timeout=5.0, clock=clock)
-    table.apply(Joined(advert("a")))
+    table = PeerTable(KEY, timeout=5.0, forget=20.0, clock=clock)
+    table.apply(Joined(signed("a")))
+    table.apply(Joined(signed("b")))
+    assert table.usable() == [], "an advert alone proves nothing: it may be a replay"
+    assert table.prove(signed("a"))
     clock.now += 4.0
-    table.apply(Joined(advert("b")))
+    assert table.prove(signed("b"))
     assert [p.node_id for p in table.usable()] == ["a", "b"]
-    clock.now += 1.5  # a: 5.5 s silent, b: 1.5 s
+    clock.now += 1.5  # a: 5.5 s without a proof, b: 1.5 s
     assert [p.node_id for p in table.usable()] == ["b"]
-    assert table.seen("a") is True  # a heartbeat brings it back
+    assert table.prove(signed("a"))  # a heartbeat brings it back
     assert [p.node_id for p in table.usable()] == ["a", "b"]
-    clock.now += 5.5
+    clock.now += 20.5
     assert table.expire() == ["a", "b"] and table.peers() == []
-    assert table.seen("a") is False
+    assert table.prove(signed("a")) is False, "a proof for a peer the table does not list adds nothing"
 
 
-def test_an_update_refreshes_the_advert_and_the_last_seen_time():
+def test_a_later_sequence_refreshes_the_advert_and_keeps_the_proof():
     clock = FakeClock()
-    table = PeerTable(CID, timeout=5.0, clock=clock)
-    table.apply(Joined(advert("a", speed=1.0)))
-    clock.now += 4.0
-    table.apply(Updated(advert("a", speed=2.0)))
-    clock.now += 4.0
+    table = PeerTable(KEY, timeout=5.0, clock=clock)
+    table.apply(Joined(signed("a", speed=1.0)))
+    table.prove(signed("a", speed=1.0))
+    assert table.apply(Updated(signed("a", speed=2.0, seq=2)))
     (peer,) = table.usable()
-    assert peer.advert.speed == 2.0 and peer.last_seen == 104.0
+    assert peer.advert.speed == 2.0 and peer.advert.seq == 2
 
 
-def test_a_left_peer_is_gone_at_once():
-    table = PeerTable(CID, clock=FakeClock())
-    table.apply(Joined(advert("a")))
-    table.apply(Left("a"))
-    assert table.peers() == []
-    table.apply(Left("never-seen"))  # harmless
+def test_a_replayed_advert_of_the_same_boot_is_ignored():
+    table = PeerTable(KEY, clock=FakeClock())
+    table.apply(Joined(signed("a", seq=5, speed=5.0)))
+    assert table.apply(Updated(signed("a", seq=4, speed=4.0))) is False
+    assert table.apply(Updated(signed("a", seq=5, speed=5.0))) is False  # the same record again: nothing new
+    assert table.get("a").advert.speed == 5.0
 
 
-def test_peers_of_another_cluster_or_protocol_are_listed_as_foreign_and_never_usable():
-    table = PeerTable(CID, clock=FakeClock())
-    table.apply(Joined(advert("ours")))
-    table.apply(Joined(advert("impostor", cluster_id=cluster_id(bytes(32)))))
-    table.apply(Joined(advert("future", protocol=PROTOCOL_VERSION + 1)))
+def test_after_a_reboot_adverts_of_the_replaced_boot_are_replays():
+    table = PeerTable(KEY, clock=FakeClock())
+    old = signed("a", boot="1" * 16, seq=9, epoch=4)
+    table.apply(Joined(old))
+    assert table.apply(Updated(signed("a", boot="2" * 16, seq=1)))  # rebooted: sequence restarts
+    assert table.apply(Updated(old)) is False
+    assert table.get("a").advert.boot == "2" * 16
+
+
+def test_a_heartbeat_proof_overrides_a_replayed_boot_that_mdns_brought():
+    table = PeerTable(KEY, clock=FakeClock())
+    current = signed("a", boot="2" * 16, seq=3)
+    table.apply(Joined(signed("a", boot="1" * 16, seq=9)))  # an old boot this table never saw replaced
+    assert table.prove(current)
+    assert table.get("a").advert == current and [p.node_id for p in table.usable()] == ["a"]
+    assert table.apply(Updated(signed("a", boot="1" * 16, seq=10))) is False
+
+
+def test_an_unsigned_or_forged_advert_cannot_displace_a_signed_one():
+    table = PeerTable(KEY, clock=FakeClock())
+    table.apply(Joined(signed("a")))
+    table.prove(signed("a"))
+    forged = advert("a", priority=99, boot=BOOT, seq=50)
+    assert table.apply(Updated(forged)) is False
+    assert table.apply(Updated(signed("a", key=bytes(32), seq=50))) is False
+    assert table.get("a").advert == signed("a") and table.foreign() == []
+
+
+def test_a_goodbye_makes_a_peer_unusable_at_once_and_a_proof_brings_it_back():
+    table = PeerTable(KEY, clock=FakeClock())
+    table.apply(Joined(signed("a")))
+    table.prove(signed("a"))
+    assert table.apply(Left("a"))
+    assert table.usable() == [] and [p.node_id for p in table.peers()] == ["a"]
+    assert table.prove(signed("a")), "a goodbye is unsigned: a peer still answering its challenge stays"
+    assert [p.node_id for p in table.usable()] == ["a"]
+    assert table.apply(Left("never-seen")) is False  # harmless
+
+
+def test_peers_of_another_cluster_protocol_or_key_are_listed_as_foreign_and_never_usable():
+    table = PeerTable(KEY, clock=FakeClock())
+    adverts = [signed("ours"), signed("impostor", cluster_id=cluster_id(bytes(32))),
+               signed("future", protocol=PROTOCOL_VERSION + 1), advert("unsigned", boot=BOOT, seq=1),
+               signed("otherkey", key=bytes(32)),
+               PeerAdvert(**{**signed("tampered").__dict__, "priority": 9})]
+    for a in adverts:
+        table.apply(Joined(a))
+        table.prove(a)
     assert [p.node_id for p in table.usable()] == ["ours"]
     foreign = {p.node_id: p.foreign for p in table.foreign()}
-    assert set(foreign) == {"impostor", "future"}
+    assert set(foreign) == {"impostor", "future", "unsigned", "otherkey", "tampered"}
     assert "cluster" in foreign["impostor"] and "protocol version" in foreign["future"]
-    assert len(table.peers()) == 3
+    assert foreign["unsigned"] == "advert not signed"
+    assert "key" in foreign["otherkey"] and "key" in foreign["tampered"]
+    assert len(table.peers()) == 6
 
 
 def test_a_no_root_advert_makes_a_ballot_that_cannot_lead():
@@ -187,7 +259,7 @@ async def next_event(disc: Discovery, want: type, node_id: str, timeout: float =
 @pytest.mark.asyncio
 @pytest.mark.slow
 async def test_two_nodes_on_loopback_see_each_other_join_update_and_leave():
-    a_ad, b_ad = advert(unique("a"), data_port=17710), advert(unique("b"), data_port=17720)
+    a_ad, b_ad = signed(unique("a"), data_port=17710), signed(unique("b"), data_port=17720)
     a = Discovery(a_ad, interfaces=["127.0.0.1"])
     b = Discovery(b_ad, interfaces=["127.0.0.1"])
     await a.start()
@@ -199,7 +271,7 @@ async def test_two_nodes_on_loopback_see_each_other_join_update_and_leave():
             assert seen_by_a.advert == PeerAdvert(**{**b_ad.__dict__, "addresses": ("127.0.0.1",)})
             assert seen_by_b.advert.data_port == 17710 and seen_by_b.advert.cluster_id == CID
 
-            await b.update(PeerAdvert(**{**b_ad.__dict__, "speed": 7e9}))
+            await b.update(sign(KEY, PeerAdvert(**{**b_ad.__dict__, "speed": 7e9, "seq": 2})))
             upd = await next_event(a, Updated, b_ad.node_id)
             assert upd.advert.speed == 7e9
         finally:
@@ -213,8 +285,9 @@ async def test_two_nodes_on_loopback_see_each_other_join_update_and_leave():
 @pytest.mark.asyncio
 @pytest.mark.slow
 async def test_a_node_with_another_cluster_key_is_seen_but_listed_as_foreign():
-    ours, theirs = advert(unique("ours")), advert(unique("impostor"), cluster_id=cluster_id(b"\x01" * 32))
-    table = PeerTable(CID)
+    ours, theirs = signed(unique("ours")), signed(unique("impostor"), key=b"\x01" * 32,
+                                                 cluster_id=cluster_id(b"\x01" * 32))
+    table = PeerTable(KEY)
     a = Discovery(ours, interfaces=["127.0.0.1"])
     c = Discovery(theirs, interfaces=["127.0.0.1"])
     await a.start()

@@ -1,4 +1,5 @@
-"""Election: ballots rank by (may lead, priority, speed, smaller id); epochs refuse the past."""
+"""Election: ballots rank by (may lead, priority, speed, smaller id); epochs mean the same everywhere
+and refuse the past."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from edgetp.cluster.election import (
-    Ballot, Elector, EpochConflict, EpochState, LeaderChanged, StaleEpoch, Term, elect,
+    Ballot, Elector, EpochConflict, EpochState, LeaderChanged, StaleEpoch, Term, elect, next_term,
 )
 
 ids = st.text(alphabet="abcdefgh0123456789-", min_size=1, max_size=8)
@@ -83,16 +84,15 @@ def test_two_nodes_seeing_the_same_live_set_agree_on_the_root(ballots, rnd, epoc
     # Two electors with different histories (epochs) and different snapshot orders.
     other = list(ballots)
     rnd.shuffle(other)
-    a = Elector(lambda: ballots, state=EpochState(Term("old", epoch_a)))
-    b = Elector(lambda: other, state=EpochState(Term(None, epoch_b)))
+    a, b = Elector("x", lambda: ballots), Elector("y", lambda: other)
+    a.term, b.term = Term("old", epoch_a), Term(None, epoch_b)
     a.step(), b.step()
-    assert a.state.leader == b.state.leader == elect(ballots)
+    assert a.term.leader == b.term.leader == elect(ballots)
 
 
 @given(st.integers(0, 100), st.integers(1, 100), ids, ids)
 def test_a_message_stamped_with_an_older_epoch_is_refused(current, back, leader, old_leader):
     state = EpochState(Term(leader, current + back))
-    assert state.observe(old_leader, current) is False
     with pytest.raises(StaleEpoch) as e:
         state.require(old_leader, current)
     assert e.value.current == current + back
@@ -101,59 +101,103 @@ def test_a_message_stamped_with_an_older_epoch_is_refused(current, back, leader,
 
 def test_a_newer_epoch_is_adopted_and_the_same_term_is_accepted_again():
     state = EpochState()
-    assert state.observe("a", 1) and state.term == Term("a", 1)
-    assert state.observe("a", 1)
-    assert state.observe("b", 3) and state.term == Term("b", 3)
+    state.require("a", 1)
+    assert state.term == Term("a", 1)
+    state.require("a", 1)
+    state.require("b", 3)
+    assert state.term == Term("b", 3)
 
 
 def test_a_second_leader_claiming_the_current_epoch_is_refused():
     state = EpochState(Term("a", 4))
     with pytest.raises(EpochConflict):
         state.require("b", 4)
-    assert state.observe("b", 4) is False
+    assert state.term == Term("a", 4)
 
 
-def test_after_a_partition_the_old_roots_messages_are_refused_by_nodes_that_moved_on():
-    # a leads epoch 1; it is cut off; b and c elect b for epoch 2; a still stamps epoch 1.
-    worker = EpochState()
-    assert worker.observe("a", 1)
-    assert worker.next_epoch("b") == 2
-    assert not worker.observe("a", 1)
-    assert worker.observe("b", 2)
+# --------------------------------------------------------------------------- next_term
 
 
-def test_a_new_root_starts_past_every_epoch_it_has_seen():
-    root = EpochState(Term("a", 2))
-    try:
-        EpochState(Term("z", 7)).require("b", 3)
-    except StaleEpoch as exc:
-        assert root.next_epoch("b", seen=exc.current) == 8
-    assert EpochState(Term("x", 5)).observe("b", 8)
+def test_a_new_root_takes_one_past_every_epoch_it_has_seen():
+    claims = {"b": Term("b", 7), "c": Term("b", 7), "d": Term(None, 2)}
+    assert next_term(Term(None, 0), "a", "a", claims) == Term("a", 8)
 
 
-def test_step_reports_a_change_only_when_the_root_changes_and_bumps_the_epoch():
+def test_a_rebooted_root_climbs_past_the_cluster_and_then_holds_its_term():
+    # it elected itself alone at epoch 1, then sees the cluster that moved on to b's epoch 5
+    mine = next_term(Term("a", 1), "a", "a", {"b": Term("b", 5), "c": Term("b", 5)})
+    assert mine == Term("a", 6)
+    followers = {"b": Term("a", 6), "c": Term("a", 6)}
+    assert next_term(mine, "a", "a", followers) == mine
+
+
+def test_a_root_that_sees_its_epoch_claimed_by_another_leader_moves_past_it():
+    assert next_term(Term("a", 4), "a", "a", {"b": Term("b", 4)}) == Term("a", 5)
+    assert next_term(Term("a", 4), "a", "a", {"b": Term(None, 4)}) == Term("a", 4)
+
+
+def test_a_follower_takes_its_leaders_epoch_once_claimed_and_never_goes_down():
+    assert next_term(Term("b", 5), "c", "a", {"a": Term("a", 6)}) == Term("a", 6)
+    assert next_term(Term("b", 5), "c", "a", {"a": Term("b", 5)}) == Term("a", 5)  # a has not claimed yet
+    assert next_term(Term("b", 9), "c", "a", {"a": Term("a", 6)}) == Term("a", 9)
+    # ... and then a sees a follower of its own above its epoch, and climbs past it
+    assert next_term(Term("a", 6), "a", "a", {"c": Term("a", 9)}) == Term("a", 10)
+
+
+def test_losing_every_eligible_node_keeps_the_epoch():
+    assert next_term(Term("a", 4), "c", None, {"b": Term(None, 3)}) == Term(None, 4)
+
+
+terms = st.builds(Term, st.sampled_from([None, "n0", "n1", "n2", "n3"]), st.integers(0, 20))
+
+
+@given(st.lists(st.tuples(ballot, terms), min_size=1, max_size=6, unique_by=lambda bt: bt[0].node_id))
+def test_nodes_exchanging_signed_terms_converge_on_one_leader_in_an_epoch_past_every_epoch_held(nodes):
+    """Every node sees every other's ballot and term (one round = each node steps on the others' last terms)."""
+    ballots = [b for b, _ in nodes]
+    held = {b.node_id: t for b, t in nodes}
+    start = max(t.epoch for t in held.values())
+    leader = elect(ballots)
+    for _ in range(8):
+        held = {me: next_term(t, me, leader, {n: u for n, u in held.items() if n != me}) for me, t in held.items()}
+    assert len(set(held.values())) == 1, held
+    (term,) = set(held.values())
+    assert term.leader == leader
+    assert leader is None or term.epoch > start
+    # a worker that followed any earlier term admits the converged leader's HELLO
+    if leader is not None:
+        for _, t in nodes:
+            EpochState(t).require(leader, term.epoch)
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def test_step_reports_a_change_at_every_new_term():
     live = [Ballot(0, 2.0, "a"), Ballot(0, 1.0, "b")]
-    el = Elector(lambda: live)
+    claims: dict[str, Term] = {}
+    el = Elector("a", lambda: live, lambda: claims)
     assert el.step() == LeaderChanged("a", 1)
     assert el.step() is None
-    live.pop(0)  # a is gone
-    assert el.step() == LeaderChanged("b", 2)
-    live.clear()
-    assert el.step() == LeaderChanged(None, 2)
-    live.append(Ballot(0, 1.0, "c"))
-    assert el.step() == LeaderChanged("c", 3)
+    live.append(Ballot(3, 1.0, "c"))  # c outranks a: a follows c in its epoch until c claims one
+    assert el.step() == LeaderChanged("c", 1)
+    claims["c"] = Term("c", 2)
+    assert el.step() == LeaderChanged("c", 2)
+    live[:] = [Ballot(0, 2.0, "a")]  # c is gone
+    claims.clear()
+    assert el.step() == LeaderChanged("a", 3)
 
 
 @pytest.mark.asyncio
 async def test_the_elector_loop_reports_a_new_root_at_once_when_poked():
     live = [Ballot(0, 2.0, "a"), Ballot(0, 1.0, "b")]
-    el = Elector(lambda: live, interval=60.0)  # the tick would never come in time
+    el = Elector("b", lambda: live, interval=60.0)  # the tick would never come in time
     changes = el.changes()
     try:
-        assert await asyncio.wait_for(anext(changes), 1.0) == LeaderChanged("a", 1)
+        assert await asyncio.wait_for(anext(changes), 1.0) == LeaderChanged("a", 0)
         live.pop(0)
         el.poke()
-        assert await asyncio.wait_for(anext(changes), 1.0) == LeaderChanged("b", 2)
+        assert await asyncio.wait_for(anext(changes), 1.0) == LeaderChanged("b", 1)
     finally:
         await changes.aclose()
 
@@ -161,11 +205,11 @@ async def test_the_elector_loop_reports_a_new_root_at_once_when_poked():
 @pytest.mark.asyncio
 async def test_the_elector_loop_notices_a_change_on_its_tick():
     live = [Ballot(0, 1.0, "a")]
-    el = Elector(lambda: live, interval=0.01)
+    el = Elector("a", lambda: live, interval=0.01)
     changes = el.changes()
     try:
         assert await asyncio.wait_for(anext(changes), 1.0) == LeaderChanged("a", 1)
-        live[0] = Ballot(5, 1.0, "b")
-        assert await asyncio.wait_for(anext(changes), 1.0) == LeaderChanged("b", 2)
+        live.append(Ballot(5, 1.0, "b"))
+        assert await asyncio.wait_for(anext(changes), 1.0) == LeaderChanged("b", 1)
     finally:
         await changes.aclose()

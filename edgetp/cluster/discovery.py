@@ -1,4 +1,4 @@
-"""Finding the other nodes: zeroconf adverts of `_edgetp._tcp.local.` and a peer table.
+"""Finding the other nodes: signed zeroconf adverts of `_edgetp._tcp.local.` and a peer table.
 
 Each node registers one service instance named after its node id, with TXT records:
 
@@ -7,19 +7,30 @@ Each node registers one service instance named after its node id, with TXT recor
     dp   data port (TCP links)    hp   HTTP port
     spd  measured speed, weight bytes/s       mem  free memory, bytes
     mdl  model fingerprint ("" when no model)  pri  election priority    nr  no-root, 0 or 1
+    ep   the epoch this node is in            ldr  the leader it follows in it ("" for none)
+    bt   boot id: random per process start    sq   sequence number, +1 at every re-announcement
+    sig  HMAC-SHA256 over every other field (`advert_mac`), keyed from the cluster key
+
+Only a key holder can sign, so an advert whose `sig` does not check is listed as
+foreign: never usable, never elected, never followed, never forwarded to. The
+freshness rule needs no clock (Pis have no RTC): for one boot id a lower `sq`
+than the one held is a replay and is ignored; a boot id that a newer one has
+replaced is never taken back from mDNS. A node proves it is alive, and which
+advert is current, by answering heartbeats (challenge-response, cluster/peering.py);
+until it has, its advert is listed but not usable.
 
 `parse_txt` checks every field and raises `DiscoveryError`; `Discovery` logs and skips
 such adverts, so a bad record on the network never crashes the daemon. `Discovery`
 turns the browser's changes into `Joined`, `Updated` and `Left` events (an async
-iterator). `PeerTable` is the pure bookkeeping: last-seen times from an injected
-clock, and peers on another protocol version or cluster marked `foreign` and never
-usable. mDNS does not repeat itself, so liveness between adverts comes from
-heartbeats calling `PeerTable.seen`.
+iterator). `PeerTable` is the pure bookkeeping, with times from an injected clock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
+import json
 import logging
 import math
 import re
@@ -33,6 +44,7 @@ from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZerocon
 
 from edgetp.cluster.election import Ballot
 from edgetp.config import NODE_ID_RE
+from edgetp.net.auth import cluster_id as cluster_id_of
 from edgetp.net.frames import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
@@ -40,7 +52,11 @@ log = logging.getLogger(__name__)
 SERVICE_TYPE = "_edgetp._tcp.local."
 CLUSTER_ID_RE = re.compile(r"[0-9a-f]{8,64}")
 MODEL_RE = re.compile(r"[A-Za-z0-9:._-]{0,80}")
+BOOT_RE = re.compile(r"[0-9a-f]{16}")
+SIG_RE = re.compile(r"[0-9a-f]{64}")
+KNOWN = frozenset({"id", "pv", "cid", "dp", "hp", "spd", "mem", "mdl", "pri", "nr", "ep", "ldr", "bt", "sq", "sig"})
 RESOLVE_MS = 3000
+RETIRED_BOOTS = 8  # boot ids remembered per node as replaced (their adverts are replays)
 
 
 class DiscoveryError(Exception):
@@ -59,13 +75,56 @@ class PeerAdvert:
     priority: int = 0
     no_root: bool = False
     protocol: int = PROTOCOL_VERSION
+    epoch: int = 0                    # the epoch this node is in ...
+    leader: str = ""                  # ... under this leader ("" for none yet)
+    boot: str = ""                    # random per process start ("" until signed)
+    seq: int = 0                      # +1 at every re-announcement within one boot
+    sig: str = ""                     # advert_mac over every other TXT field ("" unsigned)
+    extra: tuple[tuple[str, str], ...] = ()  # TXT fields of a later version: signed, otherwise ignored
     addresses: tuple[str, ...] = ()   # from the A/AAAA records, not the TXT
 
     def to_txt(self) -> dict[str, str]:
-        return {"id": self.node_id, "pv": str(self.protocol), "cid": self.cluster_id,
-                "dp": str(self.data_port), "hp": str(self.http_port), "spd": repr(float(self.speed)),
-                "mem": str(self.mem_free), "mdl": self.model, "pri": str(self.priority),
-                "nr": "1" if self.no_root else "0"}
+        txt = {"id": self.node_id, "pv": str(self.protocol), "cid": self.cluster_id,
+               "dp": str(self.data_port), "hp": str(self.http_port), "spd": repr(float(self.speed)),
+               "mem": str(self.mem_free), "mdl": self.model, "pri": str(self.priority),
+               "nr": "1" if self.no_root else "0", "ep": str(self.epoch), "ldr": self.leader,
+               "bt": self.boot, "sq": str(self.seq)} | dict(self.extra)
+        if self.sig:
+            txt["sig"] = self.sig
+        return txt
+
+
+# --------------------------------------------------------------------------- signatures
+
+
+def _advert_key(key: bytes) -> bytes:
+    """The cluster key is used for adverts only through this derived key (domain separation)."""
+    return hmac.new(key, b"edgetp-advert-v1", hashlib.sha256).digest()
+
+
+def advert_mac(key: bytes, txt: Mapping[str, str]) -> str:
+    """HMAC-SHA256 (hex) over every TXT field but `sig`: canonical JSON, keys sorted, no spaces."""
+    fields = {k: v for k, v in txt.items() if k != "sig"}
+    message = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    return hmac.new(_advert_key(key), message, hashlib.sha256).hexdigest()
+
+
+def sign(key: bytes, advert: PeerAdvert) -> PeerAdvert:
+    """`advert` with its `sig` over all its fields; it must carry a boot id and sequence number."""
+    if not BOOT_RE.fullmatch(advert.boot) or advert.seq < 1:
+        raise ValueError("a signed advert needs a boot id (16 hex digits) and a sequence number >= 1")
+    return replace(advert, sig=advert_mac(key, replace(advert, sig="").to_txt()))
+
+
+def signature_error(key: bytes, advert: PeerAdvert) -> str | None:
+    """Why `advert` is not signed with `key`, or None if it is."""
+    if not advert.sig:
+        return "advert not signed"
+    if not hmac.compare_digest(advert.sig, advert_mac(key, advert.to_txt())):
+        return "advert not signed with this cluster's key"
+    if not advert.boot or advert.seq < 1:
+        return "signed advert without a boot id and sequence number"
+    return None
 
 
 def ballot_of(advert: PeerAdvert) -> Ballot:
@@ -84,6 +143,11 @@ def _text(props: Mapping[str, bytes | str | None], key: str) -> str:
         return raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
     except UnicodeDecodeError:
         raise DiscoveryError(f"TXT record {key!r} is not UTF-8") from None
+
+
+def _optional(props: Mapping[str, bytes | str | None], key: str) -> str:
+    """A field that may be absent (an unsigned advert, a later version's field): "" then."""
+    return "" if props.get(key) is None else _text(props, key)
 
 
 def _integer(props, key: str, lo: int, hi: int) -> int:
@@ -115,12 +179,24 @@ def parse_txt(properties: Mapping[bytes | str, bytes | str | None], addresses: S
     no_root = _text(props, "nr")
     if no_root not in ("0", "1"):
         raise DiscoveryError(f"TXT record 'nr' must be 0 or 1, got {no_root!r}")
+    leader = _optional(props, "ldr")
+    if leader and not NODE_ID_RE.fullmatch(leader):
+        raise DiscoveryError(f"TXT record 'ldr' is not a node id: {leader!r}")
+    boot, sig = _optional(props, "bt"), _optional(props, "sig")
+    if boot and not BOOT_RE.fullmatch(boot):
+        raise DiscoveryError(f"TXT record 'bt' must be 16 lowercase hex digits, got {boot!r}")
+    if sig and not SIG_RE.fullmatch(sig):
+        raise DiscoveryError(f"TXT record 'sig' must be 64 lowercase hex digits, got {sig[:80]!r}")
+    extra = tuple(sorted((k, _optional(props, k)) for k in props if k not in KNOWN))
     return PeerAdvert(
         node_id=node_id, cluster_id=cluster_id,
         data_port=_integer(props, "dp", 1, 65535), http_port=_integer(props, "hp", 1, 65535),
         speed=speed, mem_free=_integer(props, "mem", 0, 2**63 - 1), model=model,
         priority=_integer(props, "pri", -(2**31), 2**31 - 1), no_root=no_root == "1",
-        protocol=_integer(props, "pv", 0, 2**31 - 1), addresses=tuple(addresses),
+        protocol=_integer(props, "pv", 0, 2**31 - 1),
+        epoch=_integer(props, "ep", 0, 2**63 - 1) if "ep" in props else 0, leader=leader,
+        boot=boot, seq=_integer(props, "sq", 0, 2**63 - 1) if "sq" in props else 0, sig=sig,
+        extra=extra, addresses=tuple(addresses),
     )
 
 
@@ -271,8 +347,9 @@ def _default_addresses() -> list[str]:
 @dataclass(frozen=True)
 class Peer:
     advert: PeerAdvert
-    last_seen: float
-    foreign: str | None = None  # why this peer can never be used, or None
+    last_seen: float             # the last advert or proof from it
+    foreign: str | None = None   # why this peer can never be used, or None
+    proven: bool = False         # answered a heartbeat challenge for its current advert
 
     @property
     def node_id(self) -> str:
@@ -280,57 +357,126 @@ class Peer:
 
 
 class PeerTable:
-    """Peers by node id, with last-seen times from `clock`; foreign peers are listed, never usable."""
+    """Peers by node id, with times from `clock`; foreign peers are listed, never usable.
 
-    def __init__(self, cluster_id: str, *, protocol: int = PROTOCOL_VERSION, timeout: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.cluster_id = cluster_id
+    A peer is usable when its advert is ours (protocol, cluster id, signature),
+    it has proven itself by a heartbeat (`prove`) and did so within `timeout`.
+    Peers with no news for `forget` seconds are dropped by `expire`.
+    """
+
+    def __init__(self, key: bytes, *, protocol: int = PROTOCOL_VERSION, timeout: float = 10.0,
+                 forget: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.key = key
+        self.cluster_id = cluster_id_of(key)
         self.protocol = protocol
         self.timeout = timeout
+        self.forget = max(forget, timeout)
         self.clock = clock
         self._peers: dict[str, Peer] = {}
+        self._retired: dict[str, list[str]] = {}  # node id -> boot ids replaced by a newer one
 
     def _foreign(self, advert: PeerAdvert) -> str | None:
         if advert.protocol != self.protocol:
             return f"protocol version {advert.protocol} (this node speaks {self.protocol})"
         if advert.cluster_id != self.cluster_id:
             return f"cluster {advert.cluster_id} (this node is in {self.cluster_id})"
-        return None
+        return signature_error(self.key, advert)
 
-    def apply(self, event: Event) -> None:
+    def apply(self, event: Event) -> bool:
+        """An mDNS change; False when it was refused (a replay, or a forgery of a signed peer) or changed nothing.
+
+        `Left` makes a peer unusable at once but keeps it listed: a goodbye is
+        unsigned, so a peer that still answers its heartbeats is back within one.
+        """
         if isinstance(event, Left):
-            self._peers.pop(event.node_id, None)
-        else:
-            self._peers[event.advert.node_id] = Peer(event.advert, self.clock(), self._foreign(event.advert))
-
-    def seen(self, node_id: str) -> bool:
-        """A heartbeat from `node_id`; False if the table does not know it."""
-        peer = self._peers.get(node_id)
-        if peer is None:
-            return False
-        self._peers[node_id] = replace(peer, last_seen=self.clock())
+            peer = self._peers.get(event.node_id)
+            if peer is None or not peer.proven:
+                return False
+            self._peers[event.node_id] = replace(peer, proven=False)
+            return True
+        advert = event.advert
+        old = self._peers.get(advert.node_id)
+        foreign = self._foreign(advert)
+        if old is not None and old.foreign is None:
+            if foreign is not None:
+                log.warning("ignoring an advert for %s: %s (its signed advert stands)", advert.node_id, foreign)
+                return False
+            if not self._fresher(old.advert, advert):
+                return False
+        proven = old is not None and old.proven and old.advert.boot == advert.boot and foreign is None
+        self._peers[advert.node_id] = Peer(_keep_order(advert, old), self.clock(), foreign, proven)
         return True
 
+    def _fresher(self, old: PeerAdvert, new: PeerAdvert) -> bool:
+        """Whether `new` replaces `old` (both signed): a later sequence of one boot, or a new boot."""
+        if new.boot == old.boot:
+            if new.seq < old.seq:
+                log.warning("ignoring a replayed advert of %s (sequence %d < %d)", new.node_id, new.seq, old.seq)
+            return new.seq > old.seq
+        if new.boot in self._retired.get(new.node_id, ()):
+            log.warning("ignoring a replayed advert of %s from a replaced boot %s", new.node_id, new.boot)
+            return False
+        self._retire(old)
+        return True
+
+    def _retire(self, advert: PeerAdvert) -> None:
+        boots = self._retired.setdefault(advert.node_id, [])
+        if advert.boot not in boots:
+            boots.append(advert.boot)
+            del boots[:-RETIRED_BOOTS]
+
+    def prove(self, advert: PeerAdvert) -> bool:
+        """A heartbeat answer: `advert` (with a fresh proof over our nonce) is this peer's current one.
+
+        It is authoritative over anything mDNS brought, replayed boots included.
+        False if it is not a signed advert of ours or the table does not know the peer.
+        """
+        old = self._peers.get(advert.node_id)
+        if old is None or self._foreign(advert) is not None:
+            return False
+        if old.advert.boot == advert.boot and advert.seq < old.advert.seq:
+            advert = old.advert  # the proof raced a newer announcement: keep the newer figures
+        elif old.advert.boot != advert.boot and old.foreign is None:
+            self._retire(old.advert)
+        self._peers[advert.node_id] = Peer(advert, self.clock(), None, True)
+        return True
+
+    def get(self, node_id: str) -> Peer | None:
+        return self._peers.get(node_id)
+
     def alive(self, peer: Peer) -> bool:
-        return self.clock() - peer.last_seen <= self.timeout
+        return peer.proven and self.clock() - peer.last_seen <= self.timeout
 
     def peers(self) -> list[Peer]:
         """Every peer known, foreign and silent ones included, by node id."""
         return sorted(self._peers.values(), key=lambda p: p.node_id)
 
     def usable(self) -> list[Peer]:
-        """Peers of our cluster and protocol heard from within `timeout`."""
+        """Peers of our cluster and key that proved themselves within `timeout`."""
         return [p for p in self.peers() if p.foreign is None and self.alive(p)]
 
     def foreign(self) -> list[Peer]:
         return [p for p in self.peers() if p.foreign is not None]
 
     def expire(self) -> list[str]:
-        """Drop peers silent for longer than `timeout`; their node ids (emit `Left` for them)."""
-        gone = [p.node_id for p in self.peers() if not self.alive(p)]
+        """Drop peers with no advert or proof for `forget` seconds; their node ids."""
+        now = self.clock()
+        gone = [p.node_id for p in self.peers() if now - p.last_seen > self.forget]
         for node_id in gone:
             del self._peers[node_id]
         return gone
+
+
+def _keep_order(advert: PeerAdvert, old: Peer | None) -> PeerAdvert:
+    """`advert` with the address that last answered us first, if mDNS still lists it."""
+    if old is None or not old.advert.addresses:
+        return advert
+    if not advert.addresses:
+        return replace(advert, addresses=old.advert.addresses)
+    first = old.advert.addresses[0]
+    if first not in advert.addresses:
+        return advert
+    return replace(advert, addresses=(first, *(a for a in advert.addresses if a != first)))
 
 
 async def browse(seconds: float = 2.0, interfaces: Sequence[str] | None = None) -> list[PeerAdvert]:

@@ -1,4 +1,4 @@
-"""Who is root: ballots ranked by a pure function, and epochs that refuse the past.
+"""Who is root: ballots ranked by a pure function, and epochs that mean the same on every node.
 
 Ranking (`Ballot` order, "greater" wins):
   1. a node that may lead (`can_lead`, i.e. not --no-root) beats one that may not;
@@ -12,23 +12,27 @@ Ranking (`Ballot` order, "greater" wins):
 enter the ballot as advertised (measured at start and on request), so the ranking
 does not flap with measurement noise.
 
-Epochs (terms): `Term(leader, epoch)` is frozen. A message stamped (leader, epoch)
-is admitted only if its epoch is newer than ours, or equal with the same leader;
-anything older raises `StaleEpoch` (carrying our epoch so the sender can catch up),
-and an equal epoch naming another leader raises `EpochConflict`. A node that becomes
-root starts `next_epoch(seen)`: one past every epoch it has seen. That is how a
-partitioned old root, still stamping its old epoch, is refused by everyone who has
-moved on: no split brain.
+Epochs (terms): `Term(leader, epoch)` is frozen, and every node signs its current
+term into its advert and heartbeat answers (cluster/discovery.py), so the epochs
+other nodes are in are known everywhere. `next_term` is the pure rule:
+  - a node elected root takes max(every epoch seen) + 1, and takes a new epoch again
+    whenever it sees an epoch above its own, or its own epoch claimed under another
+    leader: a rebooted root starting from 0 thus climbs past the cluster at once;
+  - a follower takes the leader's epoch once the leader claims it (never going down).
+A root's link HELLO is admitted by `EpochState.require` (worker side): its epoch must
+be newer than the node's, or equal with the same leader; anything older raises
+`StaleEpoch` and an equal epoch naming another leader raises `EpochConflict`. That is
+how a partitioned old root, still stamping its old epoch, is refused: no split brain.
 
-`Elector` is the small loop around it: it takes a snapshot of the live ballots,
-re-elects on a tick or when poked (a peer left), and reports leader changes.
+`Elector` is the small loop around it: it takes a snapshot of the live ballots and the
+terms peers report, re-elects on a tick or when poked, and reports term changes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import total_ordering
 
@@ -95,13 +99,29 @@ class Term:
             raise EpochConflict(f"epoch {epoch} already belongs to {self.leader!r}, not {leader!r}", self.epoch)
         return Term(leader, epoch)
 
-    def next(self, leader: str | None, seen: int = 0) -> Term:
-        """A new term for `leader`, past this epoch and every epoch `seen` elsewhere."""
-        return Term(leader, max(self.epoch, seen) + 1)
+
+def next_term(current: Term, me: str, leader: str | None, claims: Mapping[str, Term]) -> Term:
+    """This node's term after an election that chose `leader`, given each peer's signed term.
+
+    `claims`: node id -> the term that node says it is in. Epochs never go down.
+    """
+    seen = max((t.epoch for t in claims.values()), default=0)
+    if leader is None:
+        return Term(None, max(current.epoch, seen))
+    if leader == me:
+        overtaken = any(t.epoch > current.epoch or (t.epoch == current.epoch and t.leader not in (None, me))
+                        for t in claims.values())
+        if current.leader == me and current.epoch > 0 and not overtaken:
+            return current
+        return Term(me, max(current.epoch, seen) + 1)
+    claim = claims.get(leader)
+    if claim is not None and claim.leader == leader:
+        return Term(leader, max(current.epoch, claim.epoch))
+    return Term(leader, current.epoch)  # until the new leader claims its epoch
 
 
 class EpochState:
-    """A node's current term, changed only through `observe` and `next_epoch`."""
+    """The term of the roots a worker follows, changed only through `require`."""
 
     def __init__(self, term: Term = Term()) -> None:
         self.term = term
@@ -118,20 +138,6 @@ class EpochState:
         """Admit a leader message or raise StaleEpoch / EpochConflict."""
         self.term = self.term.admit(leader_id, epoch)
 
-    def observe(self, leader_id: str, epoch: int) -> bool:
-        """Admit a leader message; False (logged) if it is stale or conflicting."""
-        try:
-            self.require(leader_id, epoch)
-        except EpochError as exc:
-            log.info("refused leader message: %s", exc)
-            return False
-        return True
-
-    def next_epoch(self, leader_id: str | None, seen: int = 0) -> int:
-        """Start a new epoch (the root is gone, or another was elected); returns it."""
-        self.term = self.term.next(leader_id, seen)
-        return self.term.epoch
-
 
 # --------------------------------------------------------------------------- the loop
 
@@ -143,18 +149,19 @@ class LeaderChanged:
 
 
 class Elector:
-    """Re-elects from `snapshot()` every `interval` s or when poked; yields `LeaderChanged`.
+    """Re-elects every `interval` s or when poked; yields `LeaderChanged` at every new term.
 
-    A leader change starts a new epoch (`EpochState.next_epoch`); losing every
-    eligible node reports `LeaderChanged(None, epoch)` without a new epoch.
-    The caller owns the task that iterates `changes()`.
+    `snapshot()`: the live ballots (ours included); `claims()`: node id -> the term
+    each live peer reports. The caller owns the task that iterates `changes()`.
     """
 
-    def __init__(self, snapshot: Callable[[], Iterable[Ballot]], *, interval: float = 0.5,
-                 state: EpochState | None = None) -> None:
+    def __init__(self, me: str, snapshot: Callable[[], Iterable[Ballot]],
+                 claims: Callable[[], Mapping[str, Term]] = dict, *, interval: float = 0.5) -> None:
+        self.me = me
         self.snapshot = snapshot
+        self.claims = claims
         self.interval = interval
-        self.state = state or EpochState()
+        self.term = Term()
         self._poke = asyncio.Event()
 
     def poke(self) -> None:
@@ -163,14 +170,11 @@ class Elector:
 
     def step(self) -> LeaderChanged | None:
         """One election over the current snapshot; the change, if any."""
-        leader = elect(self.snapshot())
-        if leader == self.state.leader:
+        term = next_term(self.term, self.me, elect(self.snapshot()), self.claims())
+        if term == self.term:
             return None
-        if leader is None:
-            self.state.term = Term(None, self.state.epoch)
-        else:
-            self.state.next_epoch(leader)
-        return LeaderChanged(leader, self.state.epoch)
+        self.term = term
+        return LeaderChanged(term.leader, term.epoch)
 
     async def changes(self) -> AsyncIterator[LeaderChanged]:
         while True:

@@ -1,15 +1,22 @@
 """Who is in the cluster and who leads it: discovery, heartbeats and the election, together.
 
-- mDNS adverts (cluster/discovery.py) add peers to a PeerTable; peers of
-  another cluster id (another key) or protocol are listed as foreign and
-  never used. Where multicast cannot pass, `peers` (HOST:HTTP-PORT) are
-  told we are here every second (cluster/peering.py), and they record us
-  in turn.
-- Every second each peer's HTTP API is asked for `/v1/cluster/node`; a peer
-  that has not answered for `timeout` seconds is no longer usable. This
-  catches a node that died without an mDNS goodbye.
-- The election (cluster/election.py) runs over our own ballot and the usable
-  peers'; a node holding no model never leads. A new leader starts a new epoch.
+- mDNS adverts (cluster/discovery.py) add peers to a PeerTable. Our own
+  advert is signed with the cluster key and carries our term (epoch, leader),
+  a boot id and a sequence number; adverts of another cluster id, protocol or
+  key, or without a valid signature, are listed as foreign and never used.
+  Where multicast cannot pass, `peers` (HOST:HTTP-PORT) are told we are here
+  every `heartbeat` seconds (cluster/peering.py), and they record us in turn.
+- Every `heartbeat` seconds each listed peer is challenged (a fresh nonce to
+  `/v1/cluster/node`); only an answer proving the key over that nonce counts
+  (any HTTP 200 does not). Each advertised address is tried, the last one that
+  answered first. A peer that has not proven itself for `timeout` seconds is
+  no longer usable: this catches a node that died without an mDNS goodbye.
+- Joins and changed figures reach the plan once the usable set has been quiet
+  for `settle` seconds (debounced: a burst of changes is one re-plan); a loss
+  counts at once, the loss timeout being its debounce.
+- The election (cluster/election.py) runs over our own ballot and the members',
+  with the terms they sign: a new root takes max(seen) + 1, so epochs mean the
+  same on every node, and a rebooted preferred root leads again at once.
 - `revision` counts changes to the plan's inputs (members, their speed or
   memory), so the root knows when to plan again.
 
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from dataclasses import replace
 from typing import Callable, Sequence
 
@@ -27,47 +35,73 @@ import aiohttp
 
 from edgetp.cluster import peering
 from edgetp.cluster.discovery import Discovery, DiscoveryError, Joined, Left, Peer, PeerAdvert, PeerTable, \
-    Updated, ballot_of
-from edgetp.cluster.election import Elector
+    Updated, ballot_of, sign
+from edgetp.cluster.election import Elector, Term
 from edgetp.serve import events
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_S = 1.0
+HEARTBEAT_S = 1.0   # default seconds between heartbeats (and --peer hellos)
+TIMEOUT_S = 3.0     # default seconds without a proof before a peer is lost
+SETTLE_S = 1.0      # default seconds the member set must be quiet before a join re-plans
+MAX_ADDRESSES = 8   # addresses of one advert tried per heartbeat
 
 
 class Membership:
-    def __init__(self, me: PeerAdvert, *, interfaces: list[str] | None = None, timeout: float = 3.0,
+    def __init__(self, me: PeerAdvert, *, key: bytes | None, interfaces: list[str] | None = None,
+                 heartbeat: float = HEARTBEAT_S, timeout: float = TIMEOUT_S, settle: float = SETTLE_S,
                  publish: Callable[[events.ClusterEvent], None] = lambda e: None,
-                 peers: Sequence[tuple[str, int]] = (), key: bytes | None = None) -> None:
-        self.me = me
-        self.table = PeerTable(me.cluster_id, timeout=timeout)
-        self.discovery = Discovery(me, interfaces=interfaces, addresses=interfaces)
-        self.elector = Elector(self._ballots, interval=0.5)
+                 peers: Sequence[tuple[str, int]] = ()) -> None:
+        if key is None:
+            raise ValueError("cluster membership needs the cluster key: adverts and heartbeats are signed with it")
+        if not (0 < heartbeat < timeout):
+            raise ValueError(f"the heartbeat interval ({heartbeat} s) must be above 0 and below the loss "
+                             f"timeout ({timeout} s)")
+        if settle < 0:
+            raise ValueError(f"the settle time must be >= 0, got {settle}")
+        self.key = key
+        self.heartbeat, self.timeout, self.settle = heartbeat, timeout, settle
+        self.boot = secrets.token_hex(8)  # this process's advert lineage; peers refuse its replays
+        self._seq = 0
+        self.elector = Elector(me.node_id, self._ballots, self._claims, interval=min(0.5, heartbeat))
+        self.me = self._signed(me)
+        self.table = PeerTable(key, timeout=timeout, forget=max(60.0, 10 * timeout))
+        self.discovery = Discovery(self.me, interfaces=interfaces, addresses=interfaces)
         self.publish = publish
-        self.static_peers, self.key = tuple(peers), key
-        if self.static_peers and key is None:
-            raise ValueError("--peer needs the cluster key")
+        self.static_peers = tuple(peers)
         self.changed = asyncio.Event()  # set on every leader or membership change
         self.revision = 0  # bumped when a member joins, leaves or changes its figures
+        self._members: frozenset[str] = frozenset()  # the settled set: what plans and elections use
+        self._figures: dict[str, tuple] = {}         # their plan inputs when settled
+        self._stirred = asyncio.Event()              # the raw usable set changed
 
     @property
     def leader(self) -> str | None:
-        return self.elector.state.leader
+        return self.elector.term.leader
 
     @property
     def epoch(self) -> int:
-        return self.elector.state.epoch
+        return self.elector.term.epoch
 
     def usable(self) -> list[Peer]:
-        """Live peers of our cluster; one without the leader's model fetches its slice from it."""
-        return self.table.usable()
+        """Settled members that still prove themselves; one without the leader's model fetches its slice."""
+        return [p for p in self.table.usable() if p.node_id in self._members]
 
     def peer(self, node_id: str) -> Peer | None:
-        return next((p for p in self.table.peers() if p.node_id == node_id), None)
+        return self.table.get(node_id)
 
     def _ballots(self):
         return [ballot_of(self.me)] + [ballot_of(p.advert) for p in self.usable()]
+
+    def _claims(self) -> dict[str, Term]:
+        """The terms the live members sign into their adverts."""
+        return {p.node_id: Term(p.advert.leader or None, p.advert.epoch) for p in self.usable()}
+
+    def _signed(self, advert: PeerAdvert) -> PeerAdvert:
+        self._seq += 1
+        term = self.elector.term
+        return sign(self.key, replace(advert, epoch=term.epoch, leader=term.leader or "", boot=self.boot,
+                                      seq=self._seq, sig="", addresses=()))
 
     async def run(self) -> None:
         """Until cancelled; the mDNS record is withdrawn on the way out (a clean leave)."""
@@ -76,6 +110,7 @@ class Membership:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._discover())
                 tg.create_task(self._heartbeats())
+                tg.create_task(self._settle())
                 tg.create_task(self._elect())
                 if self.static_peers:
                     tg.create_task(self._introduce_loop())
@@ -87,41 +122,43 @@ class Membership:
             self._apply(ev)
 
     def _apply(self, ev: Joined | Updated | Left) -> None:
-        before = None if isinstance(ev, Left) else self.peer(ev.advert.node_id)
-        self.table.apply(ev)
+        node_id = ev.node_id if isinstance(ev, Left) else ev.advert.node_id
+        known = self.peer(node_id) is not None
+        if not self.table.apply(ev):
+            return
         if isinstance(ev, Left):
             self.publish(events.ClusterEvent("leave", f"{ev.node_id} left", ev.node_id))
-        elif before is None:
-            peer = self.peer(ev.advert.node_id)
+        elif not known:
+            peer = self.peer(node_id)
             why = f" (ignored: {peer.foreign})" if peer and peer.foreign else ""
-            self.publish(events.ClusterEvent("join", f"{ev.advert.node_id} joined{why}", ev.advert.node_id,
+            self.publish(events.ClusterEvent("join", f"{node_id} joined{why}", node_id,
                                              detail={"address": _addr(ev.advert), "speed": ev.advert.speed,
                                                      "mem_free": ev.advert.mem_free}))
-        elif replace(before.advert, addresses=()) == replace(ev.advert, addresses=()):
-            return  # the same figures again (a --peer hello every second)
-        self.revision += 1
-        self._poke()
+        self._stir()
 
     def introduced(self, advert: PeerAdvert) -> None:
-        """A peer told us it is here (POST /v1/cluster/peers): a join, an update or just a heartbeat."""
+        """A peer told us it is here (POST /v1/cluster/peers); the heartbeats prove it, as any other."""
         if advert.node_id == self.me.node_id:
             return
         self._apply(Joined(advert) if self.peer(advert.node_id) is None else Updated(advert))
-        self.table.seen(advert.node_id)
 
     async def update_me(self, advert: PeerAdvert) -> None:
         """New figures for this node (a re-profile): re-announce them and re-plan."""
-        self.me = advert
-        await self.discovery.update(advert)
+        await self._announce(advert)
         self.revision += 1
         self.publish(events.ClusterEvent("profile", f"{advert.node_id} measured again: {advert.speed / 1e9:.2f} GB/s, "
                                                  f"{advert.mem_free / 1e9:.1f} GB free", advert.node_id,
                                          detail={"speed": advert.speed, "mem_free": advert.mem_free}))
         self._poke()
 
+    async def _announce(self, advert: PeerAdvert) -> None:
+        """Sign `advert` with our current term and the next sequence number, and announce it."""
+        self.me = self._signed(advert)
+        await self.discovery.update(self.me)
+
     async def _introduce_loop(self) -> None:
-        """Every second, tell each --peer we are here; what it answers is its advert."""
-        timeout = aiohttp.ClientTimeout(total=HEARTBEAT_S * 2)
+        """Every heartbeat, tell each --peer we are here; what it answers is its advert."""
+        timeout = aiohttp.ClientTimeout(total=self.heartbeat * 2)
         failing: dict[tuple[str, int], str] = {}
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
@@ -135,52 +172,107 @@ class Membership:
                         if failing.get(address) != why:
                             log.warning("peer %s:%d: %s", *address, why)
                         failing[address] = why
-                await asyncio.sleep(HEARTBEAT_S)
+                await asyncio.sleep(self.heartbeat)
 
     async def _heartbeats(self) -> None:
-        timeout = aiohttp.ClientTimeout(total=HEARTBEAT_S)
+        timeout = aiohttp.ClientTimeout(total=self.heartbeat)
         alive: set[str] = set()
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
                 peers = [p for p in self.table.peers() if p.foreign is None]
                 answers = await asyncio.gather(*(self._ping(session, p) for p in peers))
-                for peer, ok in zip(peers, answers):
-                    if ok:
-                        self.table.seen(peer.node_id)
-                now = {p.node_id for p in self.usable()}
+                for advert in answers:
+                    if advert is not None:
+                        self.table.prove(advert)
+                self.table.expire()
+                now = {p.node_id for p in self.table.usable()}
                 for gone in alive - now:
                     self.publish(events.ClusterEvent("leave", f"{gone} stopped answering", gone))
                 if now != alive:
                     alive = now
-                    self.revision += 1
-                    self._poke()
-                await asyncio.sleep(HEARTBEAT_S)
+                    self._stir()
+                elif self._figures != {p.node_id: _figures(p.advert) for p in self.usable()}:
+                    self._stir()  # a member announced new figures
+                await asyncio.sleep(self.heartbeat)
 
-    async def _ping(self, session: aiohttp.ClientSession, peer: Peer) -> bool:
-        try:
-            async with session.get(f"{http_url(peer.advert)}{peering.NODE_PATH}") as resp:
-                return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            return False
+    async def _ping(self, session: aiohttp.ClientSession, peer: Peer) -> PeerAdvert | None:
+        """The peer's current advert if it proves the key over a fresh nonce at one of its addresses."""
+        addresses = peer.advert.addresses[:MAX_ADDRESSES]
+        for n, address in enumerate(addresses):
+            nonce = secrets.token_hex(16)
+            url = f"{_url_host(address)}:{peer.advert.http_port}{peering.NODE_PATH}?nonce={nonce}"
+            try:
+                async with session.get(url) as resp:
+                    body = await resp.json() if resp.status == 200 else None
+                order = (address, *addresses[:n], *addresses[n + 1:], *peer.advert.addresses[MAX_ADDRESSES:])
+                advert = peering.check_heartbeat(self.key, nonce, body, order)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, DiscoveryError) as exc:
+                log.debug("heartbeat to %s at %s failed: %s", peer.node_id, address, exc)
+                continue
+            if advert.node_id != peer.node_id:
+                log.warning("%s answered a heartbeat for %s as %s", address, peer.node_id, advert.node_id)
+                continue
+            return advert
+        return None
+
+    async def _settle(self) -> None:
+        """Adopt the usable set once it has been quiet for `settle` s (at most 5x that after the first change);
+        a loss is adopted at once."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._stirred.wait()
+            first = loop.time()
+            while self.settle > 0 and self._members <= {p.node_id for p in self.table.usable()}:
+                self._stirred.clear()
+                remaining = first + 5 * self.settle - loop.time()
+                if remaining <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(self._stirred.wait(), min(self.settle, remaining))
+                except TimeoutError:
+                    break
+            self._stirred.clear()
+            live = self.table.usable()
+            figures = {p.node_id: _figures(p.advert) for p in live}
+            if figures != self._figures:
+                self._members, self._figures = frozenset(figures), figures
+                self.revision += 1
+                self._poke()
 
     async def _elect(self) -> None:
         async for change in self.elector.changes():
             self.publish(events.ClusterEvent("election", f"leader {change.leader} (epoch {change.epoch})",
                                              change.leader, change.epoch))
+            await self._announce(self.me)  # peers learn our new term from the signed advert
             self._poke()
+
+    def _stir(self) -> None:
+        self._stirred.set()
 
     def _poke(self) -> None:
         self.elector.poke()
         self.changed.set()
 
 
+def _figures(advert: PeerAdvert) -> tuple:
+    """What a plan depends on in an advert (not its term, sequence or signature)."""
+    return (advert.data_port, advert.http_port, advert.speed, advert.mem_free, advert.model, advert.priority,
+            advert.no_root, advert.addresses[:1])
+
+
 def _addr(advert: PeerAdvert) -> str:
     return advert.addresses[0] if advert.addresses else "?"
 
 
+def _url_host(address: str) -> str:
+    return f"http://[{address}]" if ":" in address else f"http://{address}"
+
+
 def http_url(advert: PeerAdvert) -> str:
-    return f"http://{_addr(advert)}:{advert.http_port}"
+    """The peer's API at the address that last answered its heartbeat (IPv6 bracketed)."""
+    return f"{_url_host(_addr(advert))}:{advert.http_port}"
 
 
 def data_address(advert: PeerAdvert) -> str:
+    """HOST:PORT of its data port (IPv6 unbracketed: the runner splits at the last colon)."""
     return f"{_addr(advert)}:{advert.data_port}"

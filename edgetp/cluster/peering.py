@@ -1,11 +1,18 @@
 """The cluster's own HTTP endpoints on every node, and `--peer` for networks without multicast.
 
-    GET  /v1/cluster/node      this node's advert (what its mDNS TXT record says); heartbeats read it
+    GET  /v1/cluster/node?nonce=N   a heartbeat: {"advert": our signed advert, "proof": heartbeat_proof}
     POST /v1/cluster/peers     signed; body = the caller's advert: "I am here". Answer: our advert
     POST /v1/cluster/profile   signed; measure speed and free memory again, re-announce, re-plan
 
-An advert travels as its TXT dict (`PeerAdvert.to_txt`) and is validated by
-the same `parse_txt` as an mDNS record. A node told "I am here" records the
+An advert travels as its TXT dict (`PeerAdvert.to_txt`), signed, and is
+validated by the same `parse_txt` as an mDNS record.
+
+A heartbeat is a challenge-response, so it needs no synchronised clock: the
+pinger sends a fresh random nonce; the answer's proof is
+HMAC(heartbeat key, nonce, advert sig), where the advert's own signature covers
+node id, epoch, leader, boot id and sequence. Only a key holder can answer, and
+an answer cannot be replayed to a later nonce. `check_heartbeat` is the
+pinger's side. A node told "I am here" records the
 caller under the address the request came from, so listing a peer on one
 side is enough: both sides then know each other.
 """
@@ -13,8 +20,11 @@ side is enough: both sides then know each other.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
+import re
 from typing import Awaitable, Callable
 
 import aiohttp
@@ -26,15 +36,35 @@ from edgetp.net import auth
 log = logging.getLogger(__name__)
 
 NODE_PATH = "/v1/cluster/node"
+NONCE_RE = re.compile(r"[0-9a-f]{32,128}")
 PEERS_PATH = "/v1/cluster/peers"
 PROFILE_PATH = "/v1/cluster/profile"
 
 
-def parse_advert(body: object, address: str) -> PeerAdvert:
-    """A validated advert from a JSON body, placed at `address`; DiscoveryError if malformed."""
-    if not isinstance(body, dict) or not all(isinstance(v, str) for v in body.values()):
-        raise DiscoveryError("an advert must be a JSON object of strings")
-    return parse_txt(body, (address,))
+def parse_advert(body: object, addresses: str | tuple[str, ...]) -> PeerAdvert:
+    """A validated advert from a JSON body, placed at `addresses`; DiscoveryError if malformed."""
+    if not isinstance(body, dict) or len(body) > 64 or not all(isinstance(v, str) for v in body.values()):
+        raise DiscoveryError("an advert must be a JSON object of at most 64 strings")
+    return parse_txt(body, (addresses,) if isinstance(addresses, str) else addresses)
+
+
+def heartbeat_proof(key: bytes, nonce: str, sig: str) -> str:
+    """Hex HMAC binding the pinger's nonce to the signed advert `sig` (a key derived for heartbeats only)."""
+    hb_key = hmac.new(key, b"edgetp-heartbeat-v1", hashlib.sha256).digest()
+    return hmac.new(hb_key, f"{nonce}\n{sig}".encode(), hashlib.sha256).hexdigest()
+
+
+def check_heartbeat(key: bytes, nonce: str, body: object, addresses: tuple[str, ...]) -> PeerAdvert:
+    """The advert of a heartbeat answer proven for `nonce`; DiscoveryError if the proof is missing or wrong.
+
+    The advert's own signature is the PeerTable's to check (a wrong one makes the peer foreign).
+    """
+    if not isinstance(body, dict) or not isinstance(body.get("proof"), str):
+        raise DiscoveryError("a heartbeat answer must be {advert, proof}")
+    advert = parse_advert(body.get("advert"), addresses)
+    if not advert.sig or not hmac.compare_digest(body["proof"], heartbeat_proof(key, nonce, advert.sig)):
+        raise DiscoveryError("the heartbeat answer does not prove the cluster key")
+    return advert
 
 
 class PeerEndpoints:
@@ -56,7 +86,12 @@ class PeerEndpoints:
         app.router.add_post(PROFILE_PATH, self.profile)
 
     async def node(self, request: web.Request) -> web.Response:
-        return web.json_response(self._me().to_txt())
+        """A heartbeat: our signed advert and a proof over the caller's nonce."""
+        nonce = request.query.get("nonce", "")
+        if not NONCE_RE.fullmatch(nonce):
+            raise web.HTTPBadRequest(text="a heartbeat needs ?nonce= with 32-128 lowercase hex digits\n")
+        me = self._me()
+        return web.json_response({"advert": me.to_txt(), "proof": heartbeat_proof(self._key, nonce, me.sig)})
 
     async def peers(self, request: web.Request) -> web.Response:
         body = await self._signed(request)

@@ -39,6 +39,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from edgetp.cluster import profile
+from edgetp.cluster.election import EpochError, EpochState, StaleEpoch
 from edgetp.model import llama, quant, sampling
 from edgetp.model.gguf import GGUFError, ModelFile, open_model
 from edgetp.net.frames import FrameType
@@ -88,9 +89,9 @@ class Worker:
     resolve: Callable[[str], str] = str
     shard_dir: str | None = None  # where fetched slices are cached; None: never fetch
     index_dir: str | None = None  # where parsed GGUF headers are kept (fast re-opens)
-    follow_epochs: bool = False   # daemon mode: refuse roots of an epoch older than the newest seen
+    follow_epochs: bool = False   # daemon mode: admit roots by EpochState.require (cluster/election.py)
     busy: bool = field(default=False, init=False)
-    epoch: int = field(default=0, init=False)          # the newest root epoch seen; older roots are refused
+    epochs: EpochState = field(default_factory=EpochState, init=False)  # the term of the roots followed
     _link: Link | None = field(default=None, init=False)
     _link_epoch: int = field(default=0, init=False)
     _task: asyncio.Task | None = field(default=None, init=False)
@@ -98,6 +99,10 @@ class Worker:
     _pending: int = field(default=0, init=False)  # connections still in their handshake
     _over_cap: _Quiet = field(default_factory=_Quiet, init=False)
     _refused: _Quiet = field(default_factory=_Quiet, init=False)
+
+    @property
+    def epoch(self) -> int:
+        return self.epochs.epoch
 
     async def serve(self, host: str, port: int, on_listening: Callable[[int], None] | None = None) -> None:
         """Accept roots until cancelled."""
@@ -140,12 +145,16 @@ class Worker:
             return
         finally:
             self._pending -= 1
-        if self.follow_epochs and epoch < self.epoch:  # no split brain: older roots are refused
-            log.warning("refused root %s of stale epoch %d (following epoch %d)", peer, epoch, self.epoch)
-            await link._try_error(f"stale epoch {epoch}: worker {self.node_id} follows epoch {self.epoch}")
-            link.close()
-            return
-        self.epoch = epoch
+        if self.follow_epochs:  # no split brain: an older epoch, or this one under another root, is refused
+            try:
+                self.epochs.require(peer, epoch)
+            except EpochError as exc:
+                kind = "stale" if isinstance(exc, StaleEpoch) else "conflicting"
+                log.warning("refused root %s: %s", peer, exc)
+                await link._try_error(f"{kind} epoch {epoch}: worker {self.node_id} follows "
+                                      f"{self.epochs.leader} in epoch {self.epochs.epoch}")
+                link.close()
+                return
         if self.busy and self._link is not None and epoch > self._link_epoch:
             log.warning("root %s of epoch %d replaces the root of epoch %d", peer, epoch, self._link_epoch)
             self._link.close()  # a compute thread blocked on it fails out

@@ -18,6 +18,7 @@ from edgetp.model.generate import ContextError, LocalRunner, generate
 from edgetp.model.llama import ContextFull
 from edgetp.model.tokenizer import Tokenizer, UnsupportedTokenizer
 from edgetp.net import auth
+from edgetp.net.httpauth import Credentials
 from edgetp.net.link import LinkClosed
 from edgetp.net.loopthread import LoopThread
 from edgetp.config import ConfigError
@@ -69,10 +70,17 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 
 def encode_prompt(tok: Tokenizer, prompt: str, raw: bool) -> list[int]:
-    """Chat-templated ids, or the raw text when asked or when the model has no template."""
-    if raw or not tok.chat_template:
+    """The ids the API makes of the same prompt, so `ask --local` and `ask --url` answer alike:
+    with --raw the text as it is (/v1/completions), else one user message through the chat
+    template (/v1/chat/completions; ChatML for a model without a template)."""
+    if raw:
         return tok.encode(prompt, add_special=True, parse_special=False)
     return tok.encode_chat([{"role": "user", "content": prompt}])[1]
+
+
+def credentials(args: argparse.Namespace) -> Credentials:
+    """The cluster key (--key) and API token (--api-key) a client command shows the node."""
+    return Credentials(auth.read_key(args.key) if args.key else None, getattr(args, "api_key", None) or None)
 
 
 def ask(args: argparse.Namespace) -> int:
@@ -124,23 +132,24 @@ def _remote_options(args: argparse.Namespace) -> dict:
 
 
 async def _ask_cluster(args: argparse.Namespace) -> int:
-    if args.raw:
-        raise ContextError("--raw needs --local (a cluster is asked through its chat API)")
     options = _remote_options(args)
     prompt = read_prompt(args)
-    key = auth.read_key(args.key) if args.key else None
-    url = await client.find_url(args.url, key)
+    creds = credentials(args)
+    url = await client.find_url(args.url, creds.key)
     stats = client.TokenStats()
     events_url = url
     if args.stats:  # per-token records are published where the tokens are made: on the root
-        events_url = (await client.get_json(url, "/v1/cluster")).get("root_url") or url
+        events_url = (await client.get_json(url, "/v1/cluster", creds)).get("root_url") or url
     request_id: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     watching = asyncio.Event()
-    watcher = asyncio.create_task(client.watch_tokens(events_url, stats, request_id, watching)) if args.stats else None
+    watcher = asyncio.create_task(client.watch_tokens(events_url, stats, request_id, watching, creds)) \
+        if args.stats else None
+    answer = client.stream_completion(url, prompt, options, creds) if args.raw else \
+        client.stream_chat(url, [{"role": "user", "content": prompt}], options, creds)
     try:
         if watcher:
             await asyncio.wait_for(watching.wait(), 10)
-        async for piece, _, rid in client.stream_chat(url, [{"role": "user", "content": prompt}], options, key):
+        async for piece, _, rid in answer:
             if not request_id.done():
                 request_id.set_result(rid)
             sys.stdout.write(piece)
@@ -160,8 +169,8 @@ async def _ask_cluster(args: argparse.Namespace) -> int:
 
 def status(args: argparse.Namespace) -> int:
     async def go() -> dict:
-        key = auth.read_key(args.key) if args.key else None
-        return await client.get_json(await client.find_url(args.url, key), "/v1/cluster")
+        creds = credentials(args)
+        return await client.get_json(await client.find_url(args.url, creds.key), "/v1/cluster", creds)
 
     view = asyncio.run(go())
     print(f"epoch {view['epoch']}  root {view['root']}  model {view['model']}")
@@ -206,10 +215,10 @@ def reprofile(args: argparse.Namespace) -> int:
 def chat(args: argparse.Namespace) -> int:
     """An interactive session that keeps its history; /exit or end of input leaves."""
     options = _remote_options(args)
-    key = auth.read_key(args.key) if args.key else None
+    creds = credentials(args)
 
     async def go() -> int:
-        url = await client.find_url(args.url, key)
+        url = await client.find_url(args.url, creds.key)
         history: list[dict[str, str]] = []
         print(f"chatting with {url} (/exit to leave)", file=sys.stderr)
         while True:
@@ -223,7 +232,7 @@ def chat(args: argparse.Namespace) -> int:
                 continue
             history.append({"role": "user", "content": line})
             answer = ""
-            async for piece, _, _ in client.stream_chat(url, history, options, key):
+            async for piece, _, _ in client.stream_chat(url, history, options, creds):
                 answer += piece
                 sys.stdout.write(piece)
                 sys.stdout.flush()
@@ -310,18 +319,30 @@ def serve(args: argparse.Namespace) -> int:
         else config.persistent_node_id(config.state_dir(os.environ, Path(settings.cache_dir))),
         priority=settings.priority,
         no_root=settings.no_root, interfaces=tuple(settings.interfaces), peers=settings.peer_addresses,
-        shard_dir=Path(settings.cache_dir) / "shards")
+        shard_dir=Path(settings.cache_dir) / "shards", api_tokens=settings.api_tokens)
     try:
         daemon.run(opts, on_listening=lambda url: print(f"edgetp serving on {url}", flush=True))
-    except OSError as exc:
-        raise WorkerError(f"cannot serve on {settings.host}:{settings.http_port}: {exc.strerror or exc}") from None
+    except (OSError, ExceptionGroup) as exc:  # in a cluster the ports open inside a TaskGroup
+        if (err := _os_error(exc)) is None:
+            raise
+        raise WorkerError(f"cannot serve on {settings.host} (HTTP {settings.http_port}, data "
+                          f"{settings.data_port}): {err.strerror or err}") from None
     return 0
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError in `exc`, or in the exception group it is, else None."""
+    if isinstance(exc, OSError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        return next((e for e in map(_os_error, exc.exceptions) if e is not None), None)
+    return None
 
 
 def dashboard(args: argparse.Namespace) -> int:
     from dashboard.app import run  # noqa: PLC0415 - Textual loads only for this command
 
-    run(args.url)
+    run(args.url, credentials(args))
     return 0
 
 

@@ -26,7 +26,8 @@ from typing import Any
 DEFAULT_CONFIG_PATH = Path("/etc/edgetp/edgetp.toml")
 ENV_PREFIX = "EDGETP_"
 # EDGETP_ variables that are not settings (read elsewhere): not reported as unknown.
-OTHER_ENV = frozenset({"EDGETP_CONFIG", "EDGETP_LINK_MODE", "EDGETP_URL"})
+OTHER_ENV = frozenset({"EDGETP_CONFIG", "EDGETP_LINK_MODE", "EDGETP_URL", "EDGETP_API_KEY",  # clients
+                       "EDGETP_INT8", "EDGETP_ISA"})  # the kernels (edgetp.model.quant, edgetp.model.isa)
 # A node id is one DNS label (it names the mDNS service instance): no dots.
 NODE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
 SYNC_TYPES = ("f32", "q8_0")
@@ -108,6 +109,7 @@ class Settings:
     peers: tuple[str, ...] = ()             # HOST:PORT (HTTP API) to introduce ourselves to, where multicast cannot pass
     sync: str = "f32"                       # all-reduce payload: "f32" or "q8_0"
     ctx: int = 2048                         # context length (KV cache size)
+    api_tokens: tuple[str, ...] = ()        # bearer tokens the OpenAI API accepts; () means none needed
     # derived
     peer_addresses: tuple[tuple[str, int], ...] = field(init=False, repr=False, compare=False)
     node_id_given: bool = field(init=False, repr=False, compare=False)  # False: node_id is the host name default
@@ -203,6 +205,14 @@ def _sync(value: Any) -> str:
     return value
 
 
+def _tokens(value: Any) -> tuple[str, ...]:
+    tokens = _strings(value)
+    for t in tokens:
+        if len(t) < 16 or not t.isprintable() or any(c.isspace() for c in t):
+            raise ValueError("each API token must be 16 or more printable characters without spaces")
+    return tokens
+
+
 def _threads(value: Any) -> int | None:
     return None if value is None else _positive(value)
 
@@ -212,7 +222,7 @@ CHECKS: dict[str, Callable[[Any], Any]] = {
     "data_port": _port, "http_port": _port, "interfaces": _strings,
     "priority": _int, "no_root": _bool, "threads": _threads,
     "cache_dir": _path_or_none, "node_id": _node_id, "peers": _peers,
-    "sync": _sync, "ctx": _positive,
+    "sync": _sync, "ctx": _positive, "api_tokens": _tokens,
 }
 KEYS = tuple(CHECKS)
 
@@ -232,7 +242,7 @@ _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 def _from_env(key: str, text: str) -> Any:
     """An environment string as the Python value the key's check expects."""
     kind = {"data_port": int, "http_port": int, "priority": int, "threads": int, "ctx": int,
-            "no_root": bool, "interfaces": list, "peers": list}.get(key, str)
+            "no_root": bool, "interfaces": list, "peers": list, "api_tokens": list}.get(key, str)
     if kind is int:
         try:
             return int(text.strip())

@@ -77,6 +77,7 @@ class ServeOptions:
     interfaces: tuple[str, ...] = ()
     peers: tuple[tuple[str, int], ...] = ()  # (host, HTTP port) told we are here, where multicast cannot pass
     shard_dir: Path | None = None   # slices written for workers (root) or fetched from the root (worker)
+    api_tokens: tuple[str, ...] = ()  # bearer tokens for the OpenAI API (serve/api.py: who may call what)
 
 
 def cluster_view(runner: ClusterRunner, model: str) -> events.ClusterView:
@@ -147,7 +148,8 @@ async def serve(opts: ServeOptions, on_listening: Callable[[str], None] | None =
     on_engine(engine)
     if opts.workers:
         engine.recover = Recovery(engine, bus, asyncio.get_running_loop(), view=_view(engine, mf, opts.model_name))
-    app = make_app(engine, cluster_view=_view(engine, mf, opts.model_name), key=opts.key)
+    app = make_app(engine, cluster_view=_view(engine, mf, opts.model_name), key=opts.key,
+                   tokens=opts.api_tokens)
     try:
         await run_api(app, opts.host, opts.port, on_listening)
     finally:
@@ -192,7 +194,8 @@ async def serve_cluster(opts: ServeOptions, on_listening: Callable[[str], None] 
             raise web.HTTPServiceUnavailable(text="this node is starting\n")
         return roles[0]
 
-    app = make_app(engine, cluster_view=lambda: this().view(), key=opts.key, route=lambda: this().route())
+    app = make_app(engine, cluster_view=lambda: this().view(), key=opts.key, route=lambda: this().route(),
+                   tokens=opts.api_tokens)
     if shards is not None:
         shards.add_routes(app)
     PeerEndpoints(opts.key, lambda: this().membership.me, lambda advert: this().membership.introduced(advert),

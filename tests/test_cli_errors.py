@@ -190,3 +190,19 @@ def test_profile_without_a_key_is_refused_in_one_line():
     result = edgetp("profile", "--url", "http://127.0.0.1:9", env={"EDGETP_KEY_FILE": ""})
     assert result.returncode == 4 and "Traceback" not in result.stderr
     assert result.stderr.count("\n") == 1 and "cluster key" in result.stderr
+
+
+@pytest.mark.parametrize("cluster", [False, True], ids=["alone", "cluster"])
+def test_a_port_in_use_is_refused_in_one_line(cluster, stories_path, tmp_path):
+    import socket  # noqa: PLC0415
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        extra = []
+        if cluster:  # the ports open inside a TaskGroup there: an ExceptionGroup, once a traceback
+            key = tmp_path / "cluster.key"
+            assert edgetp("keygen", str(key)).returncode == 0
+            extra = ["--key", str(key), "--data-port", "0", "--interface", "127.0.0.1"]
+        result = edgetp("serve", "--model", str(stories_path), "--listen", f"127.0.0.1:{port}", *extra,
+                        env={"EDGETP_CACHE_DIR": str(tmp_path)})
+    assert_one_line_error(result, f"{port}", "in use")

@@ -117,6 +117,32 @@ class KeyGate:
         return body
 
 
+GATE = web.AppKey("edgetp_gate", KeyGate)
+
+
+def gate_of(app: web.Application, key: bytes | None) -> KeyGate:
+    """The app's one KeyGate, made (with its challenge route) by whoever asks first."""
+    if GATE not in app:
+        app[GATE] = KeyGate(key)
+        app.router.add_get(CHALLENGE_PATH, app[GATE].challenge)
+    return app[GATE]
+
+
+def proven_headers_sync(base_url: str, key: bytes, method: str, path_qs: str, body: bytes = b"",
+                        timeout: float = 30) -> dict[str, str]:
+    """proven_headers for blocking clients (urllib, in a thread); ProofError when no challenge comes."""
+    import json  # noqa: PLC0415
+    import urllib.error  # noqa: PLC0415
+    import urllib.request  # noqa: PLC0415
+
+    try:
+        with urllib.request.urlopen(base_url.rstrip("/") + CHALLENGE_PATH, timeout=timeout) as resp:
+            nonce = str(json.load(resp)["nonce"])
+    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as exc:
+        raise ProofError(f"{base_url} gave no key challenge: {exc}") from None
+    return {HEADER_NONCE: nonce, HEADER_PROOF: proof(key, method, path_qs, body, nonce)}
+
+
 def bearer(headers: Mapping[str, str]) -> str | None:
     """The token of an `Authorization: Bearer <token>` header, else None."""
     scheme, _, token = headers.get("Authorization", "").partition(" ")

@@ -48,7 +48,7 @@ ENGINE = web.AppKey("engine", Engine)
 CLUSTER_VIEW = web.AppKey("cluster_view", Callable[[], events.ClusterView])
 KEY = web.AppKey("key", bytes | None)
 TOKENS = web.AppKey("tokens", tuple)  # API bearer tokens; () means the OpenAI API needs none
-GATE = web.AppKey("gate", httpauth.KeyGate)
+GATE = httpauth.GATE
 LOOPBACK = web.AppKey("loopback", list)  # [True] while serving on loopback only (set by `serving`)
 METRICS = web.AppKey("metrics", "Metrics")
 SOCKETS = web.AppKey("sockets", weakref.WeakSet)
@@ -84,7 +84,7 @@ def make_app(engine: Engine, *, cluster_view: Callable[[], events.ClusterView] |
     app[CLUSTER_VIEW] = cluster_view or (lambda: local_view(engine.model_name, config, node_id))
     app[KEY] = key
     app[TOKENS] = tuple(tokens)
-    app[GATE] = httpauth.KeyGate(key)
+    httpauth.gate_of(app, key)
     app[LOOPBACK] = [True]
     app[METRICS] = Metrics(engine)
     app[SOCKETS] = weakref.WeakSet()
@@ -99,7 +99,6 @@ def make_app(engine: Engine, *, cluster_view: Callable[[], events.ClusterView] |
         web.get("/v1/cluster", cluster),
         web.get("/v1/events", events_ws),
         web.get("/metrics", metrics),
-        web.get(httpauth.CHALLENGE_PATH, app[GATE].challenge),
     ])
     return app
 

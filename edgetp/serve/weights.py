@@ -2,9 +2,9 @@
 
     GET|HEAD /v1/cluster/shard?kv=a,b&ffn=c,d&vocab=e,f[&node=ID]
 
-Root (`ShardServer`): the request must be signed with the cluster key over
-the exact path and query (net/auth.py; nonces are single-use), else 403 and
-nothing else. The shard GGUF (parallel/shardfile.py) is written once per
+Root (`ShardServer`): the request must prove the cluster key over the exact
+method, path and query (net/httpauth.py: a single-use nonce from the root,
+no clock), else 403 and nothing else. The shard GGUF (parallel/shardfile.py) is written once per
 (model fingerprint, spec) into the cache dir, its sha256 kept beside it in
 `<name>.sha256`, and served with Range support, `X-Edgetp-Sha256` and
 `X-Edgetp-Fingerprint`. Bytes sent are counted per node (`transfers()`) for
@@ -12,7 +12,7 @@ the cluster API.
 
 Worker (`fetch_shard`): a signed HEAD learns the source fingerprint and the
 hash; a shard already in the cache under that name is used as it is. Else
-store/download.fetch_url fetches it in a thread (signed afresh per request,
+store/download.fetch_url fetches it in a thread (a fresh key proof per request,
 resuming `<name>.part`, sha256-checked, renamed into place only when right),
 while `progress(done, total)` is called on the event loop.
 """
@@ -35,10 +35,10 @@ from aiohttp import web
 
 from edgetp.model.gguf import ModelFile
 from edgetp.model.llama import ShardSpec
-from edgetp.net import auth
+from edgetp.net import httpauth
 from edgetp.parallel.shardfile import check_spec, shard_name, write_shard
 from edgetp.store.download import fetch_url
-from edgetp.store.errors import DownloadError
+from edgetp.store.errors import DownloadError, DownloadInterrupted
 
 log = logging.getLogger(__name__)
 
@@ -108,16 +108,16 @@ class ShardServer:
 
     chunk = CHUNK  # bytes per read and write of a response body
 
-    def __init__(self, mf: ModelFile, key: bytes, cache_dir: str | os.PathLike[str], *,
-                 nonces: auth.NonceCache | None = None) -> None:
+    def __init__(self, mf: ModelFile, key: bytes, cache_dir: str | os.PathLike[str]) -> None:
         self.mf, self._key = mf, key
         self.cache_dir = Path(cache_dir)
-        self._nonces = nonces or auth.NonceCache()
+        self.gate = httpauth.KeyGate(key)  # replaced by the app's one gate in add_routes
         self._ready: dict[str, CachedShard] = {}
         self._building: dict[str, asyncio.Future[CachedShard]] = {}  # owned here; see close()
         self._transfers: dict[str, Transfer] = {}
 
     def add_routes(self, app: web.Application) -> None:
+        self.gate = httpauth.gate_of(app, self._key)
         app.router.add_get(SHARD_PATH, self.handle)  # HEAD too
         app.on_cleanup.append(lambda _app: self.close())
 
@@ -171,8 +171,8 @@ class ShardServer:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         try:
-            auth.verify_headers(self._key, request.method, request.raw_path, b"", request.headers, self._nonces)
-        except auth.AuthError as exc:
+            await self.gate.verify(request)
+        except httpauth.ProofError as exc:
             log.warning("refused a shard request from %s: %s", request.remote, exc)
             raise web.HTTPForbidden(text=f"cluster key required: {exc}\n") from None
         try:
@@ -262,7 +262,11 @@ async def shard_info(base_url: str, spec: ShardSpec, key: bytes, *, node_id: str
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=600)  # the root may be writing the shard
     try:
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            async with session.head(url, headers=auth.signed_headers(key, "HEAD", path_qs)) as resp:
+            try:
+                headers = await httpauth.proven_headers(session, base_url, key, "HEAD", path_qs)
+            except httpauth.ProofError as exc:
+                raise ShardRefused(str(exc)) from None
+            async with session.head(url, headers=headers) as resp:
                 if resp.status in (400, 401, 403):
                     raise ShardRefused(f"{url}: the root refused the shard request (HTTP {resp.status}); "
                                        f"does this node hold the cluster key?")
@@ -298,7 +302,7 @@ async def fetch_shard(base_url: str, spec: ShardSpec, key: bytes, cache_dir: str
     part = final.with_name(final.name + ".part")
     fetch = asyncio.ensure_future(asyncio.to_thread(
         fetch_url, base_url.rstrip("/") + path_qs, final, sha256=info.sha256, out=_LogLines(),
-        headers=lambda: auth.signed_headers(key, "GET", path_qs)))
+        headers=lambda: _proof_or_interrupted(base_url, key, path_qs)))
     try:
         while not fetch.done():
             await asyncio.wait({fetch}, timeout=poll)
@@ -345,3 +349,11 @@ class _LogLines:
 
     def isatty(self) -> bool:
         return False
+
+
+def _proof_or_interrupted(base_url: str, key: bytes, path_qs: str) -> dict[str, str]:
+    """A key proof for the next GET of a fetch; a root that gives no challenge interrupts it (.part kept)."""
+    try:
+        return httpauth.proven_headers_sync(base_url, key, "GET", path_qs)
+    except httpauth.ProofError as exc:
+        raise DownloadInterrupted(str(exc)) from None

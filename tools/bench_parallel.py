@@ -14,6 +14,13 @@ Sections (``--section``, default all):
                the ideal (sum of single-node speeds under the same slowdown).
 - **memory**   each node's resident memory beside its plan share of weights
                (run in a fresh child process so the root's RSS is clean).
+- **seal**     what sealing the data links (ChaCha20-Poly1305 after a keyed
+               handshake) costs per decode token: bytes (16-byte tag per
+               frame, measured on the link counters), CPU microseconds to
+               seal and open one token's frames (timed on the real codec),
+               and decode tok/s of a keyed (sealed) cluster beside a keyless
+               (plain) one. Keyless links are the existing trusted-network
+               mode, not a bench switch.
 
     python tools/bench_parallel.py --quick
     python tools/bench_parallel.py --section bytes --out bench.md
@@ -100,13 +107,15 @@ class Procs:
             f.close()
 
     def worker(self, cpus: set[int] | None = None, cgroup_procs: Path | None = None,
-               node_id: str | None = None) -> tuple[subprocess.Popen, str]:
+               node_id: str | None = None, key_file: Path | None = None) -> tuple[subprocess.Popen, str]:
         """An `edgetp worker --threads 1` on a free loopback port: (process, "127.0.0.1:PORT")."""
         log = tempfile.TemporaryFile(mode="w+")
         self.logs.append(log)
         cmd = [sys.executable, "-m", "edgetp", "worker", "--listen", "127.0.0.1:0", "--threads", "1"]
         if node_id:
             cmd += ["--node-id", node_id]
+        if key_file:
+            cmd += ["--key", str(key_file)]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT_DIR,
                                 preexec_fn=_pin(cpus, cgroup_procs))
         self.procs.append(proc)
@@ -303,10 +312,11 @@ def prompt_for(path: Path) -> list[int]:
     return [1, 17, 300, 5000, 20000 % vocab, 70000 % vocab, 100000 % vocab, vocab - 1]
 
 
-def connect(control: LoopThread, path: Path, addresses: Sequence[str], weights, sync: str) -> ClusterRunner:
+def connect(control: LoopThread, path: Path, addresses: Sequence[str], weights, sync: str,
+            key: bytes | None = None) -> ClusterRunner:
     mf = gguf.open_model(path)
-    return control.run(ClusterRunner.connect(mf, list(addresses), ctx=CTX, weights=weights, sync=sync, threads=1),
-                       timeout=600)
+    return control.run(ClusterRunner.connect(mf, list(addresses), ctx=CTX, weights=weights, sync=sync, threads=1,
+                                             key=key), timeout=600)
 
 
 def ensure_1b() -> Path:
@@ -638,6 +648,90 @@ def section_memory(args, control: LoopThread) -> str:
     return "\n".join(out)
 
 
+# =========================================================================== section: seal
+
+
+def seal_micro(dim: int, layers: int, sync: str, reps: int = 2000) -> tuple[float, float]:
+    """(sealed, plain) CPU microseconds to encode and decode one decode token's frames on one link.
+
+    One token on one link is a STEP, 2·L PARTIAL, 2·L REDUCED and a LOGITS frame; each is
+    encoded (sealed) by its sender and decoded (opened) by its receiver over a socketpair.
+    """
+    from edgetp.net import frames  # noqa: PLC0415
+
+    payload = bytes(4 * dim if sync == "f32" else dim // 32 * 34)
+    per_token = 4 * layers + 2
+
+    def run(cipher_pair) -> float:
+        a, b = socket.socketpair()
+        try:
+            tx, rx = cipher_pair
+            buf = bytearray(len(payload) + 256)
+            t0 = time.thread_time()
+            for _ in range(reps):
+                frames.send_frame(a, frames.FrameType.PARTIAL, {}, payload, tx)
+                _, buf = frames.recv_frame(b, buf, frames.MAX_FRAME, rx)
+            return (time.thread_time() - t0) / reps * per_token * 1e6
+        finally:
+            a.close()
+            b.close()
+
+    key = bytes(range(32))
+    return run((frames.Cipher(key), frames.Cipher(key))), run((None, None))
+
+
+def section_seal(args, control: LoopThread) -> str:
+    path, label = SMOLLM2, "SmolLM2-135M Q4_1"
+    cfg = gguf.open_model(path).config
+    dim, L = cfg.dim, cfg.n_layers
+    rounds = 1 if args.quick else args.rounds
+    out = ["## 5. Sealed data links: cost per decode token\n",
+           f"{label} (dim {dim}, {L} layers): one decode token moves 4·L + 2 = {4 * L + 2} frames on each "
+           "root↔worker link, each 16 bytes longer when sealed (the Poly1305 tag; the prefix stays in clear "
+           "as associated data). CPU: `thread_time` of encoding+sending and receiving+decoding those frames "
+           "over a socketpair in one thread, sealed vs plain, so it is the sum over both ends of the link. "
+           f"Decode: root on core 0, one worker on core 1, weights [1, 1], {args.tokens} tokens, "
+           f"{rounds} round(s) alternating keyless (plain) and keyed (sealed); best round.\n"]
+    rows = []
+    for sync in ("f32", "q8_0"):
+        sealed, plain = seal_micro(dim, L, sync)
+        rows.append([sync, f"{16 * (4 * L + 2):,}", f"{plain:.0f}", f"{sealed:.0f}", f"**{sealed - plain:.0f}**"])
+    out.append(table(["sync", "extra bytes per token per link", "codec µs/token plain", "codec µs/token sealed",
+                      "sealing µs/token"], rows))
+    key_dir = Path(tempfile.mkdtemp(prefix="edgetp-bench-key-"))
+    key_file = key_dir / "cluster.key"
+    from edgetp.net import auth  # noqa: PLC0415
+    key = auth.write_key(key_file)
+    rows = []
+    try:
+        with Procs() as procs:
+            _, plain_addr = procs.worker(cpus={1}, node_id="w-plain")
+            _, keyed_addr = procs.worker(cpus={1}, node_id="w-sealed", key_file=key_file)
+            prompt = prompt_for(path)
+            for sync in ("f32", "q8_0"):
+                runs: dict[str, list[Decode]] = {"plain (no key)": [], "sealed (--key)": []}
+                for _ in range(rounds):
+                    for name, addr, k in (("plain (no key)", plain_addr, None), ("sealed (--key)", keyed_addr, key)):
+                        runner = connect(control, path, [addr], [1, 1], sync, key=k)
+                        try:
+                            decode(runner, prompt, 2, args.limit)
+                            runs[name].append(decode(runner, prompt, args.tokens, args.limit))
+                        finally:
+                            runner.close()
+                for name, ds in runs.items():
+                    best = max(ds, key=lambda d: d.tok_s)
+                    down = statistics.mean(sum(v.sent for v in t.links.values()) for t in best.toks)
+                    up = statistics.mean(sum(v.received for v in t.links.values()) for t in best.toks)
+                    rows.append([sync, name, f"{down:,.0f}", f"{up:,.0f}", f"{best.tok_s:.2f}",
+                                 f"{1e6 / best.tok_s:,.0f}"])
+    finally:
+        key_file.unlink(missing_ok=True)
+        key_dir.rmdir()
+    out.append("\n" + table(["sync", "link", "bytes down / token (measured)", "bytes up / token (measured)",
+                              "tok/s best", "µs per token"], rows))
+    return "\n".join(out)
+
+
 # =========================================================================== main
 
 
@@ -707,7 +801,7 @@ def local_child(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="SmolLM2 only, small token counts")
-    ap.add_argument("--section", action="append", choices=["bytes", "scaling", "hetero", "memory"],
+    ap.add_argument("--section", action="append", choices=["bytes", "scaling", "hetero", "memory", "seal"],
                     help="run only this section (repeatable)")
     ap.add_argument("--tokens", type=int, default=None, help="decode tokens per measurement")
     ap.add_argument("--bytes-tokens", type=int, default=None, help="decode tokens for the bytes section")
@@ -725,7 +819,7 @@ def main(argv: list[str] | None = None) -> int:
         args.tokens = 12 if args.quick else 32
     if args.bytes_tokens is None:
         args.bytes_tokens = 6 if args.quick else 8
-    args.sections = args.section or ["bytes", "scaling", "hetero", "memory"]
+    args.sections = args.section or ["bytes", "scaling", "hetero", "memory", "seal"]
     quant.set_threads(1)
     if args.local_child:  # pinned (and cgrouped) by the parent
         return local_child(args)
@@ -739,7 +833,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.sections:
             t0 = time.perf_counter()
             text = {"bytes": section_bytes, "scaling": section_scaling, "hetero": section_hetero,
-                    "memory": section_memory}[name](args, control)
+                    "memory": section_memory, "seal": section_seal}[name](args, control)
             parts.append(text + f"\n_(section took {time.perf_counter() - t0:.0f} s)_\n")
             print(f"[bench_parallel] section {name} done in {time.perf_counter() - t0:.0f} s",
                   file=sys.stderr, flush=True)

@@ -172,3 +172,24 @@ async def test_a_node_forwards_with_its_own_key_proof_and_stops_a_forwarding_loo
         assert (await post(s, member))[0] == 401  # the member checks the caller before it forwards
         status, body, _ = await post(s, member, headers={"Authorization": f"Bearer {TOKEN}", "X-Edgetp-Hops": "2"})
         assert status == 508 and body["error"]["code"] == "forward_loop"
+
+
+async def test_a_watcher_of_a_node_that_is_not_the_root_sees_the_roots_tokens(node):
+    from edgetp.serve import events  # noqa: PLC0415
+
+    key = auth.generate_key()
+    root = await node(key=key, tokens=(TOKEN,))
+    member = await node("127.0.0.1", key=key, route=lambda: root)
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        async with s.ws_connect(member + "/v1/events") as ws:  # loopback: no credentials needed at the member
+            first = events.from_dict(await ws.receive_json(timeout=10))
+            assert isinstance(first, events.ClusterView)
+            status, answer, _ = await post(s, member)  # forwarded to the root, which makes the tokens
+            assert status == 200
+            tokens = []
+            while len(tokens) < answer["usage"]["completion_tokens"]:
+                record = events.from_dict(await ws.receive_json(timeout=10))
+                if isinstance(record, events.TokenRecord):
+                    tokens.append(record)
+    assert {t.request_id for t in tokens} == {answer["id"]}
+    assert "".join(t.text for t in tokens) == answer["choices"][0]["text"]

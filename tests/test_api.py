@@ -446,3 +446,27 @@ async def test_the_event_websocket_sends_a_snapshot_then_one_token_record_per_ge
     assert "".join(t.text for t in tokens) == answer["choices"][0]["text"]
     assert all(t.total_ms > 0 and t.sync_ms == 0 and t.compute_ms == t.total_ms for t in tokens)
     assert records[-1].completion_tokens == 9 and records[-1].finish_reason == "length"
+
+
+async def test_a_node_that_cannot_plan_answers_503_saying_why_and_the_next_request_is_tried_afresh(server, stories):
+    url, engine = server
+    mf, tok = stories
+    cause = ["no plan fits: node pi-3 has 12 MB free, its smallest share needs 40 MB"]
+
+    async def between():  # what the daemon's re-plan does before each request
+        if cause:
+            raise RuntimeError(cause[0])
+
+    engine.between = between
+    body = {"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 5, "temperature": 0}
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        async with s.post(url + "/v1/completions", json=body) as r:
+            answer = await r.json()
+            assert r.status == 503 and r.headers["Retry-After"].isdigit()
+            assert answer["error"]["code"] == "unavailable" and "pi-3 has 12 MB free" in answer["error"]["message"]
+        assert engine.health() is not None
+        cause.clear()
+        async with s.post(url + "/v1/completions", json=body) as r:
+            assert r.status == 200
+            assert (await r.json())["choices"][0]["text"] == direct(mf, tok, tok.encode("Once upon a time", add_special=True), 5)[0]
+    assert engine.health() is None

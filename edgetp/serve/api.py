@@ -40,7 +40,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from edgetp.model.chat import ChatTemplateError
 from edgetp.net import httpauth
 from edgetp.serve import events, openai_shape as shape
-from edgetp.serve.root import Engine, EngineClosed, GenerationFailed, Job, QueueFull, Request, local_view
+from edgetp.serve.root import (Engine, EngineClosed, GenerationFailed, Job, QueueFull, Request, Unavailable,
+                               local_view)
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +157,9 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except QueueFull as exc:
         return ApiError(429, str(exc), type="requests", code="rate_limit_exceeded",
                         headers={"Retry-After": str(exc.retry_after)}).response()
+    except Unavailable as exc:  # no plan could be made, not even alone: the next request tries afresh
+        return ApiError(503, str(exc), type="server_error", code="unavailable",
+                        headers={"Retry-After": "5"}).response()
     except EngineClosed as exc:
         return ApiError(503, str(exc), type="server_error", code="shutting_down").response()
     except GenerationFailed as exc:
@@ -286,8 +290,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     opts = shape.options(body, engine.model_name, chat=True)
     messages = shape.messages(body.get("messages"))
     tok = engine.tokenizer
-    try:
-        text, ids = tok.encode_chat(messages)
+    try:  # a body may be up to 1 MiB of text: tokenise off the event loop
+        text, ids = await asyncio.to_thread(tok.encode_chat, messages)
     except ChatTemplateError as exc:
         raise ApiError(400, f"the model's chat template refused these messages: {exc}", param="messages") from None
     return await _complete(request, "chat", ids, text, opts)
@@ -299,7 +303,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     body = await shape.json_body(request)
     opts = shape.options(body, engine.model_name, chat=False)
-    text, ids = shape.prompt(body.get("prompt"), engine.tokenizer)
+    text, ids = await asyncio.to_thread(shape.prompt, body.get("prompt"), engine.tokenizer)
     return await _complete(request, "text", ids, text, opts)
 
 
@@ -370,10 +374,17 @@ async def cluster(request: web.Request) -> web.Response:
 
 
 async def events_ws(request: web.Request) -> web.WebSocketResponse:
-    """A snapshot of the cluster, then every token, request and cluster record as one JSON message each."""
+    """A snapshot of the cluster, then every token, request and cluster record as one JSON message each.
+
+    Tokens are made on the root: a node that is not the root relays the root's stream (proving
+    the cluster key to it), so a dashboard pointed at any node sees every token.
+    """
     ws = web.WebSocketResponse(heartbeat=30)
     await ws.prepare(request)
     request.app[SOCKETS].add(ws)
+    if (root := _root_url(request.app)) is not None:
+        await _relay(request.app, ws, root)
+        return ws
     sub = request.app[ENGINE].bus.subscribe()  # before the snapshot, so nothing falls between
     try:
         await ws.send_str(shape.dumps(events.to_dict(request.app[CLUSTER_VIEW]())))
@@ -385,6 +396,49 @@ async def events_ws(request: web.Request) -> web.WebSocketResponse:
     finally:
         sub.close()
     return ws
+
+
+def _root_url(app: web.Application) -> str | None:
+    """The root's base URL when another node is the root, else None (we are, or none is elected)."""
+    if app[ROUTE] is None:
+        return None
+    try:
+        return app[ROUTE]()
+    except NoRoot:
+        return None
+
+
+async def _relay(app: web.Application, ws: web.WebSocketResponse, root: str) -> None:
+    """Pass the root's event stream to our watcher until either side closes; then close, so the
+    watcher reconnects (and finds the new root, if it changed)."""
+    why = "the root's event stream ended"
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as session:
+            headers = await httpauth.proven_headers(session, root, app[KEY], "GET", "/v1/events") \
+                if app[KEY] is not None else {}
+            async with session.ws_connect(root + "/v1/events", headers=headers, heartbeat=30) as up:
+                async def pump() -> None:
+                    async for msg in up:
+                        if msg.type == aiohttp.WSMsgType.TEXT:
+                            await ws.send_str(msg.data)
+
+                async def watcher_leaves() -> None:
+                    async for _ in ws:
+                        pass
+
+                tasks = [asyncio.create_task(pump()), asyncio.create_task(watcher_leaves())]
+                try:
+                    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for t in tasks:
+                        t.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
+    except (aiohttp.ClientError, httpauth.ProofError, ConnectionResetError) as exc:
+        why = f"the root at {root} gave no event stream: {exc}"
+        with contextlib.suppress(ConnectionResetError):
+            await ws.send_str(shape.dumps(events.to_dict(events.ClusterEvent("error", why))))
+    if not ws.closed:
+        await ws.close(code=WSCloseCode.GOING_AWAY, message=why.encode()[:120])
 
 
 async def _forward(ws: web.WebSocketResponse, sub: Any) -> None:

@@ -355,7 +355,7 @@ class Roles:
 
     def view(self) -> events.ClusterView:
         runner = self.engine.runner
-        if isinstance(runner, ClusterRunner):
+        if isinstance(runner, ClusterRunner) and self.membership.leader == self.node_id:  # not a lost lead's plan
             return self._with_transfers(cluster_view(runner, self.opts.model_name))
         leader = self.membership.leader
         nodes = [events.NodeView(self.node_id, "local", "root" if leader == self.node_id else "worker", "ready",

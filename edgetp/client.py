@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 
 import aiohttp
 
-from edgetp.cluster.discovery import browse
+from edgetp.cluster.discovery import browse, signature_error
 from edgetp.cluster.membership import http_url
 from edgetp.net import auth
 from edgetp.net.httpauth import Credentials, ProofError
@@ -44,7 +44,8 @@ async def find_url(url: str | None, key: bytes | None, seconds: float = 2.0,
     if url:
         return url.rstrip("/")
     found = await browse(seconds, interfaces)
-    nodes = [n for n in found if key is None or n.cluster_id == auth.cluster_id(key)]
+    nodes = [n for n in found if key is None or (n.cluster_id == auth.cluster_id(key) and
+                                              signature_error(key, n) is None)]  # no forged adverts
     if found and not nodes:
         raise KeyRefused(f"found {len(found)} edgetp node(s), none in the cluster of this key")
     if not nodes:

@@ -3,13 +3,16 @@ the partial sums each shard hands to reduce, and logits, token after token."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 import numba
 import numpy as np
 import pytest
 
 from gguf import GGMLQuantizationType as QT
 
-from edgetp.model import decode, gguf, llama, quant
+from edgetp.model import decode, gguf, llama, ops, quant
 from tools import synth_gguf
 
 PROMPT = [1, 17, 42, 99, 7]
@@ -133,3 +136,43 @@ def test_the_plan_keeps_no_reference_to_a_returned_hidden_state(mixed_path):
     shard.forward(llama.embed(mf, [6]), 1)
     assert np.array_equal(a, keep)
     assert isinstance(shard._plans[quant.int8_decode()], decode.Plan)
+
+
+def _attention_reference(q, kc, vc, pos, group):
+    """One token's attention in plain float32 steps, in the order the kernel promises:
+    each score one chain over the head dimension, softmax sums and each output value one
+    chain over positions, e**x from the C library's expf (what numba's math.exp calls)."""
+    expf = ctypes.CDLL(ctypes.util.find_library("m")).expf
+    expf.restype, expf.argtypes = ctypes.c_float, [ctypes.c_float]
+    n_kv, _, hd = kc.shape
+    out = np.empty_like(q)
+    scale = np.float32(1.0 / np.sqrt(np.float64(hd)))
+    for h in range(n_kv * group):
+        k, v, qh = kc[h // group, : pos + 1], vc[h // group, : pos + 1], q[0, h * hd : (h + 1) * hd]
+        acc = np.zeros(pos + 1, np.float32)
+        for d in range(hd):
+            acc = acc + qh[d] * k[:, d]
+        scores = acc * scale
+        e = np.array([expf(float(s - scores.max())) for s in scores], np.float32)
+        total = np.float32(0.0)
+        for x in e:
+            total = np.float32(total + x)
+        p = e * (np.float32(1.0) / total)
+        o = np.zeros(hd, np.float32)
+        for s in range(pos + 1):
+            o = o + p[s] * v[s]
+        out[0, h * hd : (h + 1) * hd] = o
+    return out
+
+
+@pytest.mark.parametrize("pos", [0, 2, 3, 4, 37])  # around the four scores the kernel runs side by side
+@pytest.mark.parametrize("serial", [True, False])
+def test_decode_attention_is_the_canonical_float32_order_bit_for_bit(pos, serial):
+    rng = np.random.default_rng(pos)
+    n_kv, group, hd = 3, 3, 64
+    kc = rng.standard_normal((n_kv, 48, hd)).astype(np.float32)
+    vc = rng.standard_normal((n_kv, 48, hd)).astype(np.float32)
+    q = rng.standard_normal((1, n_kv * group * hd)).astype(np.float32)
+    out = np.empty_like(q)
+    ops.attention(q, kc, vc, pos, group, out, serial)
+    assert np.array_equal(out.view(np.uint32), _attention_reference(q, kc, vc, pos, group).view(np.uint32))

@@ -6,15 +6,17 @@ Root (`ShardServer`): the request must prove the cluster key over the exact
 method, path and query (net/httpauth.py: a single-use nonce from the root,
 no clock), else 403 and nothing else. The shard GGUF (parallel/shardfile.py) is written once per
 (model fingerprint, spec) into the cache dir, its sha256 kept beside it in
-`<name>.sha256`, and served with Range support, `X-Edgetp-Sha256` and
-`X-Edgetp-Fingerprint`. Bytes sent are counted per node (`transfers()`) for
+`<name>.sha256` (both fsynced before and after their rename), and served with Range support,
+`X-Edgetp-Sha256` and `X-Edgetp-Fingerprint`. With `cache_bytes`, older slices are evicted
+after each new one, least recently used first, never one in use (store/slices.py). Bytes sent are counted per node (`transfers()`) for
 the cluster API.
 
 Worker (`fetch_shard`): a signed HEAD learns the source fingerprint and the
 hash; a shard already in the cache under that name is used as it is. Else
 store/download.fetch_url fetches it in a thread (a fresh key proof per request,
 resuming `<name>.part`, sha256-checked, renamed into place only when right),
-while `progress(done, total)` is called on the event loop.
+while `progress(done, total)` is called on the event loop; with `cache_bytes` the cache is
+then trimmed the same way.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from edgetp.model.gguf import ModelFile
 from edgetp.model.llama import ShardSpec
 from edgetp.net import httpauth
 from edgetp.parallel.shardfile import check_spec, shard_name, write_shard
+from edgetp.store import slices
 from edgetp.store.download import fetch_url
 from edgetp.store.errors import DownloadError, DownloadInterrupted
 
@@ -108,9 +111,11 @@ class ShardServer:
 
     chunk = CHUNK  # bytes per read and write of a response body
 
-    def __init__(self, mf: ModelFile, key: bytes, cache_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, mf: ModelFile, key: bytes, cache_dir: str | os.PathLike[str],
+                 cache_bytes: int | None = None) -> None:
         self.mf, self._key = mf, key
         self.cache_dir = Path(cache_dir)
+        self.cache_bytes = cache_bytes  # None: keep every slice
         self.gate = httpauth.KeyGate(key)  # replaced by the app's one gate in add_routes
         self._ready: dict[str, CachedShard] = {}
         self._building: dict[str, asyncio.Future[CachedShard]] = {}  # owned here; see close()
@@ -134,6 +139,7 @@ class ShardServer:
         """The shard file of `spec`, written on first use; concurrent callers share one writer."""
         name = shard_name(self.mf.fingerprint, spec)
         if name in self._ready and self._ready[name].path.exists():
+            slices.touch(self._ready[name].path)  # most recently used: evicted last
             return self._ready[name]
         if name not in self._building:
             job = asyncio.ensure_future(asyncio.to_thread(self._build, spec, name))
@@ -164,9 +170,10 @@ class ShardServer:
             digest = sidecar.read_text().strip()
         else:
             digest = _sha256(path)
-            tmp = sidecar.with_name(sidecar.name + ".part")
-            tmp.write_text(digest + "\n")
-            os.replace(tmp, sidecar)
+            slices.write_text_durably(sidecar, digest + "\n")
+        slices.touch(path)
+        if self.cache_bytes is not None:  # shards being written by other jobs are kept, as are open ones
+            slices.evict(self.cache_dir, self.cache_bytes, keep={name, *self._building})
         return CachedShard(path, path.stat().st_size, digest)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -282,7 +289,7 @@ async def shard_info(base_url: str, spec: ShardSpec, key: bytes, *, node_id: str
 
 async def fetch_shard(base_url: str, spec: ShardSpec, key: bytes, cache_dir: str | os.PathLike[str],
                       progress: Progress | None = None, *, node_id: str | None = None,
-                      fingerprint: str | None = None, poll: float = 0.25) -> Path:
+                      fingerprint: str | None = None, poll: float = 0.25, cache_bytes: int | None = None) -> Path:
     """This node's shard file from the root at `base_url`, cached in `cache_dir`.
 
     With `fingerprint` (the root's model fingerprint) a cached shard is returned
@@ -292,10 +299,12 @@ async def fetch_shard(base_url: str, spec: ShardSpec, key: bytes, cache_dir: str
     """
     cache_dir = Path(cache_dir)
     if fingerprint is not None and (cached := cache_dir / shard_name(fingerprint, spec)).exists():
+        slices.touch(cached)
         return cached
     info = await shard_info(base_url, spec, key, node_id=node_id)
     final = cache_dir / shard_name(info.fingerprint, spec)
     if final.exists():  # a file under this name was hash-checked before it got the name
+        slices.touch(final)
         return final
     cache_dir.mkdir(parents=True, exist_ok=True)
     path_qs = f"{SHARD_PATH}?{spec_query(spec, node_id)}"
@@ -313,9 +322,20 @@ async def fetch_shard(base_url: str, spec: ShardSpec, key: bytes, cache_dir: str
         fetch.add_done_callback(_log_outcome)
         raise
     path = fetch.result()
+    await asyncio.to_thread(_settle, path, cache_bytes)
     if progress is not None:
         progress(info.size, info.size)
     return path
+
+
+def _settle(path: Path, cache_bytes: int | None) -> None:
+    """(in a thread) A fetched slice on disk for good (store/download renames it without fsync), then
+    the cache trimmed to its cap around it."""
+    slices.fsync_file(path)
+    slices.fsync_dir(path.parent)
+    slices.touch(path)
+    if cache_bytes is not None:
+        slices.evict(path.parent, cache_bytes, keep={path.name})
 
 
 def _log_outcome(fetch: asyncio.Future[Path]) -> None:

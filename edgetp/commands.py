@@ -295,6 +295,7 @@ def worker(args: argparse.Namespace) -> int:
 
 def serve(args: argparse.Namespace) -> int:
     from edgetp import config, daemon  # noqa: PLC0415
+    from edgetp.cluster import sdnotify  # noqa: PLC0415
 
     flags = {name: getattr(args, name) for name in ("model", "key_file", "data_port", "node_id", "priority",
                                                     "no_root", "interfaces", "peers", "threads", "sync", "ctx")}
@@ -308,7 +309,9 @@ def serve(args: argparse.Namespace) -> int:
     key = auth.read_key(settings.key_file) if settings.key_file else None
     if settings.model == "none" and (key is None or args.workers):
         raise WorkerError("--model none (fetch a slice from the root) needs a cluster: --key FILE and no --workers")
-    path = None if settings.model == "none" else store.resolve(settings.model, pull_missing=True)
+    notifier = sdnotify.Notifier()
+    with notifier.extending(status=f"getting model {settings.model}"):  # a first pull can outlast a start timeout
+        path = None if settings.model == "none" else store.resolve(settings.model, pull_missing=True)
     opts = daemon.ServeOptions(
         model_path=path, model_name=path.stem if str(settings.model).endswith(".gguf") else settings.model,
         host=settings.host, port=settings.http_port, workers=tuple(args.workers),
@@ -319,9 +322,16 @@ def serve(args: argparse.Namespace) -> int:
         else config.persistent_node_id(config.state_dir(os.environ, Path(settings.cache_dir))),
         priority=settings.priority,
         no_root=settings.no_root, interfaces=tuple(settings.interfaces), peers=settings.peer_addresses,
-        shard_dir=Path(settings.cache_dir) / "shards", api_tokens=settings.api_tokens)
+        shard_dir=Path(settings.cache_dir) / "shards", api_tokens=settings.api_tokens,
+        max_memory=settings.max_memory_mb << 20 if settings.max_memory_mb else None,
+        slice_cache=settings.slice_cache_mb << 20)
+
+    def reload() -> int | None:  # SIGHUP: the memory cap from the settings as they are now
+        cap = config.load_settings(flags, os.environ, args.config).max_memory_mb
+        return cap << 20 if cap else None
     try:
-        daemon.run(opts, on_listening=lambda url: print(f"edgetp serving on {url}", flush=True))
+        daemon.run(opts, on_listening=lambda url: print(f"edgetp serving on {url}", flush=True),
+                   notifier=notifier, reload=reload)
     except (OSError, ExceptionGroup) as exc:  # in a cluster the ports open inside a TaskGroup
         if (err := _os_error(exc)) is None:
             raise

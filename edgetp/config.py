@@ -110,6 +110,8 @@ class Settings:
     sync: str = "f32"                       # all-reduce payload: "f32" or "q8_0"
     ctx: int = 2048                         # context length (KV cache size)
     api_tokens: tuple[str, ...] = ()        # bearer tokens the OpenAI API accepts; () means none needed
+    max_memory_mb: int | None = None        # use at most this much memory for edgetp (runtime included); None: no cap
+    slice_cache_mb: int = 4096              # model slices kept on disk (cache_dir/shards), least recently used out first
     # derived
     peer_addresses: tuple[tuple[str, int], ...] = field(init=False, repr=False, compare=False)
     node_id_given: bool = field(init=False, repr=False, compare=False)  # False: node_id is the host name default
@@ -213,7 +215,7 @@ def _tokens(value: Any) -> tuple[str, ...]:
     return tokens
 
 
-def _threads(value: Any) -> int | None:
+def _threads(value: Any) -> int | None:  # also max_memory_mb: a positive integer or None (unset)
     return None if value is None else _positive(value)
 
 
@@ -223,6 +225,7 @@ CHECKS: dict[str, Callable[[Any], Any]] = {
     "priority": _int, "no_root": _bool, "threads": _threads,
     "cache_dir": _path_or_none, "node_id": _node_id, "peers": _peers,
     "sync": _sync, "ctx": _positive, "api_tokens": _tokens,
+    "max_memory_mb": _threads, "slice_cache_mb": _positive,
 }
 KEYS = tuple(CHECKS)
 
@@ -242,6 +245,7 @@ _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 def _from_env(key: str, text: str) -> Any:
     """An environment string as the Python value the key's check expects."""
     kind = {"data_port": int, "http_port": int, "priority": int, "threads": int, "ctx": int,
+            "max_memory_mb": int, "slice_cache_mb": int,
             "no_root": bool, "interfaces": list, "peers": list, "api_tokens": list}.get(key, str)
     if kind is int:
         try:

@@ -78,6 +78,8 @@ class ServeOptions:
     peers: tuple[tuple[str, int], ...] = ()  # (host, HTTP port) told we are here, where multicast cannot pass
     shard_dir: Path | None = None   # slices written for workers (root) or fetched from the root (worker)
     api_tokens: tuple[str, ...] = ()  # bearer tokens for the OpenAI API (serve/api.py: who may call what)
+    max_memory: int | None = None   # bytes edgetp may use in all (cluster/profile.limit_memory); None: no cap
+    slice_cache: int | None = None  # bytes of slices kept in shard_dir (store/slices.py); None: no cap
 
 
 def cluster_view(runner: ClusterRunner, model: str) -> events.ClusterView:
@@ -127,10 +129,12 @@ class Recovery:
 
 async def serve(opts: ServeOptions, on_listening: Callable[[str], None] | None = None,
                 status: Callable[[str], None] = lambda line: None,
-                on_engine: Callable[[Engine], None] = lambda engine: None) -> None:
+                on_engine: Callable[[Engine], None] = lambda engine: None,
+                on_roles: Callable[[Roles], None] = lambda roles: None) -> None:
     """Build the engine and the API, serve until cancelled, then close every link."""
+    profile.limit_memory(opts.max_memory)
     if opts.cluster:
-        return await serve_cluster(opts, on_listening, status, on_engine)
+        return await serve_cluster(opts, on_listening, status, on_engine, on_roles)
     if opts.model_path is None:
         raise ValueError("only a cluster member (--key, no --workers) can serve without a model")
     if opts.threads:
@@ -166,7 +170,8 @@ def _profile_type(mf: ModelFile | None) -> int:
 
 async def serve_cluster(opts: ServeOptions, on_listening: Callable[[str], None] | None = None,
                         status: Callable[[str], None] = lambda line: None,
-                        on_engine: Callable[[Engine], None] = lambda engine: None) -> None:
+                        on_engine: Callable[[Engine], None] = lambda engine: None,
+                        on_roles: Callable[[Roles], None] = lambda roles: None) -> None:
     if opts.key is None:
         raise ValueError("a cluster needs a key: --key FILE (make one with `edgetp keygen`)")
     if opts.threads:
@@ -183,8 +188,8 @@ async def serve_cluster(opts: ServeOptions, on_listening: Callable[[str], None] 
     shard_dir = opts.shard_dir or store.cache_dir() / "shards"
     worker = Worker(node_id, key=opts.key, threads=opts.threads, model_path=str(mf.path) if mf else None,
                     index_dir=str(opts.index_dir) if opts.index_dir else None, follow_epochs=True,
-                    shard_dir=str(shard_dir))
-    shards = ShardServer(mf, opts.key, shard_dir) if mf else None
+                    shard_dir=str(shard_dir), shard_cache_bytes=opts.slice_cache)
+    shards = ShardServer(mf, opts.key, shard_dir, cache_bytes=opts.slice_cache) if mf else None
     loop = asyncio.get_running_loop()
     bound: asyncio.Future[int] = loop.create_future()
     roles: list[Roles] = []  # set once the HTTP port is known
@@ -211,6 +216,7 @@ async def serve_cluster(opts: ServeOptions, on_listening: Callable[[str], None] 
                                     peers=opts.peers, key=opts.key)
             roles.append(Roles(engine, membership, mf, opts, node_id, ctx, http_port, shards))
             engine.between = roles[0].between
+            on_roles(roles[0])
             engine.recover = Recovery(engine, bus, loop, lambda: membership.epoch, view=roles[0].view)
             if mf is None:
                 log.info("node %s holds no model: it never leads, and fetches its slice from the root", node_id)
@@ -405,15 +411,34 @@ def _view(engine: Engine, mf: ModelFile, model: str) -> Callable[[], events.Clus
 
 
 def run(opts: ServeOptions, on_listening: Callable[[str], None] | None = None,
-        stop_signals: Sequence[int] = (signal.SIGTERM,), notifier: Notifier | None = None) -> None:
+        stop_signals: Sequence[int] = (signal.SIGTERM,), notifier: Notifier | None = None,
+        reload: Callable[[], int | None] | None = None) -> None:
     """asyncio.run(serve(...)): stop signals cancel it like Ctrl-C; systemd hears READY, WATCHDOG, STOPPING.
 
     Until READY (opening the model, profiling, the first kernel compiles) systemd's start timeout is
     extended every few seconds; WATCHDOG=1 pings stop while the engine cannot serve (Engine.health).
+    With `reload` (the settings read again, giving max_memory in bytes), SIGHUP applies a new memory
+    cap: the node measures again and announces it, and the next request is planned under it.
     """
     notifier = notifier or Notifier()
     extender = notifier.extending(status="opening the model and timing the kernels")
     engines: list[Engine] = []
+    roles: list[Roles] = []
+    reloads: set[asyncio.Task] = set()  # owned here: cancelled with the daemon
+
+    async def reloaded() -> None:
+        try:
+            cap = reload()
+        except ValueError as exc:  # a ConfigError: one line naming the file and the key
+            log.error("reload refused, settings unchanged: %s", exc)
+            return
+        profile.limit_memory(cap)
+        log.info("reloaded: max_memory_mb %s", "unset" if cap is None else cap >> 20)
+        for r in roles:
+            try:
+                await r.reprofile()
+            except Exception as exc:  # noqa: BLE001 - the cap holds from the next plan on regardless
+                log.error("re-profile after reload failed: %s", exc)
 
     def listening(url: str) -> None:
         extender.stop()
@@ -429,15 +454,22 @@ def run(opts: ServeOptions, on_listening: Callable[[str], None] | None = None,
         loop = asyncio.get_running_loop()
         for sig in stop_signals:
             loop.add_signal_handler(sig, task.cancel)
+        if reload is not None:
+            def on_hup() -> None:
+                job = loop.create_task(reloaded())
+                reloads.add(job)
+                job.add_done_callback(reloads.discard)
+            loop.add_signal_handler(signal.SIGHUP, on_hup)
         watchdog = asyncio.create_task(notifier.run_watchdog(health=health))
         try:
-            await serve(opts, listening, notifier.status, engines.append)
+            await serve(opts, listening, notifier.status, engines.append, roles.append)
         except asyncio.CancelledError:
             notifier.stopping("leaving the cluster")
             log.info("stopped")
         finally:
-            watchdog.cancel()
-            await asyncio.gather(watchdog, return_exceptions=True)
+            for job in (watchdog, *reloads):
+                job.cancel()
+            await asyncio.gather(watchdog, *reloads, return_exceptions=True)
 
     try:
         asyncio.run(main())

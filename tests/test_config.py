@@ -140,3 +140,20 @@ def test_the_example_config_in_systemd_loads():
     example = Path(__file__).resolve().parent.parent / "systemd" / "edgetp.toml"
     s = load(path=example)
     assert isinstance(s, Settings)
+
+
+def test_memory_cap_and_slice_cache_size_come_from_file_or_environment(tmp_path):
+    s = load()
+    assert s.max_memory_mb is None and s.slice_cache_mb == 4096  # no cap; 4 GiB of slices
+    p = write(tmp_path, "max_memory_mb = 900\nslice_cache_mb = 512\n")
+    assert (load(path=p).max_memory_mb, load(path=p).slice_cache_mb) == (900, 512)
+    s = load(env={"EDGETP_MAX_MEMORY_MB": "700", "EDGETP_SLICE_CACHE_MB": "64"}, path=p)
+    assert (s.max_memory_mb, s.slice_cache_mb) == (700, 64)
+
+
+@pytest.mark.parametrize("text", ["max_memory_mb = 0", "max_memory_mb = -5", 'max_memory_mb = "1G"',
+                                  "slice_cache_mb = 0", "slice_cache_mb = 1.5"])
+def test_a_memory_cap_or_cache_size_that_is_not_a_positive_integer_is_refused(tmp_path, text):
+    key = text.split()[0]
+    with pytest.raises(ConfigError, match=rf"edgetp.toml: {key}: expected"):
+        load(path=write(tmp_path, text + "\n"))

@@ -6,13 +6,22 @@ device will actually do per token:
 weight bytes streamed through `quant.matvec` per second. Free memory comes
 from the kernel's own estimate (MemAvailable), lowered to the room left under
 our cgroup's memory limit (systemd MemoryMax=, a container) where that is less:
-past it the kernel kills us however much the machine has free. It is measured
-after the timing run, so the kernels it compiled are already counted as used.
+past it the kernel kills us however much the machine has free, and to what is left
+of the user's `max_memory_mb` (`limit_memory`) once our runtime is counted.
+
+Free memory is measured in this process after the timing run, the warm-up: the
+Python/numba runtime (about 580 MiB on a Pi, README "Memory") and the kernels it
+compiled are resident by then, so MemAvailable no longer counts them. The runtime
+itself is measured too (`runtime_bytes`: resident memory that no file backs, so not
+the model's mapped pages) and reported with the profile; it is what a cap on the
+whole of edgetp's memory must leave out of the room for a share. Every re-plan
+profiles again, so a node re-measures after its model is loaded and warmed up.
 """
 
 from __future__ import annotations
 
 import time
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,8 +36,9 @@ DEFAULT_ROWS, DEFAULT_COLS = 8192, 2048  # a Llama-3.2-1B FFN projection: 17.8 M
 @dataclass(frozen=True)
 class Profile:
     speed: float      # weight bytes per second through the matvec kernel
-    mem_free: int     # bytes the system could give us without swapping
+    mem_free: int     # bytes we may still allocate for a share: MemAvailable, a cgroup's room, max_memory_mb
     threads: int
+    runtime: int = 0  # bytes resident for the runtime itself when measured (runtime_bytes)
 
 
 def random_weight(qtype: int, rows: int, cols: int, seed: int = 0) -> quant.Weight:
@@ -104,11 +114,50 @@ def cgroup_room(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgr
     return min(rooms) if rooms else None
 
 
-def memory_free(meminfo: str = "/proc/meminfo") -> int:
-    """What this process may still allocate: MemAvailable, or less when a cgroup limit is closer."""
-    room = cgroup_room()
+def runtime_bytes(status: str = "/proc/self/status") -> int:
+    """This process's resident memory that no file backs (RssAnon + RssShmem): the interpreter, numba and
+    its compiled kernels, buffers. Mapped model pages (RssFile) are page cache and not in it."""
+    found = {}
+    with open(status) as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name in ("RssAnon", "RssShmem"):
+                found[name] = int(rest.split()[0]) * 1024
+    if "RssAnon" not in found:
+        raise OSError(f"{status} has no RssAnon line")
+    return sum(found.values())
+
+
+_cap_lock = threading.Lock()
+_cap: int | None = None  # max_memory_mb in bytes; None: no cap of our own
+
+
+def limit_memory(max_bytes: int | None) -> None:
+    """Use at most `max_bytes` for edgetp as a whole (the runtime included); None lifts the cap.
+    Takes effect at the next profile (each re-plan profiles every node again)."""
+    global _cap
+    if max_bytes is not None and max_bytes < 0:
+        raise ValueError(f"a memory cap must be >= 0 bytes, got {max_bytes}")
+    with _cap_lock:
+        _cap = max_bytes
+
+
+def memory_cap() -> int | None:
+    with _cap_lock:
+        return _cap
+
+
+def memory_free(meminfo: str = "/proc/meminfo", runtime: int | None = None) -> int:
+    """What this process may still allocate: MemAvailable, or less when a cgroup limit or the
+    user's cap (less the runtime already resident) is closer."""
     free = mem_available(meminfo)
-    return free if room is None else min(free, room)
+    room = cgroup_room()
+    if room is not None:
+        free = min(free, room)
+    cap = memory_cap()
+    if cap is not None:
+        free = min(free, max(0, cap - (runtime_bytes() if runtime is None else runtime)))
+    return free
 
 
 def profile(threads: int | None = None, seconds: float = 0.5, qtype: int = QT.Q8_0) -> Profile:
@@ -124,4 +173,5 @@ def profile(threads: int | None = None, seconds: float = 0.5, qtype: int = QT.Q8
     w = random_weight(qtype, DEFAULT_ROWS, cols)
     speed = measure_speed(w, seconds=seconds)
     del w  # measured after the run (kernels compiled and loaded), without the timing matrix
-    return Profile(speed, memory_free(), quant.threads())
+    runtime = runtime_bytes()
+    return Profile(speed, memory_free(runtime=runtime), quant.threads(), runtime)

@@ -11,7 +11,7 @@ Units of work, each counted in weight bytes over all layers:
 
 A node's time is the weight bytes it holds divided by its measured speed.
 The plan minimises the largest time under each node's memory cap (weights
-plus the KV cache of its groups plus a fixed overhead). Every family is
+plus the KV cache of its groups plus a fixed overhead, DEFAULT_OVERHEAD). Every family is
 split into contiguous ranges in node order.
 
 How the units are packed (make_plan, equal_plan) lives in packing.py.
@@ -24,7 +24,13 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 SYNC_TYPES = ("f32", "q8_0")
-DEFAULT_OVERHEAD = 64 * 2**20  # runtime, buffers, norms, embeddings slack per node
+# What a node's memory grows by when it loads a share, beyond the share's weights and KV cache.
+# Not the runtime itself (~580 MiB on a Pi, README "Memory"): each node measures its free memory in
+# the running daemon after the profile's warm-up (cluster/profile.py), when the interpreter, numba
+# and the compiled kernels are already resident and no longer in MemAvailable; counting them here
+# again would refuse shares that fit. Measured growth from profile to a loaded, warmed-up whole
+# model (RssAnon, x86-64): 12 MiB for stories260K, 28 MiB for SmolLM2-135M Q4_1.
+DEFAULT_OVERHEAD = 64 * 2**20
 
 Range = tuple[int, int]
 

@@ -88,6 +88,7 @@ class Worker:
     model_path: str | None = None  # our own copy; else the root's path is used
     resolve: Callable[[str], str] = str
     shard_dir: str | None = None  # where fetched slices are cached; None: never fetch
+    shard_cache_bytes: int | None = None  # cap on shard_dir (least recently used out first); None: no cap
     index_dir: str | None = None  # where parsed GGUF headers are kept (fast re-opens)
     follow_epochs: bool = False   # daemon mode: admit roots by EpochState.require (cluster/election.py)
     busy: bool = field(default=False, init=False)
@@ -271,7 +272,7 @@ class _Session:
         latest = [0, 0]
         fetch = asyncio.ensure_future(fetch_shard(
             url, spec, worker.key, worker.shard_dir, lambda done, total: latest.__setitem__(slice(None), [done, total]),
-            node_id=worker.node_id, fingerprint=h["fingerprint"]))
+            node_id=worker.node_id, fingerprint=h["fingerprint"], cache_bytes=worker.shard_cache_bytes))
         try:
             while not fetch.done():
                 await asyncio.wait({fetch}, timeout=PROGRESS_S)

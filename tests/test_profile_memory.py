@@ -1,0 +1,63 @@
+"""What a node offers the planner: its runtime is measured, and `max_memory_mb` caps the free memory offered.
+
+References: the kernel's own /proc figures, and memory this test allocates and touches itself.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgetp.cluster import profile
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def no_cap():
+    yield
+    profile.limit_memory(None)
+
+
+def test_the_runtime_figure_grows_by_what_the_process_allocates_and_not_by_mapped_files(tmp_path):
+    before = profile.runtime_bytes()
+    block = np.ones(64 * MiB, np.uint8)  # 64 MiB, every page touched
+    grown = profile.runtime_bytes() - before
+    assert 62 * MiB <= grown <= 70 * MiB, grown / MiB
+    del block
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\x01" * (32 * MiB))
+    before = profile.runtime_bytes()
+    mapped = np.memmap(path, np.uint8, "r")
+    assert int(mapped.sum(dtype=np.uint64)) == 32 * MiB  # every page read: resident, but file-backed
+    assert profile.runtime_bytes() - before < 8 * MiB
+    del mapped
+
+
+def test_a_cap_below_the_runtime_offers_nothing(no_cap):
+    profile.limit_memory(profile.runtime_bytes() // 2)
+    assert profile.memory_free() == 0
+    assert profile.profile(1, 0.05).mem_free == 0
+
+
+def test_a_cap_offers_what_is_left_of_it_once_the_runtime_is_counted(no_cap):
+    runtime = profile.runtime_bytes()
+    profile.limit_memory(runtime + 300 * MiB)
+    offered = profile.memory_free(runtime=runtime)
+    uncapped = profile.mem_available()
+    assert offered == min(300 * MiB, uncapped, profile.cgroup_room() or uncapped)
+
+
+def test_without_a_cap_the_kernel_figure_is_offered(no_cap):
+    profile.limit_memory(None)
+    got = profile.memory_free()
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    room = profile.cgroup_room()
+    want = available if room is None else min(available, room)
+    assert abs(got - want) < 64 * MiB  # the machine's other processes move MemAvailable between the reads
+
+
+def test_a_negative_cap_is_refused(no_cap):
+    with pytest.raises(ValueError, match="memory cap"):
+        profile.limit_memory(-1)

@@ -1,4 +1,4 @@
-"""Cluster key files, the mutual HMAC handshake and its session keys, and signed HTTP requests.
+"""Cluster key files, the mutual HMAC handshake and its session keys, and HTTP key proofs.
 
 The handshake over real sockets (and the sealed frames after it) is in test_link_security.py.
 """
@@ -17,18 +17,15 @@ from edgetp.net.auth import (
     AuthError,
     Initiator,
     KeyFileError,
-    NonceCache,
     Responder,
     cluster_id,
     generate_key,
     read_key,
-    sign_request,
-    signed_headers,
-    verify_headers,
-    verify_request,
     write_key,
 )
 import msgpack
+
+from edgetp.net.httpauth import Challenges, ProofError, bearer, check, token_ok
 
 KEY = bytes(range(32))
 OTHER = bytes(range(1, 33))
@@ -241,69 +238,63 @@ def test_handshake_steps_out_of_order_fail():
         resp.on_auth({"proof": bytes(32)})
 
 
-# --------------------------------------------------------------------------- HTTP signatures
+# --------------------------------------------------------------------------- HTTP key proofs (net/httpauth.py)
 
 
-def signed(key=KEY, nonce="n" * 16, ts=1000.0, body=b'{"x": 1}'):
-    return dict(method="POST", path="/cluster/join", body=body, nonce=nonce, ts=ts,
-                signature=sign_request(key, "POST", "/cluster/join", body, nonce, ts))
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
 
 
-def test_signed_request_verifies_once_and_its_replay_is_refused():
-    cache = NonceCache()
-    verify_request(KEY, **signed(), cache=cache, now=1001.0)
-    with pytest.raises(AuthError, match="replayed"):
-        verify_request(KEY, **signed(), cache=cache, now=1002.0)
+def written_proof(key, method, path_qs, body, nonce):
+    """The documented proof, written out here rather than taken from the code under test."""
+    parts = [b"edgetp-http-2", method.encode(), path_qs.encode(), hashlib.sha256(body).digest(), nonce.encode()]
+    return hmac.new(key, b"".join(len(p).to_bytes(4, "big") + p for p in parts), hashlib.sha256).hexdigest()
 
 
-def test_stale_and_future_timestamps_are_refused():
-    with pytest.raises(AuthError, match="stale"):
-        verify_request(KEY, **signed(ts=1000.0), cache=NonceCache(), now=1031.0)
-    with pytest.raises(AuthError, match="stale"):
-        verify_request(KEY, **signed(ts=1100.0), cache=NonceCache(), now=1000.0)
+def test_a_proof_is_good_once_for_its_nonce_and_request_and_never_with_another_key():
+    ch = Challenges()
+    n = ch.issue()
+    headers = {"X-Edgetp-Nonce": n, "X-Edgetp-Proof": written_proof(KEY, "POST", "/v1/cluster/peers?x=1", b"{}", n)}
+    for key, method, path, body in ((OTHER, "POST", "/v1/cluster/peers?x=1", b"{}"),
+                                    (KEY, "GET", "/v1/cluster/peers?x=1", b"{}"),
+                                    (KEY, "POST", "/v1/cluster/peers?x=2", b"{}"),
+                                    (KEY, "POST", "/v1/cluster/peers?x=1", b"{ }")):
+        with pytest.raises(ProofError, match="wrong key proof"):
+            check(key, ch, method, path, body, headers)
+    check(KEY, ch, "POST", "/v1/cluster/peers?x=1", b"{}", headers)  # refusals above did not burn the nonce
+    with pytest.raises(ProofError, match="used"):
+        check(KEY, ch, "POST", "/v1/cluster/peers?x=1", b"{}", headers)
 
 
-def test_wrong_key_or_changed_request_is_refused():
-    with pytest.raises(AuthError, match="bad request signature"):
-        verify_request(KEY, **signed(key=OTHER), cache=NonceCache(), now=1000.0)
-    req = signed()
-    for change in ({"body": b'{"x": 2}'}, {"path": "/cluster/leave"}, {"method": "GET"}, {"ts": 1000.5}):
-        with pytest.raises(AuthError, match="bad request signature"):
-            verify_request(KEY, **{**req, **change}, cache=NonceCache(), now=1000.0)
+def test_nonces_expire_by_the_servers_own_clock_and_the_store_stays_bounded():
+    clock = Clock()
+    ch = Challenges(ttl=60, max_size=3, clock=clock)
+    old = ch.issue()
+    clock.t += 61
+    with pytest.raises(ProofError, match="expired"):
+        ch.take(old)
+    first, *rest = [ch.issue() for _ in range(4)]
+    assert len(ch) == 3
+    with pytest.raises(ProofError):  # the oldest outstanding one made room
+        ch.take(first)
+    for n in rest:
+        ch.take(n)
+    with pytest.raises(ProofError):
+        ch.take("never-issued")
 
 
-def test_a_refused_request_does_not_burn_its_nonce():
-    cache = NonceCache()
-    with pytest.raises(AuthError):
-        verify_request(KEY, **signed(key=OTHER), cache=cache, now=1000.0)
-    verify_request(KEY, **signed(), cache=cache, now=1000.0)
+@pytest.mark.parametrize("headers", [{}, {"X-Edgetp-Nonce": "abc"}, {"X-Edgetp-Proof": "00"}])
+def test_missing_proof_headers_are_refused(headers):
+    with pytest.raises(ProofError, match="no key proof"):
+        check(KEY, Challenges(), "GET", "/v1/events", b"", headers)
 
 
-def test_nonce_cache_is_bounded_and_refuses_what_it_has_forgotten():
-    cache = NonceCache(max_size=3)
-    for i in range(5):
-        verify_request(KEY, **signed(nonce=f"nonce-{i:04d}", ts=1000.0 + i), cache=cache, now=1005.0)
-    assert len(cache) == 3
-    with pytest.raises(AuthError, match="older than the replay cache"):  # nonce-0000 was evicted
-        verify_request(KEY, **signed(nonce="nonce-0000", ts=1000.0), cache=cache, now=1005.0)
-    with pytest.raises(AuthError, match="replayed"):
-        verify_request(KEY, **signed(nonce="nonce-0004", ts=1004.0), cache=cache, now=1005.0)
-
-
-def test_signed_headers_verify_against_the_same_request_once():
-    h = signed_headers(KEY, "POST", "/cluster/plan", b"body", now=500.0)
-    cache = NonceCache()
-    verify_headers(KEY, "POST", "/cluster/plan", b"body", h, cache, now=501.0)
-    with pytest.raises(AuthError, match="replayed"):
-        verify_headers(KEY, "POST", "/cluster/plan", b"body", h, cache, now=501.0)
-
-
-@pytest.mark.parametrize("missing", ["X-Edgetp-Nonce", "X-Edgetp-Ts", "X-Edgetp-Signature"])
-def test_missing_or_garbled_signature_headers_are_refused(missing):
-    h = signed_headers(KEY, "GET", "/cluster/state", now=500.0)
-    del h[missing]
-    with pytest.raises(AuthError):
-        verify_headers(KEY, "GET", "/cluster/state", b"", h, NonceCache(), now=500.0)
-    h = {**signed_headers(KEY, "GET", "/cluster/state", now=500.0), "X-Edgetp-Ts": "nan"}
-    with pytest.raises(AuthError, match="timestamp"):
-        verify_headers(KEY, "GET", "/cluster/state", b"", h, NonceCache(), now=500.0)
+def test_bearer_tokens_match_exactly():
+    assert bearer({"Authorization": "Bearer abc"}) == "abc" and bearer({"Authorization": "bearer abc"}) == "abc"
+    assert bearer({"Authorization": "Basic abc"}) is None and bearer({}) is None
+    assert token_ok(("t1-aaaaaaaaaaaaaaaa", "t2-bbbbbbbbbbbbbbbb"), "t2-bbbbbbbbbbbbbbbb")
+    assert not token_ok(("t1-aaaaaaaaaaaaaaaa",), "t1-aaaaaaaaaaaaaaa") and not token_ok(("x" * 16,), None)

@@ -31,7 +31,7 @@ import aiohttp
 from aiohttp import web
 
 from edgetp.cluster.discovery import DiscoveryError, PeerAdvert, parse_txt
-from edgetp.net import auth
+from edgetp.net import httpauth
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +77,11 @@ class PeerEndpoints:
     def __init__(self, key: bytes, me: Callable[[], PeerAdvert], introduce: Callable[[PeerAdvert], None],
                  reprofile: Callable[[], Awaitable[PeerAdvert]]) -> None:
         self._key, self._me, self._introduce, self._reprofile = key, me, introduce, reprofile
-        self._nonces = auth.NonceCache()
+        self.gate = httpauth.KeyGate(key)  # replaced by the app's one gate in add_routes
         self._profiling = asyncio.Lock()
 
     def add_routes(self, app: web.Application) -> None:
+        self.gate = httpauth.gate_of(app, self._key)
         app.router.add_get(NODE_PATH, self.node)
         app.router.add_post(PEERS_PATH, self.peers)
         app.router.add_post(PROFILE_PATH, self.profile)
@@ -109,10 +110,9 @@ class PeerEndpoints:
         return web.json_response(advert.to_txt())
 
     async def _signed(self, request: web.Request) -> bytes:
-        body = await request.read()
         try:
-            auth.verify_headers(self._key, request.method, request.path, body, request.headers, self._nonces)
-        except auth.AuthError as exc:
+            body = await self.gate.verify(request)
+        except httpauth.ProofError as exc:
             log.warning("refused %s %s from %s: %s", request.method, request.path, request.remote, exc)
             raise web.HTTPForbidden(text=f"cluster key required: {exc}\n") from None
         return body
@@ -120,9 +120,14 @@ class PeerEndpoints:
 
 async def signed_post(session: aiohttp.ClientSession, base_url: str, path: str, key: bytes,
                       body: dict | None = None) -> dict:
-    """POST a signed JSON body; the JSON answer. aiohttp.ClientError on refusal or no answer."""
+    """POST a JSON body proving the key (a fresh challenge first); the JSON answer.
+    aiohttp.ClientError on refusal or no answer."""
     data = json.dumps(body or {}).encode()
-    headers = {"Content-Type": "application/json"} | auth.signed_headers(key, "POST", path, data)
+    try:
+        proof = await httpauth.proven_headers(session, base_url, key, "POST", path, data)
+    except httpauth.ProofError as exc:
+        raise aiohttp.ClientError(str(exc)) from None
+    headers = {"Content-Type": "application/json"} | proof
     async with session.post(base_url.rstrip("/") + path, data=data, headers=headers) as resp:
         if resp.status != 200:
             raise aiohttp.ClientResponseError(resp.request_info, resp.history, status=resp.status,

@@ -19,21 +19,17 @@ ChaCha20-Poly1305 key per direction (`session_keys`: HKDF over the cluster
 key, both nonces and T) and every frame after AUTH_OK is sealed with it
 (net/frames.py `Cipher`). `Initiator`/`Responder` are transport-free.
 
-HTTP requests carry a signature over method, path, timestamp, nonce and
-body hash; `NonceCache` refuses a nonce seen before and anything too old
-to be remembered.
+HTTP requests prove the key with a challenge from the server instead
+(net/httpauth.py): no clock in either proof.
 """
 
 from __future__ import annotations
 
 import hashlib
-import heapq
 import hmac
-import math
 import os
 import secrets
 import stat
-import time
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +42,6 @@ from edgetp.net.frames import KEY_BYTES as LINK_KEY_BYTES
 KEY_BYTES = 32
 NONCE_BYTES = 32
 MAX_NODE_ID = 128
-HTTP_WINDOW = 30.0  # seconds a signed request stays valid
-HEADER_NONCE, HEADER_TS, HEADER_SIG = "X-Edgetp-Nonce", "X-Edgetp-Ts", "X-Edgetp-Signature"
 
 
 class AuthError(Exception):
@@ -233,75 +227,3 @@ class Responder:
         self._state = "done"
         to_us, from_us = session_keys(self._key, self._transcript, self._peer_nonce, self._nonce)
         self.keys = (from_us, to_us)
-
-
-# --------------------------------------------------------------------------- HTTP
-
-
-def sign_request(key: bytes, method: str, path: str, body: bytes, nonce: str, ts: float) -> str:
-    """Hex HMAC over method, path, timestamp, nonce and the body's hash."""
-    parts = [b"edgetp-http-v1", method.upper().encode(), path.encode(), repr(float(ts)).encode(),
-             nonce.encode(), hashlib.sha256(body).digest()]
-    msg = b"".join(len(p).to_bytes(4, "big") + p for p in parts)
-    return hmac.new(key, msg, hashlib.sha256).hexdigest()
-
-
-def signed_headers(key: bytes, method: str, path: str, body: bytes = b"", now: float | None = None) -> dict[str, str]:
-    """Headers for a signed cluster HTTP request with a fresh nonce."""
-    ts = time.time() if now is None else now
-    nonce = secrets.token_hex(16)
-    return {HEADER_NONCE: nonce, HEADER_TS: repr(float(ts)),
-            HEADER_SIG: sign_request(key, method, path, body, nonce, ts)}
-
-
-class NonceCache:
-    """Nonces seen recently, at most max_size; anything older than the oldest kept is refused."""
-
-    def __init__(self, max_size: int = 4096) -> None:
-        self.max_size = max_size
-        self._seen: set[str] = set()
-        self._heap: list[tuple[float, str]] = []
-        self.floor = float("-inf")  # newest timestamp forgotten
-
-    def add(self, nonce: str, ts: float) -> None:
-        """Remember a nonce, or raise AuthError if it was seen or cannot be checked."""
-        if nonce in self._seen:
-            raise AuthError("replayed request: nonce already used")
-        if ts <= self.floor:
-            raise AuthError("request older than the replay cache remembers")
-        self._seen.add(nonce)
-        heapq.heappush(self._heap, (ts, nonce))
-        while len(self._heap) > self.max_size:
-            old_ts, old = heapq.heappop(self._heap)
-            self._seen.discard(old)
-            self.floor = max(self.floor, old_ts)
-
-    def __len__(self) -> int:
-        return len(self._seen)
-
-
-def verify_request(key: bytes, method: str, path: str, body: bytes, nonce: str, ts: float, signature: str,
-                   cache: NonceCache, *, now: float | None = None, window: float = HTTP_WINDOW) -> None:
-    """Raise AuthError unless the signature is good, fresh, and its nonce new."""
-    now = time.time() if now is None else now
-    if not (isinstance(nonce, str) and 8 <= len(nonce) <= 128):
-        raise AuthError("missing or malformed request nonce")
-    if not (isinstance(ts, (int, float)) and math.isfinite(ts)):
-        raise AuthError("missing or malformed request timestamp")
-    if abs(now - ts) > window:
-        raise AuthError(f"stale request: timestamp {now - ts:+.1f} s from now, window is {window} s")
-    want = sign_request(key, method, path, body, nonce, ts)
-    if not isinstance(signature, str) or not hmac.compare_digest(signature.encode(), want.encode()):
-        raise AuthError("bad request signature")
-    cache.add(nonce, ts)
-
-
-def verify_headers(key: bytes, method: str, path: str, body: bytes, headers: Any, cache: NonceCache,
-                   *, now: float | None = None, window: float = HTTP_WINDOW) -> None:
-    """verify_request on the headers signed_headers made (any mapping with .get)."""
-    try:
-        ts = float(headers.get(HEADER_TS, ""))
-    except ValueError:
-        raise AuthError("missing or malformed request timestamp") from None
-    verify_request(key, method, path, body, headers.get(HEADER_NONCE), ts, headers.get(HEADER_SIG),
-                   cache, now=now, window=window)

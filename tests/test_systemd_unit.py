@@ -84,3 +84,10 @@ def test_systemd_analyze_verify_accepts_the_unit(tmp_path):
     # verify exits 0 on mere warnings (an unknown key is "ignoring"): any line about our unit fails.
     complaints = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
     assert r.returncode == 0 and not complaints, "\n".join(complaints)
+
+
+def test_the_unit_orders_itself_after_time_sync_and_reloads_with_sighup():
+    cp = parse_unit(UNIT)
+    assert "time-sync.target" in cp["Unit"]["After"].split()
+    assert "time-sync.target" not in cp["Unit"].get("Wants", ""), "ordering only: never pull a sync wait in"
+    assert cp["Service"]["ExecReload"] == "/bin/kill -HUP $MAINPID"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from dataclasses import replace
 
 import numba
 import numpy as np
@@ -60,16 +61,21 @@ def int8(request, monkeypatch):
     return request.param == "1"
 
 
-def _run(mf, spec, fast: bool, flip_at: int | None = None, monkeypatch=None):
+def _run(mf, spec, fast: bool, flip_at: int | None = None, monkeypatch=None, biases: bool = False):
     """Prefill PROMPT, then decode DECODE one token at a time; every forward output, every
     partial handed to reduce and every logits row, as uint32 bits."""
     seen: list[np.ndarray] = []
+    w = llama.load_weights(mf, spec)
+    if biases:  # q/k/v biases as qwen2 has them
+        rng = np.random.default_rng(3)
+        bias = lambda m: rng.standard_normal(m.rows).astype(np.float32)  # noqa: E731
+        w = replace(w, layers=tuple(replace(x, bq=bias(x.wq), bk=bias(x.wk), bv=bias(x.wv)) for x in w.layers))
 
     def reduce(partial):
         seen.append(partial.copy().view(np.uint32))
         partial *= np.float32(1.5)  # a stand-in for the other shards' sum: the result must flow on
 
-    shard = llama.Shard(llama.load_weights(mf, spec), ctx=64, reduce=reduce, fast_decode=fast)
+    shard = llama.Shard(w, ctx=64, reduce=reduce, fast_decode=fast)
     shard.forward(llama.embed(mf, PROMPT), 0)
     for i, t in enumerate(DECODE):
         if i == flip_at:
@@ -79,9 +85,9 @@ def _run(mf, spec, fast: bool, flip_at: int | None = None, monkeypatch=None):
     return seen, shard
 
 
-def _same(mf, spec=None):
-    fast, shard = _run(mf, spec, True)
-    slow, _ = _run(mf, spec, False)
+def _same(mf, spec=None, biases=False):
+    fast, shard = _run(mf, spec, True, biases=biases)
+    slow, _ = _run(mf, spec, False, biases=biases)
     assert len(fast) == len(slow)
     for i, (a, b) in enumerate(zip(fast, slow)):
         assert a.shape == b.shape and np.array_equal(a, b), f"record {i} differs"
@@ -104,6 +110,10 @@ def test_mixed_type_model_decodes_bit_identical_to_the_per_op_path(mixed_path, t
     assert len(types) == 9  # the file really mixes them
     shard = _same(mf)
     assert (_integer_products(shard) > 0) == (int8 and quant.intdot.available(int(QT.Q5_0)))
+
+
+def test_q_k_v_biases_decode_bit_identical_to_the_per_op_path(mixed_path, int8):
+    _same(gguf.open_model(mixed_path), biases=True)
 
 
 @pytest.mark.parametrize("spec", [((1, 2), (256, 512), (0, 320)), ((0, 0), (0, 96), (320, 640)),

@@ -7,7 +7,7 @@ Orange Pi. Every list is deterministic.
 
 from __future__ import annotations
 
-from edgetp.serve.events import ClusterEvent, ClusterView, LinkBytes, NodeView, RequestRecord, TokenRecord
+from edgetp.events import ClusterEvent, ClusterView, LinkBytes, NodeView, RequestRecord, TokenRecord
 
 from .state import ConnectionStatus
 

@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Iterable, Protocol, Sequence
 import aiohttp
 
 from edgetp.net.httpauth import Credentials, ProofError
-from edgetp.serve.events import EventError, from_dict
+from edgetp.events import EventError, from_dict
 
 from .state import ConnectionStatus, Notice
 

@@ -1,6 +1,6 @@
 """What the dashboard knows: one frozen value, folded from records by `apply`.
 
-Records are the API's event records (`edgetp.serve.events`) plus a few the
+Records are the API's event records (`edgetp.events`) plus a few the
 dashboard makes itself: the connection status of its source, the prompt it
 asked and the answer streaming back, notices, and a cleared log. `apply` is
 pure, so the whole screen is a function of the records seen so far.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Union
 
-from edgetp.serve.events import NODE_STATES, ROLES, ClusterEvent, ClusterView, NodeView, RequestRecord, TokenRecord
+from edgetp.events import NODE_STATES, ROLES, ClusterEvent, ClusterView, NodeView, RequestRecord, TokenRecord
 
 HISTORY = 120  # tokens kept for the charts
 LOG_SIZE = 200  # event log entries kept

@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 from textual.widget import Widget
 
-from edgetp.serve.events import NodeView
+from edgetp.events import NodeView
 
 from .charts import columns, fmt_bytes, fmt_ms, nice_top, sparkline, with_axis
 from .state import DashboardState

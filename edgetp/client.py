@@ -19,7 +19,7 @@ from edgetp.cluster.discovery import browse, signature_error
 from edgetp.cluster.membership import http_url
 from edgetp.net import auth
 from edgetp.net.httpauth import Credentials, ProofError
-from edgetp.serve import events
+from edgetp import events
 
 
 class ClientError(Exception):

@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edgetp.events import NODE_ID_RE
+
 DEFAULT_CONFIG_PATH = Path("/etc/edgetp/edgetp.toml")
 ENV_PREFIX = "EDGETP_"
 # EDGETP_ variables that are not settings (read elsewhere): not reported as unknown.
 OTHER_ENV = frozenset({"EDGETP_CONFIG", "EDGETP_LINK_MODE", "EDGETP_URL", "EDGETP_API_KEY",  # clients
                        "EDGETP_INT8", "EDGETP_ISA"})  # the kernels (edgetp.model.quant, edgetp.model.isa)
-# A node id is one DNS label (it names the mDNS service instance): no dots.
-NODE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
 SYNC_TYPES = ("f32", "q8_0")
 
 

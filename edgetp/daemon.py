@@ -45,7 +45,7 @@ from edgetp.net import auth
 from edgetp.net.link import LinkClosed
 from edgetp.parallel.plan import PlanError
 from edgetp.parallel.runner import ClusterRunner, WorkerLost
-from edgetp.serve import events
+from edgetp import events
 from edgetp.serve.backoff import Backoff
 from edgetp.serve.api import NoRoot, make_app, run_api, serving
 from edgetp.serve.root import Engine, EventBus, local_view

@@ -3,12 +3,20 @@
 These are the records of `GET /v1/events` (one JSON object per message) and
 the view the dashboard renders. Frozen values with plain-dict round trips;
 `from_dict` validates, because the records cross a network.
+
+The schema sits below every layer that speaks it (membership, serving, the
+dashboard, settings), so none of them imports another to share it; the
+node id rule lives here for the same reason.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+# A node id is one DNS label (it names the mDNS service instance): no dots.
+NODE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
 
 CLUSTER_EVENTS = ("join", "leave", "election", "replan", "transfer", "profile", "error")
 NODE_STATES = ("ready", "loading", "lost", "foreign")

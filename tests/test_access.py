@@ -175,7 +175,7 @@ async def test_a_node_forwards_with_its_own_key_proof_and_stops_a_forwarding_loo
 
 
 async def test_a_watcher_of_a_node_that_is_not_the_root_sees_the_roots_tokens(node):
-    from edgetp.serve import events  # noqa: PLC0415
+    from edgetp import events  # noqa: PLC0415
 
     key = auth.generate_key()
     root = await node(key=key, tokens=(TOKEN,))

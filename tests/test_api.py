@@ -24,7 +24,7 @@ from edgetp.model import gguf
 from edgetp.model.generate import LocalRunner, generate
 from edgetp.model.sampling import SamplingParams
 from edgetp.model.tokenizer import Tokenizer
-from edgetp.serve import events
+from edgetp import events
 from edgetp.serve.api import make_app, serving
 from edgetp.serve.root import Engine
 

@@ -20,7 +20,7 @@ from dashboard.source import AskError, HttpAsker, ScriptedAsker, ScriptedSource,
 from dashboard.state import (AskChunk, AskFinished, AskStarted, ClearLog, ConnectionStatus, DashboardState,
                              apply)
 from dashboard.widgets import EventLog, GenerationView, NodesTable, StatusBar
-from edgetp.serve.events import ClusterEvent, LinkBytes, RequestRecord, TokenRecord, to_dict
+from edgetp.events import ClusterEvent, LinkBytes, RequestRecord, TokenRecord, to_dict
 
 SIZE = (140, 44)
 

@@ -43,7 +43,7 @@ from zeroconf import get_all_addresses
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
 from edgetp.cluster.election import Ballot
-from edgetp.config import NODE_ID_RE
+from edgetp.events import NODE_ID_RE
 from edgetp.net.auth import cluster_id as cluster_id_of
 from edgetp.net.frames import PROTOCOL_VERSION
 

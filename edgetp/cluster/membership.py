@@ -37,7 +37,7 @@ from edgetp.cluster import peering
 from edgetp.cluster.discovery import Discovery, DiscoveryError, Joined, Left, Peer, PeerAdvert, PeerTable, \
     Updated, ballot_of, sign
 from edgetp.cluster.election import Elector, Term
-from edgetp.serve import events
+from edgetp import events
 
 log = logging.getLogger(__name__)
 

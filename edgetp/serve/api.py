@@ -39,7 +39,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from edgetp.model.chat import ChatTemplateError
 from edgetp.net import httpauth
-from edgetp.serve import events, openai_shape as shape
+from edgetp import events
+from edgetp.serve import openai_shape as shape
 from edgetp.serve.root import (Engine, EngineClosed, GenerationFailed, Job, QueueFull, Request, Unavailable,
                                local_view)
 

@@ -33,7 +33,7 @@ from edgetp.cluster.profile import mem_available
 from edgetp.model.generate import TokenEvent, generate
 from edgetp.model.sampling import SamplingParams
 from edgetp.model.tokenizer import Tokenizer
-from edgetp.serve import events
+from edgetp import events
 
 log = logging.getLogger(__name__)
 

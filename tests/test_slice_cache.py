@@ -16,8 +16,9 @@ import pytest
 
 from edgetp.model import gguf, llama
 from edgetp.parallel.shardfile import shard_name, write_shard
-from edgetp.serve.weights import ShardServer
+from edgetp.serve.weights import ShardServer, fetch_shard
 from edgetp.store import slices
+from tests.test_weights_transfer import KEY, start_root
 
 SPECS = [llama.ShardSpec((0, 1), (0, 96), (0, 200)), llama.ShardSpec((1, 2), (96, 160), (200, 400)),
          llama.ShardSpec((2, 3), (160, 224), (400, 600)), llama.ShardSpec((0, 3), (0, 224), (0, 600))]
@@ -110,3 +111,26 @@ def test_a_root_keeps_its_slice_cache_under_the_cap_and_keeps_the_one_it_serves(
     during, after = asyncio.run(scenario())
     assert during == sorted([names[0], names[0] + ".sha256", names[1], names[1] + ".sha256"])
     assert after == [names[2], names[2] + ".sha256"]
+
+
+def test_a_worker_fetch_trims_its_cache_and_keeps_the_slice_it_fetched(tiny, tmp_path):
+    """fetch_shard from a real ShardServer on loopback, into a worker cache holding an older slice."""
+    worker_cache = tmp_path / "worker"
+    worker_cache.mkdir()
+    old = fill(tiny, worker_cache)[:1]  # one older slice (and three more) in the worker's cache
+    keep_open = open(old[0], "rb")  # noqa: SIM115 - the worker is still computing with it
+
+    async def scenario() -> Path:
+        ts, root = await start_root(tiny, tmp_path / "root", chunk=64 * 1024)
+        try:
+            spec = llama.ShardSpec((0, 2), (0, 128), (0, 300))
+            return await fetch_shard(root.url, spec, KEY, worker_cache, cache_bytes=1)
+        finally:
+            await ts.close()
+
+    try:
+        fetched = asyncio.run(scenario())
+    finally:
+        keep_open.close()
+    left = sorted(p.name for p in worker_cache.iterdir())
+    assert left == sorted([old[0].name, old[0].name + ".sha256", fetched.name]), left

@@ -324,7 +324,8 @@ def serve(args: argparse.Namespace) -> int:
         no_root=settings.no_root, interfaces=tuple(settings.interfaces), peers=settings.peer_addresses,
         shard_dir=Path(settings.cache_dir) / "shards", api_tokens=settings.api_tokens,
         max_memory=settings.max_memory_mb << 20 if settings.max_memory_mb else None,
-        slice_cache=settings.slice_cache_mb << 20)
+        slice_cache=settings.slice_cache_mb << 20,
+        heartbeat=(settings.heartbeat_s, settings.heartbeat_timeout_s, settings.settle_s))
 
     def reload() -> int | None:  # SIGHUP: the memory cap from the settings as they are now
         cap = config.load_settings(flags, os.environ, args.config).max_memory_mb

@@ -112,6 +112,9 @@ class Settings:
     api_tokens: tuple[str, ...] = ()        # bearer tokens the OpenAI API accepts; () means none needed
     max_memory_mb: int | None = None        # use at most this much memory for edgetp (runtime included); None: no cap
     slice_cache_mb: int = 4096              # model slices kept on disk (cache_dir/shards), least recently used out first
+    heartbeat_s: float = 1.0                # seconds between heartbeat proofs to each peer
+    heartbeat_timeout_s: float = 3.0        # a peer silent this long is lost (raise it on Wi-Fi that drops out)
+    settle_s: float = 1.0                   # joins and changed figures wait this quiet long before a re-plan
     # derived
     peer_addresses: tuple[tuple[str, int], ...] = field(init=False, repr=False, compare=False)
     node_id_given: bool = field(init=False, repr=False, compare=False)  # False: node_id is the host name default
@@ -127,6 +130,9 @@ class Settings:
         if self.cache_dir is None:
             object.__setattr__(self, "cache_dir", _default_cache_dir())
         object.__setattr__(self, "peer_addresses", tuple(_split_address(p) for p in self.peers))
+        if self.heartbeat_s >= self.heartbeat_timeout_s:
+            raise ConfigError(f"Settings: heartbeat_s ({self.heartbeat_s:g}) must be below heartbeat_timeout_s "
+                              f"({self.heartbeat_timeout_s:g}), or every peer would count as lost")
 
 
 # --------------------------------------------------------------------------- value checks
@@ -215,6 +221,12 @@ def _tokens(value: Any) -> tuple[str, ...]:
     return tokens
 
 
+def _seconds(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 3600:
+        raise ValueError(f"expected seconds, more than 0 and at most 3600, got {value!r}")
+    return float(value)
+
+
 def _threads(value: Any) -> int | None:  # also max_memory_mb: a positive integer or None (unset)
     return None if value is None else _positive(value)
 
@@ -226,6 +238,7 @@ CHECKS: dict[str, Callable[[Any], Any]] = {
     "cache_dir": _path_or_none, "node_id": _node_id, "peers": _peers,
     "sync": _sync, "ctx": _positive, "api_tokens": _tokens,
     "max_memory_mb": _threads, "slice_cache_mb": _positive,
+    "heartbeat_s": _seconds, "heartbeat_timeout_s": _seconds, "settle_s": _seconds,
 }
 KEYS = tuple(CHECKS)
 
@@ -246,12 +259,18 @@ def _from_env(key: str, text: str) -> Any:
     """An environment string as the Python value the key's check expects."""
     kind = {"data_port": int, "http_port": int, "priority": int, "threads": int, "ctx": int,
             "max_memory_mb": int, "slice_cache_mb": int,
+            "heartbeat_s": float, "heartbeat_timeout_s": float, "settle_s": float,
             "no_root": bool, "interfaces": list, "peers": list, "api_tokens": list}.get(key, str)
     if kind is int:
         try:
             return int(text.strip())
         except ValueError:
             raise ValueError(f"expected an integer, got {text!r}") from None
+    if kind is float:
+        try:
+            return float(text.strip())
+        except ValueError:
+            raise ValueError(f"expected a number, got {text!r}") from None
     if kind is bool:
         word = text.strip().lower()
         if word not in _TRUE | _FALSE:

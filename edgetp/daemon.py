@@ -80,6 +80,7 @@ class ServeOptions:
     api_tokens: tuple[str, ...] = ()  # bearer tokens for the OpenAI API (serve/api.py: who may call what)
     max_memory: int | None = None   # bytes edgetp may use in all (cluster/profile.limit_memory); None: no cap
     slice_cache: int | None = None  # bytes of slices kept in shard_dir (store/slices.py); None: no cap
+    heartbeat: tuple[float, float, float] = (1.0, 3.0, 1.0)  # seconds: interval, loss timeout, settle (Membership)
 
 
 def cluster_view(runner: ClusterRunner, model: str) -> events.ClusterView:
@@ -212,8 +213,9 @@ async def serve_cluster(opts: ServeOptions, on_listening: Callable[[str], None] 
             http_port = int(url.rsplit(":", 1)[1])
             advert = PeerAdvert(node_id, auth.cluster_id(opts.key), data_port, http_port, me.speed, me.mem_free,
                                 mf.fingerprint if mf else "", opts.priority, opts.no_root or mf is None)
+            beat, lost, settle = opts.heartbeat
             membership = Membership(advert, interfaces=list(opts.interfaces) or None, publish=bus.publish,
-                                    peers=opts.peers, key=opts.key)
+                                    peers=opts.peers, key=opts.key, heartbeat=beat, timeout=lost, settle=settle)
             roles.append(Roles(engine, membership, mf, opts, node_id, ctx, http_port, shards))
             engine.between = roles[0].between
             on_roles(roles[0])

@@ -157,3 +157,28 @@ def test_a_memory_cap_or_cache_size_that_is_not_a_positive_integer_is_refused(tm
     key = text.split()[0]
     with pytest.raises(ConfigError, match=rf"edgetp.toml: {key}: expected"):
         load(path=write(tmp_path, text + "\n"))
+
+
+def test_heartbeat_timing_comes_from_file_or_environment_and_must_leave_room_to_lose_a_peer(tmp_path):
+    conf = tmp_path / "edgetp.toml"
+    conf.write_text("heartbeat_s = 2\nheartbeat_timeout_s = 10.5\n")
+    s = load_settings({}, {"EDGETP_SETTLE_S": "0.5"}, conf)
+    assert (s.heartbeat_s, s.heartbeat_timeout_s, s.settle_s) == (2.0, 10.5, 0.5)
+    with pytest.raises(ConfigError, match="heartbeat_s .* must be below heartbeat_timeout_s"):
+        load_settings({}, {"EDGETP_HEARTBEAT_S": "12"}, conf)
+    for bad in ("0", "-1", "soon", "7200"):
+        with pytest.raises(ConfigError, match="EDGETP_SETTLE_S"):
+            load_settings({}, {"EDGETP_SETTLE_S": bad}, conf)
+
+
+def test_the_kernel_switches_and_the_client_token_are_not_refused_as_unknown_settings(tmp_path):
+    env = {"EDGETP_INT8": "0", "EDGETP_ISA": "avx2", "EDGETP_API_KEY": "x" * 20}
+    assert load_settings({}, env, default_path=tmp_path / "none.toml").api_tokens == ()
+
+
+def test_api_tokens_are_a_list_of_long_printable_words(tmp_path):
+    s = load_settings({}, {"EDGETP_API_TOKENS": "tok-aaaaaaaaaaaaaaaa, tok-bbbbbbbbbbbbbbbb"},
+                      default_path=tmp_path / "none.toml")
+    assert s.api_tokens == ("tok-aaaaaaaaaaaaaaaa", "tok-bbbbbbbbbbbbbbbb")
+    with pytest.raises(ConfigError, match="16 or more"):
+        load_settings({}, {"EDGETP_API_TOKENS": "short"}, default_path=tmp_path / "none.toml")

@@ -126,26 +126,12 @@ def _kernel(kind: int, which: str):
     loop; `serial` runs the same spans in order on the calling thread, without the
     parallel launch (one thread). Each row's arithmetic is the same either way."""
 
-    @njit(**_OPTS)
-    def span(ws, k, xa, da, s4a, s16a, ta, nb, out, res):
-        # span k of all the weights' spans, in weight order: span c of weight i, as kernels.spans cuts them
-        i, c = 0, k
-        while c >= spans(ws[i, 2]):
-            c -= spans(ws[i, 2])
-            i += 1
-        wa, st, rows, o = ws[i, 0], ws[i, 1], ws[i, 2], ws[i, 3]
-        for r in range(c * 4 * SPREAD, min(rows, c * 4 * SPREAD + SPREAD)):
-            r1, r2, r3 = partners(r, rows)
-            _rows4(kind, which, (wa + r * st, wa + r1 * st, wa + r2 * st, wa + r3 * st), xa, da, s4a, s16a, ta, nb,
-                   res.ctypes.data)
-            for j in range(4):
-                if r + j * SPREAD < rows:
-                    out[o + r + j * SPREAD] = res[j]
-
     @njit(parallel=True, **_OPTS)
     def matvec_rows(ws, xq, dx, s4, s16, tab, nb, out, serial):
         # ws: (weights, 4) int64, per weight: address of its (rows, nb * block bytes) uint8 blocks, row bytes,
-        # rows, and where its rows start in out; xq/dx/s4/s16: one Rounded token; out: (sum of rows,) f32
+        # rows, and where its rows start in out; xq/dx/s4/s16: one Rounded token; out: (sum of rows,) f32.
+        # Job j is span j of all the weights' spans in weight order. The two loops are one body:
+        # a helper function would be a closure variable, which numba's cache cannot key.
         xa, da, s4a, s16a, ta = xq.ctypes.data, dx.ctypes.data, s4.ctypes.data, s16.ctypes.data, tab.ctypes.data
         total = 0
         for i in range(ws.shape[0]):
@@ -153,11 +139,33 @@ def _kernel(kind: int, which: str):
         if serial:
             res = np.empty(4, np.float32)
             for job in range(total):
-                span(ws, job, xa, da, s4a, s16a, ta, nb, out, res)
+                i, first = 0, 0
+                while job >= first + spans(ws[i, 2]):
+                    first += spans(ws[i, 2])
+                    i += 1
+                wa, st, rows, o, c = ws[i, 0], ws[i, 1], ws[i, 2], ws[i, 3], job - first
+                for r in range(c * 4 * SPREAD, min(rows, c * 4 * SPREAD + SPREAD)):
+                    r1, r2, r3 = partners(r, rows)
+                    _rows4(kind, which, (wa + r * st, wa + r1 * st, wa + r2 * st, wa + r3 * st), xa, da, s4a, s16a,
+                           ta, nb, res.ctypes.data)
+                    for j in range(4):
+                        if r + j * SPREAD < rows:
+                            out[o + r + j * SPREAD] = res[j]
         else:
             for job in prange(total):
-                scratch = np.empty(4, np.float32)
-                span(ws, job, xa, da, s4a, s16a, ta, nb, out, scratch)
+                res = np.empty(4, np.float32)
+                i, first = 0, 0
+                while job >= first + spans(ws[i, 2]):
+                    first += spans(ws[i, 2])
+                    i += 1
+                wa, st, rows, o, c = ws[i, 0], ws[i, 1], ws[i, 2], ws[i, 3], job - first
+                for r in range(c * 4 * SPREAD, min(rows, c * 4 * SPREAD + SPREAD)):
+                    r1, r2, r3 = partners(r, rows)
+                    _rows4(kind, which, (wa + r * st, wa + r1 * st, wa + r2 * st, wa + r3 * st), xa, da, s4a, s16a,
+                           ta, nb, res.ctypes.data)
+                    for j in range(4):
+                        if r + j * SPREAD < rows:
+                            out[o + r + j * SPREAD] = res[j]
 
     return matvec_rows
 

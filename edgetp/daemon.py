@@ -32,7 +32,7 @@ from aiohttp import web
 from gguf import GGMLQuantizationType as QT
 
 from edgetp import store
-from edgetp.cluster import profile
+from edgetp.parallel import profile
 from edgetp.cluster.discovery import PeerAdvert
 from edgetp.cluster.membership import Membership, data_address, http_url
 from edgetp.cluster.peering import PeerEndpoints
@@ -78,7 +78,7 @@ class ServeOptions:
     peers: tuple[tuple[str, int], ...] = ()  # (host, HTTP port) told we are here, where multicast cannot pass
     shard_dir: Path | None = None   # slices written for workers (root) or fetched from the root (worker)
     api_tokens: tuple[str, ...] = ()  # bearer tokens for the OpenAI API (serve/api.py: who may call what)
-    max_memory: int | None = None   # bytes edgetp may use in all (cluster/profile.limit_memory); None: no cap
+    max_memory: int | None = None   # bytes edgetp may use in all (parallel/profile.limit_memory); None: no cap
     slice_cache: int | None = None  # bytes of slices kept in shard_dir (store/slices.py); None: no cap
     heartbeat: tuple[float, float, float] = (1.0, 3.0, 1.0)  # seconds: interval, loss timeout, settle (Membership)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgetp.cluster import profile
+from edgetp.parallel import profile
 
 MiB = 1 << 20
 

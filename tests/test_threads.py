@@ -12,7 +12,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from numba import njit, prange
 
-from edgetp.cluster import profile
+from edgetp.parallel import profile
 from edgetp.model import quant as Q
 
 

@@ -18,7 +18,7 @@ import numba
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from edgetp.cluster.profile import random_weight
+from edgetp.parallel.profile import random_weight
 from edgetp.model import intdot, isa
 from edgetp.model import quant as Q
 from edgetp.model.kernels import SPREAD, partners, spans

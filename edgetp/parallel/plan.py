@@ -26,7 +26,7 @@ from typing import Any
 SYNC_TYPES = ("f32", "q8_0")
 # What a node's memory grows by when it loads a share, beyond the share's weights and KV cache.
 # Not the runtime itself (~580 MiB on a Pi, README "Memory"): each node measures its free memory in
-# the running daemon after the profile's warm-up (cluster/profile.py), when the interpreter, numba
+# the running daemon after the profile's warm-up (parallel/profile.py), when the interpreter, numba
 # and the compiled kernels are already resident and no longer in MemAvailable; counting them here
 # again would refuse shares that fit. Measured growth from profile to a loaded, warmed-up whole
 # model (RssAnon, x86-64): 12 MiB for stories260K, 28 MiB for SmolLM2-135M Q4_1.

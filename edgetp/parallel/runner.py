@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from edgetp.cluster import profile
+from edgetp.parallel import profile
 from edgetp.model import llama, sampling
 from edgetp.model.generate import PREFILL_CHUNK, RunnerLost
 from edgetp.model.gguf import ModelFile

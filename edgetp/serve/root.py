@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from edgetp.cluster.profile import mem_available
+from edgetp.parallel.profile import mem_available
 from edgetp.model.generate import TokenEvent, generate
 from edgetp.model.sampling import SamplingParams
 from edgetp.model.tokenizer import Tokenizer

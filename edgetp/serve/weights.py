@@ -329,10 +329,8 @@ async def fetch_shard(base_url: str, spec: ShardSpec, key: bytes, cache_dir: str
 
 
 def _settle(path: Path, cache_bytes: int | None) -> None:
-    """(in a thread) A fetched slice on disk for good (store/download renames it without fsync), then
-    the cache trimmed to its cap around it."""
-    slices.fsync_file(path)
-    slices.fsync_dir(path.parent)
+    """(in a thread) A fetched slice (store/download fsynced it around its rename) marked as just
+    used, then the cache trimmed to its cap around it."""
     slices.touch(path)
     if cache_bytes is not None:
         slices.evict(path.parent, cache_bytes, keep={path.name})

@@ -38,7 +38,7 @@ from typing import Any, Callable
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from edgetp.cluster import profile
+from edgetp.parallel import profile
 from edgetp.cluster.election import EpochError, EpochState, StaleEpoch
 from edgetp.model import llama, quant, sampling
 from edgetp.model.gguf import GGUFError, ModelFile, open_model

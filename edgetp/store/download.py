@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import http.client
 import logging
-import os
 import re
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, TextIO
 
 from edgetp import __version__
 from edgetp.store.errors import DownloadError, DownloadInterrupted, StoreError, VerifyError
+from edgetp.store.slices import durable_replace
 
 if TYPE_CHECKING:
     from edgetp.store import RegistryEntry
@@ -220,6 +220,6 @@ def _install(
         raise refuse(f"not a GGUF file (starts with {magic!r})")
     if want_sha256 is not None and digest != want_sha256.lower():
         raise refuse(f"sha256 {digest} does not match the expected {want_sha256}")
-    os.replace(part, final)
+    durable_replace(part, final)  # a power cut leaves the old name or the whole file, never a torn one
     print(f"{what}: saved {final} ({size:,} bytes, sha256 {digest})", file=out, flush=True)
     return final

@@ -43,7 +43,7 @@ class _Matvecs:
         self.floats: list[Callable[[], None]] = []
         by_type: dict[int, list[int]] = {}
         for i, w in enumerate(ws):
-            quant._check_io(w, x, self.views[i], None)
+            quant.check_io(w, x, self.views[i], None)
             if quant.int8_kernel(w, int8):
                 by_type.setdefault(w.qtype, []).append(i)
             else:
@@ -96,7 +96,7 @@ class Plan:
 
     def forward(self, x: np.ndarray, pos: int) -> np.ndarray:
         s, cfg = self.shard, self.shard.w.cfg
-        quant._use_threads()
+        quant.use_threads()
         serial = quant.threads() == 1
         h, eps, rh, ra, rg = self.h, cfg.norm_eps, self.r["h"], self.r["att"], self.r["gate"]
         partial = self.zeros  # the sum x has yet to get (none before the first layer)
@@ -161,10 +161,10 @@ def _attention(q, k, v, kc, vc, pos, cos, sin, rope_dims, neox, group, att, seri
             vc[g, pos, d] = v[0, g * hd + d]
     if serial:
         for job in range(n_kv * group):
-            ops._attend(q, kc, vc, pos, group, att, job)
+            ops.attend_head(q, kc, vc, pos, group, att, job)
     else:
         for job in prange(n_kv * group):
-            ops._attend(q, kc, vc, pos, group, att, job)
+            ops.attend_head(q, kc, vc, pos, group, att, job)
     if rnd:
         intdot.round_into(att[0], xq, dx, s4, s16)
 
@@ -172,6 +172,6 @@ def _attention(q, k, v, kc, vc, pos, cos, sin, rope_dims, neox, group, att, seri
 @njit(**_JIT)
 def _silu(gate, up, rnd, xq, dx, s4, s16):  # pragma: no cover - compiled
     # gate (1, f) <- silu(gate) * up, and, if rnd, rounded
-    ops._silu_mul_row(gate, up, 0)
+    ops.silu_mul_row(gate, up, 0)
     if rnd:
         intdot.round_into(gate[0], xq, dx, s4, s16)

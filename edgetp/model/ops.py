@@ -106,14 +106,14 @@ def attention(q, k_cache, v_cache, pos0, group, out, serial):  # pragma: no cove
     jobs = q.shape[0] * k_cache.shape[0] * group
     if serial:
         for job in range(jobs):
-            _attend(q, k_cache, v_cache, pos0, group, out, job)
+            attend_head(q, k_cache, v_cache, pos0, group, out, job)
     else:
         for job in prange(jobs):
-            _attend(q, k_cache, v_cache, pos0, group, out, job)
+            attend_head(q, k_cache, v_cache, pos0, group, out, job)
 
 
 @njit(**_JIT)
-def _attend(q, k_cache, v_cache, pos0, group, out, job):  # pragma: no cover - compiled
+def attend_head(q, k_cache, v_cache, pos0, group, out, job):  # pragma: no cover - compiled
     # one (token, query head) of `attention`. Each score is one chain over d in order, each
     # output value one chain over s in order; four scores run side by side (independent
     # chains, the same bits) rather than one long dependency at a time.
@@ -170,14 +170,14 @@ def silu_mul(gate, up):  # pragma: no cover - compiled
     # gate, up: (n, f); gate <- silu(gate) * up; one token runs on the calling thread
     n = gate.shape[0]
     if n == 1:
-        _silu_mul_row(gate, up, 0)
+        silu_mul_row(gate, up, 0)
     else:
         for i in prange(n):
-            _silu_mul_row(gate, up, i)
+            silu_mul_row(gate, up, i)
 
 
 @njit(error_model="numpy", **_JIT)  # IEEE division (the divisor is >= 1): no zero check, so it vectorizes (3x)
-def _silu_mul_row(gate, up, i):  # pragma: no cover - compiled
+def silu_mul_row(gate, up, i):  # pragma: no cover - compiled
     for j in range(gate.shape[1]):
         g = gate[i, j]
         gate[i, j] = g / (np.float32(1.0) + exp32(-g)) * up[i, j]

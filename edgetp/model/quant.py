@@ -167,14 +167,14 @@ def set_threads(n: int | None) -> None:
 
     numba's own count is per calling thread: set on the event-loop thread, it did
     not reach the pool threads that run the kernels (`--threads 1` still used every
-    core). So the count is kept here and applied by each kernel entry (`_use_threads`).
+    core). So the count is kept here and applied by each kernel entry (`use_threads`).
     """
     global _threads
     if n is not None and not 1 <= n <= numba.config.NUMBA_NUM_THREADS:
         raise ThreadCountError(f"--threads {n}: this machine runs 1 to {numba.config.NUMBA_NUM_THREADS} "
                                "compute threads (one per core; NUMBA_NUM_THREADS)")
     _threads = n
-    _use_threads()
+    use_threads()
 
 
 def threads() -> int:
@@ -182,7 +182,8 @@ def threads() -> int:
     return _threads or numba.config.NUMBA_NUM_THREADS
 
 
-def _use_threads() -> None:
+def use_threads() -> None:
+    """Apply the thread count to this thread's numba kernels (once per thread and change)."""
     n = threads()
     if getattr(_local, "n", None) != n:
         numba.set_num_threads(n)
@@ -192,8 +193,9 @@ def _use_threads() -> None:
 # ---------------------------------------------------------------- kernels
 
 
-def _check_io(w: Weight, x: np.ndarray, out: np.ndarray, n: int | None) -> None:
-    # numba does no bounds checks: a wrong shape would read or write past the buffers
+def check_io(w: Weight, x: np.ndarray, out: np.ndarray, n: int | None) -> None:
+    """ValueError unless x is (cols,) and out (rows,) f32 C-contiguous ((n, ...) for a batch):
+    numba does no bounds checks, so a wrong shape would read or write past the buffers."""
     want_x, want_out = ((w.cols,), (w.rows,)) if n is None else ((n, w.cols), (n, w.rows))
     for name, a, shape in (("x", x, want_x), ("out", out, want_out)):
         if a.dtype != np.float32 or a.shape != shape or not a.flags.c_contiguous:
@@ -235,8 +237,8 @@ def matvec(w: Weight, x: np.ndarray | Batch, out: np.ndarray) -> None:
     """out (rows,) = W @ x, all f32; x (cols,), or a Batch of one token."""
     batch = x if isinstance(x, Batch) else None
     x = x.x[0] if batch is not None else x
-    _check_io(w, x, out, None)
-    _use_threads()
+    check_io(w, x, out, None)
+    use_threads()
     if int8_kernel(w, int8_decode()):
         intdot.matvec(w.qtype, w.data, (batch or Batch(x[None])).token(), out, threads() == 1)
     else:
@@ -312,12 +314,12 @@ def matmul(w: Weight, x: np.ndarray | Batch, out: np.ndarray) -> None:
     """
     batch = x if isinstance(x, Batch) else None
     x = x.x if batch is not None else x
-    _check_io(w, x, out, x.shape[0] if x.ndim == 2 else -1)
+    check_io(w, x, out, x.shape[0] if x.ndim == 2 else -1)
     if w.qtype in intgemm.KINDS and intgemm.available():
         xq = (batch or Batch(x)).ints(intgemm.wide(w.qtype))
         intgemm.matmul(w.qtype, w.data, _TAB16, xq, out)
         return
-    _use_threads()
+    use_threads()
     # rows per tile: scratch <= 2 MiB, >= 32 rows for sgemm. Never from the thread count:
     # sgemm's result for a row depends on the tile shape it sits in (1.3e-5 apart on AVX2),
     # and the same text must come out at any --threads.

@@ -90,7 +90,7 @@ class NodesTable(StateView):
     """Every node: who it is, what it measured, what share of the model it carries, how it is."""
 
     SIZED_BY_STATE = True
-    STATE_STYLES = {"ready": "green", "loading": "yellow", "lost": "bold red", "foreign": "dim"}
+    STATE_STYLES = {"ready": "green", "joining": "cyan", "loading": "yellow", "lost": "bold red", "foreign": "dim"}
 
     def depends(self, state: DashboardState) -> tuple[Any, ...]:
         return (state.nodes, state.root)

@@ -368,8 +368,10 @@ class Roles:
         leader = self.membership.leader
         nodes = [events.NodeView(self.node_id, "local", "root" if leader == self.node_id else "worker", "ready",
                                  self.membership.me.speed, self.membership.me.mem_free)]
+        settled = {p.node_id for p in self.membership.usable()}
         for p in self.membership.table.peers():
-            state = "foreign" if p.foreign else ("ready" if self.membership.table.alive(p) else "lost")
+            state = "foreign" if p.foreign else ("lost" if not self.membership.table.alive(p) else
+                                                 "ready" if p.node_id in settled else "joining")
             nodes.append(events.NodeView(p.node_id, data_address(p.advert), "root" if leader == p.node_id else "worker",
                                          state, p.advert.speed, p.advert.mem_free))
         root = self.membership.peer(leader) if leader and leader != self.node_id else None

@@ -19,7 +19,7 @@ from typing import Any
 NODE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
 
 CLUSTER_EVENTS = ("join", "leave", "election", "replan", "transfer", "profile", "error")
-NODE_STATES = ("ready", "loading", "lost", "foreign")
+NODE_STATES = ("ready", "joining", "loading", "lost", "foreign")  # joining: proven, not yet settled (no plan has it)
 ROLES = ("root", "worker")
 
 

@@ -73,7 +73,8 @@ def test_workers_without_the_model_fetch_their_slice_and_answer_as_one_process(
         name_of = {b: "b", c: "c"}
         for name in "bc":
             wait_for(lambda n=name: view(url[n])["root"] == a, 30, f"node {name} follows {a}")
-        wait_for(lambda: {n["node_id"] for n in view(url["a"])["nodes"]} >= {a, b, c}, 20, "node-a sees all three")
+        wait_for(lambda: {n["node_id"] for n in view(url["a"])["nodes"] if n["state"] == "ready"} >= {a, b, c}, 20,
+                 "node-a sees all three settled")
         assert models_of(url["b"]) == ["stories260K"], "a node without a model names the root's"
         log = EventLog(url["a"])
         wait_for(lambda: log.records, 10, "the event stream's snapshot")

@@ -113,8 +113,8 @@ class Plan:
                     p.q += layer.bq
                     p.k += layer.bk
                     p.v += layer.bv
-                _attention(p.q, p.k, p.v, s.k_cache[i], s.v_cache[i], pos, s.cos, s.sin, cfg.rope_dims, cfg.rope_neox,
-                        cfg.group_size, p.att, serial, p.o.rounds, *ra)
+                _attention(p.q, p.k, p.v, s.k_cache[i], s.v_cache[i], pos, s.cos, s.sin, cfg.rope_dims,
+                           cfg.rope_neox, cfg.group_size, p.att, serial, p.o.rounds, *ra)
                 p.o(serial)
                 partial = p.o.out[None]
             s.reduce(partial)

@@ -31,6 +31,7 @@ from edgetp.model.tokenizer import Tokenizer
 from edgetp.net import auth
 from edgetp.serve.spawn import start_daemon, stop
 from tests.test_cli_errors import edgetp
+from tests.test_daemon import view, wait_for
 
 PROMPT = "Once upon a time"
 TOKENS = 24
@@ -60,23 +61,6 @@ def complete(url: str) -> tuple[int, dict]:
             return resp.status, json.load(resp)
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read() or b"{}")
-
-
-def view(url: str) -> dict:
-    with urllib.request.urlopen(f"{url}/v1/cluster", timeout=5) as resp:
-        return json.load(resp)
-
-
-def wait_for(check, seconds: float, what: str):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            if result := check():
-                return result
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"not within {seconds} s: {what}")
 
 
 def ready_members(url: str) -> set[str]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import msgpack
 import numpy as np
@@ -157,8 +157,9 @@ def open_model(path: str | os.PathLike[str], index_dir: str | os.PathLike[str] |
 
 
 @contextmanager
-def gguf_writer(path: str | os.PathLike[str], arch: str) -> Iterator[GGUFWriter]:
-    """A GGUFWriter on `path.part`, renamed to `path` only when the block completes.
+def gguf_writer(path: str | os.PathLike[str], arch: str,
+                replace: Callable[[Path, Path], None] = os.replace) -> Iterator[GGUFWriter]:
+    """A GGUFWriter on `path.part`, renamed to `path` by `replace` only when the block completes.
 
     On any failure the partial file is removed: a file under its final name is whole.
     """
@@ -168,7 +169,7 @@ def gguf_writer(path: str | os.PathLike[str], arch: str) -> Iterator[GGUFWriter]
     try:
         yield writer
         writer.close()
-        os.replace(part, path)
+        replace(part, path)
     except BaseException:
         try:
             writer.close()

@@ -32,7 +32,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT, GGUFValueType, GGUFWriter
 
 from edgetp.model import quant
-from edgetp.model.gguf import ModelFile
+from edgetp.model.gguf import ModelFile, gguf_writer
 from edgetp.model.llama import SHARD_KEYS, Range, ShardSpec
 from edgetp.store.slices import durable_replace
 
@@ -155,10 +155,8 @@ def write_shard(mf: ModelFile, spec: ShardSpec, path: str | os.PathLike[str]) ->
         raise ValueError(f"{mf.path} is already a shard; slice the full model file")
     check_spec(mf, spec)
     path = Path(path)
-    part = path.with_name(path.name + ".part")
     plan = slice_plan(mf, spec)
-    writer = GGUFWriter(part, mf.config.arch)
-    try:
+    with gguf_writer(path, mf.config.arch, replace=durable_replace) as writer:
         writer.data_alignment = int(mf.alignment)
         _copy_metadata(mf, writer)
         _add_shard_keys(mf, spec, writer)
@@ -170,13 +168,4 @@ def write_shard(mf: ModelFile, spec: ShardSpec, path: str | os.PathLike[str]) ->
         writer.write_ti_data_to_file()
         for name, (how, r) in plan.items():  # then the bytes, one sliced tensor in memory at a time
             writer.write_tensor_data(np.ascontiguousarray(_cut(mf, name, how, r)[0]))
-        writer.close()
-        durable_replace(part, path)
-    except BaseException:
-        try:
-            writer.close()
-        except Exception:  # noqa: BLE001 - best effort before removing the partial file
-            pass
-        part.unlink(missing_ok=True)
-        raise
     return path

@@ -66,8 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     ask.add_argument("--ctx", type=_positive, default=2048, help="context length (KV cache size)")
     ask.add_argument("--threads", type=_positive, default=None, help="compute threads (default: all cores)")
-    ask.add_argument("--repack", action="store_true",
-                     help="widen 4-bit weights to an 8-bit layout at load (same values, more memory, slower here; the cost is printed)")
     ask.add_argument("--stats", action="store_true", help="print timing figures at the end")
     ask.add_argument("--workers", type=_addresses, default=[],
                      help="HOST:PORT,HOST:PORT of running `edgetp worker`s to spread the model over")

@@ -98,15 +98,11 @@ def ask(args: argparse.Namespace) -> int:
     ids = encode_prompt(tok, prompt, args.raw)
     t0 = time.perf_counter()
     if not args.workers:
-        runner = LocalRunner(mf, ctx, repack=args.repack)
-        if args.repack:
-            before, after = runner.weights_cost
-            print(f"repack: weights {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB resident "
-                  f"(+{(after - before) / 1e6:.1f} MB)", file=sys.stderr)
+        runner = LocalRunner(mf, ctx)
         return _stream(runner, tok, ids, params, args, ctx, t0)
     with LoopThread() as lt:
         runner = lt.run(ClusterRunner.connect(mf, args.workers, ctx=ctx, weights=args.weights, sync=args.sync,
-                                              key=key, threads=args.threads, repack=args.repack))
+                                              key=key, threads=args.threads))
         current = [runner]  # the runner in use: a recovery replaces it
 
         def recover(exc: WorkerLost) -> ClusterRunner:

@@ -228,15 +228,14 @@ def test_slice_rows_is_a_view_of_the_same_rows(qt):
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
 def test_slice_cols_equals_the_same_columns_of_the_reference(qt, int8_kernels):
     w, ref = weight(qt, cols=1024)
-    for packed in (w, Q.repack(w)):
-        s = Q.slice_cols(packed, 256, 768)
-        assert s.cols == 512 and s.data.flags.c_contiguous and not np.shares_memory(s.data, w.data)
-        assert s.nbytes == packed.nbytes // 2  # memory grows with the slice only
-        np.testing.assert_array_equal(Q.dequantize_rows(s, 0, w.rows), ref[:, 256:768])
-        x = np.random.default_rng(8).standard_normal(512).astype(np.float32)
-        out = np.empty(w.rows, np.float32)
-        Q.matvec(s, x, out)
-        assert_product_close(out, ref[:, 256:768], as_computed(s.qtype, x, int8_kernels))
+    s = Q.slice_cols(w, 256, 768)
+    assert s.cols == 512 and s.data.flags.c_contiguous and not np.shares_memory(s.data, w.data)
+    assert s.nbytes == w.nbytes // 2  # memory grows with the slice only
+    np.testing.assert_array_equal(Q.dequantize_rows(s, 0, w.rows), ref[:, 256:768])
+    x = np.random.default_rng(8).standard_normal(512).astype(np.float32)
+    out = np.empty(w.rows, np.float32)
+    Q.matvec(s, x, out)
+    assert_product_close(out, ref[:, 256:768], as_computed(s.qtype, x, int8_kernels))
 
 
 @pytest.mark.parametrize("qt", QUANTIZED, ids=lambda t: t.name)
@@ -252,31 +251,6 @@ def test_slice_cols_rejects_bounds_that_split_a_block(qt):
 def test_block_size_per_type():
     # ggml's block sizes: 32 for the legacy types and IQ4_NL, 256 for the K-quants and IQ4_XS
     assert [Q.block_size(int(t)) for t in TYPES] == [1, 1, 1] + [32] * 6 + [256] * 6
-
-
-@pytest.mark.parametrize("qt", [QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
-def test_repack_keeps_values_bit_identical_and_products_correct(qt):
-    w, ref = weight(qt, seed=9)
-    packed = Q.repack(w)
-    assert packed.qtype >= 1000 and (packed.rows, packed.cols) == (w.rows, w.cols)
-    np.testing.assert_array_equal(Q.dequantize_rows(packed, 0, w.rows).view(np.uint32), ref.view(np.uint32))
-    assert Q.repack_cost(w) == (w.nbytes, packed.nbytes)
-    per_256 = {QT.Q4_0: (144, 288), QT.Q4_1: (160, 320), QT.Q4_K: (144, 320), QT.Q6_K: (210, 320)}[qt]
-    assert Q.repack_cost(w) == tuple(w.rows * w.cols // 256 * b for b in per_256)
-    x = np.random.default_rng(10).standard_normal((5, w.cols)).astype(np.float32)
-    out = np.empty(w.rows, np.float32)
-    Q.matvec(packed, x[0], out)
-    assert_product_close(out, ref, x[0])
-    outm = np.empty((5, w.rows), np.float32)
-    Q.matmul(packed, x, outm)
-    assert_product_close(outm, ref, x)
-
-
-@pytest.mark.parametrize("qt", [t for t in TYPES if t not in (QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q6_K)], ids=lambda t: t.name)
-def test_repack_returns_types_it_does_not_widen_unchanged(qt):
-    w, _ = weight(qt)
-    assert Q.repack(w) is w
-    assert Q.repack_cost(w) == (w.nbytes, w.nbytes)
 
 
 # Activations: |x| <= 1e6 keeps d = amax/127 in f16 range; |x| >= 1e-30 (or 0) keeps 1/d finite

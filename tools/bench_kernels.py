@@ -3,9 +3,9 @@
     python tools/bench_kernels.py [--rows 4096 --cols 4096 --threads 1,2 --types Q8_0,Q4_0 --batch 64]
     python tools/bench_kernels.py --intdot [--threads 1 --types Q4_0,Q8_0,Q4_K]   (EDGETP_ISA=generic for the plain code)
 
-GB/s counts the GGUF bytes of the original type (also for repacked layouts,
-so numbers compare what a model file costs to stream). "cold" cycles through
-enough copies of the matrix to exceed the L3 cache, so weights come from RAM.
+GB/s counts the GGUF bytes of the type (what a model file costs to stream).
+"cold" cycles through enough copies of the matrix to exceed the L3 cache, so
+weights come from RAM.
 """
 
 from __future__ import annotations
@@ -34,21 +34,17 @@ def _time(fn, min_time=0.3) -> float:
     return best
 
 
-def bench(qt: QT, rows: int, cols: int, threads: list[int], batch: int, repacked: bool) -> None:
+def bench(qt: QT, rows: int, cols: int, threads: list[int], batch: int) -> None:
     rng = np.random.default_rng(0)
     base = random_weight(int(qt), rows, cols, seed=0)
     gguf_bytes = base.nbytes
     copies = max(1, int(np.ceil(128e6 / base.nbytes)))
     ws = [base] + [Q.Weight(base.qtype, rows, cols, base.data.copy()) for _ in range(copies - 1)]
-    if repacked:
-        ws = [Q.repack(w) for w in ws]
-        if ws[0] is base:
-            return
     x = rng.standard_normal(cols).astype(np.float32)
     out = np.empty(rows, np.float32)
     X = rng.standard_normal((batch, cols)).astype(np.float32)
     O = np.empty((batch, rows), np.float32)
-    name = f"{qt.name}{'->' + Q._type_name(ws[0].qtype) if repacked else ''}"
+    name = qt.name
     for nt in threads:
         Q.set_threads(nt)
         hot = _time(lambda: Q.matvec(ws[0], x, out))
@@ -133,7 +129,6 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--types", default="F32,F16,BF16,Q8_0,Q4_0,Q4_1,Q4_K,Q6_K")
-    ap.add_argument("--no-repack", action="store_true")
     ap.add_argument("--intdot", action="store_true", help="integer decode kernels vs float kernels vs a plain read")
     args = ap.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
@@ -144,9 +139,7 @@ def main() -> None:
         return
     for name in args.types.split(","):
         qt = QT[name]
-        bench(qt, args.rows, args.cols, threads, args.batch, repacked=False)
-        if not args.no_repack:
-            bench(qt, args.rows, args.cols, threads, args.batch, repacked=True)
+        bench(qt, args.rows, args.cols, threads, args.batch)
 
 
 if __name__ == "__main__":

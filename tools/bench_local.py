@@ -8,9 +8,7 @@
 For each model, ISA and thread count it measures, each in its own subprocess (so
 numba's thread count, its compile target and llama.cpp's state never leak between runs):
 
-* ``edgetp``         - LocalRunner(repack=False) with EDGETP_ISA=<isa>
-* ``edgetp+repack``  - LocalRunner(repack=True), only for models with Q4_0/Q4_1 weights,
-                       for information; its extra memory comes from ``LocalRunner.weights_cost``
+* ``edgetp``         - LocalRunner with EDGETP_ISA=<isa>
 * ``llama.cpp``      - llama-cpp-python on the same file, same thread count, built for
                        the same ISA (the .venv's build for this CPU's best ISA; for a
                        narrower one, tools/llama_cpp_wheel.sh builds and caches a variant)
@@ -35,8 +33,7 @@ Models (``--models``, comma separated; a path to any .gguf file also works):
 Derived files are written once into ``<edgetp cache>/bench/`` (``$EDGETP_CACHE_DIR/bench``
 or ``~/.cache/edgetp/bench``; ``--cache-dir`` overrides) and reused afterwards.
 
-Targets checked at the end, for edgetp as it runs by default (edgetp+repack rows
-are for information):
+Targets checked at the end, for edgetp:
 
 * decode >= 1.0x llama.cpp, on every row (model, ISA, threads);
 * prefill >= 1.0x llama.cpp and >= 5x edgetp's own decode rate;
@@ -81,17 +78,16 @@ class ModelSpec:
     preset: str | None = None        # synth_gguf preset (synthetic models)
     weight_type: str | None = None
     path: Path | None = None
-    q4: bool = False                 # has Q4_0/Q4_1 weights: also run edgetp+repack
     llama_ftype: str | None = None   # quantized from `source` by llama.cpp to this file type
     source: str | None = None        # key of the model it is quantized from
 
 
 BUILTIN = {
-    "smollm2": ModelSpec("smollm2", "SmolLM2-135M Q4_1", q4=True),
+    "smollm2": ModelSpec("smollm2", "SmolLM2-135M Q4_1"),
     "smollm2-q4_k_m": ModelSpec("smollm2-q4_k_m", "SmolLM2-135M Q4_K_M (llama.cpp)", llama_ftype="Q4_K_M",
                                 source="smollm2"),
     "llama1b-q8_0": ModelSpec("llama1b-q8_0", "Llama-3.2-1B-shape Q8_0 (synthetic)", "llama-3.2-1b", "q8_0"),
-    "llama1b-q4_0": ModelSpec("llama1b-q4_0", "Llama-3.2-1B-shape Q4_0 (synthetic)", "llama-3.2-1b", "q4_0", q4=True),
+    "llama1b-q4_0": ModelSpec("llama1b-q4_0", "Llama-3.2-1B-shape Q4_0 (synthetic)", "llama-3.2-1b", "q4_0"),
     "llama1b-f16": ModelSpec("llama1b-f16", "Llama-3.2-1B-shape F16 (synthetic)", "llama-3.2-1b", "f16"),
     "llama1b-q4_k_m": ModelSpec("llama1b-q4_k_m", "Llama-3.2-1B-shape Q4_K_M (llama.cpp)", llama_ftype="Q4_K_M",
                                 source="llama1b-f16"),
@@ -119,7 +115,7 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def worker_edgetp(path: str, threads: int, repack: bool, prefill_reps: int) -> dict[str, Any]:
+def worker_edgetp(path: str, threads: int, prefill_reps: int) -> dict[str, Any]:
     from edgetp.model import gguf, quant, sampling
     from edgetp.model.generate import LocalRunner
 
@@ -127,7 +123,7 @@ def worker_edgetp(path: str, threads: int, repack: bool, prefill_reps: int) -> d
     greedy = sampling.SamplingParams(temperature=0.0)
     t0 = time.perf_counter()
     mf = gguf.open_model(path)
-    r = LocalRunner(mf, ctx=N_CTX, repack=repack)
+    r = LocalRunner(mf, ctx=N_CTX)
     load_s = time.perf_counter() - t0
     vocab = int(mf.config.vocab)
     prompt = _prompt(PREFILL, vocab)
@@ -160,9 +156,8 @@ def worker_edgetp(path: str, threads: int, repack: bool, prefill_reps: int) -> d
         decode_s = time.perf_counter() - t0
     finally:
         r.end()
-    before, after = r.weights_cost
-    return dict(load_s=load_s, warm_s=warm_s, prefill_s=prefill_s, decode_s=decode_s,
-                weights_before=before, weights_after=after, tokens=out, rss_mb=_rss_mb())
+    return dict(load_s=load_s, warm_s=warm_s, prefill_s=prefill_s, decode_s=decode_s, tokens=out,
+                rss_mb=_rss_mb())
 
 
 def worker_llama_cpp(path: str, threads: int, prefill_reps: int) -> dict[str, Any]:
@@ -221,7 +216,7 @@ def worker_main(spec_json: str) -> int:
     if spec["engine"] == "llama.cpp":
         res = worker_llama_cpp(spec["path"], spec["threads"], spec["prefill_reps"])
     else:
-        res = worker_edgetp(spec["path"], spec["threads"], spec["engine"] == "edgetp+repack", spec["prefill_reps"])
+        res = worker_edgetp(spec["path"], spec["threads"], spec["prefill_reps"])
     print("RESULT " + json.dumps(res), flush=True)
     return 0
 
@@ -283,12 +278,6 @@ def resolve_model(spec: ModelSpec, cache: Path, log) -> Path:
         synth_gguf.write_preset(path, spec.preset, weight_type=spec.weight_type)
         log(f"  {path.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s")
     return path
-
-
-def has_q4(path: Path) -> bool:
-    from gguf import GGMLQuantizationType as QT, GGUFReader
-    r = GGUFReader(str(path))
-    return any(t.tensor_type in (QT.Q4_0, QT.Q4_1) for t in r.tensors)
 
 
 def bytes_per_token(path: Path) -> int:
@@ -413,9 +402,8 @@ def render(results: list[Result], models: dict[str, str], token_bytes: dict[str,
 
     def check(r: Result, what: str, ok: bool, figures: str) -> None:
         nonlocal ok_all
-        target = r.engine == "edgetp"
-        ok_all &= ok or not target
-        mark = ("x" if ok else " ") if target else ("info, met" if ok else "info, not met")
+        ok_all &= ok
+        mark = "x" if ok else " "
         name = f"{models[r.model]}, {r.isa}, {r.threads} thread{'s' if r.threads > 1 else ''}, {r.engine}"
         checks.append(f"- [{mark}] {what}: {name}: {figures}")
 
@@ -489,8 +477,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"{', '.join(DEFAULT_MODELS)})")
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
     ap.add_argument("--isas", default=None, help="comma-separated ISAs (default: every one this CPU runs)")
-    ap.add_argument("--engines", default="edgetp,edgetp+repack,llama.cpp",
-                    help="subset of edgetp,edgetp+repack,llama.cpp (repack runs only for Q4 models)")
+    ap.add_argument("--engines", default="edgetp,llama.cpp", help="subset of edgetp,llama.cpp")
     ap.add_argument("--prefill-reps", type=int, default=1, help="prefill calls per run, best is kept (default 1)")
     ap.add_argument("--runs", type=int, default=1,
                     help="repeat every measurement N times (engines interleaved), keep the best (default 1)")
@@ -511,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     isas = [i.strip() for i in (args.isas or ",".join(usable)).split(",") if i.strip()]
     threads = [int(t) for t in args.threads.split(",") if t.strip()]
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    bad = set(engines) - {"edgetp", "edgetp+repack", "llama.cpp"}
+    bad = set(engines) - {"edgetp", "llama.cpp"}
     if bad or not threads or any(t < 1 for t in threads) or args.prefill_reps < 1 or args.runs < 1:
         ap.error(f"bad --engines/--threads/--prefill-reps ({', '.join(sorted(bad))})")
     if set(isas) - set(usable):
@@ -544,16 +531,13 @@ def main(argv: list[str] | None = None) -> int:
         paths[s.key] = resolve_model(s, cache, log)
         labels[s.key] = s.label
         token_bytes[s.key] = bytes_per_token(paths[s.key])
-        if s.path is not None:
-            s.q4 = has_q4(s.path)
     cpp_dirs = {i: llama_cpp_for(i, usable[0], cache, log) for i in isas} if "llama.cpp" in engines else {}
 
     results: list[Result] = []
     for s in specs:
         for i in isas:
             for t in threads:
-                order = [e for e in ("llama.cpp", "edgetp", "edgetp+repack") if e in engines
-                         and not (e == "edgetp+repack" and not s.q4)]
+                order = [e for e in ("llama.cpp", "edgetp") if e in engines]
                 rows = {e: Result(s.key, i, t, e) for e in order}
                 results.extend(rows.values())
                 for run in range(args.runs):  # engines interleaved, so slow phases of a shared machine hit all
@@ -574,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
                             r.error = r.error or err
 
     table, checks, ok = render(results, labels, token_bytes, bandwidth, meta)
-    verdict = "ALL TARGETS MET (edgetp; edgetp+repack rows are for information)" if ok else "TARGETS NOT MET"
+    verdict = "ALL TARGETS MET" if ok else "TARGETS NOT MET"
     text = table + "\n\nTargets:\n\n" + "\n".join(checks) + "\n\n" + verdict + "\n"
     busy = [x for r in results if r.data for x in r.data.get("load", []) if x > 0.25]
     if busy:

@@ -1,4 +1,4 @@
-"""Dequantize rows of GGUF blocks (and our repacked layouts) to f32.
+"""Dequantize rows of GGUF blocks to f32.
 
 Same float operations, in the same order, as gguf-py's numpy dequantizers
 (`gguf.quants.dequantize`), and no FMA contraction (no fastmath here), so the
@@ -212,7 +212,7 @@ def _iq4_xs(ru, tab16, dst):
 
 @njit(**_OPTS)
 def deq_row(kind, ru, tab16, tabbf, dst):
-    # ru: (row_bytes,) uint8 -> dst: (cols,) f32; kind is the qtype code (GGML's, or ours >= 1000)
+    # ru: (row_bytes,) uint8 -> dst: (cols,) f32; kind is the GGML qtype code
     cols = dst.shape[0]
     if kind == 0:  # F32
         dst[:] = ru.view(np.float32)
@@ -243,22 +243,6 @@ def deq_row(kind, ru, tab16, tabbf, dst):
         _q6_k(ru, tab16, dst)
     elif kind == 23:  # IQ4_XS
         _iq4_xs(ru, tab16, dst)
-    elif kind == 1000 or kind == 1001:  # repacked int8 + f32 scale per g (32 or 16)
-        g = 32 if kind == 1000 else 16
-        q = ru.view(np.int8)  # q[0:cols]
-        s = ru.view(np.float32)  # scales at s[cols//4 :]
-        for j in range(cols // g):
-            sj = s[cols // 4 + j]
-            for l in range(g):
-                dst[j * g + l] = sj * np.float32(q[j * g + l])
-    elif kind == 1002:  # repacked uint8 + f32 scale + f32 offset per 32
-        nb = cols // 32
-        sm = ru.view(np.float32)  # scales at sm[cols//4 :], offsets after them
-        for j in range(nb):
-            sj = sm[cols // 4 + j]
-            mj = sm[cols // 4 + nb + j]
-            for l in range(j * 32, j * 32 + 32):
-                dst[l] = sj * np.float32(ru[l]) + mj
 
 
 @njit(parallel=True, **_OPTS)

@@ -44,12 +44,10 @@ class Runner(Protocol):
 class LocalRunner:
     """Every slice of every layer in this process."""
 
-    def __init__(self, mf: ModelFile, ctx: int, *, repack: bool = False) -> None:
+    def __init__(self, mf: ModelFile, ctx: int) -> None:
         self.mf = mf
         self.ctx = ctx
-        base = llama.load_weights(mf)  # zero-copy views of the file
-        self.weights = llama.load_weights(mf, repack=True) if repack else base
-        self.weights_cost = (base.nbytes, self.weights.nbytes)  # bytes before/after repacking
+        self.weights = llama.load_weights(mf)  # zero-copy views of the file
         self.shard = llama.Shard(self.weights, ctx)
 
     def _chunks(self, ids: Sequence[int], pos: int) -> Iterator[np.ndarray]:

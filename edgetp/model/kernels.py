@@ -1,4 +1,4 @@
-"""Numba kernels over GGUF block formats (and our repacked 8-bit layouts).
+"""Numba kernels over GGUF block formats.
 
 Every kernel reads the raw uint8 rows of a weight (never a dequantized copy
 of the whole matrix) and writes into a caller-owned `out`. Decode kernels
@@ -16,8 +16,8 @@ F16 block scales are decoded by a 65536-entry float32 table passed in as
 matrices are widened with integer bit operations inside the vector loop.
 
 Measured on this machine (one hot core, 512x4096, GB/s of stored bytes):
-Q8_0 ~19, Q4_0 ~10.8, Q4_1 ~13, Q4_K ~5, Q6_K ~4.6, F16 ~20, repacked
-U8A32 ~22 and Q8S32 ~21 (see tools/bench_kernels.py).
+Q8_0 ~19, Q4_0 ~10.8, Q4_1 ~13, Q4_K ~5, Q6_K ~4.6, F16 ~20
+(see tools/bench_kernels.py).
 """
 
 from __future__ import annotations
@@ -380,68 +380,6 @@ def matvec_q6_k(w, tab, x, out):
                                     + (s3 * x[xo + 96 + l]) * q3
                                 )
             _store2(acc, np.float32(0.0), np.float32(0.0), out, r, rows)
-
-
-@njit(parallel=True, fastmath=_FM, **_OPTS)
-def matvec_s8(w, wf, g, x, out):
-    # repacked Q8S32/Q8S16, row = int8 q[cols] | f32 scale[cols//g]; w = (rows, row_bytes)
-    # int8 and wf = (rows, row_bytes//4) f32 views of the same bytes; value = scale[k//g] * q[k]
-    rows = w.shape[0]
-    cols = x.shape[0]
-    so = cols // 4  # first scale, in f32 units
-    for c in prange(_nchunks(rows)):
-        acc = np.empty((2, 32), np.float32)
-        for r in range(c * CHUNK, min(rows, (c + 1) * CHUNK), 2):
-            s = min(r + 1, rows - 1)
-            acc[:] = 0.0
-            for j in range(cols // 32):
-                k = j * 32
-                if g == 32:
-                    a0 = wf[r, so + j]
-                    a1 = wf[s, so + j]
-                    for l in range(32):
-                        acc[0, l] += (a0 * x[k + l]) * np.float32(w[r, k + l])
-                        acc[1, l] += (a1 * x[k + l]) * np.float32(w[s, k + l])
-                else:  # g == 16
-                    a0 = wf[r, so + 2 * j]
-                    a1 = wf[s, so + 2 * j]
-                    b0 = wf[r, so + 2 * j + 1]
-                    b1 = wf[s, so + 2 * j + 1]
-                    for l in range(16):
-                        acc[0, l] += (a0 * x[k + l]) * np.float32(w[r, k + l])
-                        acc[1, l] += (a1 * x[k + l]) * np.float32(w[s, k + l])
-                    for l in range(16, 32):
-                        acc[0, l] += (b0 * x[k + l]) * np.float32(w[r, k + l])
-                        acc[1, l] += (b1 * x[k + l]) * np.float32(w[s, k + l])
-            _store2(acc, np.float32(0.0), np.float32(0.0), out, r, rows)
-
-
-@njit(parallel=True, fastmath=_FM, **_OPTS)
-def matvec_a8(w, wf, x, out):
-    # repacked U8A32, row = uint8 q[cols] | f32 scale[nb] | f32 offset[nb] (nb = cols//32);
-    # w: (rows, row_bytes) uint8, wf: (rows, row_bytes//4) f32 view; value = scale*q + offset
-    rows = w.shape[0]
-    cols = x.shape[0]
-    so = cols // 4
-    mo = so + cols // 32
-    sx = _block_sums(x, 32)
-    for c in prange(_nchunks(rows)):
-        acc = np.empty((2, 32), np.float32)
-        for r in range(c * CHUNK, min(rows, (c + 1) * CHUNK), 2):
-            s = min(r + 1, rows - 1)
-            acc[:] = 0.0
-            t0 = np.float32(0.0)
-            t1 = np.float32(0.0)
-            for b in range(cols // 32):
-                a0 = wf[r, so + b]
-                a1 = wf[s, so + b]
-                t0 += wf[r, mo + b] * sx[b]
-                t1 += wf[s, mo + b] * sx[b]
-                for l in range(32):
-                    xv = x[b * 32 + l]
-                    acc[0, l] += (a0 * xv) * np.float32(np.int32(w[r, b * 32 + l]))
-                    acc[1, l] += (a1 * xv) * np.float32(np.int32(w[s, b * 32 + l]))
-            _store2(acc, t0, t1, out, r, rows)
 
 
 @njit(**_OPTS)

@@ -108,7 +108,7 @@ def stored_spec(mf: ModelFile) -> ShardSpec | None:
     return ShardSpec(*(tuple(int(v) for v in meta[SHARD_KEYS[k]]) for k in ("kv_groups", "ffn_cols", "vocab_rows")))
 
 
-def load_weights(mf: ModelFile, spec: ShardSpec | None = None, *, repack: bool = False) -> Weights:
+def load_weights(mf: ModelFile, spec: ShardSpec | None = None) -> Weights:
     """Map this shard's slices of the file (zero-copy where the layout allows).
 
     A shard file holds one spec's slices already cut: it loads for that spec only,
@@ -126,10 +126,6 @@ def load_weights(mf: ModelFile, spec: ShardSpec | None = None, *, repack: bool =
     hd, g = cfg.head_dim, cfg.group_size
     kv = (local.kv_groups[0] * hd, local.kv_groups[1] * hd)
     qh = (kv[0] * g, kv[1] * g)
-    prep = quant.repack if repack else (lambda w: w)
-
-    def mat(w: quant.Weight | None) -> quant.Weight | None:
-        return None if w is None else prep(w)
 
     def bias(name: str, r: Range) -> np.ndarray | None:
         return mf.vector(name)[r[0]:r[1]].copy() if mf.has(name) else None
@@ -139,17 +135,17 @@ def load_weights(mf: ModelFile, spec: ShardSpec | None = None, *, repack: bool =
         p = f"blk.{i}."
         layers.append(Layer(
             attn_norm=mf.vector(p + "attn_norm.weight"),
-            wq=mat(_rows(mf.weight(p + "attn_q.weight"), qh)),
-            wk=mat(_rows(mf.weight(p + "attn_k.weight"), kv)),
-            wv=mat(_rows(mf.weight(p + "attn_v.weight"), kv)),
+            wq=_rows(mf.weight(p + "attn_q.weight"), qh),
+            wk=_rows(mf.weight(p + "attn_k.weight"), kv),
+            wv=_rows(mf.weight(p + "attn_v.weight"), kv),
             bq=bias(p + "attn_q.bias", qh),
             bk=bias(p + "attn_k.bias", kv),
             bv=bias(p + "attn_v.bias", kv),
-            wo=mat(_cols(mf.weight(p + "attn_output.weight"), qh)),
+            wo=_cols(mf.weight(p + "attn_output.weight"), qh),
             ffn_norm=mf.vector(p + "ffn_norm.weight"),
-            w_gate=mat(_rows(mf.weight(p + "ffn_gate.weight"), local.ffn_cols)),
-            w_up=mat(_rows(mf.weight(p + "ffn_up.weight"), local.ffn_cols)),
-            w_down=mat(_cols(mf.weight(p + "ffn_down.weight"), local.ffn_cols)),
+            w_gate=_rows(mf.weight(p + "ffn_gate.weight"), local.ffn_cols),
+            w_up=_rows(mf.weight(p + "ffn_up.weight"), local.ffn_cols),
+            w_down=_cols(mf.weight(p + "ffn_down.weight"), local.ffn_cols),
         ))
     head = mf.weight("token_embd.weight" if cfg.tied else "output.weight")
     return Weights(
@@ -157,7 +153,7 @@ def load_weights(mf: ModelFile, spec: ShardSpec | None = None, *, repack: bool =
         spec=spec,
         layers=tuple(layers),
         out_norm=mf.vector("output_norm.weight"),
-        lm_head=mat(_rows(head, local.vocab_rows)),
+        lm_head=_rows(head, local.vocab_rows),
         rope_freqs=mf.vector("rope_freqs.weight") if mf.has("rope_freqs.weight") else None,
     )
 

@@ -1,4 +1,4 @@
-"""Weights in GGUF block formats: the `Weight` value, slicing, repacking, dispatch.
+"""Weights in GGUF block formats: the `Weight` value, slicing, dispatch.
 
 A `Weight` is a (rows, row_bytes) uint8 view of the bytes exactly as the
 GGUF file stores them (usually a read-only memmap), tagged with its qtype.
@@ -22,11 +22,6 @@ Block formats (ggml), per row of `cols` values:
   IQ4_XS 256 values, 136 B: f16 d, 6-bit scales (u16 high bits, 4 B low), 128 B code-book nibbles
   (exact layouts in deq.py; K-quants and IQ4_XS need widths that are multiples of 256,
   which is why llama.cpp writes 576-wide SmolLM2 tensors of a Q4_K_M file as Q5_0/Q8_0/IQ4_NL)
-
-Repacked layouts (ours, codes >= 1000), one row = [q bytes (cols)] [f32 arrays]:
-  Q8S32  int8 q, f32 scale per 32            (from Q4_0)
-  Q8S16  int8 q, f32 scale per 16            (from Q6_K)
-  U8A32  uint8 q, f32 scale + f32 offset per 32  (from Q4_1 and Q4_K)
 """
 
 from __future__ import annotations
@@ -56,10 +51,6 @@ from edgetp.model import deq as D  # noqa: E402
 from edgetp.model import intdot, intgemm  # noqa: E402
 from edgetp.model import kernels as K  # noqa: E402
 
-Q8S32 = 1000
-Q8S16 = 1001
-U8A32 = 1002
-
 # qtype -> (values per block, bytes per block)
 _BLOCK = {
     QT.F32: (1, 4),
@@ -77,11 +68,8 @@ _BLOCK = {
     QT.Q5_K: (256, 176),
     QT.Q6_K: (256, 210),
     QT.IQ4_XS: (256, 136),
-    Q8S32: (32, 36),
-    Q8S16: (16, 20),
-    U8A32: (32, 40),
 }
-SUPPORTED = frozenset(QT(t) for t in _BLOCK if t < 1000)
+SUPPORTED = frozenset(QT(t) for t in _BLOCK)
 
 _TAB16 = K.f16_table()  # (65536,) f32
 _TABBF = K.bf16_table()  # (65536,) f32
@@ -96,9 +84,6 @@ class UnsupportedTensorType(ValueError):
 
 
 def _type_name(qtype: int) -> str:
-    names = {Q8S32: "Q8S32", Q8S16: "Q8S16", U8A32: "U8A32"}
-    if qtype in names:
-        return names[qtype]
     try:
         return QT(qtype).name
     except ValueError:
@@ -112,7 +97,7 @@ def _check(qtype: int) -> None:
 
 
 def block_size(qtype: int) -> int:
-    """Values per block: 1 for float types, 32 (16 for Q8S16), 256 for K-quants and IQ4_XS."""
+    """Values per block: 1 for float types, 32, 256 for K-quants and IQ4_XS."""
     _check(qtype)
     return _BLOCK[qtype][0]
 
@@ -124,7 +109,7 @@ def row_bytes(qtype: int, cols: int) -> int:
 
 @dataclass(frozen=True, eq=False)
 class Weight:
-    qtype: int  # GGMLQuantizationType value or Q8S32 / Q8S16 / U8A32
+    qtype: int  # GGMLQuantizationType value
     rows: int  # output features
     cols: int  # input features
     data: np.ndarray  # (rows, row_bytes) uint8, C-contiguous
@@ -269,10 +254,6 @@ def float_matvec(w: Weight, x: np.ndarray, out: np.ndarray) -> None:
         K.matvec_half(d.view(np.uint16), _TAB16, x, out, False)
     elif t == QT.BF16:
         K.matvec_half(d.view(np.uint16), _TABBF, x, out, True)
-    elif t in (Q8S32, Q8S16):
-        K.matvec_s8(d.view(np.int8), d.view(np.float32), _BLOCK[t][0], x, out)
-    elif t == U8A32:
-        K.matvec_a8(d, d.view(np.float32), x, out)
     else:  # no decode kernel for this type: the prefill path's decoded tiles (correct, not fast)
         _openblas_single_thread()
         tile = int(np.clip(_SCRATCH_BYTES // (4 * w.cols), 1, w.rows))
@@ -383,99 +364,8 @@ def slice_cols(w: Weight, start: int, stop: int) -> Weight:
     bs, nbytes = _BLOCK[w.qtype]
     if start % bs or stop % bs or not 0 <= start < stop <= w.cols:
         raise ValueError(f"columns {start}:{stop} are not whole {_type_name(w.qtype)} blocks of {bs} within 0:{w.cols}")
-    n = stop - start
-    if w.qtype < 1000:
-        data = np.ascontiguousarray(w.data[:, start // bs * nbytes : stop // bs * nbytes])
-    else:  # repacked: q bytes, then f32 arrays per group
-        nb = w.cols // bs
-        parts = [w.data[:, start:stop]]
-        f32 = w.data[:, w.cols :].view(np.float32).reshape(w.rows, -1, nb)
-        parts.append(np.ascontiguousarray(f32[:, :, start // bs : stop // bs]).reshape(w.rows, -1).view(np.uint8))
-        data = np.ascontiguousarray(np.concatenate(parts, axis=1))
-    return Weight(w.qtype, w.rows, n, data)
-
-
-# ---------------------------------------------------------------- repacking
-
-_REPACKED = {QT.Q4_0: Q8S32, QT.Q6_K: Q8S16, QT.Q4_1: U8A32, QT.Q4_K: U8A32}
-
-
-def repack_cost(w: Weight) -> tuple[int, int]:
-    """(bytes before, bytes after) repack(w)."""
-    new = _REPACKED.get(w.qtype, w.qtype)
-    return w.nbytes, w.rows * row_bytes(new, w.cols)
-
-
-def repack(w: Weight) -> Weight:
-    """Widen 4/6-bit blocks to an 8-bit layout whose dequantized values are bit-identical.
-
-    Memory per 256 values: Q4_0 144 -> 288 B (2.0x), Q4_1 160 -> 320 B (2.0x),
-    Q4_K 144 -> 320 B (2.2x), Q6_K 210 -> 320 B (1.5x). Other types are returned
-    unchanged. Scales become f32 products computed exactly as the reference
-    dequantizer computes them (d*sc for K-quants, -(dmin*m) as the offset).
-
-    Measured (one hot core, GB/s of the original bytes): Q4_K 5 -> ~10, Q6_K
-    4.6 -> ~13. Since the four-row Q4_0/Q4_1 kernels (~11/~13 hot, ~6/~7 from
-    RAM) widening those two no longer pays: it doubles their memory and reads
-    ~3.6 GB/s from RAM. From RAM the wider rows cost bandwidth, so it pays most
-    for Q6_K and for weights that stay cached.
-    Works in tiles of 256 rows; each tile is checked bit-for-bit before use.
-    """
-    new = _REPACKED.get(w.qtype)
-    if new is None:
-        return w
-    out = np.empty((w.rows, row_bytes(new, w.cols)), np.uint8)
-    c = w.cols
-    for r0 in range(0, w.rows, 256):
-        part = slice_rows(w, r0, min(w.rows, r0 + 256))
-        q, scales = _integer_codes(part)  # (n, cols) codes, (n, k) f32
-        out[r0 : r0 + part.rows, :c] = q.view(np.uint8)
-        out[r0 : r0 + part.rows, c:] = scales.view(np.uint8)
-        packed = Weight(new, part.rows, c, out[r0 : r0 + part.rows])
-        want = dequantize_rows(part, 0, part.rows).view(np.uint32)
-        if not np.array_equal(dequantize_rows(packed, 0, part.rows).view(np.uint32), want):
-            raise AssertionError(f"repack of {_type_name(w.qtype)} is not bit-identical")  # guards the promise
-    return Weight(new, w.rows, w.cols, out)
-
-
-def _integer_codes(w: Weight) -> tuple[np.ndarray, np.ndarray]:
-    """(rows, cols) integer codes and (rows, n_f32) f32 scale[/offset] arrays for repack."""
-    raw = w.data
-    rows, cols = w.rows, w.cols
-    f16 = lambda a: _TAB16[a[..., 0].astype(np.int64) | (a[..., 1].astype(np.int64) << 8)]  # noqa: E731
-    if w.qtype in (QT.Q4_0, QT.Q4_1):
-        bsz = 18 if w.qtype == QT.Q4_0 else 20
-        b = raw.reshape(rows, cols // 32, bsz)
-        d = f16(b[..., 0:2])
-        nib = b[..., bsz - 16 :]
-        q = np.concatenate([nib & 15, nib >> 4], axis=-1).reshape(rows, cols)  # (rows, cols)
-        if w.qtype == QT.Q4_0:
-            return (q.astype(np.int8) - 8), d.astype(np.float32)
-        return q, np.concatenate([d, f16(b[..., 2:4])], axis=1).astype(np.float32)
-    if w.qtype == QT.Q4_K:
-        b = raw.reshape(rows, cols // 256, 144)
-        d = f16(b[..., 0:2])[..., None]
-        dmin = f16(b[..., 2:4])[..., None]
-        s = b[..., 4:16]
-        lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
-        sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=-1).astype(np.float32)
-        mn = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=-1).astype(np.float32)
-        qs = b[..., 16:].reshape(rows, cols // 256, 4, 1, 32)
-        q = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(rows, cols)
-        scale = (d * sc).reshape(rows, -1)  # (rows, cols//32)
-        offset = -(dmin * mn).reshape(rows, -1)
-        return q, np.concatenate([scale, offset], axis=1).astype(np.float32)
-    if w.qtype == QT.Q6_K:
-        b = raw.reshape(rows, cols // 256, 210)
-        ql = b[..., 0:128].reshape(rows, -1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
-        ql = (ql & 15).reshape(rows, -1, 2, 4, 32)
-        qh = b[..., 128:192].reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)
-        qh = (qh & 3).reshape(rows, -1, 2, 4, 32)
-        q = ((ql | (qh << 4)).astype(np.int8) - 32).reshape(rows, cols)
-        d = f16(b[..., 208:210])[..., None]
-        scale = (d * b[..., 192:208].view(np.int8).astype(np.float32)).reshape(rows, -1)
-        return q, scale.astype(np.float32)
-    raise AssertionError(w.qtype)
+    data = np.ascontiguousarray(w.data[:, start // bs * nbytes : stop // bs * nbytes])
+    return Weight(w.qtype, w.rows, stop - start, data)
 
 
 # ---------------------------------------------------------------- Q8_0 codec for activations

@@ -74,7 +74,7 @@ class ClusterRunner:
     @classmethod
     async def connect(cls, mf: ModelFile, addresses: Sequence[str], *, ctx: int, weights: Sequence[float] | None = None,
                       sync: str = "f32", key: bytes | None = None, threads: int | None = None,
-                      repack: bool = False, model_ref: str | None = None, epoch: int = 1,
+                      model_ref: str | None = None, epoch: int = 1,
                       node_id: str = ROOT_ID, fetch_port: int | None = None,
                       on_progress: Progress | None = None) -> "ClusterRunner":
         """Link to every worker, profile, plan and load.
@@ -111,13 +111,13 @@ class ClusterRunner:
             log.info("plan (epoch %d, %s sync): %s", plan.epoch, plan.sync,
                      "; ".join(f"{s.node_id} kv{s.kv_groups} ffn{s.ffn_cols} vocab{s.vocab_rows}" for s in plan.shares))
             header = {"model": model_ref or str(mf.path), "fingerprint": mf.fingerprint, "ctx": ctx,
-                      "sync": sync, "repack": repack} | ({"fetch_port": fetch_port} if fetch_port else {})
+                      "sync": sync} | ({"fetch_port": fetch_port} if fetch_port else {})
             for link, info in zip(links, infos[1:]):
                 spec = spec_for(plan, info.node_id)
                 await link.send(FrameType.LOAD, header | {"kv_groups": list(spec.kv_groups),
                                                           "ffn_cols": list(spec.ffn_cols),
                                                           "vocab_rows": list(spec.vocab_rows)})
-            weights_root = await asyncio.to_thread(llama.load_weights, mf, spec_for(plan, node_id), repack=repack)
+            weights_root = await asyncio.to_thread(llama.load_weights, mf, spec_for(plan, node_id))
             shard = llama.Shard(weights_root, ctx)
             for n, link in enumerate(links, start=1):
                 ready = await _loaded(link, infos[n].node_id, on_progress)
@@ -127,7 +127,7 @@ class ClusterRunner:
             for link in links:
                 link.close()
             raise
-        options = dict(ctx=ctx, weights=weights, sync=sync, key=key, threads=threads, repack=repack,
+        options = dict(ctx=ctx, weights=weights, sync=sync, key=key, threads=threads,
                        model_ref=model_ref, addresses=list(addresses), node_id=node_id, fetch_port=fetch_port,
                        on_progress=on_progress)
         return cls(mf, ctx, plan, links, shard, infos, asyncio.get_running_loop(), options)

@@ -243,7 +243,7 @@ class _Session:
         self.mf = await self._model(h, spec)
         path = self.mf.path
         self.sync = h["sync"]
-        weights = await asyncio.to_thread(llama.load_weights, self.mf, spec, repack=bool(h.get("repack")))
+        weights = await asyncio.to_thread(llama.load_weights, self.mf, spec)
         self.shard = llama.Shard(weights, int(h["ctx"]))
         await asyncio.to_thread(_warm_up, self.shard)
         log.info("loaded shard %s of %s: %.1f MB of weights, %.1f MB KV cache",

@@ -271,3 +271,29 @@ def test_a_worker_killed_mid_answer_is_replanned_around_and_the_greedy_answer_is
         current[0].close()
         stop(keep)
         stop(victim)
+
+
+def test_a_second_root_takes_over_a_static_worker_whose_root_sits_idle(control, stories_path):
+    from edgetp.model.tokenizer import Tokenizer  # noqa: PLC0415
+
+    proc, addr = start_worker()
+    try:
+        mf = gguf.open_model(stories_path)
+        ids = Tokenizer.from_metadata(mf.metadata).encode(STORY, add_special=True)
+        alone = greedy(LocalRunner(mf, 256), ids, 12)
+        assert len(set(alone)) > 3  # a real story, not a degenerate run
+        first = cluster(control, stories_path, [addr], [1, 1])
+        try:
+            assert greedy(first, ids, 12) == alone
+            # `first` now sits idle between generations, as a root that lost power would
+            second = cluster(control, stories_path, [addr], [1, 1])
+            try:
+                assert greedy(second, ids, 12) == alone
+            finally:
+                second.close()
+            with pytest.raises(WorkerLost, match=re.escape(addr)):  # its next answer finds the link closed
+                greedy(first, ids, 12)
+        finally:
+            first.close()
+    finally:
+        stop(proc)

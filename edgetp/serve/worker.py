@@ -15,9 +15,12 @@ key, it fetches just its slice from the root (serve/weights.py: signed,
 hash-verified, cached in `shard_dir`, resumable), telling the root how far
 it got about once a second.
 
-One root at a time; a second connection is told "busy" and closed. Any
-protocol or decode error closes that link with a logged reason; the worker
-keeps running and waits for the next root.
+One root at a time. A second root takes the worker over when it brings a
+newer epoch (cluster mode), or, for a static worker, when the first root's
+session sits idle between generations (that root may have lost power: its
+next request finds the link closed and re-plans); otherwise it is told
+"busy" and closed. Any protocol or decode error closes that link with a
+logged reason; the worker keeps running and waits for the next root.
 
 Before a peer has finished its handshake it gets little: frames of 64 KiB at
 most, HANDSHAKE_TIMEOUT seconds, and a place among MAX_PENDING handshakes in
@@ -96,6 +99,7 @@ class Worker:
     _link: Link | None = field(default=None, init=False)
     _link_epoch: int = field(default=0, init=False)
     _task: asyncio.Task | None = field(default=None, init=False)
+    _current: _Session | None = field(default=None, init=False)  # the session of the root served now
     _idle: asyncio.Event = field(default_factory=asyncio.Event, init=False)
     _pending: int = field(default=0, init=False)  # connections still in their handshake
     _over_cap: _Quiet = field(default_factory=_Quiet, init=False)
@@ -156,8 +160,13 @@ class Worker:
                                       f"{self.epochs.leader} in epoch {self.epochs.epoch}")
                 link.close()
                 return
-        if self.busy and self._link is not None and epoch > self._link_epoch:
-            log.warning("root %s of epoch %d replaces the root of epoch %d", peer, epoch, self._link_epoch)
+        newer = epoch > self._link_epoch
+        idle = not self.follow_epochs and self._current is not None and self._current.idle
+        if self.busy and self._link is not None and (newer or idle):
+            if newer:
+                log.warning("root %s of epoch %d replaces the root of epoch %d", peer, epoch, self._link_epoch)
+            else:
+                log.warning("root %s takes over from the idle root at %s", peer, self._link.name)
             self._link.close()  # a compute thread blocked on it fails out
             if self._task is not None:
                 self._task.cancel()  # an asyncio receive is not woken by a close
@@ -173,8 +182,9 @@ class Worker:
         self._task = asyncio.current_task()
         self._idle.clear()
         log.info("root %s (epoch %d) connected from %s", peer, epoch, link.name)
+        self._current = _Session(self, link)
         try:
-            await _Session(self, link).run()
+            await self._current.run()
         except LinkClosed as exc:
             log.warning("root session ended: %s", exc)
         except (GGUFError, DownloadError, ValueError, KeyError, TypeError) as exc:
@@ -185,7 +195,7 @@ class Worker:
             await link._try_error(f"worker error: {exc}")
         finally:
             link.close()
-            self.busy, self._link, self._task = False, None, None
+            self.busy, self._link, self._task, self._current = False, None, None, None
             self._idle.set()
 
     async def _greet(self, link: Link) -> tuple[str, int]:
@@ -216,11 +226,16 @@ class _Session:
         self.shard: llama.Shard | None = None
         self.sync = "f32"
         self.mf = None
+        self.idle = False  # waiting for the root's next request (not loading, profiling or generating)
 
     async def run(self) -> None:
         link = self.link
         while True:
-            frame = await link.recv(IDLE_TIMEOUT)
+            self.idle = self.shard is not None  # before its LOAD a session is still being set up
+            try:
+                frame = await link.recv(IDLE_TIMEOUT)
+            finally:
+                self.idle = False
             handler = self.HANDLERS.get(frame.type)
             if handler is None:
                 raise LinkClosed(f"unexpected {frame.type.name} from the root")

@@ -1,6 +1,6 @@
 """Run the dashboard headless for a few seconds and save what it shows as SVG and PNG.
 
-    python tools/dashboard_screenshot.py --url http://127.0.0.1:8080 --ask "Why is the sky blue?" -o docs/dashboard.png
+    python tools/dashboard_screenshot.py --url http://127.0.0.1:7711 --ask "Why is the sky blue?" -o docs/dashboard.png
     python tools/dashboard_screenshot.py --scripted -o docs/dashboard-scripted.png
 
 The PNG comes from `rsvg-convert` (Debian package librsvg2-bin).
@@ -48,7 +48,7 @@ async def shoot(args: argparse.Namespace, svg: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--url", help="the cluster's API, e.g. http://127.0.0.1:8080")
+    source.add_argument("--url", help="the cluster's API, e.g. http://127.0.0.1:7711")
     source.add_argument("--scripted", action="store_true", help="play a scripted three-node generation")
     parser.add_argument("--ask", help="a prompt to submit once the dashboard is up")
     parser.add_argument("--seconds", type=float, default=4.0, help="how long to watch before the screenshot")

@@ -184,7 +184,7 @@ def status(args: argparse.Namespace) -> int:
 
 
 def reprofile(args: argparse.Namespace) -> int:
-    """POST /v1/cluster/profile, signed: the node measures again; its root re-plans before the next request."""
+    """POST /v1/cluster/profile, proving the key: the node measures again; its root re-plans before the next request."""
     import aiohttp  # noqa: PLC0415
 
     from edgetp.cluster import peering  # noqa: PLC0415

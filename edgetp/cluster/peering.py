@@ -1,8 +1,8 @@
 """The cluster's own HTTP endpoints on every node, and `--peer` for networks without multicast.
 
     GET  /v1/cluster/node?nonce=N   a heartbeat: {"advert": our signed advert, "proof": heartbeat_proof}
-    POST /v1/cluster/peers     signed; body = the caller's advert: "I am here". Answer: our advert
-    POST /v1/cluster/profile   signed; measure speed and free memory again, re-announce, re-plan
+    POST /v1/cluster/peers     key-proven (net/httpauth.py); body = the caller's advert: "I am here". Answer: our advert
+    POST /v1/cluster/profile   key-proven; measure speed and free memory again, re-announce, re-plan
 
 An advert travels as its TXT dict (`PeerAdvert.to_txt`), signed, and is
 validated by the same `parse_txt` as an mDNS record.

@@ -87,7 +87,7 @@ def make_app(engine: Engine, *, cluster_view: Callable[[], events.ClusterView] |
     app[KEY] = key
     app[TOKENS] = tuple(tokens)
     httpauth.gate_of(app, key)
-    app[LOOPBACK] = [True]
+    app[LOOPBACK] = [False]  # until `serving` knows the address: closed by default
     app[METRICS] = Metrics(engine)
     app[SOCKETS] = weakref.WeakSet()
     engine.bus.add_listener(app[METRICS].observe)

@@ -46,22 +46,25 @@ def _start(n: int, int8: bool) -> list:
         return [start_worker() for _ in range(n)]
 
 
+def _serving(n: int, int8: bool):
+    procs = _start(n, int8)
+    try:
+        yield [addr for _, addr in procs]
+    finally:
+        for proc, _ in procs:
+            stop(proc)
+
+
 @pytest.fixture(scope="module")
 def workers():
     """Three workers on the float kernels: the exact mode the token-equality tests hold to."""
-    procs = _start(3, int8=False)
-    yield [addr for _, addr in procs]
-    for proc, _ in procs:
-        stop(proc)
+    yield from _serving(3, int8=False)
 
 
 @pytest.fixture(scope="module")
 def int8_workers():
     """Two workers on the integer decode kernels (the default)."""
-    procs = _start(2, int8=True)
-    yield [addr for _, addr in procs]
-    for proc, _ in procs:
-        stop(proc)
+    yield from _serving(2, int8=True)
 
 
 @pytest.fixture(autouse=True)

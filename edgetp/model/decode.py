@@ -26,11 +26,6 @@ if TYPE_CHECKING:
 _JIT = dict(cache=True, nogil=True)
 
 
-def _rounded(cols: int) -> intdot.Rounded:
-    return intdot.Rounded(np.empty(cols, np.int8), np.empty(cols // 32, np.float32),
-                          np.empty(cols // 4, np.int32), np.empty(cols // 16, np.int32))
-
-
 class _Matvecs:
     """out = [W_0 @ x, W_1 @ x, ...] for weights that read one x (cols,) f32 (and its rounding
     xr, which the step before fills): one integer kernel call per layout, float kernels for the rest."""
@@ -90,8 +85,9 @@ class Plan:
         cfg = shard.w.cfg
         self.h = np.empty((1, cfg.dim), np.float32)       # normed x, what q/k/v and gate/up read
         self.zeros = np.zeros((1, cfg.dim), np.float32)   # the partial of a half this shard has no share of
-        self.r = {"h": _rounded(cfg.dim), "att": _rounded(max(shard.n_heads, 1) * cfg.head_dim),
-                  "gate": _rounded(max(shard.n_ffn, 32))}  # (empty halves round nothing)
+        empty = intdot.Rounded.empty
+        self.r = {"h": empty(cfg.dim), "att": empty(max(shard.n_heads, 1) * cfg.head_dim),
+                  "gate": empty(max(shard.n_ffn, 32))}  # (empty halves round nothing)
         self.layers = [_LayerPlan(shard, layer, self.h, self.r, int8) for layer in shard.w.layers]
 
     def forward(self, x: np.ndarray, pos: int) -> np.ndarray:

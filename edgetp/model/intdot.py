@@ -70,6 +70,12 @@ class Rounded(NamedTuple):
     s4: np.ndarray  # (cols//4,) int32, sum of each 4 xq
     s16: np.ndarray  # (cols//16,) int32, sum of each 16 xq
 
+    @classmethod
+    def empty(cls, cols: int) -> "Rounded":
+        """Buffers for one token of `cols` columns, to be filled by round_into."""
+        return cls(np.empty(cols, np.int8), np.empty(cols // 32, np.float32),
+                   np.empty(cols // 4, np.int32), np.empty(cols // 16, np.int32))
+
 
 @njit(**_OPTS)
 def round_into(x, xq, dx, s4, s16):
@@ -93,8 +99,7 @@ def rounded(x: np.ndarray) -> Rounded:
     cols = x.shape[0]
     if cols % 32:
         raise ValueError(f"{cols} columns is not a multiple of 32")
-    r = Rounded(np.empty(cols, np.int8), np.empty(cols // 32, np.float32),
-                np.empty(cols // 4, np.int32), np.empty(cols // 16, np.int32))  # fmt: skip
+    r = Rounded.empty(cols)
     round_into(np.ascontiguousarray(x, np.float32), *r)
     return r
 

@@ -53,7 +53,34 @@ class RequestRecord:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0       # prompt tokens taken from the prefix cache, not computed again
+    slot: int | None = None      # the KV slot the request runs in
     type: str = "request"
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step of the root's engine: a decode step (one token for each of `batch` sequences)
+    or one prefill chunk (`batch` prompt tokens of one sequence)."""
+
+    kind: str                    # "decode" | "prefill"
+    batch: int
+    ms: float                    # wall time of the step
+    active: int                  # sequences holding a slot after it
+    queued: int                  # requests waiting for a slot
+    type: str = "step"
+
+
+@dataclass(frozen=True)
+class SlotsView:
+    """The root engine's slots: how many sequences run at once, and what the prefix cache saved."""
+
+    total: int
+    active: int
+    queued: int
+    batch: int = 0               # sequences in the last decode step
+    prefix_hits: int = 0         # requests that reused a cached prefix
+    cached_tokens: int = 0       # prompt tokens those requests did not compute again
 
 
 @dataclass(frozen=True)
@@ -90,6 +117,7 @@ class ClusterView:
     model: str
     nodes: tuple[NodeView, ...]
     root_url: str | None = None  # the root's API, where per-token records are published
+    slots: SlotsView | None = None  # the root's engine (None where no engine runs here)
     type: str = "snapshot"
 
 
@@ -97,7 +125,7 @@ def to_dict(record: Any) -> dict[str, Any]:
     return asdict(record)
 
 
-def from_dict(d: Any) -> TokenRecord | RequestRecord | ClusterEvent | ClusterView:
+def from_dict(d: Any) -> TokenRecord | RequestRecord | StepRecord | ClusterEvent | ClusterView:
     """The record a dict describes; EventError for anything malformed."""
     if not isinstance(d, dict):
         raise EventError(f"a record must be an object, got {type(d).__name__}")
@@ -110,13 +138,18 @@ def from_dict(d: Any) -> TokenRecord | RequestRecord | ClusterEvent | ClusterVie
         if kind == "request":
             return RequestRecord(str(d["request_id"]), _one_of(d["state"], ("started", "finished")),
                                  str(d.get("prompt", "")), d.get("finish_reason"),
-                                 int(d.get("prompt_tokens", 0)), int(d.get("completion_tokens", 0)))
+                                 int(d.get("prompt_tokens", 0)), int(d.get("completion_tokens", 0)),
+                                 int(d.get("cached_tokens", 0)), None if d.get("slot") is None else int(d["slot"]))
+        if kind == "step":
+            return StepRecord(_one_of(d["kind"], ("decode", "prefill")), int(d["batch"]), float(d["ms"]),
+                              int(d["active"]), int(d["queued"]))
         if kind == "cluster":
             return ClusterEvent(_one_of(d["event"], CLUSTER_EVENTS), str(d["message"]), d.get("node_id"),
                                 d.get("epoch"), dict(d.get("detail") or {}))
         if kind == "snapshot":
             return ClusterView(int(d["epoch"]), d.get("root"), str(d["model"]),
-                               tuple(_node(n) for n in d["nodes"]), d.get("root_url"))
+                               tuple(_node(n) for n in d["nodes"]), d.get("root_url"),
+                               None if d.get("slots") is None else _slots(d["slots"]))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise EventError(f"malformed {kind} record: {exc}") from None
     raise EventError(f"unknown record type {kind!r}")
@@ -131,6 +164,11 @@ def _one_of(value: Any, allowed: tuple[str, ...]) -> str:
 def _pair(v: Any) -> tuple[int, int]:
     a, b = v
     return int(a), int(b)
+
+
+def _slots(d: dict[str, Any]) -> SlotsView:
+    return SlotsView(int(d["total"]), int(d["active"]), int(d["queued"]), int(d.get("batch", 0)),
+                     int(d.get("prefix_hits", 0)), int(d.get("cached_tokens", 0)))
 
 
 def _node(d: dict[str, Any]) -> NodeView:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import logging
 import socket
@@ -371,7 +372,31 @@ async def model(request: web.Request) -> web.StreamResponse:
 
 
 async def cluster(request: web.Request) -> web.Response:
-    return web.json_response(events.to_dict(request.app[CLUSTER_VIEW]()), dumps=shape.dumps)
+    return web.json_response(events.to_dict(served_view(request.app)), dumps=shape.dumps)
+
+
+def served_view(app: web.Application) -> events.ClusterView:
+    """The cluster view, with the engine's slots when this node is the one serving completions."""
+    view = app[CLUSTER_VIEW]()
+    if view.slots is None and _serves_here(app) and (slots := slots_of(app[ENGINE])) is not None:
+        view = dataclasses.replace(view, slots=slots)
+    return view
+
+
+def _serves_here(app: web.Application) -> bool:
+    """True when completions sent to this node run on its own engine (it is the root, or alone)."""
+    if app[ROUTE] is None:
+        return True
+    try:
+        return app[ROUTE]() is None
+    except NoRoot:
+        return False
+
+
+def slots_of(engine: Engine) -> events.SlotsView | None:
+    """The engine's slots, from an engine that reports them (a batching one); None from one that does not."""
+    view = getattr(engine, "slots_view", None)
+    return view() if callable(view) else None
 
 
 async def events_ws(request: web.Request) -> web.WebSocketResponse:
@@ -388,7 +413,7 @@ async def events_ws(request: web.Request) -> web.WebSocketResponse:
         return ws
     sub = request.app[ENGINE].bus.subscribe()  # before the snapshot, so nothing falls between
     try:
-        await ws.send_str(shape.dumps(events.to_dict(request.app[CLUSTER_VIEW]())))
+        await ws.send_str(shape.dumps(events.to_dict(served_view(request.app))))
         async with asyncio.TaskGroup() as tg:
             forward = tg.create_task(_forward(ws, sub))
             async for _ in ws:  # watchers only listen; this ends when they close
@@ -460,7 +485,13 @@ async def _forward(ws: web.WebSocketResponse, sub: Any) -> None:
 
 
 class Metrics:
-    """Prometheus metrics in a registry of their own, fed by the engine's bus (every record, none dropped)."""
+    """Prometheus metrics in a registry of their own, fed by the engine's bus (every record, none dropped).
+
+    Slots come from the engine's `slots_view()` when it has one; an engine without it runs one
+    generation at a time, which is one slot, busy or not.
+    """
+
+    BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
     def __init__(self, engine: Engine) -> None:
         self.registry = r = CollectorRegistry()
@@ -474,11 +505,33 @@ class Metrics:
                                        registry=r)
         self.link_bytes = Counter("edgetp_link_bytes", "Bytes moved over cluster links during generation",
                                   ["link", "direction"], registry=r)
-        self.queue_depth = Gauge("edgetp_queue_depth", "Requests waiting for the engine", registry=r)
-        self.queue_depth.set_function(lambda: engine.queue_depth)
+        self.queue_depth = Gauge("edgetp_queue_depth", "Requests waiting for a slot", registry=r)
+        self.queue_depth.set_function(lambda: self._slots(engine).queued)
+        self.slots_total = Gauge("edgetp_slots_total", "Sequences the engine can run at once", registry=r)
+        self.slots_total.set_function(lambda: self._slots(engine).total)
+        self.slots_active = Gauge("edgetp_slots_active", "Sequences holding a slot", registry=r)
+        self.slots_active.set_function(lambda: self._slots(engine).active)
+        self.batch_size = Gauge("edgetp_batch_size", "Sequences in the last decode step", registry=r)
+        self.decode_batch = Histogram("edgetp_decode_batch", "Decode steps by the sequences they carried",
+                                      buckets=self.BATCHES, registry=r)
+        self.steps = Counter("edgetp_steps", "Engine steps, by kind (decode, prefill)", ["kind"], registry=r)
+        self.step_seconds = Counter("edgetp_step_seconds", "Wall time of engine steps, by kind", ["kind"],
+                                    registry=r)
+        self.prefix_hits = Counter("edgetp_prefix_cache_hits", "Requests whose prompt began with a cached prefix",
+                                   registry=r)
+        self.cached_tokens = Counter("edgetp_prefix_cached_tokens", "Prompt tokens taken from the prefix cache",
+                                     registry=r)
         self.replans = Counter("edgetp_replans", "Re-plans of the cluster", registry=r)
         self.elections = Counter("edgetp_elections", "Root elections", registry=r)
         self._started: dict[str, float] = {}
+        self._cached: set[str] = set()  # running requests whose prefix hit is counted already
+
+    @staticmethod
+    def _slots(engine: Engine) -> events.SlotsView:
+        view = slots_of(engine)
+        if view is not None:
+            return view
+        return events.SlotsView(1, int(bool(getattr(engine, "busy", False))), engine.queue_depth)
 
     def observe(self, record: Any) -> None:
         if isinstance(record, events.TokenRecord):
@@ -487,11 +540,23 @@ class Metrics:
             for link, b in record.links.items():
                 self.link_bytes.labels(link, "sent").inc(b.sent)
                 self.link_bytes.labels(link, "received").inc(b.received)
+        elif isinstance(record, events.StepRecord):
+            self.steps.labels(record.kind).inc()
+            self.step_seconds.labels(record.kind).inc(record.ms / 1000)
+            if record.kind == "decode":
+                self.batch_size.set(record.batch)
+                self.decode_batch.observe(record.batch)
         elif isinstance(record, events.RequestRecord):
+            rid = record.request_id
+            if record.cached_tokens > 0 and rid not in self._cached:  # counted once, on whichever record says it
+                self.prefix_hits.inc()
+                self.cached_tokens.inc(record.cached_tokens)
+                self._cached.add(rid)
             if record.state == "started":
-                self._started[record.request_id] = time.perf_counter()
+                self._started[rid] = time.perf_counter()
             else:
-                t0 = self._started.pop(record.request_id, None)
+                self._cached.discard(rid)
+                t0 = self._started.pop(rid, None)
                 if t0 is not None:
                     self.request_seconds.observe(time.perf_counter() - t0)
                 self.requests.labels(record.finish_reason or "none").inc()

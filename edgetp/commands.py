@@ -170,6 +170,8 @@ def status(args: argparse.Namespace) -> int:
 
     view = asyncio.run(go())
     print(f"epoch {view['epoch']}  root {view['root']}  model {view['model']}")
+    if (line := slots_line(view.get("slots"))) is not None:
+        print(line)
     print(f"{'node':<16} {'address':<22} {'role':<7} {'state':<8} {'speed':>10} {'mem free':>9} "
           f"{'kv groups':>9} {'ffn cols':>11} {'vocab rows':>13} {'rtt':>8}")
     for n in view["nodes"]:
@@ -181,6 +183,15 @@ def status(args: argparse.Namespace) -> int:
               f"{n['speed'] / 1e9:>6.2f} GB/s {n['mem_free'] / 1e9:>6.1f} GB {span(n['kv_groups']):>9} "
               f"{span(n['ffn_cols']):>11} {span(n['vocab_rows']):>13} {rtt:>8}")
     return 0
+
+
+def slots_line(slots: dict | None) -> str | None:
+    """One line on the root engine's slots (None when the view has none): in use, queued, batch, prefix hits."""
+    if not isinstance(slots, dict):
+        return None
+    return (f"slots {slots.get('active', '?')}/{slots.get('total', '?')} in use  queued {slots.get('queued', '?')}  "
+            f"last batch {slots.get('batch', 0)}  prefix hits {slots.get('prefix_hits', 0)} "
+            f"({slots.get('cached_tokens', 0)} cached tokens)")
 
 
 def reprofile(args: argparse.Namespace) -> int:

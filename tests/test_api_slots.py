@@ -7,7 +7,9 @@ counted from the records the test publishes, not read back from the code under t
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import sys
 
 import aiohttp
 import pytest
@@ -137,3 +139,19 @@ async def test_a_prefix_hit_counts_once_per_request_whichever_records_carry_it(s
     assert m[("edgetp_prefix_cache_hits_total", ())] == 2
     assert m[("edgetp_prefix_cached_tokens_total", ())] == 64 + 32
     assert m[("edgetp_requests_total", (("finish_reason", "stop"),))] == 2
+
+
+async def test_status_prints_the_slots_line_only_when_the_root_reports_slots(start):
+    async def status(url: str) -> str:
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "edgetp", "status", "--url", url,
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, err.decode()
+        return out.decode()
+
+    slotted, _ = await start(SlottedEngine)
+    lines = (await status(slotted)).splitlines()
+    assert lines[1] == "slots 0/4 in use  queued 0  last batch 3  prefix hits 2 (96 cached tokens)"
+    assert lines[2].startswith("node ")
+    plain, _ = await start()
+    assert not any(line.startswith("slots") for line in (await status(plain)).splitlines())

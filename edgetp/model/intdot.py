@@ -49,7 +49,7 @@ import numpy as np  # noqa: E402
 from numba import njit, prange, types  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-from edgetp.model.intdot_ir import emit_rows  # noqa: E402
+from edgetp.model.intdot_ir import emit_rows, emit_rows_tokens  # noqa: E402
 from edgetp.model.intdot_layouts import LAYOUTS, decode  # noqa: E402
 from edgetp.model.kernels import SPREAD, f16_table, partners, spans  # noqa: E402
 from edgetp.model.vnni import q8_block  # noqa: E402
@@ -75,6 +75,16 @@ class Rounded(NamedTuple):
         """Buffers for one token of `cols` columns, to be filled by round_into."""
         return cls(np.empty(cols, np.int8), np.empty(cols // 32, np.float32),
                    np.empty(cols // 4, np.int32), np.empty(cols // 16, np.int32))
+
+    @classmethod
+    def rows(cls, n: int, cols: int) -> "Rounded":
+        """Buffers for n tokens, (n, ...) each: row b is token b (`row(b)`), as TokenProducts reads them."""
+        return cls(np.empty((n, cols), np.int8), np.empty((n, cols // 32), np.float32),
+                   np.empty((n, cols // 4), np.int32), np.empty((n, cols // 16), np.int32))
+
+    def row(self, b: int) -> "Rounded":
+        """Token b of a Rounded.rows: one token's buffers (views)."""
+        return Rounded(*(a[b] for a in self))
 
 
 @njit(**_OPTS)
@@ -175,6 +185,74 @@ def _kernel(kind: int, which: str):
     return matvec_rows
 
 
+@intrinsic
+def _rows4_tokens(typingctx, kind, which, rows, xq, dx, s4, s16, ntok, tab, nb, acc, out):
+    """out[4 t + j] (an address of 4 ntok f32) = rows[j] . token t for t < ntok, the tokens' Rounded
+    rows one after another from xq/dx/s4/s16; acc: a scratch of ntok * 4 * 24 f32."""
+    if not isinstance(kind, types.IntegerLiteral) or not isinstance(which, types.StringLiteral):
+        return None
+    layout, name = LAYOUTS[kind.literal_value], which.literal_value
+    sig = types.void(kind, which, rows, *(types.int64,) * 9)
+
+    def codegen(context, builder, signature, args):
+        rows_v = [builder.extract_value(args[2], i) for i in range(rows.count)]
+        emit_rows_tokens(builder, layout, name, rows_v, args[3:7], args[7], args[8], args[9], args[10], args[11])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@functools.cache
+def _kernel_tokens(kind: int, which: str):
+    """_kernel for several tokens: each weight's rows read once for all of them, each
+    (row, token) result the single-token kernel's bits (emit_rows_tokens)."""
+
+    @njit(parallel=True, **_OPTS)
+    def matvec_tokens(ws, xq, dx, s4, s16, ntok, tab, nb, out, serial):
+        # as matvec_rows, for tokens 0..ntok-1: xq/dx/s4/s16 (>= ntok, ...) Rounded.rows, C-contiguous;
+        # out (>= ntok, sum of rows) f32. A job's results go to out row by row after its call.
+        xa, da, s4a, s16a, ta = xq.ctypes.data, dx.ctypes.data, s4.ctypes.data, s16.ctypes.data, tab.ctypes.data
+        total = 0
+        for i in range(ws.shape[0]):
+            total += spans(ws[i, 2])
+        if serial:
+            res = np.empty(4 * ntok, np.float32)
+            acc = np.empty(4 * 24 * ntok, np.float32)
+            for job in range(total):
+                i, first = 0, 0
+                while job >= first + spans(ws[i, 2]):
+                    first += spans(ws[i, 2])
+                    i += 1
+                wa, st, rows, o, c = ws[i, 0], ws[i, 1], ws[i, 2], ws[i, 3], job - first
+                for r in range(c * 4 * SPREAD, min(rows, c * 4 * SPREAD + SPREAD)):
+                    r1, r2, r3 = partners(r, rows)
+                    _rows4_tokens(kind, which, (wa + r * st, wa + r1 * st, wa + r2 * st, wa + r3 * st), xa, da, s4a,
+                                  s16a, ntok, ta, nb, acc.ctypes.data, res.ctypes.data)
+                    for t in range(ntok):
+                        for j in range(4):
+                            if r + j * SPREAD < rows:
+                                out[t, o + r + j * SPREAD] = res[4 * t + j]
+        else:
+            for job in prange(total):
+                res = np.empty(4 * ntok, np.float32)
+                acc = np.empty(4 * 24 * ntok, np.float32)
+                i, first = 0, 0
+                while job >= first + spans(ws[i, 2]):
+                    first += spans(ws[i, 2])
+                    i += 1
+                wa, st, rows, o, c = ws[i, 0], ws[i, 1], ws[i, 2], ws[i, 3], job - first
+                for r in range(c * 4 * SPREAD, min(rows, c * 4 * SPREAD + SPREAD)):
+                    r1, r2, r3 = partners(r, rows)
+                    _rows4_tokens(kind, which, (wa + r * st, wa + r1 * st, wa + r2 * st, wa + r3 * st), xa, da, s4a,
+                                  s16a, ntok, ta, nb, acc.ctypes.data, res.ctypes.data)
+                    for t in range(ntok):
+                        for j in range(4):
+                            if r + j * SPREAD < rows:
+                                out[t, o + r + j * SPREAD] = res[4 * t + j]
+
+    return matvec_tokens
+
+
 @functools.cache
 def _tab() -> np.ndarray:
     return f16_table()
@@ -204,6 +282,57 @@ class Products:
     def __call__(self, serial: bool) -> None:
         """Run them; serial (one thread) skips the parallel launch, with the same bits."""
         self._kernel(*self._args, serial)
+
+
+class TokenProducts:
+    """Products for up to n tokens at once: out[b, starts[i] : starts[i] + rows_i] = W_i . x.row(b)
+    for b < the count each call names, x a Rounded.rows(n, cols) and out (n, total) f32. Each
+    weight block is read and unpacked once for all the tokens; each (row, token) result is
+    Products' bits for that token alone."""
+
+    def __init__(self, qtype: int, ws: list[np.ndarray], x: Rounded, out: np.ndarray, starts: list[int]) -> None:
+        L = LAYOUTS[qtype]
+        n, cols = x.xq.shape
+        nb = cols // L.values
+        if cols != nb * L.values or not all(a.flags.c_contiguous and a.shape[0] == n for a in x):
+            raise ValueError(f"rounded tokens {x.xq.shape} are not C-contiguous rows of whole {L.qtype.name} blocks")
+        if out.dtype != np.float32 or out.ndim != 2 or not out.flags.c_contiguous or out.shape[0] != n:
+            raise ValueError(f"out must be C-contiguous float32 ({n}, rows), got {out.dtype} {out.shape}")
+        for w, a in zip(ws, starts, strict=True):
+            if w.dtype != np.uint8 or w.ndim != 2 or not w.flags.c_contiguous or w.shape[1] != nb * L.nbytes:
+                raise ValueError(f"weight {w.dtype} {w.shape} does not match {cols} rounded columns")
+            if not 0 <= a <= a + w.shape[0] <= out.shape[1]:
+                raise ValueError(f"out {out.shape} does not hold rows {a}:{a + w.shape[0]}")
+        self.n = n
+        self._keep = (ws, x, out)
+        table = np.array([(w.ctypes.data, w.shape[1], w.shape[0], a) for w, a in zip(ws, starts)], np.int64)
+        self._table, self._x, self._tail = table.reshape(len(ws), 4), tuple(x), (_tab(), nb, out)
+        self._kernel = _kernel_tokens(int(qtype), isa.current())
+
+    def __call__(self, ntok: int, serial: bool) -> None:
+        """Tokens 0..ntok-1 (ntok <= n); serial (one thread) skips the parallel launch, with the same bits."""
+        if not 0 < ntok <= self.n:
+            raise ValueError(f"{ntok} tokens: these products hold 1 to {self.n}")
+        self._kernel(self._table, *self._x, ntok, *self._tail, serial)
+
+
+def matvec_tokens(qtype: int, w: np.ndarray, x: Rounded, out: np.ndarray, serial: bool = False) -> None:
+    """out (n, rows) f32 = W . x.row(b) for each b: x = Rounded.rows(n, cols) filled by round_into row by row."""
+    if out.shape != (x.xq.shape[0], w.shape[0]):
+        raise ValueError(f"out must be float32 ({x.xq.shape[0]}, {w.shape[0]}), got {out.dtype} {out.shape}")
+    TokenProducts(qtype, [w], x, out, [0])(x.xq.shape[0], serial)
+
+
+def rounded_rows(x: np.ndarray) -> Rounded:
+    """Round n tokens x (n, cols) f32, each as `rounded` rounds one."""
+    n, cols = x.shape
+    if cols % 32:
+        raise ValueError(f"{cols} columns is not a multiple of 32")
+    r = Rounded.rows(n, cols)
+    xs = np.ascontiguousarray(x, np.float32)
+    for b in range(n):
+        round_into(xs[b], *r.row(b))
+    return r
 
 
 def matvec(qtype: int, w: np.ndarray, x: Rounded, out: np.ndarray, serial: bool = False) -> None:

@@ -211,6 +211,14 @@ class _Emit:
     def slot_scales(self, base, dxs, S):
         """Per block, all slots at once: (ws * dx, (wm * dx) * f32(S) or None) as <n x f32>;
         dxs and S are the dx and xq sums of each slot."""
+        ws, wm = self.slot_weights(base)
+        b = self.b
+        if wm is None:
+            return b.fmul(ws, dxs), None
+        return b.fmul(ws, dxs), b.fmul(b.fmul(wm, dxs), S)
+
+    def slot_weights(self, base):
+        """Per block, all slots at once: (ws, wm or None) as <n x f32>, the weights' part of slot_scales."""
         b, slots = self.b, self.layout.slots
         n, s0 = len(slots), slots[0]
         assert all(s.d == s0.d and s.m == s0.m and bool(s.mn) == bool(s0.mn) for s in slots)
@@ -229,9 +237,22 @@ class _Emit:
         ints = self.slot_ints(base, fieldsets, s0.sc_int8)
         ws = b.fmul(splat(self.f16(base, s0.d)), ints_f32(ints, range(n), s0.sc_bias))
         if s0.m is None:
-            return b.fmul(ws, dxs), None
-        wm = b.fneg(b.fmul(splat(self.f16(base, s0.m)), ints_f32(ints, range(n, 2 * n), 0)))
-        return b.fmul(ws, dxs), b.fmul(b.fmul(wm, dxs), S)
+            return ws, None
+        return ws, b.fneg(b.fmul(splat(self.f16(base, s0.m)), ints_f32(ints, range(n, 2 * n), 0)))
+
+    def slot_x(self, k, dx, s16):
+        """Per block of one token, all slots at once: (dx, f32 xq sum or None) of each slot as <n x f32>."""
+        b, L = self.b, self.layout
+        nch, n = len(L.chunks), len(L.slots)
+        dxv = _load(b, dx, b.mul(k, ir.Constant(_I64, 4 * nch)), ir.VectorType(_F32, nch), 4)
+        dxs = b.shuffle_vector(dxv, dxv, _vec(_I32, [i * nch // n for i in range(n)]))
+        if not L.offset:
+            return dxs, None
+        v16 = _load(b, s16, b.mul(k, ir.Constant(_I64, 4 * 2 * nch)), ir.VectorType(_I32, 2 * nch), 4)
+        if n < 2 * nch:
+            v16 = b.add(b.shuffle_vector(v16, v16, _vec(_I32, range(0, 2 * nch, 2))),
+                        b.shuffle_vector(v16, v16, _vec(_I32, range(1, 2 * nch, 2))))
+        return dxs, b.sitofp(v16, ir.VectorType(_F32, n))
 
     def block(self, k, rows, x, accs, maccs):
         """One block of R rows: returns the updated (accs, maccs)."""
@@ -241,15 +262,7 @@ class _Emit:
         nch, n = len(L.chunks), len(L.slots)
         bases = [b.add(r, b.mul(k, ir.Constant(_I64, L.nbytes))) for r in rows]
         if n > 1:  # K-quants: every slot's ws*dx (and offset term) once per block, as vectors
-            dxv = _load(b, dx, b.mul(k, ir.Constant(_I64, 4 * nch)), ir.VectorType(_F32, nch), 4)
-            dxs = b.shuffle_vector(dxv, dxv, _vec(_I32, [i * nch // n for i in range(n)]))
-            S = None
-            if L.offset:  # xq sums per slot: s16 per 16 values, or adjacent pairs of them
-                v16 = _load(b, s16, b.mul(k, ir.Constant(_I64, 4 * 2 * nch)), ir.VectorType(_I32, 2 * nch), 4)
-                if n < 2 * nch:
-                    v16 = b.add(b.shuffle_vector(v16, v16, _vec(_I32, range(0, 2 * nch, 2))),
-                                b.shuffle_vector(v16, v16, _vec(_I32, range(1, 2 * nch, 2))))
-                S = b.sitofp(v16, ir.VectorType(_F32, n))
+            dxs, S = self.slot_x(k, dx, s16)  # xq sums per slot: s16 per 16 values, or adjacent pairs of them
             tv = []
             for r, base in enumerate(bases):
                 t, p = self.slot_scales(base, dxs, S)
@@ -327,3 +340,130 @@ def emit_rows(b: ir.IRBuilder, layout: Layout, name: str, rows, x, tab, nb, out)
         b.store(h, _ptr(b, out, 4 * r, _F32), align=4)
 
 
+
+
+# ---------------------------------------------------------------- several tokens per weight read
+
+
+def _count(b: ir.IRBuilder, n, body, name: str) -> None:
+    """for t in range(n): body(t), n an i64 value; body may add blocks of its own."""
+    entry = b.block
+    loop, done = b.append_basic_block(name + ".loop"), b.append_basic_block(name + ".done")
+    b.cbranch(b.icmp_signed(">", n, ir.Constant(_I64, 0)), loop, done)
+    b.position_at_end(loop)
+    t = b.phi(_I64)
+    t.add_incoming(ir.Constant(_I64, 0), entry)
+    body(t)
+    t1 = b.add(t, ir.Constant(_I64, 1))
+    t.add_incoming(t1, b.block)
+    b.cbranch(b.icmp_signed("<", t1, n), loop, done)
+    b.position_at_end(done)
+
+
+def emit_rows_tokens(b: ir.IRBuilder, layout: Layout, name: str, rows, x, ntok, tab, nb, acc, out) -> None:
+    """out[t * R + r] = row r . token t for every t < ntok: R rows (addresses), x = (xq, dx, s4, s16)
+    addresses of ntok rounded tokens one after another (each of nb blocks), acc a scratch of
+    ntok * R * (8 + slots) f32.
+
+    For each (row, token) this is emit_rows's arithmetic op for op (the same integer lanes, the
+    same f32 products and sums in the same order), so each result has the single-token bits;
+    but a chunk's codes and scales are unpacked once and applied to every token in turn, the
+    accumulators living in acc rather than registers (their count is not known here)."""
+    em, L = _Emit(b, layout, name, tab), layout
+    R, nch, n = len(rows), len(layout.chunks), len(layout.slots)
+    mty = _F32 if n == 1 else ir.VectorType(_F32, n)
+    cols = b.mul(nb, ir.Constant(_I64, L.values))
+    xq, dx, s4, s16 = x
+    strides = (cols, b.udiv(cols, ir.Constant(_I64, 8)), cols, b.udiv(cols, ir.Constant(_I64, 4)))  # bytes
+
+    def token(t):  # (xq, dx, s4, s16) of token t
+        return tuple(b.add(a, b.mul(t, s)) for a, s in zip(x, strides))
+
+    def acc_at(t, r):
+        return _ptr(b, acc, b.mul(b.add(b.mul(t, ir.Constant(_I64, R)), ir.Constant(_I64, r)), ir.Constant(_I64, 32)), _V8F)
+
+    macc0 = b.add(acc, b.mul(ntok, ir.Constant(_I64, R * 32)))
+
+    def macc_at(t, r):
+        off = b.mul(b.add(b.mul(t, ir.Constant(_I64, R)), ir.Constant(_I64, r)), ir.Constant(_I64, 4 * n))
+        return _ptr(b, macc0, off, mty)
+
+    def zero(t):
+        for r in range(R):
+            b.store(ir.Constant(_V8F, None), acc_at(t, r), align=4)
+            b.store(ir.Constant(mty, None if n > 1 else 0.0), macc_at(t, r), align=4)
+
+    _count(b, ntok, zero, "tok.zero")
+
+    def block(k):
+        bases = [b.add(r, b.mul(k, ir.Constant(_I64, L.nbytes))) for r in rows]
+        if n > 1:
+            sw = [em.slot_weights(base) for base in bases]  # (ws, wm) per row, for every token
+            if L.offset:
+                def offsets(t):
+                    _, tdx, _, ts16 = token(t)
+                    dxs, S = em.slot_x(k, tdx, ts16)
+                    for r, (_, wm) in enumerate(sw):
+                        p = macc_at(t, r)
+                        b.store(b.fadd(b.load(p, align=4), b.fmul(b.fmul(wm, dxs), S)), p, align=4)
+                _count(b, ntok, offsets, "tok.offsets")
+        for c, ch in enumerate(L.chunks):
+            ci = b.add(b.mul(k, ir.Constant(_I64, nch)), ir.Constant(_I64, c))
+            us, scales = [], []
+            for base in bases:
+                u = em.codes(base, ch.code)
+                us.append(em.lookup(b, L.table, u) if L.table is not None else u)
+                if n == 1:
+                    scales.append(em.scale(base, ch.lo))
+
+            def apply(t, ci=ci, c=c, us=us, scales=scales):
+                txq, tdx, ts4, ts16 = token(t)
+                xv = _load(b, txq, b.mul(ci, ir.Constant(_I64, 32)), _V32I8)
+                if L.bias:
+                    corr = b.shl(_load(b, ts4, b.mul(ci, ir.Constant(_I64, 32)), _V8I32, 4),
+                                 ir.Constant(_V8I32, [ir.Constant(_I32, L.bias.bit_length() - 1)] * 8))
+                if n == 1:
+                    dxs = _load(b, tdx, b.mul(ci, ir.Constant(_I64, 4)), _F32, 4)
+                    if L.offset:
+                        sa = _load(b, ts16, b.mul(ci, ir.Constant(_I64, 8)), _I32, 4)
+                        sb = _load(b, ts16, b.add(b.mul(ci, ir.Constant(_I64, 8)), ir.Constant(_I64, 4)), _I32, 4)
+                else:
+                    dxs, _ = em.slot_x(k, tdx, ts16)
+                for r, u in enumerate(us):
+                    lanes = em.dot(b, u, xv, L.signed or L.table is not None)
+                    lanes = b.sub(lanes, corr) if L.bias else lanes
+                    if n == 1:
+                        ws, wm = scales[r]
+                        sv = em.splat(b.fmul(ws, dxs))
+                        if L.offset:
+                            p = macc_at(t, r)
+                            b.store(b.fadd(b.load(p, align=4), b.fmul(b.fmul(wm, dxs), b.sitofp(b.add(sa, sb), _F32))), p, align=4)
+                    else:
+                        tv = b.fmul(sw[r][0], dxs)
+                        lo, hi = (2 * c, 2 * c + 1) if L.split else (c, c)
+                        sv = b.shuffle_vector(tv, tv, _vec(_I32, [lo] * 4 + [hi] * 4))
+                    p = acc_at(t, r)
+                    b.store(b.fadd(b.load(p, align=4), b.fmul(sv, b.sitofp(lanes, _V8F))), p, align=4)
+
+            _count(b, ntok, apply, f"tok.chunk{c}")
+
+    _count(b, nb, block, "tok.blocks")
+
+    def finish(t):
+        for r in range(R):
+            acc_v = b.load(acc_at(t, r), align=4)
+            h = b.extract_element(acc_v, ir.Constant(_I32, 0))
+            for lane in range(1, 8):
+                h = b.fadd(h, b.extract_element(acc_v, ir.Constant(_I32, lane)))
+            if L.offset:
+                m = b.load(macc_at(t, r), align=4)
+                if n > 1:
+                    s = b.extract_element(m, ir.Constant(_I32, 0))
+                    for lane in range(1, n):
+                        s = b.fadd(s, b.extract_element(m, ir.Constant(_I32, lane)))
+                    m = s
+                h = b.fadd(h, m)
+            off = b.mul(b.add(b.mul(t, ir.Constant(_I64, R)), ir.Constant(_I64, r)), ir.Constant(_I64, 4))
+            b.store(h, _ptr(b, out, off, _F32), align=4)
+
+    _count(b, ntok, finish, "tok.finish")

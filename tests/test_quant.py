@@ -281,7 +281,7 @@ def test_prefill_activation_rounding_is_the_documented_formula(wide, int8_prefil
     x[3, 64:96] = 0  # an all-zero block
     x[5, 0:32] = np.float32(0.5) * np.arange(32, dtype=np.float32) / 31 * 127 / 2  # ties at .5
     qx, dx, sums = intgemm.quantized(x, wide)
-    assert qx.shape[0] % intgemm.NT == 0 and not qx[13:].any() and not dx[13:].any()
+    assert qx.shape[0] % intgemm.PAD == 0 and not qx[13:].any() and not dx[13:].any()
     top = 32767 if wide else 127
     blocks = x.reshape(13, 10, 32)
     amax = np.abs(blocks).max(axis=2, keepdims=True)

@@ -36,6 +36,7 @@ panels is ~1% of that.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
@@ -43,12 +44,11 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from edgetp.model import vnni
+from edgetp.model import isa, vnni
 from edgetp.model.kernels import f16_table
-from edgetp.model.vnni import _F32, _I32, _I64, _V16F, _V16I32, _at, _decl, _vec, q8_block
+from edgetp.model.vnni import _F32, _I32, _I64, _at, _decl, _vec, q8_block
 
-NT = 8  # tokens per tile: 4..8 ran alike (270-280 GOPS), 12 fell off on 8192 columns, 16 spilled
-LANES = 16  # rows per panel
+PAD = 24  # x is padded to a multiple of PAD tokens: whole tiles on every ISA
 _OPTS = dict(cache=True, nogil=True)
 
 # kind: (block bytes, offset of the quants in a block, 4-byte groups packed per block)
@@ -57,120 +57,282 @@ _LAYOUT = {Q4_0: (18, 2, 4), Q4_1: (20, 4, 4), Q8_0: (34, 2, 8)}
 KINDS = {int(QT.Q4_0): Q4_0, int(QT.Q4_1): Q4_1, int(QT.Q8_0): Q8_0}
 WIDE = {Q4_0: False, Q4_1: True, Q8_0: True}  # 16-bit activations
 
+_I8, _I16 = ir.IntType(8), ir.IntType(16)
+
+
+# ---------------------------------------------------------------- how each ISA multiplies lanes
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How one ISA tiles a panel: `lanes` rows (i32 lanes) per vector, `vecs` vectors per
+    panel (a panel is lanes * vecs rows), `nt` tokens per tile."""
+
+    lanes: int
+    vecs: int
+    nt: int
+
+    @property
+    def rows(self) -> int:
+        return self.lanes * self.vecs
+
+
+def _vty(lanes, ty=_I32, per=1):
+    return ir.VectorType(ty, lanes * per)
+
+
+class _Mac:
+    """An ISA's integer products of one block: begin(seed) -> acc; mac(acc, w, x) per
+    operand; end(acc, seed) -> <lanes x i32>, each lane the exact sum over the block of
+    one row's products plus seed. w and x are <lanes x i32>: 4 bytes (int8: unsigned
+    nibbles times signed activations) or 2 words (wide: signed times signed) per lane."""
+
+    def __init__(self, b, lanes: int, wide: bool):
+        self.b, self.lanes, self.wide = b, lanes, wide
+
+    def begin(self, seed):
+        return seed
+
+    def end(self, acc, seed):
+        return acc
+
+
+class _Vnni(_Mac):
+    """vpdpbusd / vpdpwssd: four u8 x s8 (two s16 x s16) products added into each i32 lane;
+    512 bits wide on avx512vnni, 256 (VEX) on avxvnni."""
+
+    def mac(self, acc, w, x):
+        v = _vty(self.lanes)
+        name = f"llvm.x86.avx512.vpdp{'wssd' if self.wide else 'busd'}.{32 * self.lanes}"
+        return self.b.call(_decl(self.b.module, name, v, [v] * 3), [acc, w, x])
+
+
+class _Avx2(_Mac):
+    """int8: vpmaddubsw (u8 x s8, adjacent pairs added in i16), the block's pairs summed in
+    i16 (vpaddw), then one vpmaddwd by 1 per block. Exact: a pair is at most 2 * 15 * 128 =
+    3840 (nibbles 0..15, int8 activations, so vpmaddubsw never saturates), and a block adds
+    8 operands (Q4_0: 4 groups x low/high nibbles), 16 products per i16 lane: at most
+    16 * 15 * 128 = 30720 < 32767, so the wrapping vpaddw never wraps.
+    wide: vpmaddwd (s16 x s16, pairs added in i32) then vpaddd, as vpdpwssd does in one."""
+
+    def _madd(self, a, b16):
+        b = self.b
+        v16 = _vty(self.lanes, _I16, 2)
+        fn = _decl(b.module, "llvm.x86.avx2.pmadd.wd", _vty(self.lanes), [v16] * 2)
+        return b.call(fn, [b.bitcast(a, v16), b.bitcast(b16, v16)])
+
+    def begin(self, seed):
+        return seed if self.wide else ir.Constant(_vty(self.lanes, _I16, 2), None)
+
+    def mac(self, acc, w, x):
+        b = self.b
+        if self.wide:
+            return b.add(acc, self._madd(w, x))
+        v8, v16 = _vty(self.lanes, _I8, 4), _vty(self.lanes, _I16, 2)
+        fn = _decl(b.module, "llvm.x86.avx2.pmadd.ub.sw", v16, [v8] * 2)
+        return b.add(acc, b.call(fn, [b.bitcast(w, v8), b.bitcast(x, v8)]))
+
+    def end(self, acc, seed):
+        if self.wide:
+            return acc
+        return self.b.add(self._madd(acc, _vec(_I16, [1] * 2 * self.lanes)), seed)
+
+
+class _Generic(_Mac):
+    """Plain LLVM vectors, for any CPU: int8 as _Avx2 does it (products and pairs in i16,
+    summed over the block in i16 under the same bound, then pairs in i32); wide products
+    in i32, even plus odd (the shape LLVM turns into pmaddwd on x86)."""
+
+    def _pairs(self, v, ty):
+        b, n = self.b, v.type.count
+        even, odd = _vec(_I32, range(0, n, 2)), _vec(_I32, range(1, n, 2))
+        return b.add(b.shuffle_vector(v, v, even), b.shuffle_vector(v, v, odd))
+
+    def begin(self, seed):
+        return seed if self.wide else ir.Constant(_vty(self.lanes, _I16, 2), None)
+
+    def mac(self, acc, w, x):
+        b = self.b
+        if self.wide:
+            v16, v32 = _vty(self.lanes, _I16, 2), _vty(self.lanes, _I32, 2)
+            p = b.mul(b.sext(b.bitcast(w, v16), v32), b.sext(b.bitcast(x, v16), v32))
+            return b.add(acc, self._pairs(p, _I32))
+        v8, v16 = _vty(self.lanes, _I8, 4), _vty(self.lanes, _I16, 4)
+        p = b.mul(b.zext(b.bitcast(w, v8), v16), b.sext(b.bitcast(x, v8), v16))
+        return b.add(acc, self._pairs(p, _I16))
+
+    def end(self, acc, seed):
+        if self.wide:
+            return acc
+        return self.b.add(self._pairs(self.b.sext(acc, _vty(self.lanes, _I32, 2)), _I32), seed)
+
+
+class _Neon(_Generic):
+    """int8: sdot (four s8 x s8 products into each i32 lane; nibbles 0..15 are valid s8),
+    on 128-bit halves; wide as _Generic."""
+
+    def begin(self, seed):
+        return seed
+
+    def mac(self, acc, w, x):
+        if self.wide:
+            return _Generic.mac(self, acc, w, x)
+        b = self.b
+        v4, v16 = _vty(4), _vty(4, _I8, 4)
+        fn = _decl(b.module, "llvm.aarch64.neon.sdot.v4i32.v16i8", v4, [v4, v16, v16])
+        parts = []
+        for h in range(self.lanes // 4):
+            sel = _vec(_I32, range(4 * h, 4 * h + 4))
+            parts.append(b.call(fn, [b.shuffle_vector(acc, acc, sel), b.bitcast(b.shuffle_vector(w, w, sel), v16),
+                                     b.bitcast(b.shuffle_vector(x, x, sel), v16)]))
+        while len(parts) > 1:
+            parts = [b.shuffle_vector(parts[i], parts[i + 1], _vec(_I32, range(2 * parts[i].type.count)))
+                     for i in range(0, len(parts), 2)]
+        return parts[0]
+
+    def end(self, acc, seed):
+        return acc
+
+
+# isa -> (its products, its tile shape)
+ISA_TILES = {
+    "avx512vnni": (_Vnni, Shape(16, 1, 8)),  # 4..8 tokens ran alike (270-280 GOPS), 12 fell off, 16 spilled
+    "avxvnni": (_Vnni, Shape(8, 1, 6)),
+    "avx2": (_Avx2, Shape(8, 1, 6)),
+    "neon": (_Neon, Shape(8, 1, 4)),
+    "generic": (_Generic, Shape(8, 1, 4)),
+}
+assert all(PAD % s.nt == 0 for _, s in ISA_TILES.values())
+
 
 # ---------------------------------------------------------------- the tile
 
 
 def _splat(builder, value, vty):
     v = builder.insert_element(ir.Constant(vty, None), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, v, _vec(_I32, [0] * LANES))
+    return builder.shuffle_vector(v, v, _vec(_I32, [0] * vty.count))
 
 
-def _operands(builder, kind, v, g):
+def _operands(builder, kind, v, g, lanes):
     """The multiplicand vectors in one loaded panel vector (group g of a block), each
     with the byte offset of its activation pair/quad in the block's activation row."""
-    i32 = _vec(_I32, [0x0F0F0F0F] * LANES)
+    i32 = _vec(_I32, [0x0F0F0F0F] * lanes)
     if kind == Q4_0:  # bytes: columns 4g.. (low nibbles) and 16+4g.. (high), x int8
-        return [(builder.and_(v, i32), 4 * g), (builder.and_(builder.lshr(v, _vec(_I32, [4] * LANES)), i32), 16 + 4 * g)]
-    words = ir.VectorType(ir.IntType(16), 2 * LANES)
+        return [(builder.and_(v, i32), 4 * g), (builder.and_(builder.lshr(v, _vec(_I32, [4] * lanes)), i32), 16 + 4 * g)]
+    words = ir.VectorType(_I16, 2 * lanes)
     if kind == Q8_0:
         # signed bytes b0..b3 of columns 4g..4g+3 -> 16-bit pairs (b0, b2) and (b1, b3)
         w = builder.bitcast(v, words)
-        eight = ir.Constant(words, [ir.Constant(ir.IntType(16), 8)] * 2 * LANES)
-        even = builder.bitcast(builder.ashr(builder.shl(w, eight), eight), _V16I32)
-        odd = builder.bitcast(builder.ashr(w, eight), _V16I32)
+        eight = ir.Constant(words, [ir.Constant(_I16, 8)] * 2 * lanes)
+        even = builder.bitcast(builder.ashr(builder.shl(w, eight), eight), v.type)
+        odd = builder.bitcast(builder.ashr(w, eight), v.type)
         return [(even, 8 * g), (odd, 8 * g + 4)]
-    low = _vec(_I32, [0x00FF00FF] * LANES)
+    low = _vec(_I32, [0x00FF00FF] * lanes)
     out = []
-    for nib, col in ((builder.and_(v, i32), 4 * g), (builder.and_(builder.lshr(v, _vec(_I32, [4] * LANES)), i32), 16 + 4 * g)):
+    for nib, col in ((builder.and_(v, i32), 4 * g), (builder.and_(builder.lshr(v, _vec(_I32, [4] * lanes)), i32), 16 + 4 * g)):
         out.append((builder.and_(nib, low), 2 * col))
-        out.append((builder.and_(builder.lshr(nib, _vec(_I32, [8] * LANES)), low), 2 * col + 4))
+        out.append((builder.and_(builder.lshr(nib, _vec(_I32, [8] * lanes)), low), 2 * col + 4))
     return out
 
 
-def _tile(kind: int, nt: int):
-    """An intrinsic: 16 panel rows times nt tokens over all nb blocks, stored to out."""
+def _emit_tile(builder, kind: int, which: str, args) -> None:
+    """One panel (shape.rows rows) times shape.nt tokens over all nb blocks, stored to out,
+    with ISA `which`'s products. The float steps, per block, row and token, are the same on
+    every ISA: sum = fma(float(acc) * dx[t, b], d[b], sum), Q4_1 then
+    sum = fma(dx[t, b] * float(sums[t, b]), m[b], sum); so every ISA gives the same bits."""
     groups = _LAYOUT[kind][2]
     seed = {Q4_0: -8, Q8_0: 0, Q4_1: 0}[kind]
     wide = WIDE[kind]
+    ops, shape = ISA_TILES[which]
+    L, R, nt = shape.lanes, shape.vecs, shape.nt
+    vi, vf = _vty(L), _vty(L, _F32)
+    mac = ops(builder, L, wide)
+    pq, pd, pm, nb, xa, xs, da, sa, ds, oa, ostride, m, ntv = args
+    mod = builder.module
+    fma = _decl(mod, f"llvm.fma.v{L}f32", vf, [vf] * 3)
 
-    def codegen(context, builder, signature, args):
-        pq, pd, pm, nb, xa, xs, da, sa, ds, oa, ostride, m, ntv = args
-        mod = builder.module
-        name = "llvm.x86.avx512.vpdpwssd.512" if wide else "llvm.x86.avx512.vpdpbusd.512"
-        dot = _decl(mod, name, _V16I32, [_V16I32] * 3)
-        fma = _decl(mod, "llvm.fma.v16f32", _V16F, [_V16F] * 3)
+    def c(v):
+        return ir.Constant(_I64, v)
 
-        def c(v):
-            return ir.Constant(_I64, v)
+    def scalar(base, t, b4, ty):
+        return builder.load(_at(builder, builder.add(builder.add(base, builder.mul(ds, c(t))), b4), 0, ty), align=4)
 
-        def scalar(base, t, b4, ty):
-            return builder.load(_at(builder, builder.add(builder.add(base, builder.mul(ds, c(t))), b4), 0, ty), align=4)
-
-        entry = builder.block
-        loop = builder.append_basic_block("intgemm.loop")
-        done = builder.append_basic_block("intgemm.done")
-        builder.branch(loop)
-        builder.position_at_end(loop)
-        b = builder.phi(_I64)
-        acc = [builder.phi(_V16F) for _ in range(nt)]
-        b4 = builder.mul(b, c(4))
-        sums = [scalar(sa, t, b4, _I32) for t in range(nt)]
-        if seed:
-            ints = [_splat(builder, builder.mul(s, ir.Constant(_I32, seed)), _V16I32) for s in sums]
-        else:
-            ints = [ir.Constant(_V16I32, None)] * nt
-        qb = builder.add(pq, builder.mul(b, c(64 * groups)))
-        xrows = [builder.add(builder.add(xa, builder.mul(xs, c(t))), builder.mul(b, c(64 if wide else 32)))
-                 for t in range(nt)]
-        for g in range(groups):
-            v = builder.load(_at(builder, qb, 64 * g, _V16I32), align=4)
-            for w, off in _operands(builder, kind, v, g):
+    entry = builder.block
+    loop = builder.append_basic_block("intgemm.loop")
+    done = builder.append_basic_block("intgemm.done")
+    builder.branch(loop)
+    builder.position_at_end(loop)
+    b = builder.phi(_I64)
+    acc = [[builder.phi(vf) for _ in range(nt)] for _ in range(R)]
+    b4 = builder.mul(b, c(4))
+    sums = [scalar(sa, t, b4, _I32) for t in range(nt)]
+    if seed:
+        seeds = [_splat(builder, builder.mul(s, ir.Constant(_I32, seed)), vi) for s in sums]
+    else:
+        seeds = [ir.Constant(vi, None)] * nt
+    ints = [[mac.begin(seeds[t]) for t in range(nt)] for _ in range(R)]
+    qb = builder.add(pq, builder.mul(b, c(4 * groups * L * R)))
+    xrows = [builder.add(builder.add(xa, builder.mul(xs, c(t))), builder.mul(b, c(64 if wide else 32)))
+             for t in range(nt)]
+    for g in range(groups):
+        for r in range(R):
+            v = builder.load(_at(builder, qb, 4 * L * (R * g + r), vi), align=4)
+            for w, off in _operands(builder, kind, v, g, L):
                 for t in range(nt):
-                    x = _splat(builder, builder.load(_at(builder, xrows[t], off, _I32), align=4), _V16I32)
-                    ints[t] = builder.call(dot, [ints[t], w, x])
-        d = builder.load(_at(builder, builder.add(pd, builder.mul(b, c(64))), 0, _V16F), align=4)
+                    x = _splat(builder, builder.load(_at(builder, xrows[t], off, _I32), align=4), vi)
+                    ints[r][t] = mac.mac(ints[r][t], w, x)
+    new = []
+    for r in range(R):
+        d = builder.load(_at(builder, builder.add(pd, builder.mul(b, c(4 * L * R))), 4 * L * r, vf), align=4)
         if kind == Q4_1:
-            mw = builder.load(_at(builder, builder.add(pm, builder.mul(b, c(64))), 0, _V16F), align=4)
-        new = []
+            mw = builder.load(_at(builder, builder.add(pm, builder.mul(b, c(4 * L * R))), 4 * L * r, vf), align=4)
+        row = []
         for t in range(nt):
             dx = scalar(da, t, b4, _F32)
-            a = builder.call(fma, [builder.fmul(builder.sitofp(ints[t], _V16F), _splat(builder, dx, _V16F)), d, acc[t]])
+            i = mac.end(ints[r][t], seeds[t])
+            a = builder.call(fma, [builder.fmul(builder.sitofp(i, vf), _splat(builder, dx, vf)), d, acc[r][t]])
             if kind == Q4_1:
                 sx = builder.fmul(dx, builder.sitofp(sums[t], _F32))
-                a = builder.call(fma, [_splat(builder, sx, _V16F), mw, a])
-            new.append(a)
-        b1 = builder.add(b, c(1))
-        b.add_incoming(c(0), entry)
-        b.add_incoming(b1, builder.block)
-        for phi, n in zip(acc, new):
-            phi.add_incoming(ir.Constant(_V16F, None), entry)
+                a = builder.call(fma, [_splat(builder, sx, vf), mw, a])
+            row.append(a)
+        new.append(row)
+    b1 = builder.add(b, c(1))
+    b.add_incoming(c(0), entry)
+    b.add_incoming(b1, builder.block)
+    for r in range(R):
+        for phi, n in zip(acc[r], new[r]):
+            phi.add_incoming(ir.Constant(vf, None), entry)
             phi.add_incoming(n, builder.block)
-        builder.cbranch(builder.icmp_signed("<", b1, nb), loop, done)
+    builder.cbranch(builder.icmp_signed("<", b1, nb), loop, done)
 
-        builder.position_at_end(done)
-        lanes = _vec(_I32, range(LANES))
-        valid = builder.icmp_signed("<", lanes, _splat(builder, builder.trunc(m, _I32), _V16I32))
-        i8p = ir.IntType(8).as_pointer()
-        store = _decl(mod, "llvm.masked.store.v16f32.p0", ir.VoidType(), [_V16F, i8p, _I32, ir.VectorType(ir.IntType(1), LANES)])
+    builder.position_at_end(done)
+    i8p = _I8.as_pointer()
+    mask = ir.VectorType(ir.IntType(1), L)
+    store = _decl(mod, f"llvm.masked.store.v{L}f32.p0", ir.VoidType(), [vf, i8p, _I32, mask])
+    for r in range(R):
+        lanes = _vec(_I32, range(L * r, L * r + L))
+        valid = builder.icmp_signed("<", lanes, _splat(builder, builder.trunc(m, _I32), vi))
         for t in range(nt):
             with builder.if_then(builder.icmp_signed("<", c(t), ntv)):
-                p = builder.inttoptr(builder.add(oa, builder.mul(ostride, c(t))), i8p)
-                builder.call(store, [new[t], p, ir.Constant(_I32, 4), valid])
+                p = builder.inttoptr(builder.add(builder.add(oa, builder.mul(ostride, c(t))), c(4 * L * r)), i8p)
+                builder.call(store, [new[r][t], p, ir.Constant(_I32, 4), valid])
+
+
+@intrinsic
+def _tile(typingctx, kind, which, pq, pd, pm, nb, xa, xs, da, sa, ds, oa, ostride, m, ntv):
+    """kind: a literal kind; which: a literal ISA name. pq/pd/pm: panel addresses; nb blocks;
+    xa/xs: first token's activation row and the row stride; da/sa: its dx and sum rows, ds
+    their stride; oa/ostride: out[t0, r0] and the row stride (bytes); m valid rows, ntv valid
+    tokens (<= the shape's nt)."""
+    if not isinstance(kind, types.IntegerLiteral) or not isinstance(which, types.StringLiteral):
+        return None
+    k, name = kind.literal_value, which.literal_value
+
+    def codegen(context, builder, signature, args):
+        _emit_tile(builder, k, name, args[2:])
         return context.get_dummy_value()
 
-    @intrinsic
-    def tile(typingctx, pq, pd, pm, nb, xa, xs, da, sa, ds, oa, ostride, m, ntv):
-        """pq/pd/pm: panel addresses; nb blocks; xa/xs: first token's activation row and the
-        row stride; da/sa: its dx and sum rows, ds their stride; oa/ostride: out[t0, r0] and
-        the row stride (bytes); m valid rows (lanes), ntv valid tokens (<= nt)."""
-        return types.void(*([types.int64] * 13)), codegen
-
-    return tile
-
-
-_TILES = {kind: _tile(kind, NT) for kind in _LAYOUT}
-_tile_q4_0, _tile_q4_1, _tile_q8_0 = _TILES[Q4_0], _TILES[Q4_1], _TILES[Q8_0]
+    return types.void(kind, which, *([types.int64] * 13)), codegen
 
 
 @intrinsic
@@ -188,11 +350,11 @@ def _load_u32(typingctx, addr):
 
 @njit(**_OPTS)
 def _pack(w, r0, kind, bsz, qoff, groups, tab, pq, pd, pm):
-    """Rows r0..r0+15 of w (the last row repeated past the end) into a panel."""
+    """Rows r0..r0+P-1 of w (P = pq.shape[2]; the last row repeated past the end) into a panel."""
     rows = w.shape[0]
     nb = w.shape[1] // bsz
     wa, st = w.ctypes.data, w.shape[1]
-    for i in range(LANES):
+    for i in range(pq.shape[2]):
         r = min(r0 + i, rows - 1)
         for b in range(nb):
             o = b * bsz
@@ -204,30 +366,34 @@ def _pack(w, r0, kind, bsz, qoff, groups, tab, pq, pd, pm):
                 pq[b, g, i] = _load_u32(a + 4 * g)
 
 
-@njit(parallel=True, **_OPTS)
-def gemm(w, kind, bsz, qoff, groups, tab, qx, dx, sums, n, out):
-    """out (n, rows) = x @ W.T for W in GGUF blocks of `kind` (its _LAYOUT after it),
-    x as quantize8/16 left it."""
-    rows = w.shape[0]
-    nb = w.shape[1] // bsz
-    xs, ds, os_ = qx.shape[1] * qx.itemsize, dx.shape[1] * 4, out.shape[1] * 4
-    qa, da, sa, oa = qx.ctypes.data, dx.ctypes.data, sums.ctypes.data, out.ctypes.data
-    for p in prange((rows + LANES - 1) // LANES):
-        pq = np.empty((nb, groups, LANES), np.uint32)
-        pd = np.empty((nb, LANES), np.float32)
-        pm = np.empty((nb if kind == Q4_1 else 1, LANES), np.float32)
-        r0 = p * LANES
-        _pack(w, r0, kind, bsz, qoff, groups, tab, pq, pd, pm)
-        m = min(LANES, rows - r0)
-        a, b, c = pq.ctypes.data, pd.ctypes.data, pm.ctypes.data
-        for t in range(0, n, NT):
-            args = (a, b, c, nb, qa + t * xs, xs, da + t * ds, sa + t * ds, ds, oa + t * os_ + r0 * 4, os_, m, min(NT, n - t))
-            if kind == Q4_0:
-                _tile_q4_0(*args)
-            elif kind == Q4_1:
-                _tile_q4_1(*args)
-            else:
-                _tile_q8_0(*args)
+@functools.cache
+def _gemm(kind: int, which: str):
+    """The prefill kernel of one kind on one ISA (both constants inside it, and so in
+    numba's cache key: two ISAs compiled for one NUMBA_CPU_NAME stay apart)."""
+    shape = ISA_TILES[which][1]
+    P, NTI = shape.rows, shape.nt
+
+    @njit(parallel=True, **_OPTS)
+    def gemm(w, bsz, qoff, groups, tab, qx, dx, sums, n, out):
+        # out (n, rows) = x @ W.T for W in GGUF blocks of `kind` (its _LAYOUT after w),
+        # x as quantize8/16 left it
+        rows = w.shape[0]
+        nb = w.shape[1] // bsz
+        xs, ds, os_ = qx.shape[1] * qx.itemsize, dx.shape[1] * 4, out.shape[1] * 4
+        qa, da, sa, oa = qx.ctypes.data, dx.ctypes.data, sums.ctypes.data, out.ctypes.data
+        for p in prange((rows + P - 1) // P):
+            pq = np.empty((nb, groups, P), np.uint32)
+            pd = np.empty((nb, P), np.float32)
+            pm = np.empty((nb if kind == Q4_1 else 1, P), np.float32)
+            r0 = p * P
+            _pack(w, r0, kind, bsz, qoff, groups, tab, pq, pd, pm)
+            m = min(P, rows - r0)
+            a, b, c = pq.ctypes.data, pd.ctypes.data, pm.ctypes.data
+            for t in range(0, n, NTI):
+                _tile(kind, which, a, b, c, nb, qa + t * xs, xs, da + t * ds, sa + t * ds, ds,
+                      oa + t * os_ + r0 * 4, os_, m, min(NTI, n - t))
+
+    return gemm
 
 
 # ---------------------------------------------------------------- activations
@@ -272,9 +438,9 @@ def quantize16(x, qx, dx, sums):
 
 def quantized(x: np.ndarray, wide: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(qx, dx, sums) of x (n, cols) for quantize16 (wide) or quantize8, rows padded with
-    zeros to a multiple of NT tokens."""
+    zeros to a multiple of PAD tokens (whole tiles on every ISA)."""
     n, cols = x.shape
-    npad = -(-n // NT) * NT
+    npad = -(-n // PAD) * PAD
     qx = np.zeros((npad, cols), np.int16 if wide else np.int8)
     dx = np.zeros((npad, cols // 32), np.float32)
     sums = np.zeros((npad, cols // 32), np.int32)
@@ -287,7 +453,7 @@ def matmul(qtype: int, data: np.ndarray, tab: np.ndarray, xq: tuple[np.ndarray, 
     """out (n, rows) = x @ W.T; xq = quantized(x, wide(qtype)), W's raw (rows, row_bytes) blocks."""
     qx, dx, sums = xq
     kind = KINDS[qtype]
-    gemm(data, kind, *_LAYOUT[kind], tab, qx, dx, sums, out.shape[0], out)
+    _gemm(kind, isa.current())(data, *_LAYOUT[kind], tab, qx, dx, sums, out.shape[0], out)
 
 
 def wide(qtype: int) -> bool:
@@ -302,7 +468,7 @@ def _probe(tab: np.ndarray) -> bool:
     """Every kind on an odd shape (rows and tokens past a whole tile) against a plain
     integer evaluation of the same arithmetic."""
     rng = np.random.default_rng(11)
-    rows, nb, n = 19, 3, NT + 3
+    rows, nb, n = 19, 3, PAD + 3
     x = rng.standard_normal((n, nb * 32)).astype(np.float32)
     for qtype, kind in KINDS.items():
         xq = quantized(x, WIDE[kind])
@@ -329,10 +495,11 @@ def _probe(tab: np.ndarray) -> bool:
 
 
 @functools.cache
-def _probed() -> bool:
-    return vnni.checked(lambda: _probe(f16_table()), "integer prefill kernels")
+def _probed(which: str) -> bool:
+    return vnni.checked(lambda: _probe(f16_table()), f"integer prefill kernels ({which})")
 
 
 def available() -> bool:
-    """True when the VNNI prefill kernels run here: vnni.wanted() and a passing probe."""
-    return vnni.wanted() and _probed()
+    """True when the prefill kernels run here: vnni.wanted() (EDGETP_INT8 is not 0, the
+    ISA in use is known) and a passing probe of this ISA's tiles."""
+    return vnni.wanted() and _probed(isa.current())

@@ -86,12 +86,13 @@ def q8_block(src, dst, f, u):
 
 
 def wanted() -> bool:
-    """True when these AVX-512 VNNI kernels should run here: the ISA in use (isa.py,
-    EDGETP_ISA) is avx512vnni and EDGETP_INT8 is not 0. `available()` also probes them."""
+    """True when the integer prefill kernels (intgemm.py, a tile for every ISA) should run
+    here: EDGETP_INT8 is not 0 and the ISA in use (isa.py, EDGETP_ISA) is one this CPU
+    runs. `intgemm.available()` also probes them."""
     if os.environ.get("EDGETP_INT8", "1") == "0":
         return False
     try:
-        return isa.current() == "avx512vnni"
+        return isa.current() in isa.ISAS
     except isa.IsaError:  # the CLI refuses to start; anything else gets the float kernels
         return False
 

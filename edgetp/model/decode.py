@@ -13,7 +13,7 @@ order as the per-op path (`Shard.forward` for n > 1): the results are the same b
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import njit, prange
@@ -27,103 +27,121 @@ _JIT = dict(cache=True, nogil=True)
 
 
 class _Matvecs:
-    """out = [W_0 @ x, W_1 @ x, ...] for weights that read one x (cols,) f32 (and its rounding
-    xr, which the step before fills): one integer kernel call per layout, float kernels for the rest."""
+    """out[b] = [W_0 @ x[b], W_1 @ x[b], ...] for the first n of `rows` tokens, for weights that read
+    one x (rows, cols) f32 (and its rounding xr, which the step before fills): per layout one integer
+    kernel call (the single-token kernel for one token, the several-token one for more), float
+    kernels for the rest, token by token."""
 
     def __init__(self, ws: list[quant.Weight], x: np.ndarray, xr: intdot.Rounded, int8: bool) -> None:
         starts = np.cumsum([0] + [w.rows for w in ws])
-        self.out = np.empty(int(starts[-1]), np.float32)  # every weight's rows in turn
-        self.views = [self.out[a:b] for a, b in zip(starts[:-1], starts[1:])]
-        self.products: list[intdot.Products] = []
-        self.floats: list[Callable[[], None]] = []
+        self.out = np.empty((x.shape[0], int(starts[-1])), np.float32)  # per token, every weight's rows in turn
+        self.views = [self.out[:, a:b] for a, b in zip(starts[:-1], starts[1:])]
+        self.products: list[intdot.Products] = []  # token 0
+        self.tokens: list[intdot.TokenProducts] = []  # tokens 0..n-1
+        self.floats: list[tuple[quant.Weight, np.ndarray, np.ndarray]] = []
         by_type: dict[int, list[int]] = {}
         for i, w in enumerate(ws):
-            quant.check_io(w, x, self.views[i], None)
+            quant.check_io(w, x[0], self.views[i][0], None)
             if quant.int8_kernel(w, int8):
                 by_type.setdefault(w.qtype, []).append(i)
             else:
-                self.floats.append(lambda w=w, out=self.views[i]: quant.float_matvec(w, x, out))
+                self.floats.append((w, x, self.views[i]))
         for t, idx in by_type.items():
-            self.products.append(intdot.Products(t, [ws[i].data for i in idx], xr, self.out,
-                                                 [int(starts[i]) for i in idx]))
+            data, at = [ws[i].data for i in idx], [int(starts[i]) for i in idx]
+            self.products.append(intdot.Products(t, data, xr.row(0), self.out[0], at))
+            if x.shape[0] > 1:
+                self.tokens.append(intdot.TokenProducts(t, data, xr, self.out, at))
         self.rounds = bool(self.products)  # whether the step before must round x
 
-    def __call__(self, serial: bool) -> None:
-        for p in self.products:
+    def __call__(self, n: int, serial: bool) -> None:
+        for p in self.products if n == 1 else ():
             p(serial)
-        for f in self.floats:
-            f()
+        for p in self.tokens if n > 1 else ():
+            p(n, serial)
+        for w, x, out in self.floats:
+            for b in range(n):
+                quant.float_matvec(w, x[b], out[b])
 
 
 class _LayerPlan:
-    """One layer's matvecs and the views of their outputs, (1, width) each."""
+    """One layer's matvecs and the views of their outputs, (rows, width) each."""
 
     def __init__(self, shard: Shard, layer: Layer, h: np.ndarray, r: dict[str, intdot.Rounded], int8: bool) -> None:
         hd = shard.w.cfg.head_dim
         self.layer = layer
         self.qkv = self.o = self.gate_up = self.down = None
         if shard.n_kv:
-            self.qkv = _Matvecs([layer.wq, layer.wk, layer.wv], h[0], r["h"], int8)
-            self.q, self.k, self.v = (a[None] for a in self.qkv.views)
-            self.att = np.empty((1, shard.n_heads * hd), np.float32)
-            self.o = _Matvecs([layer.wo], self.att[0], r["att"], int8)
+            self.qkv = _Matvecs([layer.wq, layer.wk, layer.wv], h, r["h"], int8)
+            self.q, self.k, self.v = self.qkv.views
+            self.att = np.empty((h.shape[0], shard.n_heads * hd), np.float32)
+            self.o = _Matvecs([layer.wo], self.att, r["att"], int8)
         if shard.n_ffn:
-            self.gate_up = _Matvecs([layer.w_gate, layer.w_up], h[0], r["h"], int8)
-            self.gate, self.up = (a[None] for a in self.gate_up.views)
-            self.down = _Matvecs([layer.w_down], self.gate[0], r["gate"], int8)
+            self.gate_up = _Matvecs([layer.w_gate, layer.w_up], h, r["h"], int8)
+            self.gate, self.up = self.gate_up.views
+            self.down = _Matvecs([layer.w_down], self.gate_up.out[:, : shard.n_ffn], r["gate"], int8)
 
 
 class Plan:
-    """Shard.forward for one token (x (1, dim), in place), per-op results bit for bit.
+    """Shard.forward for one token of each of up to `rows` sequences (x (n, dim), in place), each
+    token's results the per-op path's bits for it alone (Shard.forward, n == 1).
 
     Built for one choice of kernels (int8 = quant.int8_decode()); the shard's weights,
     KV caches and reduce are read at each call, the buffers are its own.
     """
 
-    def __init__(self, shard: Shard, int8: bool) -> None:
+    def __init__(self, shard: Shard, int8: bool, rows: int = 1) -> None:
         self.shard = shard
+        self.rows = rows
         cfg = shard.w.cfg
-        self.h = np.empty((1, cfg.dim), np.float32)       # normed x, what q/k/v and gate/up read
-        self.zeros = np.zeros((1, cfg.dim), np.float32)   # the partial of a half this shard has no share of
-        empty = intdot.Rounded.empty
-        self.r = {"h": empty(cfg.dim), "att": empty(max(shard.n_heads, 1) * cfg.head_dim),
-                  "gate": empty(max(shard.n_ffn, 32))}  # (empty halves round nothing)
+        self.h = np.empty((rows, cfg.dim), np.float32)       # normed x, what q/k/v and gate/up read
+        self.zeros = np.zeros((rows, cfg.dim), np.float32)   # the partial of a half this shard has no share of
+        shape = intdot.Rounded.rows
+        self.r = {"h": shape(rows, cfg.dim), "att": shape(rows, max(shard.n_heads, 1) * cfg.head_dim),
+                  "gate": shape(rows, max(shard.n_ffn, 32))}  # (empty halves round nothing)
         self.layers = [_LayerPlan(shard, layer, self.h, self.r, int8) for layer in shard.w.layers]
 
-    def forward(self, x: np.ndarray, pos: int) -> np.ndarray:
+    def forward(self, x: np.ndarray, pos: int, slot: int = 0) -> np.ndarray:
+        """One token x (1, dim) at position pos of KV slot `slot`."""
+        return self.forward_rows(x, np.array([slot], np.int64), np.array([pos], np.int64))
+
+    def forward_rows(self, x: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """x (n, dim), n <= rows: row b at positions[b] of KV slot slots[b] (int64 arrays, distinct slots)."""
         s, cfg = self.shard, self.shard.w.cfg
+        n = x.shape[0]
         quant.use_threads()
         serial = quant.threads() == 1
-        h, eps, rh, ra, rg = self.h, cfg.norm_eps, self.r["h"], self.r["att"], self.r["gate"]
-        partial = self.zeros  # the sum x has yet to get (none before the first layer)
+        h, eps = self.h[:n], cfg.norm_eps
+        rh, ra, rg = self.r["h"], self.r["att"], self.r["gate"]
+        zeros = self.zeros[:n]
+        partial = zeros  # the sum x has yet to get (none before the first layer)
         for i, p in enumerate(self.layers):
             layer = p.layer
             if p.qkv is None:
                 _add_norm(x, partial, layer.attn_norm, eps, h, i > 0, False, *rh)
-                partial = self.zeros
+                partial = zeros
                 partial.fill(0.0)
             else:
                 _add_norm(x, partial, layer.attn_norm, eps, h, i > 0, p.qkv.rounds, *rh)
-                p.qkv(serial)
+                p.qkv(n, serial)
                 if layer.bq is not None:
-                    p.q += layer.bq
-                    p.k += layer.bk
-                    p.v += layer.bv
-                _attention(p.q, p.k, p.v, s.k_cache[i], s.v_cache[i], pos, s.cos, s.sin, cfg.rope_dims,
-                           cfg.rope_neox, cfg.group_size, p.att, serial, p.o.rounds, *ra)
-                p.o(serial)
-                partial = p.o.out[None]
+                    p.q[:n] += layer.bq
+                    p.k[:n] += layer.bk
+                    p.v[:n] += layer.bv
+                _attention(p.q[:n], p.k[:n], p.v[:n], s.k_cache[i], s.v_cache[i], slots, positions, s.cos, s.sin,
+                           cfg.rope_dims, cfg.rope_neox, cfg.group_size, p.att[:n], serial, p.o.rounds, *ra)
+                p.o(n, serial)
+                partial = p.o.out[:n]
             s.reduce(partial)
             if p.gate_up is None:
                 _add_norm(x, partial, layer.ffn_norm, eps, h, True, False, *rh)
-                partial = self.zeros
+                partial = zeros
                 partial.fill(0.0)
             else:
                 _add_norm(x, partial, layer.ffn_norm, eps, h, True, p.gate_up.rounds, *rh)
-                p.gate_up(serial)
-                _silu(p.gate, p.up, p.down.rounds, *rg)
-                p.down(serial)
-                partial = p.down.out[None]
+                p.gate_up(n, serial)
+                _silu(p.gate[:n], p.up[:n], p.down.rounds, *rg)
+                p.down(n, serial)
+                partial = p.down.out[:n]
             s.reduce(partial)
         out = np.empty_like(h)
         _add_norm(x, partial, s.w.out_norm, eps, out, bool(self.layers), False, *rh)
@@ -135,39 +153,64 @@ class Plan:
 
 @njit(**_JIT)
 def _add_norm(x, partial, w, eps, h, add, rnd, xq, dx, s4, s16):  # pragma: no cover - compiled
-    # if add, x += partial (1, dim); h = rmsnorm(x) * w; and, if rnd, h rounded into xq/dx/s4/s16
+    # x, partial, h (n, dim): if add, x += partial; h = rmsnorm(x) * w; and, if rnd, row b of h
+    # rounded into row b of xq/dx/s4/s16
     if add:
-        for j in range(x.shape[1]):
-            x[0, j] += partial[0, j]
+        for b in range(x.shape[0]):
+            for j in range(x.shape[1]):
+                x[b, j] += partial[b, j]
     ops.rmsnorm(x, w, eps, h)
     if rnd:
-        intdot.round_into(h[0], xq, dx, s4, s16)
+        for b in range(x.shape[0]):
+            intdot.round_into(h[b], xq[b], dx[b], s4[b], s16[b])
 
 
 @njit(parallel=True, **_JIT)
-def _attention(q, k, v, kc, vc, pos, cos, sin, rope_dims, neox, group, att, serial, rnd, xq, dx, s4, s16):  # pragma: no cover
-    # q (1, heads*hd), k and v (1, kv*hd): rope q and k, write k and v at pos of the caches
-    # kc, vc (kv, ctx, hd), att (1, heads*hd) = attention of q over them; if rnd, att rounded
-    n_kv, _, hd = kc.shape
-    ops.rope(q, n_kv * group, hd, rope_dims, pos, cos, sin, neox)
-    ops.rope(k, n_kv, hd, rope_dims, pos, cos, sin, neox)
-    for g in range(n_kv):
-        for d in range(hd):
-            kc[g, pos, d] = k[0, g * hd + d]
-            vc[g, pos, d] = v[0, g * hd + d]
+def _attention(q, k, v, kc, vc, slots, positions, cos, sin, rope_dims, neox, group, att, serial, rnd, xq, dx, s4, s16):  # pragma: no cover
+    # q (n, heads*hd), k and v (n, kv*hd), row b a token at positions[b] of KV slot slots[b]: rope
+    # its q and k, write its k and v there in the caches kc, vc (slots, kv, ctx, hd); att (n,
+    # heads*hd) = each row's attention over its own slot; if rnd, each row of att rounded
+    n = q.shape[0]
+    n_kv, hd = kc.shape[1], kc.shape[3]
+    heads = n_kv * group
+    for b in range(n):
+        pos, sl = positions[b], slots[b]
+        ops.rope(q[b : b + 1], heads, hd, rope_dims, pos, cos, sin, neox)
+        ops.rope(k[b : b + 1], n_kv, hd, rope_dims, pos, cos, sin, neox)
+        for g in range(n_kv):
+            for d in range(hd):
+                kc[sl, g, pos, d] = k[b, g * hd + d]
+                vc[sl, g, pos, d] = v[b, g * hd + d]
     if serial:
-        for job in range(n_kv * group):
-            ops.attend_head(q, kc, vc, pos, group, att, job)
+        for job in range(n * heads):
+            b = job // heads
+            ops.attend_head(q[b : b + 1], kc[slots[b]], vc[slots[b]], positions[b], group, att[b : b + 1], job % heads)
     else:
-        for job in prange(n_kv * group):
-            ops.attend_head(q, kc, vc, pos, group, att, job)
+        for job in prange(n * heads):
+            b = job // heads
+            ops.attend_head(q[b : b + 1], kc[slots[b]], vc[slots[b]], positions[b], group, att[b : b + 1], job % heads)
     if rnd:
-        intdot.round_into(att[0], xq, dx, s4, s16)
+        for b in range(n):
+            intdot.round_into(att[b], xq[b], dx[b], s4[b], s16[b])
 
 
 @njit(**_JIT)
 def _silu(gate, up, rnd, xq, dx, s4, s16):  # pragma: no cover - compiled
-    # gate (1, f) <- silu(gate) * up, and, if rnd, rounded
-    ops.silu_mul_row(gate, up, 0)
-    if rnd:
-        intdot.round_into(gate[0], xq, dx, s4, s16)
+    # gate, up (n, f): gate <- silu(gate) * up, and, if rnd, each row rounded
+    for b in range(gate.shape[0]):
+        ops.silu_mul_row(gate, up, b)
+        if rnd:
+            intdot.round_into(gate[b], xq[b], dx[b], s4[b], s16[b])
+
+
+def matvec_rows(w: quant.Weight, x: np.ndarray, out: np.ndarray) -> None:
+    """out (B, rows) = W @ x[b] for each row of x (B, cols), each row the bits of quant.matvec
+    on it alone: the several-token integer kernel (W read once), or the float kernel per row."""
+    quant.check_io(w, x, out, x.shape[0])
+    quant.use_threads()
+    serial = quant.threads() == 1
+    if quant.int8_kernel(w, quant.int8_decode()):
+        intdot.matvec_tokens(w.qtype, w.data, intdot.rounded_rows(x), out, serial)
+    else:
+        for b in range(x.shape[0]):
+            quant.float_matvec(w, x[b], out[b])

@@ -170,16 +170,20 @@ class Shard:
     ctx: int
     reduce: Reduce = _no_reduce
     fast_decode: bool = True  # one token through decode.Plan (False: the per-op path, as for batches)
-    k_cache: list[np.ndarray] = field(init=False, repr=False)
+    slots: int = 1  # KV caches, one per sequence a step may carry (forward's slot, forward_rows's slots)
+    k_cache: list[np.ndarray] = field(init=False, repr=False)  # per layer (slots, n_kv, ctx, head_dim)
     v_cache: list[np.ndarray] = field(init=False, repr=False)
     _plans: dict[bool, decode.Plan] = field(init=False, repr=False, default_factory=dict)  # by int8_decode()
+    _row_plans: dict[bool, decode.Plan] = field(init=False, repr=False, default_factory=dict)  # `slots` rows
 
     def __post_init__(self) -> None:
         cfg, spec = self.w.cfg, self.w.spec
         self.n_kv = spec.kv_groups[1] - spec.kv_groups[0]
         self.n_heads = self.n_kv * cfg.group_size
         self.n_ffn = spec.ffn_cols[1] - spec.ffn_cols[0]
-        shape = (self.n_kv, self.ctx, cfg.head_dim)
+        if self.slots < 1:
+            raise ValueError(f"a shard needs at least one KV slot, got {self.slots}")
+        shape = (self.slots, self.n_kv, self.ctx, cfg.head_dim)
         self.k_cache = [np.zeros(shape, np.float32) for _ in range(cfg.n_layers)]
         self.v_cache = [np.zeros(shape, np.float32) for _ in range(cfg.n_layers)]
         self.cos, self.sin = ops.rope_table(self.ctx, cfg.rope_dims, cfg.rope_theta, self.w.rope_freqs)
@@ -188,24 +192,27 @@ class Shard:
     def kv_bytes(self) -> int:
         return sum(c.nbytes for c in self.k_cache + self.v_cache)
 
-    def forward(self, x: np.ndarray, pos: int) -> np.ndarray:
-        """Run every layer on x: (n, dim) hidden states of positions pos..pos+n-1, in place.
+    def forward(self, x: np.ndarray, pos: int, slot: int = 0) -> np.ndarray:
+        """Run every layer on x: (n, dim) hidden states of positions pos..pos+n-1 of one
+        sequence, whose KV cache is slot `slot`, in place.
 
         Returns x after the final norm, (n, dim).
         """
         n = x.shape[0]
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"KV slot {slot} does not exist: this shard holds slots 0 to {self.slots - 1}")
         if pos + n > self.ctx:
             raise ContextFull(f"context is full: {pos + n} positions needed, the KV cache holds {self.ctx}")
         if n == 1 and self.fast_decode:
             int8 = quant.int8_decode()
             if int8 not in self._plans:
                 self._plans[int8] = decode.Plan(self, int8)
-            return self._plans[int8].forward(x, pos)
+            return self._plans[int8].forward(x, pos, slot)
         cfg = self.w.cfg
         h = np.empty_like(x)
         for i, layer in enumerate(self.w.layers):
             ops.rmsnorm(x, layer.attn_norm, cfg.norm_eps, h)
-            partial = self._attention(i, layer, h, pos)
+            partial = self._attention(i, layer, h, pos, slot)
             self.reduce(partial)
             x += partial
             ops.rmsnorm(x, layer.ffn_norm, cfg.norm_eps, h)
@@ -214,6 +221,48 @@ class Shard:
             x += partial
         ops.rmsnorm(x, self.w.out_norm, cfg.norm_eps, h)
         return h
+
+    def forward_rows(self, x: np.ndarray, slots, positions) -> np.ndarray:
+        """One decode step of several sequences: x (B, dim), row b the token at positions[b] of
+        the sequence in KV slot slots[b] (distinct slots), in place. Returns (B, dim) after the
+        final norm.
+
+        Row b's result and what it writes to its slot are the bits of
+        forward(x[b:b+1], positions[b], slot=slots[b]) alone, whatever the other rows; the
+        integer kernels read each weight once for all B (intdot.TokenProducts), the float
+        kernels run row by row. reduce gets one (B, dim) partial per half-layer.
+        """
+        B = x.shape[0]
+        sl, ps = np.asarray(slots, np.int64).reshape(-1), np.asarray(positions, np.int64).reshape(-1)
+        if x.ndim != 2 or x.shape[1] != self.w.cfg.dim or x.dtype != np.float32 or not x.flags.c_contiguous:
+            raise ValueError(f"x must be C-contiguous float32 (B, {self.w.cfg.dim}), got {x.dtype} {x.shape}")
+        if not 1 <= B <= self.slots or sl.shape != (B,) or ps.shape != (B,):
+            raise ValueError(f"{B} rows, {sl.shape[0]} slots and {ps.shape[0]} positions: a step carries "
+                             f"1 to {self.slots} rows, one slot and position each")
+        if len(set(sl.tolist())) != B or sl.min() < 0 or sl.max() >= self.slots:
+            raise ValueError(f"KV slots {sl.tolist()} must be distinct, each 0 to {self.slots - 1}")
+        if ps.min() < 0 or ps.max() >= self.ctx:
+            raise ContextFull(f"context is full: position {int(ps.max())} needed, the KV cache holds {self.ctx}")
+        int8 = quant.int8_decode()
+        if int8 not in self._row_plans:
+            self._row_plans[int8] = decode.Plan(self, int8, self.slots)
+        return self._row_plans[int8].forward_rows(x, sl, ps)
+
+    def logits_rows(self, h: np.ndarray) -> np.ndarray:
+        """logits for B decoded tokens at once, h (B, dim): row b the bits of logits(h[b:b+1])[0]
+        (the head read once for all rows on the integer kernels; EXACT_TOP refined per row)."""
+        head = self.w.lm_head
+        B = h.shape[0]
+        out = np.zeros((B, 0 if head is None else head.rows), np.float32)
+        if head is None or B == 0:
+            return out
+        if B == 1:
+            return self.logits(h)
+        h = np.ascontiguousarray(h, np.float32)
+        decode.matvec_rows(head, h, out)
+        for b in range(B):
+            quant.refine_top(head, h[b], out[b], EXACT_TOP)
+        return out
 
     def logits(self, h: np.ndarray) -> np.ndarray:
         """This shard's vocabulary rows of the logits: (n, vocab_l).
@@ -232,7 +281,7 @@ class Shard:
                 quant.refine_top(head, h[0], out[0], EXACT_TOP)
         return out
 
-    def _attention(self, i: int, layer: Layer, h: np.ndarray, pos: int) -> np.ndarray:
+    def _attention(self, i: int, layer: Layer, h: np.ndarray, pos: int, slot: int) -> np.ndarray:
         cfg = self.w.cfg
         n, hd = h.shape[0], cfg.head_dim
         partial = np.zeros((n, cfg.dim), np.float32)
@@ -251,7 +300,7 @@ class Shard:
             v += layer.bv
         ops.rope(q, self.n_heads, hd, cfg.rope_dims, pos, self.cos, self.sin, cfg.rope_neox)
         ops.rope(k, self.n_kv, hd, cfg.rope_dims, pos, self.cos, self.sin, cfg.rope_neox)
-        kc, vc = self.k_cache[i], self.v_cache[i]
+        kc, vc = self.k_cache[i][slot], self.v_cache[i][slot]
         kc[:, pos:pos + n, :] = k.reshape(n, self.n_kv, hd).transpose(1, 0, 2)
         vc[:, pos:pos + n, :] = v.reshape(n, self.n_kv, hd).transpose(1, 0, 2)
         att = np.empty_like(q)

@@ -7,7 +7,8 @@ Orange Pi. Every list is deterministic.
 
 from __future__ import annotations
 
-from edgetp.events import ClusterEvent, ClusterView, LinkBytes, NodeView, RequestRecord, TokenRecord
+from edgetp.events import (ClusterEvent, ClusterView, LinkBytes, NodeView, RequestRecord, SlotsView, StepRecord,
+                           TokenRecord)
 
 from .state import ConnectionStatus
 
@@ -83,3 +84,47 @@ def node_lost(count: int = 30) -> list:
                                               "vocab_rows": [27648, 49152]},
                                     "opi-c": {"kv_groups": [0, 0], "ffn_cols": [0, 0],
                                               "vocab_rows": [0, 0]}}})]
+
+
+QUESTIONS = ("Why is the sky blue?", "Turn off the hall lights at 23:00.", "Summarise today's log.",
+             "What is 17 * 23?", "Write a haiku about rain.")
+
+
+def batching(steps: int = 36) -> list:
+    """Four slots on the same three boards: requests join one by one, one reuses a cached prefix, a fifth
+    waits in the queue until the first finishes, a sixth is still waiting. Each decode step carries one
+    token per running request."""
+    head = [*connected(), ClusterView(2, "pi5-a", MODEL, (A, B, C), slots=SlotsView(4, 0, 0)),
+            ClusterEvent("election", "pi5-a elected root (epoch 2)", "pi5-a", 2)]
+    joins = {0: 0, 4: 1, 9: 2, 14: 3, 25: 4}  # step -> request that joins before it
+    prompts = (14, 96, 31, 12, 22)
+    cached = (0, 80, 0, 0, 0)
+    finish = {0: 24}  # request -> step after which it finishes (its slot goes to the queued one next step)
+    out, running, queued, counts = head, [], [], {}
+    for step in range(steps):
+        if step in joins:
+            n = joins[step]
+            if len(running) < 4:
+                if n in queued:
+                    queued.remove(n)
+                running.append(n)
+                out.append(RequestRecord(f"req-{n + 1}", "started", QUESTIONS[n], prompt_tokens=prompts[n],
+                                         cached_tokens=cached[n], slot=len(running) - 1 if n < 4 else 0))
+                out.append(StepRecord("prefill", prompts[n] - cached[n], 30.0 + prompts[n] - cached[n],
+                                      len(running), len(queued)))
+        if step in (20, 30):
+            queued.append(4 if step == 20 else 5)  # they arrive while every slot is taken, and wait
+        ms = 52.0 + 6.0 * len(running) + ((step * 7) % 5)
+        for n in running:
+            i = counts.get(n, 0)
+            out.append(TokenRecord(f"req-{n + 1}", i, (" " if i else "") + ANSWER[(i + 5 * n) % len(ANSWER)],
+                                   ms, ms - 14.0, 14.0, {B.address: LinkBytes(69_120 * len(running), 66_816),
+                                                         C.address: LinkBytes(69_120 * len(running), 64_512)}))
+            counts[n] = i + 1
+        out.append(StepRecord("decode", len(running), ms, len(running), len(queued)))
+        for n, last in finish.items():
+            if step == last and n in running:
+                running.remove(n)
+                out.append(RequestRecord(f"req-{n + 1}", "finished", QUESTIONS[n], "stop", prompts[n], counts[n],
+                                         cached[n], slot=0))
+    return out

@@ -9,7 +9,8 @@ from textual.widgets import Footer, Input
 
 from .messages import PromptSubmitted
 from .state import DashboardState
-from .widgets import EventLog, GenerationView, LatencyChart, LinkChart, NodesTable, RateChart, StateView, StatusBar
+from .widgets import (BatchChart, EventLog, GenerationView, LatencyChart, LinkChart, NodesTable, RateChart,
+                      RequestsView, StateView, StatusBar)
 
 
 class MainScreen(Screen[None]):
@@ -23,7 +24,9 @@ class MainScreen(Screen[None]):
                 yield LatencyChart(id="latency")
                 yield LinkChart(id="links")
                 yield RateChart(id="rate")
+                yield BatchChart(id="batch")
             with Vertical(id="talk"):
+                yield RequestsView(id="requests")
                 yield GenerationView(id="generation")
                 yield Input(placeholder="Ask the cluster… (Enter sends, Esc leaves)", id="prompt")
                 yield EventLog(id="log")
@@ -33,6 +36,7 @@ class MainScreen(Screen[None]):
         self.query_one("#latency").border_title = "Latency per token"
         self.query_one("#links").border_title = "Bytes per token, per link"
         self.query_one("#rate").border_title = "Tokens per second"
+        self.query_one("#batch").border_title = "Sequences per decode step"
         self.query_one("#generation").border_title = "Generation"
         self.query_one("#log").border_title = "Events"
         self.show(self.app.state)  # type: ignore[attr-defined]

@@ -11,10 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Union
 
-from edgetp.events import NODE_STATES, ROLES, ClusterEvent, ClusterView, NodeView, RequestRecord, TokenRecord
+from edgetp.events import (NODE_STATES, ROLES, ClusterEvent, ClusterView, NodeView, RequestRecord, SlotsView,
+                           StepRecord, TokenRecord)
 
 HISTORY = 120  # tokens kept for the charts
 LOG_SIZE = 200  # event log entries kept
+FINISHED_KEPT = 4  # finished requests still listed under the running ones
+REQUESTS_KEPT = 64  # requests listed at most (a lost "finished" record must not grow the list forever)
 
 
 # --- records the dashboard makes itself ------------------------------------------------------
@@ -56,7 +59,7 @@ class ClearLog:
     pass
 
 
-Record = Union[TokenRecord, RequestRecord, ClusterEvent, ClusterView,
+Record = Union[TokenRecord, RequestRecord, StepRecord, ClusterEvent, ClusterView,
                ConnectionStatus, AskStarted, AskChunk, AskFinished, Notice, ClearLog]
 
 
@@ -87,6 +90,28 @@ class Generation:
 
 
 @dataclass(frozen=True)
+class RequestLine:
+    """One request the root's engine runs (or just finished): its tokens so far and their rate."""
+
+    request_id: str
+    prompt: str = ""
+    text: str = ""               # the answer so far
+    prompt_tokens: int = 0
+    cached_tokens: int = 0       # prompt tokens the prefix cache saved
+    slot: int | None = None
+    tokens: int = 0              # answer tokens so far
+    decode_ms: float = 0.0       # summed wall time of its tokens after the first (the first carries the prefill)
+    first_ms: float | None = None  # the first token's wall time
+    finished: bool = False
+    finish_reason: str | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Its decode rate: tokens after the first over their summed step time (0 before the second)."""
+        return (self.tokens - 1) * 1000.0 / self.decode_ms if self.tokens > 1 and self.decode_ms > 0 else 0.0
+
+
+@dataclass(frozen=True)
 class LogEntry:
     kind: str  # a cluster event name, "request", "connection", "ask" or a notice level
     message: str
@@ -103,6 +128,10 @@ class DashboardState:
     tokens: tuple[TokenSample, ...] = ()  # the last `history` tokens, oldest first
     token_count: int = 0  # every token seen since the dashboard started
     generation: Generation | None = None
+    requests: tuple[RequestLine, ...] = ()  # running ones in the order they started, then the last finished
+    slots: SlotsView | None = None  # the root engine's slots (total 0: not told yet)
+    batches: tuple[int, ...] = ()  # sequences per decode step, the last `history` steps, oldest first
+    step_ms: tuple[float, ...] = ()  # the wall time of those steps
     log: tuple[LogEntry, ...] = ()  # the last `log_size` entries, oldest first
     received: int = 0  # records folded in so far
     history: int = HISTORY
@@ -113,6 +142,17 @@ class DashboardState:
         """Tokens per second over the tokens in the window (0 when there are none)."""
         total = sum(t.total_ms for t in self.tokens)
         return len(self.tokens) * 1000.0 / total if total > 0 else 0.0
+
+    @property
+    def batch_tokens_per_s(self) -> float:
+        """Tokens per second over every stream: the decode steps' tokens over their summed wall time."""
+        total = sum(self.step_ms)
+        return sum(self.batches) * 1000.0 / total if total > 0 else 0.0
+
+    @property
+    def rate(self) -> float:
+        """The cluster's answer rate: over every stream when decode steps are reported, else per token."""
+        return self.batch_tokens_per_s if self.batches else self.tokens_per_s
 
     @property
     def links(self) -> tuple[str, ...]:
@@ -135,8 +175,12 @@ def apply(state: DashboardState, record: Any) -> DashboardState:
         return _request(state, record)
     if isinstance(record, ClusterEvent):
         return _cluster(state, record)
+    if isinstance(record, StepRecord):
+        return _step(state, record)
     if isinstance(record, ClusterView):
-        return replace(state, epoch=record.epoch, root=record.root, model=record.model, nodes=record.nodes)
+        slots = record.slots if record.slots is not None else state.slots
+        return replace(state, epoch=record.epoch, root=record.root, model=record.model, nodes=record.nodes,
+                       slots=slots)
     if isinstance(record, ConnectionStatus):
         return _connection(state, record)
     if isinstance(record, AskStarted):
@@ -165,22 +209,34 @@ def _token(state: DashboardState, rec: TokenRecord) -> DashboardState:
     links = tuple(sorted((peer, b.sent, b.received) for peer, b in rec.links.items()))
     sample = TokenSample(rec.index, rec.total_ms, rec.compute_ms, rec.sync_ms, links)
     tokens = (state.tokens + (sample,))[-state.history:] if state.history > 0 else ()
-    state = replace(state, tokens=tokens, token_count=state.token_count + 1)
+    state = replace(state, tokens=tokens, token_count=state.token_count + 1,
+                    requests=_on_token(state.requests, rec))
     gen = state.generation
     if gen is not None and gen.request_id == rec.request_id:
         if gen.origin == "cluster":  # the dashboard's own answer streams in through AskChunk
             gen = replace(gen, text=gen.text + rec.text, tokens=gen.tokens + 1)
-    elif gen is None or gen.origin == "cluster" or gen.finished:
-        gen = Generation(rec.request_id, "", rec.text, 1)  # joined mid-answer: no prompt seen
+    elif _free(state, gen):  # follow this request, with what was seen of it (no prompt: joined mid-answer)
+        line = next(r for r in state.requests if r.request_id == rec.request_id)
+        gen = Generation(rec.request_id, line.prompt, line.text, line.tokens)
     return replace(state, generation=gen)
 
 
+def _free(state: DashboardState, gen: Generation | None) -> bool:
+    """True when the generation view may follow another request: the one it shows is over or gone."""
+    if gen is None or gen.finished:
+        return True
+    if gen.origin == "dashboard":
+        return False
+    return not any(r.request_id == gen.request_id and not r.finished for r in state.requests)
+
+
 def _request(state: DashboardState, rec: RequestRecord) -> DashboardState:
+    state = _request_line(state, rec)
     gen = state.generation
     if rec.state == "started":
         if gen is not None and gen.origin == "dashboard" and not gen.finished and gen.request_id is None:
             gen = replace(gen, request_id=rec.request_id)  # the request this dashboard asked
-        else:
+        elif _free(state, gen) or (gen is not None and gen.request_id == rec.request_id):
             gen = Generation(rec.request_id, rec.prompt)
         entry = LogEntry("request", f"request {rec.request_id} started ({rec.prompt_tokens} prompt tokens)")
         return _log(replace(state, generation=gen), entry)
@@ -189,6 +245,56 @@ def _request(state: DashboardState, rec: RequestRecord) -> DashboardState:
     entry = LogEntry("request", f"request {rec.request_id} finished: {rec.completion_tokens} tokens"
                      f" ({rec.finish_reason or 'no reason'})")
     return _log(replace(state, generation=gen), entry)
+
+
+def _on_token(lines: tuple[RequestLine, ...], rec: TokenRecord) -> tuple[RequestLine, ...]:
+    i = next((i for i, r in enumerate(lines) if r.request_id == rec.request_id), None)
+    if i is None:  # joined mid-answer: the request's start was not seen
+        return _keep(lines + (RequestLine(rec.request_id, text=rec.text, tokens=1),))
+    line = lines[i]
+    if line.finished:
+        return lines
+    if line.tokens == 0:
+        line = replace(line, text=rec.text, tokens=1, first_ms=rec.total_ms)
+    else:
+        line = replace(line, text=line.text + rec.text, tokens=line.tokens + 1,
+                       decode_ms=line.decode_ms + rec.total_ms)
+    return lines[:i] + (line,) + lines[i + 1:]
+
+
+def _request_line(state: DashboardState, rec: RequestRecord) -> DashboardState:
+    """The request's line started or finished; a prefix hit counted once, on the first record that says it."""
+    lines = state.requests
+    i = next((i for i, r in enumerate(lines) if r.request_id == rec.request_id), None)
+    old = lines[i] if i is not None else RequestLine(rec.request_id)
+    slots = state.slots
+    if rec.cached_tokens > 0 and old.cached_tokens == 0 and slots is not None:
+        slots = replace(slots, prefix_hits=slots.prefix_hits + 1,
+                        cached_tokens=slots.cached_tokens + rec.cached_tokens)
+    line = replace(old, prompt=rec.prompt or old.prompt, prompt_tokens=rec.prompt_tokens or old.prompt_tokens,
+                   cached_tokens=rec.cached_tokens or old.cached_tokens,
+                   slot=rec.slot if rec.slot is not None else old.slot)
+    if rec.state == "finished":
+        line = replace(line, finished=True, finish_reason=rec.finish_reason)
+    rest = tuple(r for r in lines if r.request_id != rec.request_id) + (line,)  # finished ones in finishing order
+    running = tuple(r for r in rest if not r.finished)
+    done = tuple(r for r in rest if r.finished)[-FINISHED_KEPT:] if FINISHED_KEPT > 0 else ()
+    return replace(state, requests=_keep(running + done), slots=slots)
+
+
+def _keep(lines: tuple[RequestLine, ...]) -> tuple[RequestLine, ...]:
+    return lines[-REQUESTS_KEPT:]
+
+
+def _step(state: DashboardState, rec: StepRecord) -> DashboardState:
+    slots = state.slots or SlotsView(0, 0, 0)
+    slots = replace(slots, active=rec.active, queued=rec.queued)
+    if rec.kind != "decode":
+        return replace(state, slots=slots)
+    keep = state.history
+    batches = (state.batches + (rec.batch,))[-keep:] if keep > 0 else ()
+    step_ms = (state.step_ms + (rec.ms,))[-keep:] if keep > 0 else ()
+    return replace(state, slots=replace(slots, batch=rec.batch), batches=batches, step_ms=step_ms)
 
 
 def _cluster(state: DashboardState, ev: ClusterEvent) -> DashboardState:

@@ -59,7 +59,7 @@ class StatusBar(StateView):
     COMPONENT_CLASSES = {"status--ok", "status--bad", "status--wait"}
 
     def depends(self, state: DashboardState) -> tuple[Any, ...]:
-        return (state.connection, state.model, state.epoch, state.root, state.nodes, state.tokens)
+        return (state.connection, state.model, state.epoch, state.root, state.nodes, state.tokens, state.step_ms)
 
     def render(self) -> RenderableType:
         s = self.state
@@ -67,7 +67,7 @@ class StatusBar(StateView):
                              f"  epoch {s.epoch if s.epoch is not None else '-'}",
                              "  root ", (s.root or "none yet", "bold" if s.root else "italic"),
                              f"  {len(s.nodes)} nodes", (f" ({s.lost} lost)", "bold red") if s.lost else "",
-                             f"  {s.tokens_per_s:.1f} tok/s")
+                             f"  {s.rate:.1f} tok/s")
         conn = s.connection
         if conn.state == "connected":
             right = Text("● " + (conn.message or "connected"), self.style_of("status--ok"))
@@ -165,19 +165,25 @@ class LatencyChart(StateView):
 
 
 class RateChart(StateView):
-    """Per token: its rate (1000 / wall ms), with the rate over the whole window above."""
+    """Per token: its rate (1000 / wall ms), with the rate over the whole window above (and over every
+    stream, when the engine reports its decode steps)."""
 
     COMPONENT_CLASSES = {"chart--rate"}
 
     def depends(self, state: DashboardState) -> tuple[Any, ...]:
-        return (state.tokens,)
+        return (state.tokens, state.step_ms)
 
     def render(self) -> RenderableType:
         w, h = self.size
         toks = self.state.tokens
         style = self.style_of("chart--rate")
-        head = Text.assemble((f"{self.state.tokens_per_s:.1f} tok/s", style + Style(bold=True)),
-                             f" over the last {len(toks)} tokens · {self.state.token_count} tokens seen")
+        if self.state.batches:  # tokens of several streams: each token's rate is its stream's
+            head = Text.assemble((f"{self.state.batch_tokens_per_s:.1f} tok/s", style + Style(bold=True)),
+                                 f" over all streams · {self.state.tokens_per_s:.1f} per stream"
+                                 f" · {self.state.token_count} tokens seen")
+        else:
+            head = Text.assemble((f"{self.state.tokens_per_s:.1f} tok/s", style + Style(bold=True)),
+                                 f" over the last {len(toks)} tokens · {self.state.token_count} tokens seen")
         rates = [1000.0 / t.total_ms if t.total_ms > 0 else 0.0 for t in toks]
         top = nice_top(max(rates[-max(w - AXIS, 0):], default=0.0))
         chart = columns([rates], [style], w - AXIS, h - 1, top)
@@ -277,3 +283,72 @@ class EventLog(StateView):
         out = Text("\n").join(lines)
         out.no_wrap, out.overflow = True, "ellipsis"
         return out
+
+
+class RequestsView(StateView):
+    """Every request the root runs: its slot, prompt (and how much of it the prefix cache saved), tokens, rate."""
+
+    SIZED_BY_STATE = True
+
+    def depends(self, state: DashboardState) -> tuple[Any, ...]:
+        return (state.requests, state.slots)
+
+    def decorate(self, state: DashboardState) -> None:
+        running = sum(1 for r in state.requests if not r.finished)
+        self.border_title = f"Requests · {running} running"
+        s = state.slots
+        if s is None:
+            self.border_subtitle = ""
+            return
+        total = str(s.total) if s.total > 0 else "?"
+        hits = f" · prefix hits {s.prefix_hits} ({s.cached_tokens} tokens)" if s.prefix_hits else ""
+        self.border_subtitle = f"slots {s.active}/{total} in use · {s.queued} queued{hits}"
+
+    def get_content_height(self, container: Any, viewport: Any, width: int) -> int:
+        return len(self.state.requests) + 1 if self.state.requests else 1
+
+    def render(self) -> RenderableType:
+        lines = self.state.requests
+        if not lines:
+            return Text("No requests yet.", style="dim italic")
+        table = Table(box=None, expand=True, pad_edge=False, show_edge=False, padding=(0, 1))
+        for name, justify in (("request", "left"), ("slot", "right"), ("prompt", "right"), ("cached", "right"),
+                              ("tokens", "right"), ("tok/s", "right"), ("state", "left")):
+            table.add_column(name, justify=justify, no_wrap=True, overflow="ellipsis",  # type: ignore[arg-type]
+                             header_style="bold")
+        for r in lines:
+            state = Text(r.finish_reason or "done", "dim") if r.finished else Text("running", "green")
+            table.add_row(r.request_id, "-" if r.slot is None else str(r.slot), str(r.prompt_tokens or "-"),
+                          str(r.cached_tokens) if r.cached_tokens else "-", str(r.tokens),
+                          f"{r.tokens_per_s:.1f}" if r.tokens > 1 else "-", state,
+                          style="dim" if r.finished else None)
+        return table
+
+
+class BatchChart(StateView):
+    """Per decode step: how many sequences it carried, on a scale of the engine's slots.
+    Hidden until the engine reports a decode step (an engine that runs one request at a time reports none)."""
+
+    COMPONENT_CLASSES = {"chart--batch"}
+
+    def depends(self, state: DashboardState) -> tuple[Any, ...]:
+        return (state.batches, state.slots)
+
+    def decorate(self, state: DashboardState) -> None:
+        self.display = bool(state.batches)
+
+    def render(self) -> RenderableType:
+        w, h = self.size
+        batches, slots = self.state.batches, self.state.slots
+        style = self.style_of("chart--batch")
+        if not batches:
+            return Text("No decode steps reported yet.", style="dim italic")
+        mean = sum(batches) / len(batches)
+        head = Text.assemble((f"batch {batches[-1]}", style + Style(bold=True)),
+                             f" · mean {mean:.1f} over {len(batches)} steps · {self.state.batch_tokens_per_s:.1f} tok/s")
+        if slots is not None and slots.total > 0:
+            head.append(f" · {slots.active}/{slots.total} slots in use")
+        total = slots.total if slots is not None else 0
+        top = max(total, max(batches[-max(w - AXIS, 0):], default=0), 1)
+        chart = columns([[float(b) for b in batches]], [style], w - AXIS, h - 1, float(top))
+        return Text("\n").join([head, *with_axis(chart, f"{top}", "seqs", AXIS)])

@@ -17,10 +17,11 @@ from dashboard import scenes
 from dashboard.app import DashboardApp
 from dashboard.charts import BLOCKS, columns, nice_top, sparkline
 from dashboard.source import AskError, HttpAsker, ScriptedAsker, ScriptedSource, WebSocketSource
-from dashboard.state import (AskChunk, AskFinished, AskStarted, ClearLog, ConnectionStatus, DashboardState,
-                             apply)
-from dashboard.widgets import EventLog, GenerationView, NodesTable, StatusBar
-from edgetp.events import ClusterEvent, LinkBytes, RequestRecord, TokenRecord, to_dict
+from dashboard.state import (FINISHED_KEPT, AskChunk, AskFinished, AskStarted, ClearLog, ConnectionStatus,
+                             DashboardState, apply)
+from dashboard.widgets import BatchChart, EventLog, GenerationView, NodesTable, RequestsView, StatusBar
+from edgetp.events import (ClusterEvent, ClusterView, LinkBytes, RequestRecord, SlotsView, StepRecord, TokenRecord,
+                           to_dict)
 
 SIZE = (140, 44)
 
@@ -138,6 +139,66 @@ def test_a_disconnect_is_logged_once_with_its_retry_delay():
     assert state.connection == lost
     assert [e.message for e in state.log] == ["up", "disconnected (connection closed), retrying in 2 s"]
     assert fold([ClearLog()], state).log == ()
+
+
+def test_each_request_line_counts_its_tokens_and_rates_them_without_the_prefill_token():
+    ms = {"a": [400.0, 50.0, 60.0, 70.0], "b": [300.0, 40.0]}
+    records = [RequestRecord("a", "started", prompt_tokens=20, slot=0), RequestRecord("b", "started", slot=1)]
+    for i in range(4):  # interleaved, as one decode step after another carries both
+        records += [token(i, ms[k][i], request_id=k) for k in ("a", "b") if i < len(ms[k])]
+    state = fold(records)
+    a, b = state.requests
+    assert (a.request_id, a.tokens, a.slot, a.prompt_tokens) == ("a", 4, 0, 20)
+    assert a.tokens_per_s == pytest.approx(3 * 1000 / (50 + 60 + 70))  # 16.7 tok/s, the 400 ms prefill left out
+    assert (b.tokens, b.tokens_per_s) == (2, pytest.approx(1000 / 40))
+    assert fold([RequestRecord("c", "started"), token(0, 90.0, request_id="c")]).requests[0].tokens_per_s == 0.0
+
+
+def test_finished_requests_move_below_the_running_ones_and_only_the_last_few_stay():
+    records = [RequestRecord(f"r{i}", "started") for i in range(FINISHED_KEPT + 3)]
+    records += [RequestRecord(f"r{i}", "finished", finish_reason="stop") for i in range(FINISHED_KEPT + 2)]
+    state = fold(records)
+    ids = [r.request_id for r in state.requests]
+    assert ids == [f"r{FINISHED_KEPT + 2}"] + [f"r{i}" for i in range(2, FINISHED_KEPT + 2)]
+    assert [r.finished for r in state.requests] == [False] + [True] * FINISHED_KEPT
+
+
+def test_decode_steps_draw_the_batch_history_and_every_step_updates_slots_in_use():
+    state = fold([ClusterView(1, "a", "m", (), slots=SlotsView(4, 0, 0)),
+                  StepRecord("prefill", 64, 80.0, active=1, queued=0), StepRecord("decode", 1, 20.0, 1, 0),
+                  StepRecord("prefill", 32, 40.0, active=2, queued=1), StepRecord("decode", 2, 21.0, 2, 1),
+                  StepRecord("decode", 2, 21.0, 2, 0)], DashboardState(history=2))
+    assert state.batches == (2, 2)  # prefill chunks are not decode batches; the last `history` steps kept
+    assert state.slots == SlotsView(4, 2, 0, batch=2)
+    assert fold([StepRecord("decode", 3, 20.0, 3, 2)]).slots == SlotsView(0, 3, 2, batch=3)  # total not told yet
+
+
+def test_the_generation_follows_one_request_while_others_interleave_then_takes_the_next_whole():
+    records = [RequestRecord("a", "started", "first?"), RequestRecord("b", "started", "second?")]
+    for i, (x, y) in enumerate(zip("abc", "xyz")):
+        records += [token(i, text=x, request_id="a"), token(i, text=y, request_id="b")]
+    state = fold(records)
+    assert (state.generation.request_id, state.generation.prompt, state.generation.text) == ("a", "first?", "abc")
+    state = fold([RequestRecord("a", "finished", finish_reason="stop"), token(3, text="!", request_id="b")], state)
+    assert (state.generation.request_id, state.generation.prompt, state.generation.text) == ("b", "second?", "xyz!")
+    assert state.generation.tokens == 4 and not state.generation.finished
+
+
+def test_the_rate_over_all_streams_is_the_decode_steps_tokens_over_their_time():
+    state = fold([StepRecord("decode", 4, 80.0, 4, 0), StepRecord("decode", 2, 40.0, 2, 0),
+                  StepRecord("prefill", 64, 500.0, 2, 0), token(0, 40.0)])
+    assert state.batch_tokens_per_s == pytest.approx(6 * 1000 / 120)  # 50 tok/s; prefill time not counted
+    assert state.rate == state.batch_tokens_per_s
+    assert fold([token(0, 40.0)]).rate == pytest.approx(25.0)  # no steps reported: the per-token rate
+
+
+def test_a_prefix_hit_adds_to_the_snapshots_count_once_per_request():
+    state = fold([ClusterView(1, "a", "m", (), slots=SlotsView(4, 0, 0, prefix_hits=5, cached_tokens=500)),
+                  RequestRecord("r", "started", prompt_tokens=100, cached_tokens=64, slot=2),
+                  RequestRecord("r", "finished", finish_reason="stop", cached_tokens=64, slot=2),
+                  RequestRecord("s", "started", prompt_tokens=9, slot=1)])
+    assert (state.slots.prefix_hits, state.slots.cached_tokens) == (6, 564)
+    assert [(r.request_id, r.cached_tokens) for r in state.requests] == [("s", 0), ("r", 64)]
 
 
 # --- charts -----------------------------------------------------------------------------------
@@ -275,6 +336,26 @@ async def test_c_clears_the_log_and_q_quits():
         assert not app.is_running
 
 
+async def test_running_requests_and_the_batch_size_show_as_requests_join_the_slots():
+    records = scenes.batching()
+    app = DashboardApp(ScriptedSource(records, hold=True))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, len(records))
+        view = app.main.query_one(RequestsView)
+        rows = {line.split()[0]: line.split() for line in text_of(view).splitlines()[1:]}
+        tokens = {}
+        for r in records:
+            if isinstance(r, TokenRecord):
+                tokens[r.request_id] = tokens.get(r.request_id, 0) + 1
+        assert rows["req-2"][:5] == ["req-2", "1", "96", "80", str(tokens["req-2"])]
+        assert rows["req-1"][-1] == "stop" and rows["req-5"][-1] == "running"
+        assert list(rows) == ["req-2", "req-3", "req-4", "req-5", "req-1"]
+        assert view.border_subtitle == "slots 4/4 in use · 1 queued · prefix hits 1 (80 tokens)"
+        decode = [r.batch for r in records if isinstance(r, StepRecord) and r.kind == "decode"]
+        head = text_of(app.main.query_one(BatchChart)).splitlines()[0]
+        assert head.startswith(f"batch 4 · mean {sum(decode) / len(decode):.1f} over {len(decode)} steps")
+
+
 # --- the real sources, against a local server -------------------------------------------------
 
 async def serve(app: web.Application):
@@ -384,4 +465,10 @@ def test_snapshot_generating(snap_compare):
 def test_snapshot_node_lost(snap_compare):
     """opi-c lost mid-answer: its row marked lost, the error and the re-plan in the log."""
     app, run_before = snapshot_app(scenes.node_lost(30))
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_snapshot_batching(snap_compare):
+    """Four slots busy, a fifth request queued: one line per request, the batch size rising to 4."""
+    app, run_before = snapshot_app(scenes.batching())
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)

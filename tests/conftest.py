@@ -84,14 +84,13 @@ def synth_model(model_dir):
 
 
 def require_int8_prefill() -> None:
-    """Skip, loudly, where the integer prefill kernels cannot run: they exist for AVX-512
-    VNNI only (intgemm.py); elsewhere prefill multiplies f32 tiles. Where they can run,
-    a failed probe is a failure, not a reason to skip."""
-    from edgetp.model import intgemm, isa, vnni  # noqa: PLC0415
+    """Skip, loudly, where the integer prefill kernels do not run: every ISA has them
+    (intgemm.py), so only EDGETP_INT8=0 (or an ISA this CPU lacks) leaves prefill on f32
+    tiles. Where they can run, a failed probe is a failure, not a reason to skip."""
+    from edgetp.model import intgemm, vnni  # noqa: PLC0415
 
     if not vnni.wanted():
-        pytest.skip(f"INT8 PREFILL NOT RUN: its kernels need AVX-512 VNNI; this process runs {isa.current()} "
-                    "(or EDGETP_INT8=0)")
+        pytest.skip("INT8 PREFILL NOT RUN: EDGETP_INT8=0 (or EDGETP_ISA names an ISA this CPU lacks)")
     assert intgemm.available(), "the int8 prefill kernels failed their probe"
 
 
@@ -105,8 +104,8 @@ def int8_kernels(request, monkeypatch) -> str:
     """Run a test once per kernel path, as a user chooses them:
     "float" (EDGETP_INT8=0): f32 activations everywhere, exact against the dequantized weights;
     "int8": quantized weights decode on the integer kernels of the ISA in use (every CPU has
-    them: activations rounded to Q8_0 blocks as llama.cpp rounds them) and, on AVX-512 VNNI,
-    prefill on the integer panels (Q4_0 int8, Q4_1/Q8_0 16-bit)."""
+    them: activations rounded to Q8_0 blocks as llama.cpp rounds them) and prefill
+    on the integer panels of that ISA (Q4_0 int8, Q4_1/Q8_0 16-bit)."""
     from edgetp.model import intdot  # noqa: PLC0415
 
     if request.param == "float":

@@ -1,36 +1,55 @@
-"""Prefill products on AVX-512 VNNI: Q4_0, Q4_1 and Q8_0 weights times integer activations.
+"""Prefill products on every ISA: Q4_0, Q4_1 and Q8_0 weights times integer activations.
 
 Decode reads every weight once per token, so it is bound by memory (`intdot.py`,
 `kernels.py`). Prefill reuses each weight for every token of the batch, so it
-is bound by arithmetic. f32 sgemm peaks near 116 GFLOP/s on one core here, and
-VNNI tiles with 16 columns per register reached only 63-80 GOPS: every block
-cost an unpack, a conversion and two scale products per row and token.
+is bound by arithmetic. On AVX-512 VNNI, f32 sgemm peaks near 116 GFLOP/s on one
+core, and VNNI tiles with 16 columns per register reached only 63-80 GOPS: every
+block cost an unpack, a conversion and two scale products per row and token.
 
-Here the lanes of a register are 16 rows, not 16 columns. A panel of 16 rows
-is packed once per batch:
-  q: per block, 4 (Q4_0/Q4_1: nibbles) or 8 (Q8_0: bytes) 64-byte vectors;
-     vector g holds the g-th 4 bytes of the block for each of the 16 rows;
-  d: per block, the 16 rows' scales (f32); Q4_1 also m, their offsets.
-One dot instruction then multiplies 4 (int8) or 2 (int16) columns of 16 rows
-by the same activations, broadcast from memory. A block of 32 columns goes
-into one integer accumulator per token; only then is it converted and scaled,
-once per block for 16 rows: sum += float(acc) * dx[t, b] * d[b].
+Here the lanes of a register are rows, not columns. A panel of rows (16 on
+avx512vnni, 8 elsewhere: `Shape`) is packed once per batch:
+  q: per block, 4 (Q4_0/Q4_1: nibbles) or 8 (Q8_0: bytes) vectors;
+     vector g holds the g-th 4 bytes of the block for each row of the panel;
+  d: per block, the rows' scales (f32); Q4_1 also m, their offsets.
+One dot product then multiplies 4 (int8) or 2 (int16) columns of every row by
+the same activations, broadcast from memory. A block of 32 columns goes into one
+integer accumulator per token; only then is it converted and scaled, once per
+block for all rows: sum = fma(float(acc) * dx[t, b], d[b], sum).
+
+The tile is written once (`_emit_tile`); an ISA only says how its lanes multiply
+(`_Mac` and its subclasses, `ISA_TILES`):
+  avx512vnni  vpdpbusd / vpdpwssd, 512 bits
+  avxvnni     the same, VEX-encoded, 256 bits
+  avx2        int8: vpmaddubsw, a block's outputs summed in i16 (bound in _Avx2),
+              then one vpmaddwd by 1; int16: vpmaddwd, vpaddd
+  neon        int8: sdot on 128-bit halves; int16: as generic
+  generic     plain LLVM vectors (sign-extend, multiply, add pairs)
+The integer sums are exact and the float steps are the same per lane in the same
+order, so every ISA returns the same bits (tests/test_intgemm_isa.py holds each
+to a numpy evaluation of the definition).
 
 Activations are rounded per block of 32 columns:
   Q4_0  to int8 exactly as `vnni.q8_block` does (ggml's x86 quantize_row_q8_0),
-        so prefill and decode agree with llama.cpp's arithmetic. `vpdpbusd`:
-        nibbles q (0..15) times x, the accumulator starts at -8 * sum(x).
-  Q4_1, Q8_0  to int16 (scale max|x| / 32767, f32), `vpdpwssd` on 16-bit
-        weight pairs unpacked from the panel in registers; Q4_1's offset adds
+        so prefill and decode agree with llama.cpp's arithmetic. Nibbles q
+        (0..15) times x, the accumulator starts at -8 * sum(x).
+  Q4_1, Q8_0  to int16 (scale max|x| / 32767, f32), products of 16-bit weight
+        pairs unpacked from the panel in registers; Q4_1's offset adds
         m[b] * dx * sum(x). Int8 activations flip SmolLM2's first answer
         token (a 0.08-logit tie: "L'Etoile..." instead of "The capital of
         France is Paris"), as they do in llama.cpp; 16 bits keep the logits
         within 3e-4 of their spread of the exact math, and these types'
         decode is exact f32.
 
-One core, 256 tokens, 2048- and 8192-column shapes: ~270 GOPS (int8) and
-~155 GOPS (int16), against ~80 for f32 sgemm on decoded tiles. Packing the
-panels is ~1% of that.
+AVX-512 VNNI, one core, 256 tokens, 2048- and 8192-column shapes: ~270 GOPS
+(int8) and ~155 GOPS (int16), against ~80 for f32 sgemm on decoded tiles.
+Packing the panels is ~1% of that.
+
+AVX2 (AMD EPYC Zen 3 VM, avx2/fma/f16c, one core of a busy 2-core machine,
+tools/bench_intgemm.py, 2048x2048 and 8192x2048, 256 tokens): tiles of one
+8-row vector by 4 tokens keep everything in the 16 ymm registers (only the
+0x0F mask constant is read from the stack) and ran Q4_0 ~125-138 GOPS, Q8_0
+~85-98, Q4_1 ~75-88, against 65-78 for f32 sgemm. 6 and 8 tokens, and two
+vectors (16 rows) by 2 or 3 tokens, ran the same or slower (2 x 3 spills).
 """
 
 from __future__ import annotations
@@ -48,7 +67,7 @@ from edgetp.model import isa, vnni
 from edgetp.model.kernels import f16_table
 from edgetp.model.vnni import _F32, _I32, _I64, _at, _decl, _vec, q8_block
 
-PAD = 24  # x is padded to a multiple of PAD tokens: whole tiles on every ISA
+PAD = 8  # x is padded to a multiple of PAD tokens: whole tiles on every ISA
 _OPTS = dict(cache=True, nogil=True)
 
 # kind: (block bytes, offset of the quants in a block, 4-byte groups packed per block)
@@ -197,8 +216,8 @@ class _Neon(_Generic):
 # isa -> (its products, its tile shape)
 ISA_TILES = {
     "avx512vnni": (_Vnni, Shape(16, 1, 8)),  # 4..8 tokens ran alike (270-280 GOPS), 12 fell off, 16 spilled
-    "avxvnni": (_Vnni, Shape(8, 1, 6)),
-    "avx2": (_Avx2, Shape(8, 1, 6)),
+    "avxvnni": (_Vnni, Shape(8, 1, 4)),  # as avx2 (not measured: no such CPU here)
+    "avx2": (_Avx2, Shape(8, 1, 4)),  # see the module docstring
     "neon": (_Neon, Shape(8, 1, 4)),
     "generic": (_Generic, Shape(8, 1, 4)),
 }

@@ -1,0 +1,181 @@
+"""The integer prefill tiles (intgemm.py) return the same bits on every ISA, and those bits
+are the documented arithmetic, evaluated here independently in numpy.
+
+One child process per ISA this CPU runs (EDGETP_ISA, as a user forces it) multiplies the
+same weights by the same activations for Q4_0, Q4_1 and Q8_0, on shapes that are past a
+whole panel of rows (8 or 16) and a whole tile of tokens. The definition, per row r and
+token t, blocks b in order, all in f32:
+  i   = exact integer sum over the block of w[r, b, j] * qx[t, b, j]  (Q4_0: w = nibble - 8)
+  acc = fma(f32(i) * dx[t, b], d[r, b], acc)
+  Q4_1: acc = fma(dx[t, b] * f32(sums[t, b]), m[r, b], acc)
+numpy has no fused multiply-add: `_fma` rounds a*b+c once to f32 (the product of two f32
+is exact in f64; the f64 sum is made round-to-odd, after which rounding to f32 is exact).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgetp.model import intgemm, isa
+
+REPO = Path(__file__).resolve().parent.parent
+HOST = isa.host_features()
+RUNNABLE = isa.usable(*HOST)
+WHERE = {
+    "avx512vnni": "an x86-64 CPU with AVX-512 VNNI (Ice Lake, Zen 4)",
+    "avxvnni": "an x86-64 CPU with AVX-VNNI (Alder Lake or later)",
+    "avx2": "an x86-64 CPU with AVX2, FMA and F16C",
+    "neon": "an aarch64 CPU with dotprod; the arm64 qemu test bed runs it (EDGETP_ISA=neon NUMBA_CPU_NAME=cortex-a76)",
+    "generic": "any CPU",
+}
+QTYPES = sorted(intgemm.KINDS)  # Q4_0, Q4_1, Q8_0
+ROWS, NB, TOKENS = 37, 5, intgemm.PAD + 5  # rows past 16-row panels, tokens past every tile
+
+CHILD = """
+import json, sys
+import numpy as np
+from edgetp.model import intgemm, isa
+from edgetp.model.kernels import f16_table
+d, inp = sys.argv[1], np.load(sys.argv[2])
+x = inp["x"]
+for qt in intgemm.KINDS:
+    w = inp[f"w{qt}"]
+    xq = intgemm.quantized(x, intgemm.wide(qt))
+    out = np.full((x.shape[0], w.shape[0]), np.nan, np.float32)
+    intgemm.matmul(qt, w, f16_table(), xq, out)
+    np.savez(d + f"/out{qt}.npz", out=out, qx=xq[0], dx=xq[1], sums=xq[2])
+json.dump({"isa": isa.current(), "available": intgemm.available()}, open(d + "/isa.json", "w"))
+"""
+
+
+def _child_env(name: str) -> dict[str, str]:
+    env = dict(os.environ, EDGETP_ISA=name, PYTHONPATH=str(REPO))
+    env.pop("EDGETP_INT8", None)
+    if name != isa.current():  # a numba target set for this process's ISA is not the child's
+        env.pop("NUMBA_CPU_NAME", None)
+        env.pop("NUMBA_CPU_FEATURES", None)
+    return env
+
+
+def _weights(qt: int, rng: np.random.Generator) -> np.ndarray:
+    """Random GGUF blocks of qt: any quant bytes, f16 scales (and Q4_1 offsets) of mixed
+    sign and size, so the float steps round."""
+    bsz, qoff, _ = intgemm._LAYOUT[intgemm.KINDS[qt]]
+    blocks = rng.integers(0, 256, (ROWS, NB, bsz), dtype=np.uint8)
+    halves = (rng.uniform(0.5, 2, (ROWS, NB, qoff // 2)) * rng.choice([-1, 1], (ROWS, NB, qoff // 2))
+              * np.float32(2.0) ** rng.integers(-12, -2, (ROWS, NB, qoff // 2)))
+    blocks[:, :, :qoff] = halves.astype(np.float16).view(np.uint8).reshape(ROWS, NB, qoff)
+    return np.ascontiguousarray(blocks.reshape(ROWS, NB * bsz))
+
+
+def _fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """f32 a*b+c rounded once (all f32 arrays)."""
+    p = a.astype(np.float64) * b.astype(np.float64)  # exact: 24 + 24 bits
+    c = c.astype(np.float64)
+    s = p + c
+    bb = s - p
+    e = (p - (s - bb)) + (c - bb)  # TwoSum: s + e == p + c exactly
+    even = (s.view(np.int64) & 1) == 0
+    odd = np.where((e != 0) & even, np.nextafter(s, np.where(e > 0, np.inf, -np.inf)), s)  # round to odd
+    return odd.astype(np.float32)
+
+
+def reference(qt: int, w: np.ndarray, qx: np.ndarray, dx: np.ndarray, sums: np.ndarray) -> np.ndarray:
+    """out (tokens, rows) by the definition above, from the child's rounded activations."""
+    kind = intgemm.KINDS[qt]
+    bsz, qoff, _ = intgemm._LAYOUT[kind]
+    n = TOKENS
+    blocks = w.reshape(ROWS, NB, bsz)
+    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # (rows, nb)
+    m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    raw = blocks[:, :, qoff:]
+    if kind == intgemm.Q8_0:
+        vals = raw.view(np.int8).astype(np.int64)
+    else:
+        vals = np.concatenate([raw & 15, raw >> 4], axis=2).astype(np.int64) - (8 if kind == intgemm.Q4_0 else 0)
+    q = qx[:n].reshape(n, NB, 8, 4)
+    q = (q[..., [0, 2, 1, 3]] if intgemm.wide(qt) else q).reshape(n, NB, 32).astype(np.int64)
+    ints = np.einsum("rbj,tbj->trb", vals, q)  # exact; to f32 rounds to nearest even, as sitofp does
+    acc = np.zeros((n, ROWS), np.float32)
+    for b in range(NB):
+        acc = _fma(ints[:, :, b].astype(np.float32) * dx[:n, b, None], np.broadcast_to(d[None, :, b], acc.shape), acc)
+        if kind == intgemm.Q4_1:
+            sx = dx[:n, b] * sums[:n, b].astype(np.float32)
+            acc = _fma(np.broadcast_to(sx[:, None], acc.shape), np.broadcast_to(m[None, :, b], acc.shape), acc)
+    return acc
+
+
+@pytest.fixture(scope="module")
+def isa_outputs(tmp_path_factory):
+    """{isa: {qtype: npz}} from one child process per ISA this CPU runs, on the same inputs."""
+    base = tmp_path_factory.mktemp("intgemm_isas")
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((TOKENS, NB * 32)) * rng.uniform(0.01, 50, (TOKENS, 1))).astype(np.float32)
+    x[2, 32:64] = 0  # an all-zero block
+    arrays = {"x": x, **{f"w{qt}": _weights(qt, rng) for qt in QTYPES}}
+    np.savez(base / "inputs.npz", **arrays)
+    results = {}
+    for name in RUNNABLE:
+        d = base / name
+        d.mkdir()
+        subprocess.run([sys.executable, "-c", CHILD, str(d), str(base / "inputs.npz")], check=True,
+                       env=_child_env(name), cwd=REPO, timeout=900)
+        info = json.loads((d / "isa.json").read_text())
+        assert info == {"isa": name, "available": True}, info
+        results[name] = {qt: dict(np.load(d / f"out{qt}.npz")) for qt in QTYPES}
+    return arrays, results
+
+
+@pytest.mark.parametrize("name", isa.ISAS)
+def test_prefill_tiles_of_each_isa_return_the_bits_of_the_numpy_definition(name, isa_outputs):
+    if name not in RUNNABLE:
+        pytest.skip(f"{name} cannot run on this {HOST[0]} CPU: it needs {WHERE[name]}")
+    arrays, results = isa_outputs
+    for qt in QTYPES:
+        r = results[name][qt]
+        want = reference(qt, arrays[f"w{qt}"], r["qx"], r["dx"], r["sums"])
+        got = r["out"]
+        assert not np.isnan(got).any(), "a row or token was not written"
+        bad = got.view(np.uint32) != want.view(np.uint32)
+        assert not bad.any(), (f"{intgemm.KINDS[qt]}: {bad.sum()} of {bad.size} differ, "
+                               f"max {np.abs(got - want)[bad].max()}")
+
+
+def test_every_isa_this_cpu_runs_gives_the_same_prefill_bits(isa_outputs):
+    _, results = isa_outputs
+    assert len(results) >= 2 or HOST[0] not in ("x86_64", "aarch64"), f"only {list(results)} ran"
+    first, *others = results
+    for name in others:
+        for qt in QTYPES:
+            for key in ("qx", "dx", "sums", "out"):
+                a, b = results[first][qt][key], results[name][qt][key]
+                assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), f"{first} and {name} differ in {key} of {qt}"
+
+
+def _fma_exact(a: np.float32, b: np.float32, c: np.float32) -> np.float32:
+    """a*b+c in rationals, rounded once to the nearest f32 (ties to even)."""
+    v = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+    f = np.float32(float(v))
+    near = [f, np.nextafter(f, np.float32(np.inf)), np.nextafter(f, np.float32(-np.inf))]
+    return min(near, key=lambda g: (abs(Fraction(float(g)) - v), int(np.float32(g).view(np.uint32)) & 1))
+
+
+def test_fma_emulation_rounds_once_as_exact_arithmetic_does():
+    rng = np.random.default_rng(3)
+    a = (rng.standard_normal(3000) * 2.0 ** rng.integers(-8, 8, 3000)).astype(np.float32)
+    b = (rng.standard_normal(3000) * 2.0 ** rng.integers(-8, 8, 3000)).astype(np.float32)
+    c = (-(a.astype(np.float64) * b) * rng.choice([1.0, 1 + 2.0**-24, 1 - 2.0**-20, 0.5], 3000)).astype(np.float32)
+    # near-ties: c cancels most of a*b, or sits half an f32 step from it
+    want = np.array([_fma_exact(*t) for t in zip(a, b, c)], np.float32)
+    got = _fma(a, b, c)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    twice = (a * b + c).astype(np.float32)  # rounded twice: must differ somewhere, or the cases are too easy
+    assert not np.array_equal(twice.view(np.uint32), want.view(np.uint32))

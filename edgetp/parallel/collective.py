@@ -112,3 +112,24 @@ def candidates_from(frame: Frame) -> sampling.Candidates:
     if logits.shape != ids.shape:
         raise ValueError(f"{ids.size} candidate ids but {logits.size} logits")
     return sampling.Candidates(ids, logits, float(frame.header["lse"]))
+
+
+def candidates_rows_message(cs: Sequence[sampling.Candidates]) -> tuple[dict[str, Any], np.ndarray]:
+    """Candidates of every row of a decode step as one LOGITS frame."""
+    logits = np.concatenate([c.logits.astype(np.float32) for c in cs]) if cs else np.zeros(0, np.float32)
+    return {"rows": [c.ids.tolist() for c in cs], "lse": [c.lse for c in cs]}, logits
+
+
+def candidates_rows_from(frame: Frame, n: int) -> list[sampling.Candidates]:
+    ids, lse = frame.header.get("rows"), frame.header.get("lse")
+    if not isinstance(ids, list) or not isinstance(lse, list) or len(ids) != n or len(lse) != n:
+        raise ValueError(f"LOGITS for {n} rows expected")
+    logits = np.array(frame.array(), dtype=np.float32)
+    sizes = [len(r) for r in ids]
+    if logits.size != sum(sizes):
+        raise ValueError(f"{sum(sizes)} candidate ids but {logits.size} logits")
+    out, at = [], 0
+    for r, k, e in zip(ids, sizes, lse):
+        out.append(sampling.Candidates(np.asarray(r, dtype=np.int64), logits[at:at + k], float(e)))
+        at += k
+    return out

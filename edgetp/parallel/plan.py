@@ -84,6 +84,7 @@ class ModelShape:
     vocab_bpw: float = 4.0
     kv_bytes_per_head_pos: int = 0  # K and V of one KV head, one position, one layer; 0 = f32
     ctx: int = 2048
+    slots: int = 1                  # sequences with a KV cache of ctx positions each
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -111,8 +112,8 @@ class ModelShape:
 
     @property
     def group_kv_bytes(self) -> int:
-        """KV cache of one KV group for the whole context, all layers."""
-        return self.n_layers * self.ctx * self.kv_bytes_per_head_pos
+        """KV cache of one KV group for the whole context of every slot, all layers."""
+        return self.n_layers * self.ctx * self.slots * self.kv_bytes_per_head_pos
 
     @property
     def n_ffn_blocks(self) -> int:

@@ -5,7 +5,9 @@ worker, measures round trips and speeds, plans, and has each node map its
 shard. After that the generation loop calls `begin/run/end` from its own
 thread, exactly as it would a LocalRunner: the root embeds the tokens,
 broadcasts them, runs its own shard with the all-reduce, and merges the
-sampling candidates every node sends.
+sampling candidates every node sends. A STEP is a prefill chunk of one slot
+or a decode step of several (one row per sequence); either way every
+all-reduce carries all of its rows.
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ import numpy as np
 
 from edgetp.parallel import profile
 from edgetp.model import llama, sampling
-from edgetp.model.generate import PREFILL_CHUNK, RunnerLost
+from edgetp.model.batch import Row, RunnerLost, chunks
+from edgetp.model.generate import feed
 from edgetp.model.gguf import ModelFile
 from edgetp.net.frames import Frame, FrameType
 from edgetp.net.link import BLOCKING, Counters, Link, LinkClosed, choose_mode, event_loop_hop, forced_mode
 from edgetp.parallel import packing, plan as planner
-from edgetp.parallel.collective import Hot, RootReduce, candidates_from
+from edgetp.parallel.collective import Hot, RootReduce, candidates_from, candidates_rows_from
 from edgetp.parallel.shard import model_shape, spec_for
 
 log = logging.getLogger(__name__)
@@ -61,6 +64,7 @@ class ClusterRunner:
         self.options = options or {}  # connect() arguments, for a re-plan
         self.mf = mf
         self.ctx = ctx
+        self.slots = shard.slots
         self.plan = plan
         self.links = links
         self.shard = shard
@@ -76,13 +80,14 @@ class ClusterRunner:
                       sync: str = "f32", key: bytes | None = None, threads: int | None = None,
                       model_ref: str | None = None, epoch: int = 1,
                       node_id: str = ROOT_ID, fetch_port: int | None = None,
-                      on_progress: Progress | None = None) -> "ClusterRunner":
+                      on_progress: Progress | None = None, slots: int = 1) -> "ClusterRunner":
         """Link to every worker, profile, plan and load.
 
         With `fetch_port` (our HTTP port, serving serve/weights.py) a worker
         without our model fetches its slice from us; `on_progress(node_id,
         done, total)` hears how far each such download got.
         """
+        options_slots = slots  # what was asked for: a re-plan asks again
         if weights is not None and len(weights) != len(addresses) + 1:
             raise ValueError(f"--weights needs {len(addresses) + 1} numbers (the root first), got {len(weights)}")
         links: list[Link] = []
@@ -107,18 +112,18 @@ class ClusterRunner:
                                       int(rep.header["mem_free"]), rtt * 1e3, link.hot_mode))
             speeds = [float(w) for w in weights] if weights is not None else [i.speed for i in infos]
             nodes = [planner.NodeSpec(i.node_id, s, i.mem_free) for i, s in zip(infos, speeds)]
-            plan = packing.make_plan(model_shape(mf, ctx), nodes, epoch=epoch, sync=sync)
-            log.info("plan (epoch %d, %s sync): %s", plan.epoch, plan.sync,
+            plan, slots = _plan(mf, ctx, slots, nodes, epoch, sync)
+            log.info("plan (epoch %d, %s sync, %d slots): %s", plan.epoch, plan.sync, slots,
                      "; ".join(f"{s.node_id} kv{s.kv_groups} ffn{s.ffn_cols} vocab{s.vocab_rows}" for s in plan.shares))
             header = {"model": model_ref or str(mf.path), "fingerprint": mf.fingerprint, "ctx": ctx,
-                      "sync": sync} | ({"fetch_port": fetch_port} if fetch_port else {})
+                      "sync": sync, "slots": slots} | ({"fetch_port": fetch_port} if fetch_port else {})
             for link, info in zip(links, infos[1:]):
                 spec = spec_for(plan, info.node_id)
                 await link.send(FrameType.LOAD, header | {"kv_groups": list(spec.kv_groups),
                                                           "ffn_cols": list(spec.ffn_cols),
                                                           "vocab_rows": list(spec.vocab_rows)})
             weights_root = await asyncio.to_thread(llama.load_weights, mf, spec_for(plan, node_id))
-            shard = llama.Shard(weights_root, ctx)
+            shard = llama.Shard(weights_root, ctx, slots=slots)
             for n, link in enumerate(links, start=1):
                 ready = await _loaded(link, infos[n].node_id, on_progress)
                 infos[n] = NodeInfo(**(asdict(infos[n]) | {"rss": int(ready.header["rss"])}))
@@ -129,7 +134,7 @@ class ClusterRunner:
             raise
         options = dict(ctx=ctx, weights=weights, sync=sync, key=key, threads=threads,
                        model_ref=model_ref, addresses=list(addresses), node_id=node_id, fetch_port=fetch_port,
-                       on_progress=on_progress)
+                       on_progress=on_progress, slots=options_slots)
         return cls(mf, ctx, plan, links, shard, infos, asyncio.get_running_loop(), options)
 
     async def without(self, address: str, epoch: int | None = None) -> "ClusterRunner":
@@ -145,13 +150,11 @@ class ClusterRunner:
         return await ClusterRunner.connect(self.mf, [addresses[i] for i in keep], epoch=epoch, **opts)
 
     # ------------------------------------------------------------------ generation (compute thread)
-    def begin(self, params: sampling.SamplingParams) -> None:
-        header = {"params": asdict(params)}
+    def begin(self, params: sampling.SamplingParams | None = None) -> None:
         for link in self.links:
-            self._on_loop(link.send(FrameType.RESET, header | {"mode": link.hot_mode}), link)
+            self._on_loop(link.send(FrameType.RESET, {"mode": link.hot_mode}), link)
             if link.hot_mode == BLOCKING:
                 link.enter_blocking()
-        self.params = params
 
     def end(self) -> None:
         for hot in self.hots:
@@ -163,11 +166,17 @@ class ClusterRunner:
                 if not hot.link.closed:
                     hot.link.leave_blocking()
 
-    def run(self, ids, pos, history, params):
-        for start in range(0, len(ids) - PREFILL_CHUNK, PREFILL_CHUNK):  # same chunks as LocalRunner
-            self._forward(ids[start:start + PREFILL_CHUNK], pos + start, "none")
-        last = (len(ids) - 1) // PREFILL_CHUNK * PREFILL_CHUNK
-        h = self._forward(ids[last:], pos + last, "candidates")
+    def prefill(self, slot, ids, pos, history, params):
+        """One chunk of one slot; with params, the merged candidates for the token after it."""
+        self._check_room(pos + len(ids))
+        x = llama.embed(self.mf, list(ids))
+        header = {"slot": slot, "pos": pos, "ids": [int(t) for t in ids],
+                  "want": "none" if params is None else "candidates"}
+        if params is not None:
+            header["params"] = asdict(params)
+        h = self._forward(header, x, lambda: self.shard.forward(x, pos, slot=slot))
+        if params is None:
+            return None
         own = sampling.candidates(self.shard.logits(h[-1:])[0], self.offset, history, params)
         try:
             parts = [own] + [candidates_from(hot.recv(FrameType.LOGITS)) for hot in self.hots]
@@ -175,11 +184,35 @@ class ClusterRunner:
             raise _lost(exc) from None
         return sampling.merge(parts)
 
+    def decode(self, rows: Sequence[Row]) -> list[sampling.Candidates]:
+        """One token of each row's sequence; every node answers candidates for each row."""
+        for r in rows:
+            self._check_room(r.pos + 1)
+        x = llama.embed(self.mf, [r.token for r in rows])
+        header = {"rows": [[r.slot, r.pos, int(r.token)] for r in rows], "params": [asdict(r.params) for r in rows]}
+        slots, positions = [r.slot for r in rows], [r.pos for r in rows]
+        h = self._forward(header, x, lambda: self.shard.forward_rows(x, slots, positions))
+        logits = self.shard.logits_rows(h)
+        own = [sampling.candidates(logits[i], self.offset, r.history, r.params) for i, r in enumerate(rows)]
+        try:
+            theirs = [candidates_rows_from(hot.recv(FrameType.LOGITS), len(rows)) for hot in self.hots]
+        except LinkClosed as exc:
+            raise _lost(exc) from None
+        return [sampling.merge([own[i]] + [t[i] for t in theirs]) for i in range(len(rows))]
+
+    def run(self, ids, pos, history, params):
+        """ids at pos.. of slot 0 in aligned chunks; the candidates for the next token."""
+        return feed(self, ids, pos, history, params)
+
     def logits(self, ids, pos):
-        """Full logits of every position, gathered from every node's rows (tests, Q8_0 checks)."""
+        """Full logits of every position of slot 0, gathered from every node's rows (tests, Q8_0 checks)."""
         out = []
-        for start in range(0, len(ids), PREFILL_CHUNK):
-            h = self._forward(ids[start:start + PREFILL_CHUNK], pos + start, "logits")
+        for a, b in chunks(pos, pos + len(ids)):
+            chunk = list(ids[a - pos:b - pos])
+            self._check_room(b)
+            x = llama.embed(self.mf, chunk)
+            h = self._forward({"slot": 0, "pos": a, "ids": chunk, "want": "logits"}, x,
+                              lambda: self.shard.forward(x, a))
             rows = [self.shard.logits(h)]
             try:
                 rows += [np.array(hot.recv(FrameType.LOGITS).array()) for hot in self.hots]
@@ -188,15 +221,16 @@ class ClusterRunner:
             out.append(np.concatenate(rows, axis=1))
         return np.concatenate(out)
 
-    def _forward(self, ids: Sequence[int], pos: int, want: str) -> np.ndarray:
-        if pos + len(ids) > self.ctx:
-            raise llama.ContextFull(f"context is full: {pos + len(ids)} positions needed, the KV cache holds {self.ctx}")
-        x = llama.embed(self.mf, list(ids))
-        header = {"pos": pos, "ids": [int(t) for t in ids], "want": want}
+    def _check_room(self, end: int) -> None:
+        if end > self.ctx:
+            raise llama.ContextFull(f"context is full: {end} positions needed, the KV cache holds {self.ctx}")
+
+    def _forward(self, header: dict, x: np.ndarray, own: Callable[[], np.ndarray]) -> np.ndarray:
+        """STEP to every worker (a worker with its own embedding table gets the ids only), then our own shard."""
         try:
-            for hot in self.hots:  # a worker with its own embedding table gets the ids only
+            for hot in self.hots:
                 hot.send(FrameType.STEP, header, b"" if hot.link.embeds else x)
-            return self.shard.forward(x, pos)
+            return own()
         except LinkClosed as exc:
             raise _lost(exc) from None
 
@@ -212,6 +246,19 @@ class ClusterRunner:
     def close(self) -> None:
         for link in self.links:
             link.close()
+
+
+def _plan(mf: ModelFile, ctx: int, slots: int, nodes: list, epoch: int, sync: str) -> tuple[planner.Plan, int]:
+    """A plan with KV caches for `slots` sequences, or for fewer (halving) when the nodes' memory
+    holds no more; the slot count it got."""
+    while True:
+        try:
+            return packing.make_plan(model_shape(mf, ctx, slots), nodes, epoch=epoch, sync=sync), slots
+        except planner.PlanError:
+            if slots == 1:
+                raise
+            log.warning("%d slots of %d positions do not fit the nodes' memory; trying %d", slots, ctx, slots // 2)
+            slots //= 2
 
 
 async def _loaded(link: Link, node_id: str, on_progress: Progress | None) -> Frame:

@@ -24,7 +24,8 @@ def _block(mf: ModelFile, name: str) -> int:
     return GGML_QUANT_SIZES[GGMLQuantizationType(mf.tensors[name].tensor_type)][0]
 
 
-def model_shape(mf: ModelFile, ctx: int) -> ModelShape:
+def model_shape(mf: ModelFile, ctx: int, slots: int = 1) -> ModelShape:
+    """The planner's view of mf with KV caches of ctx positions for `slots` sequences."""
     cfg = mf.config
     head = "token_embd.weight" if cfg.tied else "output.weight"
     # FFN columns are the input columns of ffn_down: a unit must not split its quant blocks.
@@ -45,6 +46,7 @@ def model_shape(mf: ModelFile, ctx: int) -> ModelShape:
         ffn_bpw=_bpw(mf, "blk.0.ffn_up.weight"),
         vocab_bpw=_bpw(mf, head),
         ctx=ctx,
+        slots=slots,
     )
 
 

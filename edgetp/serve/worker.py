@@ -47,7 +47,7 @@ from edgetp.model import llama, quant, sampling
 from edgetp.model.gguf import GGUFError, ModelFile, open_model
 from edgetp.net.frames import FrameType
 from edgetp.net.link import BLOCKING, HANDSHAKE_TIMEOUT, Link, LinkClosed
-from edgetp.parallel.collective import Hot, WorkerReduce, candidates_message
+from edgetp.parallel.collective import Hot, WorkerReduce, candidates_message, candidates_rows_message
 from edgetp.serve.weights import fetch_shard
 from edgetp.store.errors import DownloadError
 
@@ -259,7 +259,7 @@ class _Session:
         path = self.mf.path
         self.sync = h["sync"]
         weights = await asyncio.to_thread(llama.load_weights, self.mf, spec)
-        self.shard = llama.Shard(weights, int(h["ctx"]))
+        self.shard = llama.Shard(weights, int(h["ctx"]), slots=_positive(h.get("slots", 1), "slots"))
         await asyncio.to_thread(_warm_up, self.shard)
         log.info("loaded shard %s of %s: %.1f MB of weights, %.1f MB KV cache",
                  spec, path, weights.nbytes / 1e6, self.shard.kv_bytes / 1e6)
@@ -307,13 +307,12 @@ class _Session:
     async def _reset(self, h: dict[str, Any]) -> None:
         if self.shard is None:
             raise ValueError("RESET before LOAD")
-        params = sampling.SamplingParams(**h["params"])
         hot = Hot(self.link, asyncio.get_running_loop())
         self.shard.reduce = WorkerReduce(hot, self.sync)
         if h.get("mode") == BLOCKING:
             self.link.enter_blocking()
         try:
-            await asyncio.to_thread(_hot_loop, hot, self.shard, params, self.mf)
+            await asyncio.to_thread(_hot_loop, hot, self.shard, self.mf)
         finally:
             if not self.link.closed:
                 self.link.leave_blocking()
@@ -344,26 +343,46 @@ def _warm_up(shard: llama.Shard) -> None:
         shard.reduce = reduce
 
 
-def _hot_loop(hot: Hot, shard: llama.Shard, params: sampling.SamplingParams, mf) -> None:
+def _positive(value: Any, name: str) -> int:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"LOAD: {name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _hot_loop(hot: Hot, shard: llama.Shard, mf) -> None:
     """STEP after STEP until the root says end; runs on the compute thread.
 
-    A STEP carries the token ids; its payload carries their embeddings only
-    when this node has no embedding table of its own.
+    A STEP is a prefill chunk of one slot ("slot", "pos", "ids") or a decode
+    step of several ("rows": [slot, pos, id] each); it carries the sampling
+    parameters of what it asks candidates for, and its payload carries the
+    embeddings only when this node has no embedding table of its own. Each
+    slot's tokens are kept here for the repetition penalties.
     """
-    history: list[int] = []
+    history: dict[int, list[int]] = {}
     offset = shard.w.spec.vocab_rows[0]
     while True:
         frame = hot.recv(FrameType.STEP)
         h = frame.header
         if h.get("end"):
             return
-        ids = [int(t) for t in h["ids"]]
+        rows = h.get("rows")
+        ids = [int(r[2]) for r in rows] if rows is not None else [int(t) for t in h["ids"]]
         if len(frame.payload):
             x = np.array(frame.array(), dtype=np.float32)  # own copy: the payload views a reused buffer
         else:
             x = llama.embed(mf, ids)
-        history.extend(ids)
-        out = shard.forward(x, int(h["pos"]))
+        if rows is not None:
+            slots, positions = [int(r[0]) for r in rows], [int(r[1]) for r in rows]
+            for slot, pos, t in zip(slots, positions, ids):
+                history[slot] = history.get(slot, [])[:pos] + [t]
+            logits = shard.logits_rows(shard.forward_rows(x, slots, positions))
+            params = [sampling.SamplingParams(**p) for p in h["params"]]
+            hot.send(FrameType.LOGITS, *candidates_rows_message(
+                [sampling.candidates(logits[i], offset, history[s], p) for i, (s, p) in enumerate(zip(slots, params))]))
+            continue
+        slot, pos = int(h.get("slot", 0)), int(h["pos"])
+        history[slot] = history.get(slot, [])[:pos] + ids
+        out = shard.forward(x, pos, slot=slot)
         want = h.get("want", "candidates")
         if want == "none":  # a prefill chunk before the last one
             continue
@@ -371,4 +390,5 @@ def _hot_loop(hot: Hot, shard: llama.Shard, params: sampling.SamplingParams, mf)
             hot.send(FrameType.LOGITS, {"all": True}, shard.logits(out))
         else:
             local = shard.logits(out[-1:])[0]
-            hot.send(FrameType.LOGITS, *candidates_message(sampling.candidates(local, offset, history, params)))
+            params = sampling.SamplingParams(**h["params"])
+            hot.send(FrameType.LOGITS, *candidates_message(sampling.candidates(local, offset, history[slot], params)))

@@ -1,0 +1,356 @@
+"""Continuous batching: several sequences on one runner, one token of each per decode step.
+
+A `Scheduler` holds up to `runner.slots` sequences, each in a slot of the KV
+cache. Every `step()` runs
+  1. one decode step: the pending token of every sequence that is decoding,
+     in one `runner.decode` call (in a cluster its all-reduces carry the
+     whole batch, so the round trips are paid once for all of them);
+  2. one prefill chunk of the oldest sequence still reading its prompt, so
+     a long prompt is read between the tokens of the streams already running.
+Sequences join (`admit`) and leave (`drop`, or on finishing) between steps,
+each with its own sampling parameters, stop strings and `max_tokens`.
+
+The same text under any load: nothing a sequence computes depends on the
+others. Prefill chunks are cut at absolute multiples of PREFILL_CHUNK
+positions and never mix sequences; a decode row comes out bit for bit as it
+would alone (`Shard.forward_rows`); each sequence samples with its own
+seeded sampler and history.
+
+The prefix cache: a slot keeps its KV cache after its sequence ends, until
+another sequence needs the slot (least recently used first). A new prompt
+that starts with what a free slot holds skips that part, in whole chunks
+only, and only in chunks that were themselves computed as whole prefill
+chunks at the same positions: those are exactly the bits a cold prefill of
+the new prompt would compute. Answer tokens (computed one at a time) and a
+prompt's last partial chunk are computed again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+from edgetp.model import sampling
+from edgetp.model.sampling import Candidates, SamplingParams
+
+PREFILL_CHUNK = 128  # prompt tokens per prefill step; chunk boundaries sit at multiples of it
+MAX_RECOVERIES = 3
+
+
+class ContextError(ValueError):
+    """The prompt and answer do not fit the context."""
+
+
+class RunnerLost(Exception):
+    """Part of a runner (a cluster node) is gone; a new runner may take over."""
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    index: int                 # 0-based position in the answer
+    token_id: int
+    text: str                  # the new complete text this token adds ("" while a character is incomplete)
+    ms: float                  # wall time since this sequence's previous token (prefill and waiting included for index 0)
+    finish_reason: str | None  # None, "stop" (end token or stop string), "length" (max_tokens) or "context" (KV cache full)
+    note: str | None = None    # what happened on the way, e.g. a node lost and a recovery
+
+
+@dataclass(frozen=True)
+class Row:
+    """One decode row: the token fed at `pos` of `slot`, and how to pick the next one."""
+
+    slot: int
+    pos: int
+    token: int
+    history: Sequence[int]     # every token of the sequence so far, this one included (penalties)
+    params: SamplingParams
+
+
+def chunks(start: int, end: int, size: int = PREFILL_CHUNK) -> Iterator[tuple[int, int]]:
+    """[start, end) cut at absolute multiples of size."""
+    a = start
+    while a < end:
+        b = min((a // size + 1) * size, end)
+        yield a, b
+        a = b
+
+
+@dataclass(eq=False)
+class Seq:
+    """One request's sequence: its prompt, its settings and how far it got."""
+
+    prompt: Sequence[int]
+    params: SamplingParams
+    max_tokens: int
+    stop: Sequence[str] = ()
+    tag: Any = None                 # the caller's handle (the engine's Job)
+    slot: int = -1
+    fed: int = 0                    # positions of the slot that hold this sequence's tokens
+    cached: int = 0                 # prompt tokens taken from the prefix cache
+    index: int = 0                  # tokens answered so far
+    pending: int | None = None      # the answered token to feed next
+    finish_reason: str | None = None
+    history: list[int] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+class PrefixCache:
+    """What each slot's KV cache holds, which slots are free, and which prefix of a slot may be reused."""
+
+    def __init__(self, n: int, chunk: int = PREFILL_CHUNK) -> None:
+        self.chunk = chunk
+        self.tokens: list[list[int]] = [[] for _ in range(n)]  # token at each position of the slot
+        self.exact = [0] * n       # leading positions computed by whole prefill chunks (reusable)
+        self.busy = [False] * n
+        self.last_used = [0] * n
+        self._clock = 0
+
+    @property
+    def free(self) -> int:
+        return self.busy.count(False)
+
+    def take(self, prompt: Sequence[int]) -> tuple[int, int]:
+        """A free slot for prompt and how many of its leading positions are reused: the slot with
+        the longest reusable prefix, else the least recently used."""
+        limit = (len(prompt) - 1) // self.chunk * self.chunk  # the last token is always computed
+        best: tuple[int, int, int] | None = None                # (reuse, -last_used, slot)
+        for s in range(len(self.busy)):
+            if self.busy[s]:
+                continue
+            held, n = self.tokens[s], min(self.exact[s], limit)
+            same = 0
+            while same < n and held[same] == prompt[same]:
+                same += 1
+            key = (same // self.chunk * self.chunk, -self.last_used[s], s)
+            if best is None or key > best:
+                best = key
+        if best is None:
+            raise RuntimeError("no free slot")
+        reuse, _, slot = best
+        self.busy[slot] = True
+        del self.tokens[slot][reuse:]
+        self.exact[slot] = reuse
+        return slot, reuse
+
+    def fed(self, slot: int, pos: int, ids: Sequence[int], whole_chunk: bool) -> None:
+        """ids now sit at pos.. of slot; whole_chunk: a prefill chunk of exactly `chunk` tokens."""
+        del self.tokens[slot][pos:]
+        self.tokens[slot].extend(int(t) for t in ids)
+        if whole_chunk and self.exact[slot] == pos:
+            self.exact[slot] = pos + len(ids)
+        elif self.exact[slot] > pos:
+            self.exact[slot] = pos
+
+    def release(self, slot: int) -> None:
+        self._clock += 1
+        self.busy[slot] = False
+        self.last_used[slot] = self._clock
+
+    def forget(self) -> None:
+        """Every slot's contents are gone (a new runner): nothing is reusable."""
+        for s in range(len(self.busy)):
+            self.tokens[s] = []
+            self.exact[s] = 0
+
+
+Recover = Callable[[RunnerLost], Any]  # builds a runner over what is left (a re-plan)
+
+
+class Scheduler:
+    """Sequences on a runner's slots; `step()` advances every one of them (see the module docstring)."""
+
+    def __init__(self, runner: Any, tok: Any, recover: Recover | None = None, chunk: int = PREFILL_CHUNK) -> None:
+        self.runner = runner
+        self.tok = tok
+        self.recover = recover
+        self.chunk = chunk
+        self.cache = PrefixCache(runner.slots, chunk)
+        self.seqs: list[Seq] = []      # admission order
+        self.batch = 0                 # rows of the last decode step
+        self.last: list[tuple[str, int, float]] = []  # what the last step() ran: (kind, tokens, ms)
+        self.prefix_hits = 0
+        self.cached_tokens = 0
+        self._stream: dict[int, Any] = {}   # id(seq) -> its _StopFilter
+        self._samplers: dict[int, sampling.Sampler] = {}
+        self._t: dict[int, float] = {}
+
+    @property
+    def ctx(self) -> int:
+        return self.runner.ctx
+
+    @property
+    def free(self) -> int:
+        return self.cache.free
+
+    def check(self, prompt: Sequence[int]) -> None:
+        """ContextError when prompt can never run here."""
+        if not prompt:
+            raise ContextError("the prompt is empty")
+        if len(prompt) >= self.ctx:
+            raise ContextError(f"the prompt has {len(prompt)} tokens but the context holds {self.ctx}")
+
+    def admit(self, seq: Seq) -> None:
+        """seq takes a free slot (ContextError for a prompt that cannot run; RuntimeError when none is free)."""
+        self.check(seq.prompt)
+        seq.slot, seq.fed = self.cache.take(seq.prompt)
+        seq.cached = seq.fed
+        if seq.cached:
+            self.prefix_hits += 1
+            self.cached_tokens += seq.cached
+        seq.history = list(seq.prompt)
+        self._stream[id(seq)] = _StopFilter(self.tok.stream(), [s for s in seq.stop if s])
+        self._samplers[id(seq)] = sampling.Sampler(seq.params)
+        self._t[id(seq)] = time.perf_counter()
+        self.seqs.append(seq)
+
+    def drop(self, seq: Seq) -> None:
+        """seq leaves (finished or cancelled); its slot keeps what it computed for the prefix cache."""
+        if seq in self.seqs:
+            self.seqs.remove(seq)
+            self.cache.release(seq.slot)
+            for d in (self._stream, self._samplers, self._t):
+                d.pop(id(seq), None)
+
+    def drop_all(self) -> list[Seq]:
+        """Every sequence leaves, and the cache forgets (after a failed step nothing in it is sure)."""
+        gone = list(self.seqs)
+        for s in gone:
+            self.drop(s)
+        self.cache.forget()
+        return gone
+
+    # ---------------------------------------------------------------- one step
+
+    def step(self) -> list[tuple[Seq, TokenEvent]]:
+        """One decode step for every decoding sequence, then one prefill chunk; the tokens they answered.
+
+        Finished sequences leave. Raises what the runner raises (RunnerLost only when no recovery is left).
+        """
+        out: list[tuple[Seq, TokenEvent]] = []
+        self.last = []
+        decoding = [s for s in self.seqs if s.pending is not None]
+        if decoding:
+            rows = [Row(s.slot, s.fed, s.pending, s.history, s.params) for s in decoding]
+            t0 = time.perf_counter()
+            cands = self._run(lambda r: r.decode(rows))
+            self.batch = len(rows)
+            self.last.append(("decode", len(rows), (time.perf_counter() - t0) * 1000))
+            for s, c in zip(decoding, cands):
+                self.cache.fed(s.slot, s.fed, [s.pending], False)
+                s.fed += 1
+                out.append((s, self._answer(s, c)))
+        filling = next((s for s in self.seqs if s.pending is None and not s.done), None)
+        if filling is not None:
+            s = filling
+            a, b = next(chunks(s.fed, len(s.prompt), self.chunk))
+            last = b == len(s.prompt)
+            ids = list(s.prompt[a:b])
+            t0 = time.perf_counter()
+            c = self._run(lambda r: r.prefill(s.slot, ids, a, s.history if last else None, s.params if last else None))
+            self.last.append(("prefill", len(ids), (time.perf_counter() - t0) * 1000))
+            self.cache.fed(s.slot, a, ids, b - a == self.chunk)
+            s.fed = b
+            if last:
+                out.append((s, self._answer(s, c)))
+        for s, ev in out:
+            if ev.finish_reason is not None:
+                self.drop(s)
+        return out
+
+    def _answer(self, s: Seq, cand: Candidates) -> TokenEvent:
+        tid = self._samplers[id(s)].pick(cand)
+        now = time.perf_counter()
+        ms, self._t[id(s)] = (now - self._t[id(s)]) * 1000, now
+        note = "; ".join(s.notes) or None
+        s.notes.clear()
+        s.history.append(tid)
+        index, s.index = s.index, s.index + 1
+        out = self._stream[id(s)]
+        s.pending = None
+        if tid in self.tok.stop_ids:
+            return self._finish(s, TokenEvent(index, tid, out.finish(), ms, "stop", note))
+        text, stopped = out.feed(tid)
+        if stopped:
+            return self._finish(s, TokenEvent(index, tid, text, ms, "stop", note))
+        if s.fed >= self.ctx:  # no room to feed this token back: stop, never wrap around
+            return self._finish(s, TokenEvent(index, tid, text + out.finish(), ms, "context", note))
+        if index == s.max_tokens - 1:
+            return self._finish(s, TokenEvent(index, tid, text + out.finish(), ms, "length", note))
+        s.pending = tid
+        return TokenEvent(index, tid, text, ms, None, note)
+
+    @staticmethod
+    def _finish(s: Seq, ev: TokenEvent) -> TokenEvent:
+        s.finish_reason = ev.finish_reason
+        return ev
+
+    # ---------------------------------------------------------------- losing a node
+
+    def _run(self, call: Callable[[Any], Any]) -> Any:
+        for attempt in range(MAX_RECOVERIES + 1):
+            try:
+                return call(self.runner)
+            except RunnerLost as exc:
+                if self.recover is None or attempt == MAX_RECOVERIES:
+                    raise
+                self.runner = self.recover(exc)
+                self.runner.begin()
+                self.cache.forget()
+                replayed = self._replay()
+                for s in self.seqs:
+                    s.notes.append(f"{exc}; recovered with a new plan, replayed {replayed} tokens")
+        raise AssertionError("unreachable")
+
+    def _replay(self) -> int:
+        """Feed the new runner what the lost one had seen, computed as it was computed then:
+        prompts in the same aligned chunks, answer tokens one row at a time."""
+        total = 0
+        for s in self.seqs:
+            n_prompt = min(s.fed, len(s.prompt))
+            for a, b in chunks(0, n_prompt, self.chunk):
+                ids = list(s.prompt[a:b])
+                self.runner.prefill(s.slot, ids, a, None, None)
+                self.cache.fed(s.slot, a, ids, b - a == self.chunk)
+            for pos in range(n_prompt, s.fed):
+                self.runner.decode([Row(s.slot, pos, s.history[pos], s.history[:pos + 1], s.params)])
+                self.cache.fed(s.slot, pos, [s.history[pos]], False)
+            total += s.fed
+        return total
+
+
+class _StopFilter:
+    """Streams decoded text, holding back what could still become a stop string.
+
+    Text that ends with the first characters of a stop string is kept until
+    the next token shows whether the stop string follows; the stop string and
+    everything after it are never sent.
+    """
+
+    def __init__(self, decoder, stop: list[str]) -> None:
+        self.decoder = decoder
+        self.stop = stop
+        self.text = ""   # everything decoded so far
+        self.sent = 0    # how much of it went out
+
+    def feed(self, tid: int) -> tuple[str, bool]:
+        self.text += self.decoder.feed(tid)
+        for s in self.stop:
+            at = self.text.find(s, max(0, self.sent - len(s)))
+            if at >= 0:
+                return self._send(at), True
+        hold = max((k for s in self.stop for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+        return self._send(len(self.text) - hold), False
+
+    def finish(self) -> str:
+        self.text += self.decoder.flush()
+        return self._send(len(self.text))
+
+    def _send(self, upto: int) -> str:
+        upto = max(upto, self.sent)
+        piece, self.sent = self.text[self.sent:upto], upto
+        return piece

@@ -117,7 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--sync", choices=("f32", "q8_0"), default=None)
     srv.add_argument("--ctx", type=_positive, default=None)
     srv.add_argument("--threads", type=_positive, default=None)
-    srv.add_argument("--queue", type=_positive, default=8, help="requests that may wait; more get 429")
+    srv.add_argument("--slots", type=_positive, default=None,
+                     help="sequences decoded at once, each with a KV cache of --ctx positions (default 4)")
+    srv.add_argument("--queue", type=_positive, default=8,
+                     help="requests that may wait while every slot is busy; more get 429")
     srv.add_argument("--key", dest="key_file", default=None,
                      help="cluster key file; with a key and no --workers, join the cluster on the LAN (mDNS)")
     srv.add_argument("--data-port", type=int, default=None, help="cluster data links (default 7710; 0: any)")

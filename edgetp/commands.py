@@ -305,7 +305,7 @@ def serve(args: argparse.Namespace) -> int:
     from edgetp.cluster import sdnotify  # noqa: PLC0415
 
     flags = {name: getattr(args, name) for name in ("model", "key_file", "data_port", "node_id", "priority",
-                                                    "no_root", "interfaces", "peers", "threads", "sync", "ctx")}
+                                                    "no_root", "interfaces", "peers", "threads", "sync", "ctx", "slots")}
     if args.listen is not None:
         flags["host"], flags["http_port"] = args.listen
     flags = {k: v for k, v in flags.items() if v is not None}
@@ -323,7 +323,7 @@ def serve(args: argparse.Namespace) -> int:
         model_path=path, model_name=path.stem if str(settings.model).endswith(".gguf") else settings.model,
         host=settings.host, port=settings.http_port, workers=tuple(args.workers),
         weights=tuple(args.weights) if args.weights else None, sync=settings.sync, ctx=settings.ctx,
-        threads=settings.threads, key=key, queue_size=args.queue, index_dir=Path(settings.cache_dir) / "index",
+        slots=settings.slots, threads=settings.threads, key=key, queue_size=args.queue, index_dir=Path(settings.cache_dir) / "index",
         cluster=key is not None and not args.workers, data_port=settings.data_port,
         node_id=settings.node_id if settings.node_id_given
         else config.persistent_node_id(config.state_dir(os.environ, Path(settings.cache_dir))),

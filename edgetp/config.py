@@ -108,7 +108,8 @@ class Settings:
     node_id: str = ""                       # "" means this host's name
     peers: tuple[str, ...] = ()             # HOST:PORT (HTTP API) to introduce ourselves to, where multicast cannot pass
     sync: str = "f32"                       # all-reduce payload: "f32" or "q8_0"
-    ctx: int = 2048                         # context length (KV cache size)
+    ctx: int = 2048                         # context length (KV cache size) of each sequence
+    slots: int = 4                          # sequences decoded at once, each with its own KV cache (fewer if memory is short)
     api_tokens: tuple[str, ...] = ()        # bearer tokens the OpenAI API accepts; () means none needed
     max_memory_mb: int | None = None        # use at most this much memory for edgetp (runtime included); None: no cap
     slice_cache_mb: int = 4096              # model slices kept on disk (cache_dir/shards), least recently used out first
@@ -236,7 +237,7 @@ CHECKS: dict[str, Callable[[Any], Any]] = {
     "data_port": _port, "http_port": _port, "interfaces": _strings,
     "priority": _int, "no_root": _bool, "threads": _threads,
     "cache_dir": _path_or_none, "node_id": _node_id, "peers": _peers,
-    "sync": _sync, "ctx": _positive, "api_tokens": _tokens,
+    "sync": _sync, "ctx": _positive, "slots": _positive, "api_tokens": _tokens,
     "max_memory_mb": _threads, "slice_cache_mb": _positive,
     "heartbeat_s": _seconds, "heartbeat_timeout_s": _seconds, "settle_s": _seconds,
 }
@@ -257,7 +258,7 @@ _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 def _from_env(key: str, text: str) -> Any:
     """An environment string as the Python value the key's check expects."""
-    kind = {"data_port": int, "http_port": int, "priority": int, "threads": int, "ctx": int,
+    kind = {"data_port": int, "http_port": int, "priority": int, "threads": int, "ctx": int, "slots": int,
             "max_memory_mb": int, "slice_cache_mb": int,
             "heartbeat_s": float, "heartbeat_timeout_s": float, "settle_s": float,
             "no_root": bool, "interfaces": list, "peers": list, "api_tokens": list}.get(key, str)

@@ -65,6 +65,7 @@ class ServeOptions:
     weights: tuple[float, ...] | None = None
     sync: str = "f32"
     ctx: int = 2048
+    slots: int = 4                  # sequences decoded at once (the planner may give fewer)
     threads: int | None = None
     key: bytes | None = None
     queue_size: int = 8
@@ -146,9 +147,9 @@ async def serve(opts: ServeOptions, on_listening: Callable[[str], None] | None =
     ctx = min(opts.ctx, mf.config.ctx_train)
     if opts.workers:
         runner = await ClusterRunner.connect(mf, list(opts.workers), ctx=ctx, weights=opts.weights, sync=opts.sync,
-                                             key=opts.key, threads=opts.threads)
+                                             key=opts.key, threads=opts.threads, slots=opts.slots)
     else:
-        runner = await asyncio.to_thread(LocalRunner, mf, ctx)
+        runner = await asyncio.to_thread(LocalRunner, mf, ctx, opts.slots)
     engine = Engine(runner, tok, opts.model_name, queue_size=opts.queue_size, bus=bus)
     on_engine(engine)
     if opts.workers:
@@ -296,7 +297,7 @@ class Roles:
                     runner = await ClusterRunner.connect(
                         self.mf, addresses, ctx=self.ctx, sync=self.opts.sync, key=self.opts.key,
                         threads=self.opts.threads, epoch=self.membership.epoch, node_id=self.node_id,
-                        fetch_port=self.http_port, on_progress=self._progress)
+                        fetch_port=self.http_port, on_progress=self._progress, slots=self.opts.slots)
                 except Exception as exc:  # noqa: BLE001 - whatever a peer did, plan without it
                     if not addresses:
                         raise

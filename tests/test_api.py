@@ -365,10 +365,8 @@ async def test_a_failing_runner_ends_the_request_with_a_500_and_frees_the_engine
     mf, tok = stories
 
     class Failing(LocalRunner):
-        def run(self, ids, pos, history, params):
-            if pos > 0:
-                raise RuntimeError("worker lost")
-            return super().run(ids, pos, history, params)
+        def decode(self, rows):  # the prompt goes through, the first decode step fails
+            raise RuntimeError("worker lost")
 
     url, engine = await start(mf, tok, "stories260K", runner=Failing(mf, CTX))
     async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
@@ -439,7 +437,9 @@ async def test_the_event_websocket_sends_a_snapshot_then_one_token_record_per_ge
                 records.append(events.from_dict(await ws.receive_json(timeout=10)))
     rid = answer["id"]
     assert records[0] == events.RequestRecord(rid, "started", "Once upon a time",
-                                              prompt_tokens=answer["usage"]["prompt_tokens"])
+                                              prompt_tokens=answer["usage"]["prompt_tokens"], slot=0)
+    steps = [r for r in records if isinstance(r, events.StepRecord)]
+    assert [(s.kind, s.batch) for s in steps] == [("prefill", answer["usage"]["prompt_tokens"])] + [("decode", 1)] * 8
     tokens = [r for r in records if isinstance(r, events.TokenRecord)]
     assert [t.index for t in tokens] == list(range(9))
     assert {t.request_id for t in tokens} == {rid}

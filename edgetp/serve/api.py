@@ -323,7 +323,7 @@ async def _complete(request: web.Request, kind: str, ids: list[int], text: str,
         async for ev in job:
             pieces.append(ev.text)
             reason = ev.finish_reason
-        return web.json_response(out.whole("".join(pieces), reason, len(ids), job.tokens),
+        return web.json_response(out.whole("".join(pieces), reason, len(ids), job.tokens, job.cached_tokens),
                                  dumps=shape.dumps)
 
 
@@ -340,7 +340,7 @@ async def _stream(request: web.Request, job: Job, out: shape.Shaper, prompt_toke
             if ev.finish_reason is not None:
                 await resp.write(shape.sse(out.chunk("", ev.finish_reason)))
         if out.include_usage:
-            await resp.write(shape.sse(out.usage_chunk(prompt_tokens, job.tokens)))
+            await resp.write(shape.sse(out.usage_chunk(prompt_tokens, job.tokens, job.cached_tokens)))
         await resp.write(shape.DONE)
     except (GenerationFailed, EngineClosed) as exc:
         await resp.write(shape.sse({"error": shape.error_body(str(exc), "server_error", None, None)}))

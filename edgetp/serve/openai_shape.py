@@ -246,7 +246,8 @@ class Shaper:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None}
 
-    def whole(self, text: str, reason: str | None, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def whole(self, text: str, reason: str | None, prompt_tokens: int, completion_tokens: int,
+              cached_tokens: int = 0) -> dict[str, Any]:
         finish = FINISH.get(reason or "", None)
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
@@ -255,7 +256,7 @@ class Shaper:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
             out = self._head("text_completion")
-        return out | {"choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+        return out | {"choices": [choice], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
     def chunk(self, text: str, reason: str | None, *, first: bool = False) -> dict[str, Any]:
         finish = FINISH.get(reason, "stop") if reason is not None else None
@@ -273,11 +274,13 @@ class Shaper:
             out["usage"] = None
         return out
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         head = self._head("chat.completion.chunk" if self.kind == "chat" else "text_completion")
-        return head | {"choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+        return head | {"choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; cached_tokens: prompt tokens the prefix cache held (not computed again)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}

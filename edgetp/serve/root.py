@@ -1,15 +1,18 @@
-"""The generation service on the root: a bounded queue, one generation at a time, an event bus.
+"""The generation service on the root: slots for several sequences, a bounded queue, an event bus.
 
-    handler --submit()--> Engine._waiting (deque, bounded) --serve()--> generation thread
-       ^                                                                      |
-       +---- Job (asyncio.Queue of TokenEvents) <--call_soon_threadsafe-------+
-                                                   EventBus <- Token/RequestRecords
+    handler --submit()--> Engine._waiting (deque, bounded) --> generation thread: batch.Scheduler
+       ^                                                      (up to runner.slots sequences at once)
+       +---- Job (asyncio.Queue of TokenEvents) <--call_soon_threadsafe--+
+                                                   EventBus <- Token/Request/StepRecords
 
-The runner is not re-entrant, so `Engine.serve()` takes one job at a time
-and runs `generate()` on a dedicated thread. Each token goes back to the
-loop with `call_soon_threadsafe`: into the job (its consumer streams it) and
-onto the bus as a `TokenRecord`. A consumer that goes away cancels its job:
-a queued job leaves the queue, a running one stops at the next token.
+The runner is not re-entrant, so one thread steps it: each step decodes one
+token of every running sequence and reads one prefill chunk (batch.py).
+Waiting jobs take free slots between steps; a job waits in the queue only
+while every slot is busy, and gets 429 only when the queue is full too.
+Each token goes back to the loop with `call_soon_threadsafe`: into the job
+(its consumer streams it) and onto the bus as a `TokenRecord`. A consumer
+that goes away cancels its job: a queued job leaves the queue, a running
+one leaves its slot at the next step.
 
 The bus never blocks generation: each subscriber has a bounded queue and a
 slow one loses records (counted in `Subscription.dropped`). Listeners
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from edgetp.parallel.profile import mem_available
-from edgetp.model.generate import TokenEvent, generate
+from edgetp.model.batch import ContextError, RunnerLost, Scheduler, Seq, TokenEvent
 from edgetp.model.sampling import SamplingParams
 from edgetp.model.tokenizer import Tokenizer
 from edgetp import events
@@ -157,6 +160,7 @@ class Job:
     _stop: threading.Event = field(default_factory=threading.Event)
     done: bool = False
     tokens: int = 0
+    cached_tokens: int = 0            # prompt tokens its slot already held (the prefix cache)
     finish_reason: str | None = None  # the last event's, or "cancelled" / "error"
 
     def cancel(self) -> None:
@@ -187,22 +191,24 @@ class Job:
 
 
 class Engine:
-    """One runner, its tokenizer and the model's name, serving one generation at a time."""
+    """One runner, its tokenizer and the model's name, serving up to runner.slots generations at once."""
 
     def __init__(self, runner: Any, tokenizer: Tokenizer, model_name: str, *, queue_size: int = 8,
                  bus: EventBus | None = None, recover: Callable[[Exception], Any] | None = None,
                  ctx: int | None = None) -> None:
         self.runner = runner
-        self.recover = recover  # replaces self.runner when a node is lost mid-answer (see generate)
-        self.between: Callable[[], Awaitable[None]] | None = None  # runs before each job: re-plans go here
+        self.recover = recover  # replaces self.runner when a node is lost mid-answer (see batch.Scheduler)
+        self.between: Callable[[], Awaitable[None]] | None = None  # runs while no sequence runs: re-plans go here
         self._ctx = ctx
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.queue_size = queue_size
         self.bus = bus or EventBus()
         self._waiting: collections.deque[Job] = collections.deque()
+        self._lock = threading.Lock()      # _waiting is shared with the generation thread
         self._wake = asyncio.Event()
-        self._current: Job | None = None
+        self._running: list[Job] = []      # jobs holding a slot (read on the loop for views)
+        self._sched: Scheduler | None = None
         self._closed = False
         self._serving = False   # serve() is running
         self.failure: str | None = None  # why the last attempt to serve failed, until one succeeds
@@ -213,13 +219,23 @@ class Engine:
         return self.runner.ctx if self.runner is not None else self._ctx
 
     @property
+    def slots(self) -> int:
+        return getattr(self.runner, "slots", 1) if self.runner is not None else 0
+
+    @property
     def queue_depth(self) -> int:
-        """Requests waiting (the running one not counted)."""
+        """Requests waiting for a slot (the running ones not counted)."""
         return len(self._waiting)
 
     @property
     def busy(self) -> bool:
-        return self._current is not None
+        return bool(self._running)
+
+    def slots_view(self) -> events.SlotsView:
+        sched = self._sched
+        return events.SlotsView(self.slots, len(self._running), len(self._waiting),
+                                sched.batch if sched else 0, sched.prefix_hits if sched else 0,
+                                sched.cached_tokens if sched else 0)
 
     def health(self) -> str | None:
         """None while this node can serve; else why not (its serve loop is gone, or it cannot plan even alone)."""
@@ -228,13 +244,15 @@ class Engine:
         return self.failure
 
     def submit(self, request: Request) -> Job:
-        """Queue a request; QueueFull when `queue_size` are already waiting."""
+        """Queue a request; QueueFull when every slot is busy and `queue_size` are already waiting."""
         if self._closed:
             raise EngineClosed("the server is shutting down")
-        if len(self._waiting) >= self.queue_size:
-            raise QueueFull(len(self._waiting), self.retry_after())
-        job = Job(request, self)
-        self._waiting.append(job)
+        with self._lock:
+            free = self.slots - len(self._running) if self.runner is not None else 0
+            if len(self._waiting) - max(free, 0) >= self.queue_size:
+                raise QueueFull(len(self._waiting), self.retry_after())
+            job = Job(request, self)
+            self._waiting.append(job)
         self._wake.set()
         return job
 
@@ -244,9 +262,12 @@ class Engine:
         return max(1, math.ceil(mean))
 
     def _drop(self, job: Job) -> None:
-        """A cancelled job: out of the queue if it waits there (the running one stops at its next token)."""
-        if job in self._waiting:
-            self._waiting.remove(job)
+        """A cancelled job: out of the queue if it waits there (a running one leaves its slot at the next step)."""
+        with self._lock:
+            waiting = job in self._waiting
+            if waiting:
+                self._waiting.remove(job)
+        if waiting:
             self._finish(job, "cancelled", None)
 
     def _finish(self, job: Job, reason: str | None, error: BaseException | None) -> None:
@@ -261,6 +282,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgetp-generate")
         self._serving = True
+        stop = threading.Event()
         try:
             while True:
                 while not self._waiting:
@@ -271,17 +293,20 @@ class Engine:
                         continue
                     if not self._waiting:
                         continue
-                job = self._waiting.popleft()
-                self._current = job
+                fut = loop.run_in_executor(pool, self._batch, loop, stop)
                 try:
-                    await self._run(job, pool, loop)
-                finally:
-                    self._current = None
+                    await asyncio.shield(fut)
+                except asyncio.CancelledError:  # shutdown: stop at the next step, without blocking the loop
+                    stop.set()
+                    await asyncio.wait([fut], timeout=STOP_GRACE_S)
+                    raise
         finally:
             self._serving = False
             self._closed = True
-            while self._waiting:
-                self._finish(self._waiting.popleft(), "cancelled", EngineClosed("the server is shutting down"))
+            with self._lock:
+                waiting, self._waiting = list(self._waiting), collections.deque()
+            for job in waiting + self._running:
+                self._finish(job, "cancelled", EngineClosed("the server is shutting down"))
             pool.shutdown(wait=False)
             self.bus.close()
 
@@ -297,61 +322,119 @@ class Engine:
             log.error("cannot serve: %s", why, exc_info=not isinstance(exc, (OSError, ValueError, Unavailable)))
             self.failure = why
             self.bus.publish(events.ClusterEvent("error", f"cannot serve: {why}"))
-            if self._waiting:
-                job = self._waiting.popleft()
+            with self._lock:
+                job = self._waiting.popleft() if self._waiting else None
+            if job is not None:
                 self._finish(job, "error", Unavailable(f"this node cannot serve now: {why}; retry later"))
             return False
         self.failure = None
         return True
 
-    async def _run(self, job: Job, pool: ThreadPoolExecutor, loop: asyncio.AbstractEventLoop) -> None:
-        req = job.request
-        t0 = time.perf_counter()
-        self.bus.publish(events.RequestRecord(req.request_id, "started", req.prompt,
-                                              prompt_tokens=len(req.prompt_ids)))
-        fut = loop.run_in_executor(pool, self._generate, job, loop)
-        reason: str | None = "error"
-        error: BaseException | None = None
-        try:
-            reason = await asyncio.shield(fut)
-        except asyncio.CancelledError:  # shutdown: stop at the next token, without blocking the loop
-            job._stop.set()
-            await asyncio.wait([fut], timeout=STOP_GRACE_S)
-            reason, error = "cancelled", EngineClosed("the server is shutting down")
-            raise
-        except Exception as exc:
-            log.exception("generation %s failed", req.request_id)
-            error = GenerationFailed(f"generation failed: {exc}")
-            self.bus.publish(events.ClusterEvent("error", f"generation {req.request_id} failed: {exc}"))
-        finally:
-            self._durations.append(time.perf_counter() - t0)
-            self.bus.publish(events.RequestRecord(req.request_id, "finished", req.prompt, reason,
-                                                  len(req.prompt_ids), job.tokens))
-            self._finish(job, reason, error)
-
     # ---------------------------------------------------------------- generation thread
 
-    def _generate(self, job: Job, loop: asyncio.AbstractEventLoop) -> str | None:
-        """Runs on the generation thread; returns the finish reason ("cancelled" when stopped early)."""
-        req = job.request
-        if job._stop.is_set():
-            return "cancelled"
-        before = self._counters()
-        gen = generate(self.runner, self.tokenizer, req.prompt_ids, req.params, req.max_tokens, req.stop,
-                       recover=self.recover)
+    def _batch(self, loop: asyncio.AbstractEventLoop, stop: threading.Event) -> None:
+        """Step every admitted sequence until none runs and none waits (or shutdown)."""
+        if self._sched is None or self._sched.runner is not self.runner:
+            self._sched = Scheduler(self.runner, self.tokenizer, self._recover)
+        sched = self._sched
+        jobs: dict[int, tuple[Job, float]] = {}   # id(seq) -> (job, start time)
+        began = False
         try:
-            for ev in gen:
+            while not stop.is_set():
+                self._admit(sched, jobs, loop)
+                for seq in list(sched.seqs):  # cancelled: leave at this step
+                    job = seq.tag
+                    if job._stop.is_set():
+                        sched.drop(seq)
+                        self._ended(loop, jobs.pop(id(seq)), seq, "cancelled", None)
+                if not sched.seqs:
+                    if not self._waiting:
+                        return
+                    continue
+                if not began:
+                    sched.runner.begin()
+                    began = True
+                before = self._counters()
+                try:
+                    produced = sched.step()
+                except Exception as exc:  # noqa: BLE001 - every running job learns why; the engine serves on
+                    self._step_failed(loop, sched, jobs, exc)
+                    began = False
+                    continue
                 after = self._counters()
-                record = token_record(req.request_id, ev, before, after)
-                before = after
-                loop.call_soon_threadsafe(self._deliver, job, ev, record)
-                if ev.finish_reason is not None:
-                    return ev.finish_reason
-                if job._stop.is_set():
-                    return "cancelled"
-            return "cancelled"  # not reached: generate always ends with a finish reason
+                self._publish_step(loop, sched)
+                shares = _split(before, after, len(produced))
+                for (seq, ev), (b, a) in zip(produced, shares):
+                    job = seq.tag
+                    _post(loop, self._deliver, job, ev, token_record(job.request.request_id, ev, b, a))
+                    if ev.finish_reason is not None:
+                        self._ended(loop, jobs.pop(id(seq)), seq, ev.finish_reason, None)
         finally:
-            gen.close()  # runner.end()
+            if began:
+                try:
+                    sched.runner.end()
+                except Exception:  # noqa: BLE001 - a link that is gone ends nothing
+                    log.debug("runner.end failed", exc_info=True)
+            for seq in sched.drop_all() if stop.is_set() else ():
+                self._ended(loop, jobs.pop(id(seq)), seq, "cancelled", EngineClosed("the server is shutting down"))
+
+    def _recover(self, exc: Exception) -> Any:
+        if self.recover is None:
+            raise exc
+        return self.recover(exc)
+
+    def _admit(self, sched: Scheduler, jobs: dict[int, tuple[Job, float]], loop: asyncio.AbstractEventLoop) -> None:
+        """Waiting jobs into free slots, oldest first; a prompt that cannot run ends at once."""
+        while sched.free:
+            with self._lock:
+                if not self._waiting:
+                    return
+                job = self._waiting.popleft()
+                self._running.append(job)
+            req = job.request
+            seq = Seq(req.prompt_ids, req.params, req.max_tokens, req.stop, tag=job)
+            try:
+                sched.admit(seq)
+            except ContextError as exc:
+                self._ended(loop, (job, time.perf_counter()), seq, "error", GenerationFailed(f"generation failed: {exc}"))
+                continue
+            jobs[id(seq)] = (job, time.perf_counter())
+            job.cached_tokens = seq.cached
+            _post(loop, self.bus.publish, events.RequestRecord(
+                req.request_id, "started", req.prompt, prompt_tokens=len(req.prompt_ids),
+                cached_tokens=seq.cached, slot=seq.slot))
+
+    def _step_failed(self, loop, sched: Scheduler, jobs: dict[int, tuple[Job, float]], exc: Exception) -> None:
+        """A step raised: nothing in the KV caches is sure any more, so every running job fails with the reason."""
+        log.error("generation step failed: %s", exc, exc_info=not isinstance(exc, RunnerLost))
+        _post(loop, self.bus.publish, events.ClusterEvent("error", f"generation failed: {exc}"))
+        for seq in sched.drop_all():
+            self._ended(loop, jobs.pop(id(seq)), seq, "error", GenerationFailed(f"generation failed: {exc}"))
+        try:
+            sched.runner.end()
+        except Exception:  # noqa: BLE001
+            log.debug("runner.end failed", exc_info=True)
+
+    def _ended(self, loop, entry: tuple[Job, float], seq: Seq, reason: str, error: BaseException | None) -> None:
+        job, t0 = entry
+        req = job.request
+        with self._lock:
+            if job in self._running:
+                self._running.remove(job)
+        self._durations.append(time.perf_counter() - t0)
+        record = events.RequestRecord(req.request_id, "finished", req.prompt, reason, len(req.prompt_ids),
+                                      seq.index, seq.cached, seq.slot if seq.slot >= 0 else None)
+
+        def finish() -> None:
+            self.bus.publish(record)
+            self._finish(job, reason, error)
+
+        _post(loop, finish)
+
+    def _publish_step(self, loop, sched: Scheduler) -> None:
+        for kind, n, ms in sched.last:
+            _post(loop, self.bus.publish, events.StepRecord(kind, n, ms, len(sched.seqs),
+                                                                          len(self._waiting)))
 
     def _counters(self) -> dict[str, Any]:
         """Link counters of the runner in use (a recovery may have replaced it)."""
@@ -363,6 +446,20 @@ class Engine:
         if not job.done:
             job._out.put_nowait(ev)
         self.bus.publish(record)
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
+    """fn(*args) on the loop, from the generation thread; nothing once the loop is closed (shutdown)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        log.debug("event loop closed; dropped %s", fn)
+
+
+def _split(before: dict[str, Any], after: dict[str, Any], n: int) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """The step's link counters (before, after) for each of its n tokens: the first token carries
+    the step's traffic, the others none, so per-token records add up to what the links moved."""
+    return [(before, after)] + [(after, after)] * (n - 1) if n else []
 
 
 def token_record(request_id: str, ev: TokenEvent, before: dict[str, Any], after: dict[str, Any]) -> events.TokenRecord:

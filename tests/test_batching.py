@@ -1,0 +1,249 @@
+"""Several users at once: continuous batching in the root's engine, the prefix cache, and the same
+text under any load.
+
+References: each request run alone (generate() on a runner of its own, or the same server with
+nothing else running), a cold server for the prefix cache, real worker processes for the cluster,
+and the real `openai` client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import openai
+import pytest
+
+from edgetp import events
+from edgetp.model import gguf, quant
+from edgetp.model.batch import PREFILL_CHUNK, Scheduler, Seq
+from edgetp.model.generate import LocalRunner, generate
+from edgetp.model.sampling import SamplingParams
+from edgetp.model.tokenizer import Tokenizer
+from edgetp.net.loopthread import LoopThread
+from edgetp.parallel.runner import ClusterRunner
+from edgetp.serve.api import make_app, serving
+from edgetp.serve.root import Engine, QueueFull, Request
+from edgetp.serve.spawn import start_worker, stop
+
+CTX = 512
+GREEDY = SamplingParams(temperature=0)
+PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park", "A big red ball",
+           "One day, a cat", "Tim was sad because", "The sun was hot and", "Sue had a new toy"]
+LONG = " ".join(["Once upon a time there was a little girl named Lily who loved to play outside."] * 12)
+
+
+@pytest.fixture(scope="module")
+def stories(stories_path):
+    mf = gguf.open_model(stories_path)
+    return mf, Tokenizer.from_metadata(mf.metadata)
+
+
+@pytest.fixture
+async def start():
+    """start(mf, tok, slots, **engine_kw) -> (url, engine); every server stops at the end of the test."""
+    async with contextlib.AsyncExitStack() as stack:
+        async def go(mf, tok, slots, ctx=CTX, **kw):
+            engine = Engine(LocalRunner(mf, ctx, slots), tok, "stories260K", **kw)
+            url = await stack.enter_async_context(serving(make_app(engine)))
+            return url, engine
+        yield go
+
+
+def client(url):
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def steps_of(engine):
+    """Every StepRecord the engine publishes from now on (a listener sees all of them)."""
+    seen: list[events.StepRecord] = []
+    engine.bus.add_listener(lambda r: seen.append(r) if isinstance(r, events.StepRecord) else None)
+    return seen
+
+
+def alone(mf, tok, prompt, params, n):
+    """The answer to prompt with nothing else running: generate() on a runner of its own."""
+    ids = tok.encode(prompt, add_special=True)
+    return "".join(ev.text for ev in generate(LocalRunner(mf, CTX), tok, ids, params, n))
+
+
+def params_of(k):
+    """Greedy for the even prompts, seeded sampling for the odd ones."""
+    return GREEDY if k % 2 == 0 else SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=1000 + k)
+
+
+async def test_eight_prompts_at_once_through_the_openai_client_each_equal_their_run_alone(start, stories):
+    mf, tok = stories
+    url, engine = await start(mf, tok, slots=8)
+    steps = steps_of(engine)
+    async with client(url) as c:
+        async def one(k):
+            p = params_of(k)
+            extra = {} if p.greedy else {"seed": p.seed, "top_p": p.top_p, "extra_body": {"top_k": p.top_k}}
+            r = await c.completions.create(model="stories260K", prompt=PROMPTS[k], max_tokens=48,
+                                           temperature=p.temperature, **extra)
+            return r.choices[0].text
+
+        got = await asyncio.gather(*(one(k) for k in range(8)))
+    want = [alone(mf, tok, PROMPTS[k], params_of(k), 48) for k in range(8)]
+    for k in range(8):
+        assert got[k] == want[k], f"prompt {k} ({PROMPTS[k]!r}) differs under load"
+    assert len(set(got)) == 8  # eight different answers: nothing was shared by mistake
+    decode = [s.batch for s in steps if s.kind == "decode"]
+    assert max(decode) >= 4, f"the sequences never ran together: decode batch sizes {sorted(set(decode))}"
+    assert engine.slots_view().active == 0 and not engine.busy
+
+
+async def test_a_prompt_from_the_prefix_cache_equals_the_same_prompt_computed_cold(start, stories):
+    mf, tok = stories
+    n_prompt = len(tok.encode(LONG, add_special=True))
+    assert n_prompt > PREFILL_CHUNK + 1
+    url, engine = await start(mf, tok, slots=2)
+    async with client(url) as c:
+        first = await c.completions.create(model="stories260K", prompt=LONG, max_tokens=40, temperature=0)
+        again = await c.completions.create(model="stories260K", prompt=LONG, max_tokens=40, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # whole chunks only, and never the last token (its logits are needed)
+    assert again.usage.prompt_tokens_details.cached_tokens == (n_prompt - 1) // PREFILL_CHUNK * PREFILL_CHUNK
+    assert again.choices[0].text == first.choices[0].text == alone(mf, tok, LONG, GREEDY, 40)
+    view = engine.slots_view()
+    assert view.prefix_hits == 1 and view.cached_tokens == again.usage.prompt_tokens_details.cached_tokens
+
+
+async def test_the_second_turn_of_a_chat_reuses_the_first_and_answers_as_cold(start, stories):
+    mf, tok = stories
+    turn1 = [{"role": "user", "content": LONG}]
+    url, engine = await start(mf, tok, slots=2)
+    async with client(url) as c:
+        a1 = await c.chat.completions.create(model="stories260K", messages=turn1, max_tokens=24, temperature=0)
+        turn2 = turn1 + [{"role": "assistant", "content": a1.choices[0].message.content},
+                         {"role": "user", "content": "And then what happened?"}]
+        a2 = await c.chat.completions.create(model="stories260K", messages=turn2, max_tokens=24, temperature=0)
+    url_cold, _ = await start(mf, tok, slots=1)
+    async with client(url_cold) as c:
+        cold = await c.chat.completions.create(model="stories260K", messages=turn2, max_tokens=24, temperature=0)
+    assert a2.usage.prompt_tokens_details.cached_tokens >= PREFILL_CHUNK
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert a2.choices[0].message.content == cold.choices[0].message.content
+
+
+async def test_a_long_prompt_is_read_in_chunks_between_the_tokens_of_a_running_stream(start, stories):
+    mf, tok = stories
+    url, engine = await start(mf, tok, slots=2, ctx=1024)
+    steps = steps_of(engine)
+    long = " ".join([LONG] * 2)
+    chunks = -(-len(tok.encode(long, add_special=True)) // PREFILL_CHUNK)
+    assert chunks >= 3
+    async with client(url) as c:
+        stream = await c.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=400,
+                                            temperature=0, stream=True)
+        got = 0
+        async for _ in stream:  # the first stream is decoding before the long prompt arrives
+            got += 1
+            if got == 3:
+                break
+        second = asyncio.ensure_future(c.completions.create(model="stories260K", prompt=long, max_tokens=4,
+                                                            temperature=0))
+        async for _ in stream:
+            pass
+        await second
+    kinds = [s.kind for s in steps]
+    first = kinds.index("prefill", 2)  # the short prompt's one chunk came first
+    reading = kinds[first:first + 2 * chunks - 1]
+    # each of the long prompt's chunks is followed by a decode step of the running stream
+    assert reading.count("prefill") == chunks and reading[1::2] == ["decode"] * (chunks - 1), kinds[:40]
+
+
+async def test_429_only_when_every_slot_and_the_queue_are_full(start, stories):
+    mf, tok = stories
+    _, engine = await start(mf, tok, slots=2, queue_size=1)
+    ids = tuple(tok.encode("Once upon a time", add_special=True))
+    jobs = []
+    try:
+        for k in range(3):  # two slots and one place in the queue: no awaits, nothing finishes meanwhile
+            jobs.append(engine.submit(Request(f"r{k}", ids, GREEDY, 400)))
+        with pytest.raises(QueueFull):
+            engine.submit(Request("r3", ids, GREEDY, 400))
+    finally:
+        for job in jobs:
+            job.cancel()
+    for _ in range(500):
+        if not engine.busy and engine.queue_depth == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert not engine.busy and engine.queue_depth == 0
+
+
+def test_the_scheduler_reuses_whole_chunks_only_and_frees_the_least_recently_used_slot(stories):
+    mf, tok = stories
+    sched = Scheduler(LocalRunner(mf, CTX, 2), tok)
+    ids = tok.encode(LONG, add_special=True)
+
+    def run(prompt):
+        seq = Seq(prompt, GREEDY, 8)
+        sched.admit(seq)
+        slot = seq.slot
+        while not seq.done:
+            sched.step()
+        return slot, seq.cached
+
+    slot_a, cached = run(ids)
+    assert cached == 0
+    other = tok.encode("The little dog", add_special=True)
+    slot_b, _ = run(other)
+    assert slot_b != slot_a  # the slot with a reusable prefix stays; the other (never used) is taken
+    slot_c, cached = run(ids[:PREFILL_CHUNK + 1])  # shares exactly one whole chunk with slot_a
+    assert (slot_c, cached) == (slot_a, PREFILL_CHUNK)
+    slot_d, cached = run(ids[:PREFILL_CHUNK])  # the last token must be computed: no whole chunk before it
+    assert cached == 0 and slot_d == slot_b  # least recently used without a prefix to offer
+
+
+# --------------------------------------------------------------------------- a cluster
+
+
+@pytest.fixture(scope="module")
+def two_workers():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EDGETP_INT8", "0")
+        procs = [start_worker() for _ in range(2)]
+    try:
+        yield [addr for _, addr in procs]
+    finally:
+        for proc, _ in procs:
+            stop(proc)
+
+
+def test_a_batch_across_three_processes_gives_each_sequence_its_single_node_text(two_workers, stories_path,
+                                                                                   monkeypatch):
+    monkeypatch.setenv("EDGETP_INT8", "0")  # the workers' kernels: exact float arithmetic on every node
+    quant.set_threads(1)
+    mf = gguf.open_model(stories_path)
+    tok = Tokenizer.from_metadata(mf.metadata)
+    prompts = [tok.encode(p, add_special=True) for p in PROMPTS[:5]]
+    params = [params_of(k) for k in range(5)]
+    want = [[ev.token_id for ev in generate(LocalRunner(mf, CTX), tok, ids, p, 32)]
+            for ids, p in zip(prompts, params)]
+    with LoopThread() as lt:
+        runner = lt.run(ClusterRunner.connect(mf, two_workers, ctx=CTX, weights=[1, 2, 3], slots=4), timeout=300)
+        try:
+            assert runner.slots == 4
+            sched = Scheduler(runner, tok)
+            seqs = [Seq(ids, p, 32) for ids, p in zip(prompts, params)]
+            got: dict[int, list[int]] = {id(s): [] for s in seqs}
+            waiting, batches = list(seqs), []
+            runner.begin()
+            try:
+                for _ in range(2000):
+                    while waiting and sched.free:
+                        sched.admit(waiting.pop(0))
+                    if not sched.seqs and not waiting:
+                        break
+                    for seq, ev in sched.step():
+                        got[id(seq)].append(ev.token_id)
+                    batches.append(sched.batch)
+            finally:
+                runner.end()
+        finally:
+            runner.close()
+    assert [got[id(s)] for s in seqs] == want
+    assert max(batches) == 4  # four slots for five sequences: the fifth joined when one left

@@ -296,6 +296,7 @@ def run_setup(setup: str, spec: ModelSpec, path: Path, args: argparse.Namespace,
     daemons: list[Daemon] = []
     rows: list[Row] = []
     plan = ""
+    title = f"{spec.label}, {'one node' if setup == 'one' else 'self-formed 2-node cluster'}"
     try:
         with tempfile.TemporaryDirectory(prefix="edgetp-bench-serve-") as tmp:
             key = Path(tmp) / "cluster.key"
@@ -314,11 +315,10 @@ def run_setup(setup: str, spec: ModelSpec, path: Path, args: argparse.Namespace,
                                     args.max_tokens))
     except Exception as exc:  # noqa: BLE001 - one failed setup is reported, the others still run
         tails = "\n".join(f"    {d.node_id}: {line}" for d in daemons for line in list(d.tail)[-5:])
-        return f"### {spec.label}, {setup} node(s)\n\nFAILED: {exc}\n{tails}"
+        return f"### {title}\n\nFAILED: {exc}\n{tails}"
     finally:
         for d in daemons:
             d.stop()
-    title = f"{spec.label}, {'one node' if setup == 'one' else 'self-formed 2-node cluster'}"
     return table(title, rows, args.max_tokens) + f"\n\n{plan}"
 
 

@@ -66,5 +66,9 @@ def _announced(proc: subprocess.Popen, pattern: re.Pattern, timeout: float, what
             return m.group(1)
         if proc.poll() is not None:
             break
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    why = proc.stderr.read() if proc.stderr else ""  # before stop() closes the pipe
     stop(proc)
-    raise RuntimeError(f"{what} did not start: {proc.stderr.read() if proc.stderr else ''}".strip())
+    raise RuntimeError(f"{what} did not start: {why}".strip())

@@ -1,0 +1,37 @@
+"""tools/bench_serve.py's figures: percentiles, rates and the baseline row, from hand-worked streams."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from tools.bench_serve import PROMPT_TOKENS, Stream, figures, parse_clients, pct, prompt_ids, table
+
+
+def test_percentiles_are_nearest_rank():
+    assert pct([], 50) is None
+    assert pct([3.0, 1.0], 50) == 1.0  # ceil(0.5 * 2) = rank 1
+    assert pct(list(range(1, 101)), 95) == 95 and pct(list(range(1, 101)), 50) == 50
+    assert pct([7.0], 95) == 7.0
+
+
+def test_figures_pool_the_gaps_and_rate_tokens_after_each_first_over_the_whole_window():
+    a = Stream(0.0, [1.0, 1.1, 1.2], tokens=3)
+    b = Stream(0.5, [2.0, 2.5], tokens=2)
+    failed = Stream(0.0, error="RateLimitError: 429")
+    row = figures(3, [a, b, failed], max_tokens=3)
+    assert row.agg == pytest.approx((2 + 1) / (2.5 - 1.0))  # 3 tokens after the firsts in 1.5 s
+    assert (row.tbt50, row.tbt95) == (pytest.approx(0.1), pytest.approx(0.5))  # gaps 0.1, 0.1, 0.5
+    assert (row.ttft50, row.ttft_max) == (1.0, 1.5)
+    assert (row.tokens, row.short, row.errors) == (5, 1, ["RateLimitError: 429"])
+    text = table("t", [figures(1, [a], 3), row], 3)
+    assert "1 stream(s) ended before 3 tokens; 1 failed (1x RateLimitError)" in text
+
+
+def test_the_single_client_row_is_always_measured_and_prompts_differ():
+    assert parse_clients("4,2") == [1, 2, 4] and parse_clients("1,8,8") == [1, 8]
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_clients("0,2")
+    prompts = {tuple(prompt_ids(level, c)) for level in range(6) for c in range(16)}
+    assert len(prompts) == 96 and all(len(p) == PROMPT_TOKENS for p in prompts)

@@ -179,3 +179,38 @@ def test_fma_emulation_rounds_once_as_exact_arithmetic_does():
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     twice = (a * b + c).astype(np.float32)  # rounded twice: must differ somewhere, or the cases are too easy
     assert not np.array_equal(twice.view(np.uint32), want.view(np.uint32))
+
+
+# ISA -> (LLVM triple, a CPU that has it, instructions its tiles must be made of)
+CROSS = {
+    "avx512vnni": ("x86_64-unknown-linux-gnu", "icelake-server", {0: ["vpdpbusd", "zmm"], 2: ["vpdpwssd", "zmm"]}),
+    "avxvnni": ("x86_64-unknown-linux-gnu", "alderlake", {0: ["{vex}", "vpdpbusd"], 2: ["{vex}", "vpdpwssd"]}),
+    "avx2": ("x86_64-unknown-linux-gnu", "haswell", {0: ["vpmaddubsw", "vpmaddwd"], 2: ["vpmaddwd"]}),
+    "neon": ("aarch64-unknown-linux-gnu", "cortex-a76", {0: ["sdot"], 2: ["smull"]}),
+    "generic": ("x86_64-unknown-linux-gnu", "x86-64", {0: ["pmaddwd"], 2: ["pmaddwd"]}),
+}
+
+
+@pytest.mark.parametrize("name", isa.ISAS)
+def test_every_isas_tiles_compile_for_its_cpu_and_use_its_instructions(name):
+    # compile only (nothing runs): the tiles of ISAs this CPU lacks are at least valid
+    # LLVM IR that selects to their own instructions; the bit tests above run them where
+    # the CPU can
+    import llvmlite.binding as llvm  # noqa: PLC0415
+    from llvmlite import ir  # noqa: PLC0415
+
+    llvm.initialize_all_targets()
+    llvm.initialize_all_asmprinters()
+    triple, cpu, want = CROSS[name]
+    for kind in (intgemm.Q4_0, intgemm.Q4_1, intgemm.Q8_0):
+        mod = ir.Module(name="tile")
+        mod.triple = triple
+        fn = ir.Function(mod, ir.FunctionType(ir.VoidType(), [ir.IntType(64)] * 13), name="tile")
+        b = ir.IRBuilder(fn.append_basic_block("entry"))
+        intgemm._emit_tile(b, kind, name, list(fn.args))
+        b.ret_void()
+        m = llvm.parse_assembly(str(mod))
+        m.verify()
+        asm = llvm.Target.from_triple(triple).create_target_machine(cpu=cpu, opt=3).emit_assembly(m)
+        for word in want.get(kind, []):
+            assert word in asm, f"{name} kind {kind}: no {word} in its code for {cpu}"

@@ -2,6 +2,7 @@
 
     python tools/dashboard_screenshot.py --url http://127.0.0.1:7711 --ask "Why is the sky blue?" -o docs/dashboard.png
     python tools/dashboard_screenshot.py --scripted -o docs/dashboard-scripted.png
+    python tools/dashboard_screenshot.py --scripted batching -o docs/dashboard-batching.png
 
 The PNG comes from `rsvg-convert` (Debian package librsvg2-bin).
 """
@@ -27,6 +28,9 @@ from dashboard.source import HttpAsker, ScriptedAsker, ScriptedSource, WebSocket
 
 
 def make_app(args: argparse.Namespace) -> DashboardApp:
+    if args.scripted == "batching":
+        records = scenes.batching()
+        return DashboardApp(ScriptedSource(records, [0.02] * len(records), hold=True), ScriptedAsker(["(scripted)"]))
     if args.scripted:
         records = scenes.generating(len(scenes.ANSWER))
         first = len(records) - len(scenes.ANSWER)
@@ -49,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--url", help="the cluster's API, e.g. http://127.0.0.1:7711")
-    source.add_argument("--scripted", action="store_true", help="play a scripted three-node generation")
+    source.add_argument("--scripted", nargs="?", const="generating", choices=("generating", "batching"),
+                        help="play a scripted three-node generation, or four requests batched (batching)")
     parser.add_argument("--ask", help="a prompt to submit once the dashboard is up")
     parser.add_argument("--seconds", type=float, default=4.0, help="how long to watch before the screenshot")
     parser.add_argument("--width", type=int, default=140)

@@ -318,11 +318,17 @@ class RequestsView(StateView):
                              header_style="bold")
         for r in lines:
             state = Text(r.finish_reason or "done", "dim") if r.finished else Text("running", "green")
-            table.add_row(r.request_id, "-" if r.slot is None else str(r.slot), str(r.prompt_tokens or "-"),
+            table.add_row(short_id(r.request_id), "-" if r.slot is None else str(r.slot), str(r.prompt_tokens or "-"),
                           str(r.cached_tokens) if r.cached_tokens else "-", str(r.tokens),
                           f"{r.tokens_per_s:.1f}" if r.tokens > 1 else "-", state,
                           style="dim" if r.finished else None)
         return table
+
+
+def short_id(request_id: str) -> str:
+    """An API request id cut like a git hash: 'cmpl-' and 8 of its 24 hex digits (short ids stay whole)."""
+    head, _, tail = request_id.rpartition("-")
+    return f"{head}-{tail[:8]}" if head and len(tail) > 12 else request_id
 
 
 class BatchChart(StateView):

@@ -6,6 +6,7 @@ import asyncio
 import io
 import json
 
+import aiohttp
 import pytest
 from aiohttp import web
 from hypothesis import given, settings
@@ -20,6 +21,11 @@ from dashboard.source import AskError, HttpAsker, ScriptedAsker, ScriptedSource,
 from dashboard.state import (FINISHED_KEPT, AskChunk, AskFinished, AskStarted, ClearLog, ConnectionStatus,
                              DashboardState, apply)
 from dashboard.widgets import BatchChart, EventLog, GenerationView, NodesTable, RequestsView, StatusBar
+from edgetp.model import gguf
+from edgetp.model.generate import LocalRunner
+from edgetp.model.tokenizer import Tokenizer
+from edgetp.serve.api import make_app, serving
+from edgetp.serve.root import Engine
 from edgetp.events import (ClusterEvent, ClusterView, LinkBytes, RequestRecord, SlotsView, StepRecord, TokenRecord,
                            to_dict)
 
@@ -439,6 +445,32 @@ async def test_the_http_asker_yields_the_streamed_deltas():
     finally:
         await runner.cleanup()
         await bad_runner.cleanup()
+
+
+async def test_a_real_servers_request_shows_as_one_line_with_the_tokens_its_usage_counts(stories_path):
+    mf = gguf.open_model(stories_path)
+    engine = Engine(LocalRunner(mf, 128), Tokenizer.from_metadata(mf.metadata), "stories260K")
+    async with serving(make_app(engine)) as url:
+        app = DashboardApp(WebSocketSource(url, first=0.05))
+        async with app.run_test(size=SIZE) as pilot:
+            for _ in range(500):
+                if app.state.connection.state == "connected" and engine.bus.subscribers:
+                    break
+                await pilot.pause(0.01)
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+                async with s.post(url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 12,
+                                                                 "temperature": 0}) as r:
+                    usage = (await r.json())["usage"]
+            for _ in range(500):
+                if app.state.requests and app.state.requests[-1].finished:
+                    break
+                await pilot.pause(0.01)
+            (line,) = app.state.requests
+            assert (line.tokens, line.prompt_tokens) == (usage["completion_tokens"], usage["prompt_tokens"])
+            assert line.finish_reason == "length" and line.tokens_per_s > 0
+            row = text_of(app.main.query_one(RequestsView)).splitlines()[1].split()
+            assert row[0] == line.request_id[:len(row[0])] and len(row[0]) >= len("cmpl-") + 8
+            assert row[4] == "12" and row[-1] == "length"
 
 
 # --- snapshots --------------------------------------------------------------------------------

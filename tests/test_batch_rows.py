@@ -10,7 +10,6 @@ intdot.reference (the canonical arithmetic in numpy) and the single-token kernel
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -281,3 +280,24 @@ def test_several_token_kernel_on_the_generic_isa_gives_the_same_bits(tmp_path):
         for b in range(x.shape[0]):
             want = intdot.reference(qt, w, intdot.rounded(x[b]))
             assert np.array_equal(_bits(got[f"o{int(qt)}"][b]), _bits(want)), f"{LAYOUTS[qt].qtype.name} token {b}"
+
+
+STEPS_CHILD = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import test_batch_rows as t
+from edgetp.model import gguf, isa
+assert isa.current() == "generic", isa.current()
+t._check_steps(gguf.open_model(sys.argv[2]), sizes=(2, 5), steps=1)
+print("rows equal alone")
+"""
+
+
+def test_rows_equal_each_sequence_alone_on_the_generic_isa(mixed_path):
+    env = dict(os.environ, EDGETP_ISA="generic", EDGETP_INT8="1", PYTHONPATH=str(REPO))
+    env.pop("NUMBA_CPU_NAME", None)
+    env.pop("NUMBA_CPU_FEATURES", None)
+    res = subprocess.run([sys.executable, "-c", STEPS_CHILD, str(REPO / "tests"), str(mixed_path)], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=1800)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "rows equal alone" in res.stdout

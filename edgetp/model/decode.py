@@ -1,4 +1,4 @@
-"""One-token decode of a shard, with everything but the arithmetic done once.
+"""Decode of a shard, one token of each of n sequences, with everything but the arithmetic done once.
 
 Shard.forward for one token used to spend about as long in Python and numba
 dispatch as in its kernels (SmolLM2-135M: 211 matvecs a token, each checking
@@ -9,6 +9,12 @@ call, and the small steps between the matvecs fused into one compiled call each
 (residual add, norm and rounding; rope, cache write, attention and rounding;
 silu and rounding). It calls the same kernels on the same values in the same
 order as the per-op path (`Shard.forward` for n > 1): the results are the same bits.
+
+A step may carry one token from each of several sequences (`Shard.forward_rows`),
+each at its own position of its own KV slot: every buffer then has a row per token,
+the integer kernels read each weight once for all the rows (intdot.TokenProducts)
+and each row gets exactly the arithmetic of a token alone, so a sequence's text does
+not depend on what else runs beside it. Float kernels run row by row.
 """
 
 from __future__ import annotations

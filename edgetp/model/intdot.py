@@ -30,6 +30,10 @@ Any ISA may form a lane in any way because it is an exact integer.
 
 How each ISA forms the lanes is `intdot_ir.py` (one small function per ISA).
 
+Several tokens at once (a decode step of several sequences: `TokenProducts`) run the
+same arithmetic per (row, token); each chunk's codes and scales are unpacked once and
+applied to every token (intdot_ir.emit_rows_tokens), so the weights are read once.
+
 The kernel per row walks four rows SPREAD apart (as kernels.py does) in one
 LLVM-IR intrinsic generated from the layout row; the numba function around it
 hands spans of rows to threads.

@@ -378,8 +378,8 @@ async def cluster(request: web.Request) -> web.Response:
 def served_view(app: web.Application) -> events.ClusterView:
     """The cluster view, with the engine's slots when this node is the one serving completions."""
     view = app[CLUSTER_VIEW]()
-    if view.slots is None and _serves_here(app) and (slots := slots_of(app[ENGINE])) is not None:
-        view = dataclasses.replace(view, slots=slots)
+    if view.slots is None and _serves_here(app):
+        view = dataclasses.replace(view, slots=app[ENGINE].slots_view())
     return view
 
 
@@ -391,12 +391,6 @@ def _serves_here(app: web.Application) -> bool:
         return app[ROUTE]() is None
     except NoRoot:
         return False
-
-
-def slots_of(engine: Engine) -> events.SlotsView | None:
-    """The engine's slots, from an engine that reports them (a batching one); None from one that does not."""
-    view = getattr(engine, "slots_view", None)
-    return view() if callable(view) else None
 
 
 async def events_ws(request: web.Request) -> web.WebSocketResponse:
@@ -485,11 +479,8 @@ async def _forward(ws: web.WebSocketResponse, sub: Any) -> None:
 
 
 class Metrics:
-    """Prometheus metrics in a registry of their own, fed by the engine's bus (every record, none dropped).
-
-    Slots come from the engine's `slots_view()` when it has one; an engine without it runs one
-    generation at a time, which is one slot, busy or not.
-    """
+    """Prometheus metrics in a registry of their own, fed by the engine's bus (every record, none dropped);
+    slots and the queue are read from the engine when scraped."""
 
     BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
@@ -506,11 +497,11 @@ class Metrics:
         self.link_bytes = Counter("edgetp_link_bytes", "Bytes moved over cluster links during generation",
                                   ["link", "direction"], registry=r)
         self.queue_depth = Gauge("edgetp_queue_depth", "Requests waiting for a slot", registry=r)
-        self.queue_depth.set_function(lambda: self._slots(engine).queued)
+        self.queue_depth.set_function(lambda: engine.slots_view().queued)
         self.slots_total = Gauge("edgetp_slots_total", "Sequences the engine can run at once", registry=r)
-        self.slots_total.set_function(lambda: self._slots(engine).total)
+        self.slots_total.set_function(lambda: engine.slots_view().total)
         self.slots_active = Gauge("edgetp_slots_active", "Sequences holding a slot", registry=r)
-        self.slots_active.set_function(lambda: self._slots(engine).active)
+        self.slots_active.set_function(lambda: engine.slots_view().active)
         self.batch_size = Gauge("edgetp_batch_size", "Sequences in the last decode step", registry=r)
         self.decode_batch = Histogram("edgetp_decode_batch", "Decode steps by the sequences they carried",
                                       buckets=self.BATCHES, registry=r)
@@ -525,13 +516,6 @@ class Metrics:
         self.elections = Counter("edgetp_elections", "Root elections", registry=r)
         self._started: dict[str, float] = {}
         self._cached: set[str] = set()  # running requests whose prefix hit is counted already
-
-    @staticmethod
-    def _slots(engine: Engine) -> events.SlotsView:
-        view = slots_of(engine)
-        if view is not None:
-            return view
-        return events.SlotsView(1, int(bool(getattr(engine, "busy", False))), engine.queue_depth)
 
     def observe(self, record: Any) -> None:
         if isinstance(record, events.TokenRecord):

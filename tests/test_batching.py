@@ -247,3 +247,32 @@ def test_a_batch_across_three_processes_gives_each_sequence_its_single_node_text
             runner.close()
     assert [got[id(s)] for s in seqs] == want
     assert max(batches) == 4  # four slots for five sequences: the fifth joined when one left
+
+
+async def test_a_client_that_leaves_frees_its_slot_while_the_other_streams_go_on(start, stories):
+    mf, tok = stories
+    url, engine = await start(mf, tok, slots=2, ctx=1024)
+    finished: list[events.RequestRecord] = []
+    engine.bus.add_listener(lambda r: finished.append(r) if isinstance(r, events.RequestRecord)
+                            and r.state == "finished" else None)
+    async with client(url) as c:
+        leaving = await c.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=900,
+                                             temperature=0, stream=True)
+        staying = asyncio.ensure_future(c.completions.create(model="stories260K", prompt="The little dog",
+                                                             max_tokens=300, temperature=0))
+        got = 0
+        async for _ in leaving:
+            got += 1
+            if got == 5:
+                break
+        await leaving.close()  # the client goes away mid-answer
+        for _ in range(500):
+            if engine.slots_view().active <= 1:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.slots_view().active <= 1  # its slot is free while the other still runs (or is done)
+        answer = await staying
+    assert answer.choices[0].text == alone(mf, tok, "The little dog", GREEDY, 300)
+    assert engine.slots_view().active == 0
+    gone = next(r for r in finished if r.prompt == "Once upon a time")
+    assert gone.finish_reason == "cancelled" and gone.completion_tokens < 900

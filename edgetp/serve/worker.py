@@ -339,6 +339,8 @@ def _warm_up(shard: llama.Shard) -> None:
             quant.dequantize_q8_0(quant.quantize_q8_0(x[0]), shard.w.cfg.dim)
         shard.logits(shard.forward(x.copy(), 0))
         shard.logits(shard.forward(x[:1].copy(), 0))
+        rows = min(2, shard.slots)  # the decode step of several sequences
+        shard.logits_rows(shard.forward_rows(x[:rows].copy(), list(range(rows)), [1] * rows))
     finally:
         shard.reduce = reduce
 

@@ -16,8 +16,8 @@ For each setup and number of clients, every client streams one completion at onc
 * aggregate decode tok/s: every token after each stream's first, over the time from the
   earliest first token to the last token of all streams (queueing and prefills included:
   what the cluster delivers while that many people wait on it);
-* p50 and p95 of the time between tokens, pooled over every stream (gaps between
-  consecutive streamed chunks of one stream);
+* p50, p95 and max of the time between tokens, pooled over every stream (gaps between
+  consecutive streamed chunks of one stream; the max is the longest stall);
 * p50 and max of the time to first token (request sent to first text);
 * the same figures beside the single-client row (x1 columns).
 
@@ -218,6 +218,7 @@ class Row:
     agg: float | None         # tok/s over every stream
     tbt50: float | None       # s
     tbt95: float | None
+    tbt_max: float | None     # the longest stall of any stream
     ttft50: float | None
     ttft_max: float | None
     tokens: int
@@ -243,7 +244,8 @@ def figures(clients: int, streams: list[Stream], max_tokens: int) -> Row:
         start, end = min(s.arrivals[0] for s in ok), max(s.arrivals[-1] for s in ok)
         after_first = sum(max(s.tokens, len(s.arrivals)) - 1 for s in ok)
         agg = after_first / (end - start) if end > start else None
-    return Row(clients, agg, pct(gaps, 50), pct(gaps, 95), pct(ttfts, 50), max(ttfts, default=None),
+    return Row(clients, agg, pct(gaps, 50), pct(gaps, 95), max(gaps, default=None), pct(ttfts, 50),
+               max(ttfts, default=None),
                sum(s.tokens for s in ok), sum(1 for s in ok if s.tokens < max_tokens), errors)
 
 
@@ -257,7 +259,8 @@ def ratio(x: float | None, base: float | None) -> str:
 
 def table(title: str, rows: list[Row], max_tokens: int) -> str:
     base = next((r for r in rows if r.clients == 1), None)
-    head = ["clients", "agg tok/s", "x1", "TBT p50 ms", "TBT p95 ms", "p95 x1", "TTFT p50 ms", "TTFT max ms",
+    head = ["clients", "agg tok/s", "x1", "TBT p50 ms", "TBT p95 ms", "p95 x1", "TBT max ms", "TTFT p50 ms",
+            "TTFT max ms",
             "tokens", "notes"]
     body = []
     for r in rows:
@@ -269,7 +272,8 @@ def table(title: str, rows: list[Row], max_tokens: int) -> str:
             notes.append(f"{len(r.errors)} failed (" + ", ".join(f"{n}x {k}" for k, n in kinds.items()) + ")")
         body.append([str(r.clients), "-" if r.agg is None else f"{r.agg:.1f}",
                      ratio(r.agg, base.agg if base else None), ms(r.tbt50), ms(r.tbt95),
-                     ratio(r.tbt95, base.tbt95 if base else None), ms(r.ttft50), ms(r.ttft_max), str(r.tokens),
+                     ratio(r.tbt95, base.tbt95 if base else None), ms(r.tbt_max), ms(r.ttft50), ms(r.ttft_max),
+                     str(r.tokens),
                      "; ".join(notes)])
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
@@ -304,10 +308,11 @@ def run_setup(setup: str, spec: ModelSpec, path: Path, args: argparse.Namespace,
                            timeout=60, env=os.environ | child_env(), cwd=ROOT)
             root = start_setup(setup, path, key, args, flags, daemons)
             model = get_json(root.url, "/v1/models")["data"][0]["id"]
-            log(f"  warm-up ({setup}, {spec.key}) ...")
-            warm = asyncio.run(level(root.url, model, 1, 0, 8, args.limit))
-            if warm[0].error:
-                raise RuntimeError(f"the warm-up request failed: {warm[0].error}")
+            # as many streams as the most clients, so every batch shape's kernels are loaded before timing
+            log(f"  warm-up ({setup}, {spec.key}, {max(args.clients)} streams of 8 tokens) ...")
+            warm = asyncio.run(level(root.url, model, max(args.clients), 0, 8, args.limit))
+            if failed := [w.error for w in warm if w.error]:
+                raise RuntimeError(f"{len(failed)} warm-up request(s) failed: {failed[0]}")
             plan = plan_line(root.url)
             for i, n in enumerate(args.clients, start=1):
                 log(f"  {n} client(s) ...")

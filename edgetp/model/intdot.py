@@ -192,7 +192,7 @@ def _kernel(kind: int, which: str):
 @intrinsic
 def _rows4_tokens(typingctx, kind, which, rows, xq, dx, s4, s16, ntok, tab, nb, acc, out):
     """out[4 t + j] (an address of 4 ntok f32) = rows[j] . token t for t < ntok, the tokens' Rounded
-    rows one after another from xq/dx/s4/s16; acc: a scratch of ntok * 4 * 24 f32."""
+    rows interleaved by block (_by_block) from xq/dx/s4/s16; acc: a scratch of ntok * 4 * 24 f32."""
     if not isinstance(kind, types.IntegerLiteral) or not isinstance(which, types.StringLiteral):
         return None
     layout, name = LAYOUTS[kind.literal_value], which.literal_value
@@ -206,16 +206,31 @@ def _rows4_tokens(typingctx, kind, which, rows, xq, dx, s4, s16, ntok, tab, nb, 
     return sig, codegen
 
 
+@njit(**_OPTS)
+def _by_block(a, ntok, nb, out):
+    """Tokens 0..ntok-1 of a (>= ntok, nb * m) into out (flat) interleaved by block: block k of
+    token t at k * ntok + t (what the token loop of one block reads is adjacent)."""
+    m = a.shape[1] // nb
+    for k in range(nb):
+        for t in range(ntok):
+            out[(k * ntok + t) * m : (k * ntok + t + 1) * m] = a[t, k * m : (k + 1) * m]
+
+
 @functools.cache
 def _kernel_tokens(kind: int, which: str):
     """_kernel for several tokens: each weight's rows read once for all of them, each
     (row, token) result the single-token kernel's bits (emit_rows_tokens)."""
 
     @njit(parallel=True, **_OPTS)
-    def matvec_tokens(ws, xq, dx, s4, s16, ntok, tab, nb, out, serial):
-        # as matvec_rows, for tokens 0..ntok-1: xq/dx/s4/s16 (>= ntok, ...) Rounded.rows, C-contiguous;
-        # out (>= ntok, sum of rows) f32. A job's results go to out row by row after its call.
-        xa, da, s4a, s16a, ta = xq.ctypes.data, dx.ctypes.data, s4.ctypes.data, s16.ctypes.data, tab.ctypes.data
+    def matvec_tokens(ws, xq, dx, s4, s16, xi, di, s4i, s16i, ntok, tab, nb, out, serial):
+        # as matvec_rows, for tokens 0..ntok-1: xq/dx/s4/s16 (>= ntok, ...) Rounded.rows, C-contiguous,
+        # copied by block into xi/di/s4i/s16i (flat, as large); out (>= ntok, sum of rows) f32. A
+        # job's results go to out row by row after its call.
+        _by_block(xq, ntok, nb, xi)
+        _by_block(dx, ntok, nb, di)
+        _by_block(s4, ntok, nb, s4i)
+        _by_block(s16, ntok, nb, s16i)
+        xa, da, s4a, s16a, ta = xi.ctypes.data, di.ctypes.data, s4i.ctypes.data, s16i.ctypes.data, tab.ctypes.data
         total = 0
         for i in range(ws.shape[0]):
             total += spans(ws[i, 2])
@@ -310,7 +325,8 @@ class TokenProducts:
         self.n = n
         self._keep = (ws, x, out)
         table = np.array([(w.ctypes.data, w.shape[1], w.shape[0], a) for w, a in zip(ws, starts)], np.int64)
-        self._table, self._x, self._tail = table.reshape(len(ws), 4), tuple(x), (_tab(), nb, out)
+        by_block = tuple(np.empty(a.size, a.dtype) for a in x)  # the kernel's copy of x, interleaved by block
+        self._table, self._x, self._tail = table.reshape(len(ws), 4), (*x, *by_block), (_tab(), nb, out)
         self._kernel = _kernel_tokens(int(qtype), isa.current())
 
     def __call__(self, ntok: int, serial: bool) -> None:

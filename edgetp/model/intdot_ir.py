@@ -362,7 +362,8 @@ def _count(b: ir.IRBuilder, n, body, name: str) -> None:
 
 def emit_rows_tokens(b: ir.IRBuilder, layout: Layout, name: str, rows, x, ntok, tab, nb, acc, out) -> None:
     """out[t * R + r] = row r . token t for every t < ntok: R rows (addresses), x = (xq, dx, s4, s16)
-    addresses of ntok rounded tokens one after another (each of nb blocks), acc a scratch of
+    addresses of ntok rounded tokens interleaved by block (block k of every token, in token order,
+    then block k + 1: what the token loop of a block reads is adjacent), acc a scratch of
     ntok * R * (8 + slots) f32.
 
     For each (row, token) this is emit_rows's arithmetic op for op (the same integer lanes, the
@@ -372,12 +373,11 @@ def emit_rows_tokens(b: ir.IRBuilder, layout: Layout, name: str, rows, x, ntok, 
     em, L = _Emit(b, layout, name, tab), layout
     R, nch, n = len(rows), len(layout.chunks), len(layout.slots)
     mty = _F32 if n == 1 else ir.VectorType(_F32, n)
-    cols = b.mul(nb, ir.Constant(_I64, L.values))
-    xq, dx, s4, s16 = x
-    strides = (cols, b.udiv(cols, ir.Constant(_I64, 8)), cols, b.udiv(cols, ir.Constant(_I64, 4)))  # bytes
+    sizes = [ir.Constant(_I64, v) for v in (L.values, L.values // 8, L.values, L.values // 4)]  # bytes per block
+    others = b.sub(ntok, ir.Constant(_I64, 1))
 
-    def token(t):  # (xq, dx, s4, s16) of token t
-        return tuple(b.add(a, b.mul(t, s)) for a, s in zip(x, strides))
+    def token(t, k):  # (xq, dx, s4, s16) of token t, where block k + j of it sits at + j blocks
+        return tuple(b.add(a, b.mul(b.add(t, b.mul(k, others)), s)) for a, s in zip(x, sizes))
 
     def acc_at(t, r):
         return _ptr(b, acc, b.mul(b.add(b.mul(t, ir.Constant(_I64, R)), ir.Constant(_I64, r)), ir.Constant(_I64, 32)), _V8F)
@@ -401,7 +401,7 @@ def emit_rows_tokens(b: ir.IRBuilder, layout: Layout, name: str, rows, x, ntok, 
             sw = [em.slot_weights(base) for base in bases]  # (ws, wm) per row, for every token
             if L.offset:
                 def offsets(t):
-                    _, tdx, _, ts16 = token(t)
+                    _, tdx, _, ts16 = token(t, k)
                     dxs, S = em.slot_x(k, tdx, ts16)
                     for r, (_, wm) in enumerate(sw):
                         p = macc_at(t, r)
@@ -417,7 +417,7 @@ def emit_rows_tokens(b: ir.IRBuilder, layout: Layout, name: str, rows, x, ntok, 
                     scales.append(em.scale(base, ch.lo))
 
             def apply(t, ci=ci, c=c, us=us, scales=scales):
-                txq, tdx, ts4, ts16 = token(t)
+                txq, tdx, ts4, ts16 = token(t, k)
                 xv = _load(b, txq, b.mul(ci, ir.Constant(_I64, 32)), _V32I8)
                 if L.bias:
                     corr = b.shl(_load(b, ts4, b.mul(ci, ir.Constant(_I64, 32)), _V8I32, 4),

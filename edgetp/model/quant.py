@@ -296,18 +296,19 @@ def matmul(w: Weight, x: np.ndarray | Batch, out: np.ndarray) -> None:
     batch = x if isinstance(x, Batch) else None
     x = x.x if batch is not None else x
     check_io(w, x, out, x.shape[0] if x.ndim == 2 else -1)
-    if w.qtype in intgemm.KINDS and intgemm.available():
+    use_threads()
+    # attention's BLAS products follow, on either path: OpenBLAS's own threads would fight ours
+    _openblas_single_thread()
+    if w.qtype in intgemm.KINDS and intgemm.available():  # every ISA: the same bits on each
         xq = (batch or Batch(x)).ints(intgemm.wide(w.qtype))
         intgemm.matmul(w.qtype, w.data, _TAB16, xq, out)
         return
-    use_threads()
     # rows per tile: scratch <= 2 MiB, >= 32 rows for sgemm. Never from the thread count:
     # sgemm's result for a row depends on the tile shape it sits in (1.3e-5 apart on AVX2),
     # and the same text must come out at any --threads.
     tile = int(np.clip(min(_SCRATCH_BYTES // (4 * w.cols), -(-w.rows // 4)), 32, 1024))
     starts = range(0, w.rows, tile)
     nt = min(threads(), len(starts))
-    _openblas_single_thread()
     if nt == 1:
         _matmul_tiles(w, x, out, starts, tile)
         return

@@ -49,7 +49,8 @@ tools/bench_intgemm.py, 2048x2048 and 8192x2048, 256 tokens): tiles of one
 8-row vector by 4 tokens keep everything in the 16 ymm registers (only the
 0x0F mask constant is read from the stack) and ran Q4_0 ~125-138 GOPS, Q8_0
 ~85-98, Q4_1 ~75-88, against 65-78 for f32 sgemm. 6 and 8 tokens, and two
-vectors (16 rows) by 2 or 3 tokens, ran the same or slower (2 x 3 spills).
+vectors (16 rows) by 2 or 3 tokens (tried with a vector count in Shape, since
+dropped), ran the same or slower; 2 x 3 spills.
 """
 
 from __future__ import annotations
@@ -84,16 +85,11 @@ _I8, _I16 = ir.IntType(8), ir.IntType(16)
 
 @dataclass(frozen=True)
 class Shape:
-    """How one ISA tiles a panel: `lanes` rows (i32 lanes) per vector, `vecs` vectors per
-    panel (a panel is lanes * vecs rows), `nt` tokens per tile."""
+    """How one ISA tiles a panel: `rows` per panel (the i32 lanes of one vector), `nt`
+    tokens per tile."""
 
-    lanes: int
-    vecs: int
+    rows: int
     nt: int
-
-    @property
-    def rows(self) -> int:
-        return self.lanes * self.vecs
 
 
 def _vty(lanes, ty=_I32, per=1):
@@ -162,7 +158,7 @@ class _Generic(_Mac):
     summed over the block in i16 under the same bound, then pairs in i32); wide products
     in i32, even plus odd (the shape LLVM turns into pmaddwd on x86)."""
 
-    def _pairs(self, v, ty):
+    def _pairs(self, v):
         b, n = self.b, v.type.count
         even, odd = _vec(_I32, range(0, n, 2)), _vec(_I32, range(1, n, 2))
         return b.add(b.shuffle_vector(v, v, even), b.shuffle_vector(v, v, odd))
@@ -175,15 +171,15 @@ class _Generic(_Mac):
         if self.wide:
             v16, v32 = _vty(self.lanes, _I16, 2), _vty(self.lanes, _I32, 2)
             p = b.mul(b.sext(b.bitcast(w, v16), v32), b.sext(b.bitcast(x, v16), v32))
-            return b.add(acc, self._pairs(p, _I32))
+            return b.add(acc, self._pairs(p))
         v8, v16 = _vty(self.lanes, _I8, 4), _vty(self.lanes, _I16, 4)
         p = b.mul(b.zext(b.bitcast(w, v8), v16), b.sext(b.bitcast(x, v8), v16))
-        return b.add(acc, self._pairs(p, _I16))
+        return b.add(acc, self._pairs(p))
 
     def end(self, acc, seed):
         if self.wide:
             return acc
-        return self.b.add(self._pairs(self.b.sext(acc, _vty(self.lanes, _I32, 2)), _I32), seed)
+        return self.b.add(self._pairs(self.b.sext(acc, _vty(self.lanes, _I32, 2))), seed)
 
 
 class _Neon(_Generic):
@@ -215,11 +211,11 @@ class _Neon(_Generic):
 
 # isa -> (its products, its tile shape)
 ISA_TILES = {
-    "avx512vnni": (_Vnni, Shape(16, 1, 8)),  # 4..8 tokens ran alike (270-280 GOPS), 12 fell off, 16 spilled
-    "avxvnni": (_Vnni, Shape(8, 1, 4)),  # as avx2 (not measured: no such CPU here)
-    "avx2": (_Avx2, Shape(8, 1, 4)),  # see the module docstring
-    "neon": (_Neon, Shape(8, 1, 4)),
-    "generic": (_Generic, Shape(8, 1, 4)),
+    "avx512vnni": (_Vnni, Shape(16, 8)),  # 4..8 tokens ran alike (270-280 GOPS), 12 fell off, 16 spilled
+    "avxvnni": (_Vnni, Shape(8, 4)),  # as avx2 (not measured: no such CPU here)
+    "avx2": (_Avx2, Shape(8, 4)),  # see the module docstring
+    "neon": (_Neon, Shape(8, 4)),
+    "generic": (_Generic, Shape(8, 4)),
 }
 assert all(PAD % s.nt == 0 for _, s in ISA_TILES.values())
 
@@ -255,15 +251,15 @@ def _operands(builder, kind, v, g, lanes):
 
 
 def _emit_tile(builder, kind: int, which: str, args) -> None:
-    """One panel (shape.rows rows) times shape.nt tokens over all nb blocks, stored to out,
-    with ISA `which`'s products. The float steps, per block, row and token, are the same on
-    every ISA: sum = fma(float(acc) * dx[t, b], d[b], sum), Q4_1 then
+    """One panel (shape.rows rows, one vector) times shape.nt tokens over all nb blocks,
+    stored to out, with ISA `which`'s products. The float steps, per block, row and token,
+    are the same on every ISA: sum = fma(float(acc) * dx[t, b], d[b], sum), Q4_1 then
     sum = fma(dx[t, b] * float(sums[t, b]), m[b], sum); so every ISA gives the same bits."""
     groups = _LAYOUT[kind][2]
     seed = {Q4_0: -8, Q8_0: 0, Q4_1: 0}[kind]
     wide = WIDE[kind]
     ops, shape = ISA_TILES[which]
-    L, R, nt = shape.lanes, shape.vecs, shape.nt
+    L, nt = shape.rows, shape.nt
     vi, vf = _vty(L), _vty(L, _F32)
     mac = ops(builder, L, wide)
     pq, pd, pm, nb, xa, xs, da, sa, ds, oa, ostride, m, ntv = args
@@ -282,59 +278,51 @@ def _emit_tile(builder, kind: int, which: str, args) -> None:
     builder.branch(loop)
     builder.position_at_end(loop)
     b = builder.phi(_I64)
-    acc = [[builder.phi(vf) for _ in range(nt)] for _ in range(R)]
+    acc = [builder.phi(vf) for _ in range(nt)]
     b4 = builder.mul(b, c(4))
     sums = [scalar(sa, t, b4, _I32) for t in range(nt)]
     if seed:
         seeds = [_splat(builder, builder.mul(s, ir.Constant(_I32, seed)), vi) for s in sums]
     else:
         seeds = [ir.Constant(vi, None)] * nt
-    ints = [[mac.begin(seeds[t]) for t in range(nt)] for _ in range(R)]
-    qb = builder.add(pq, builder.mul(b, c(4 * groups * L * R)))
+    ints = [mac.begin(s) for s in seeds]
+    qb = builder.add(pq, builder.mul(b, c(4 * L * groups)))
     xrows = [builder.add(builder.add(xa, builder.mul(xs, c(t))), builder.mul(b, c(64 if wide else 32)))
              for t in range(nt)]
     for g in range(groups):
-        for r in range(R):
-            v = builder.load(_at(builder, qb, 4 * L * (R * g + r), vi), align=4)
-            for w, off in _operands(builder, kind, v, g, L):
-                for t in range(nt):
-                    x = _splat(builder, builder.load(_at(builder, xrows[t], off, _I32), align=4), vi)
-                    ints[r][t] = mac.mac(ints[r][t], w, x)
+        v = builder.load(_at(builder, qb, 4 * L * g, vi), align=4)
+        for w, off in _operands(builder, kind, v, g, L):
+            for t in range(nt):
+                x = _splat(builder, builder.load(_at(builder, xrows[t], off, _I32), align=4), vi)
+                ints[t] = mac.mac(ints[t], w, x)
+    d = builder.load(_at(builder, builder.add(pd, builder.mul(b, c(4 * L))), 0, vf), align=4)
+    if kind == Q4_1:
+        mw = builder.load(_at(builder, builder.add(pm, builder.mul(b, c(4 * L))), 0, vf), align=4)
     new = []
-    for r in range(R):
-        d = builder.load(_at(builder, builder.add(pd, builder.mul(b, c(4 * L * R))), 4 * L * r, vf), align=4)
+    for t in range(nt):
+        dx = scalar(da, t, b4, _F32)
+        a = builder.call(fma, [builder.fmul(builder.sitofp(mac.end(ints[t], seeds[t]), vf), _splat(builder, dx, vf)),
+                               d, acc[t]])
         if kind == Q4_1:
-            mw = builder.load(_at(builder, builder.add(pm, builder.mul(b, c(4 * L * R))), 4 * L * r, vf), align=4)
-        row = []
-        for t in range(nt):
-            dx = scalar(da, t, b4, _F32)
-            i = mac.end(ints[r][t], seeds[t])
-            a = builder.call(fma, [builder.fmul(builder.sitofp(i, vf), _splat(builder, dx, vf)), d, acc[r][t]])
-            if kind == Q4_1:
-                sx = builder.fmul(dx, builder.sitofp(sums[t], _F32))
-                a = builder.call(fma, [_splat(builder, sx, vf), mw, a])
-            row.append(a)
-        new.append(row)
+            sx = builder.fmul(dx, builder.sitofp(sums[t], _F32))
+            a = builder.call(fma, [_splat(builder, sx, vf), mw, a])
+        new.append(a)
     b1 = builder.add(b, c(1))
     b.add_incoming(c(0), entry)
     b.add_incoming(b1, builder.block)
-    for r in range(R):
-        for phi, n in zip(acc[r], new[r]):
-            phi.add_incoming(ir.Constant(vf, None), entry)
-            phi.add_incoming(n, builder.block)
+    for phi, n in zip(acc, new):
+        phi.add_incoming(ir.Constant(vf, None), entry)
+        phi.add_incoming(n, builder.block)
     builder.cbranch(builder.icmp_signed("<", b1, nb), loop, done)
 
     builder.position_at_end(done)
+    valid = builder.icmp_signed("<", _vec(_I32, range(L)), _splat(builder, builder.trunc(m, _I32), vi))
     i8p = _I8.as_pointer()
-    mask = ir.VectorType(ir.IntType(1), L)
-    store = _decl(mod, f"llvm.masked.store.v{L}f32.p0", ir.VoidType(), [vf, i8p, _I32, mask])
-    for r in range(R):
-        lanes = _vec(_I32, range(L * r, L * r + L))
-        valid = builder.icmp_signed("<", lanes, _splat(builder, builder.trunc(m, _I32), vi))
-        for t in range(nt):
-            with builder.if_then(builder.icmp_signed("<", c(t), ntv)):
-                p = builder.inttoptr(builder.add(builder.add(oa, builder.mul(ostride, c(t))), c(4 * L * r)), i8p)
-                builder.call(store, [new[r][t], p, ir.Constant(_I32, 4), valid])
+    store = _decl(mod, f"llvm.masked.store.v{L}f32.p0", ir.VoidType(), [vf, i8p, _I32, ir.VectorType(ir.IntType(1), L)])
+    for t in range(nt):
+        with builder.if_then(builder.icmp_signed("<", c(t), ntv)):
+            p = builder.inttoptr(builder.add(oa, builder.mul(ostride, c(t))), i8p)
+            builder.call(store, [new[t], p, ir.Constant(_I32, 4), valid])
 
 
 @intrinsic

@@ -15,8 +15,8 @@
    a 0.12-logit near-tie inside llama.cpp's rounding noise; our Q4_1 text
    is the F32 text.)
 
-4. On CPUs with AVX-512 VNNI the integer kernels run, so 1. and 2. hold for
-   the float kernels only (forced there). Q4_1 and Q8_0 prefill rounds the
+4. The integer kernels run on every ISA (decode: intdot.py, prefill:
+   intgemm.py), so 1. and 2. hold for the float kernels only (forced there). Q4_1 and Q8_0 prefill rounds the
    activations to 16 bits per block of 32 and must stay within WIDE of the
    exact math. Q4_0 (decode and prefill) rounds them to Q8_0 blocks as
    llama.cpp does, and is held to llama.cpp's own standard instead: its mean

@@ -6,9 +6,9 @@ products of the reference values.
 
 Products run on two paths (fixture int8_kernels): the float kernels
 (EDGETP_INT8=0), and the integer kernels, which round the activations first:
-decode of every quantized type (intdot.py, any ISA) and AVX-512 VNNI prefill
-of Q4_0 to Q8_0 blocks as llama.cpp does (the reference x is then gguf-py's
-own Q8_0 round trip of x); VNNI prefill of Q4_1 and Q8_0 to 16 bits per block
+decode of every quantized type (intdot.py, any ISA) and prefill (intgemm.py,
+any ISA) of Q4_0 to Q8_0 blocks as llama.cpp does (the reference x is then gguf-py's
+own Q8_0 round trip of x); prefill of Q4_1 and Q8_0 to 16 bits per block
 (`as_computed` writes that rounding out). The products are then exact
 integers times scales.
 
@@ -75,8 +75,8 @@ def assert_product_close(got: np.ndarray, w_ref: np.ndarray, x: np.ndarray) -> N
 
 
 def as_computed(qt, x: np.ndarray, kernels: str | None, batch: bool = False) -> np.ndarray:
-    """x as the kernel sees it. Int8 paths (decode of every quantized type; VNNI prefill of
-    Q4_0): rounded through gguf-py's Q8_0. 16-bit paths (VNNI prefill of Q4_1 and Q8_0):
+    """x as the kernel sees it. Int8 paths (decode of every quantized type; prefill of
+    Q4_0): rounded through gguf-py's Q8_0. 16-bit paths (prefill of Q4_1 and Q8_0):
     per block of 32, q = round(x * 32767 / max|x|) and x = q * (max|x| / 32767), written
     out here in float32 numpy."""
     from edgetp.model import intdot, intgemm  # noqa: PLC0415
@@ -145,8 +145,9 @@ def test_matmul_equals_float64_product_for_a_batch_of_tokens(qt, int8_kernels):
 @pytest.mark.parametrize("qt", [QT.Q8_0, QT.Q4_0, QT.Q4_1], ids=lambda t: t.name)
 @pytest.mark.parametrize("rows,n", [(1, 2), (15, 7), (16, 8), (17, 9), (33, 17), (40, 3)])
 def test_matmul_handles_every_row_and_token_tail(qt, rows, n, int8_kernels):
-    # the int8 prefill kernels work on panels of 16 rows (the last row repeated past the
-    # end, masked out of the store) and tiles of 8 tokens; 96 columns = 3 blocks
+    # the int8 prefill kernels work on panels of 16 rows (AVX-512) or 8 (the last row
+    # repeated past the end, masked out of the store) and tiles of 8 or 4 tokens;
+    # 96 columns = 3 blocks
     w, ref = weight(qt, rows=rows, cols=96, seed=rows + n)
     x = np.random.default_rng(n).standard_normal((n, w.cols)).astype(np.float32)
     buf = np.full(n * rows + 64, np.nan, np.float32)

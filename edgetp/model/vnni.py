@@ -1,17 +1,18 @@
-"""What the integer kernels share on x86 VNNI: ggml's activation rounding and LLVM-IR helpers.
+"""What the integer kernels share: ggml's activation rounding and LLVM-IR helpers.
 
 `q8_block` rounds a block of 32 activations to int8 exactly as ggml's x86
 quantize_row_q8_0 does (scale d = max|x|/127 stored as f16, q =
 round-half-even(x * 127/max|x|)): the integer decode kernels of every ISA
 (`intdot.py`) and the Q4_0 prefill panels (`intgemm.py`) round with it, so
-they agree with llama.cpp's arithmetic. `wanted()` says whether the AVX-512
-VNNI prefill kernels may run (the ISA in use is avx512vnni), `checked()` runs
-a probe of compiled kernels and turns any failure into a logged False.
+they agree with llama.cpp's arithmetic. `wanted()` says whether the integer
+prefill kernels may run (EDGETP_INT8 is not 0 and the ISA is one this CPU
+runs), `checked()` runs a probe of compiled kernels and turns any failure into
+a logged False.
 
-numba cannot express `vpdpbusd`, so those kernels are LLVM IR in numba
-intrinsics, built with the helpers below. They only compile where the ISA in
-use (isa.py, EDGETP_ISA) is avx512vnni: LLVM aborts on VNNI instructions for a
-CPU without them.
+numba cannot express `vpdpbusd`, `vpmaddubsw` or `sdot`, so those kernels are
+LLVM IR in numba intrinsics, built with the helpers below, for the ISA in use
+only (isa.py, EDGETP_ISA): LLVM aborts on instructions the CPU it compiles for
+lacks.
 """
 
 from __future__ import annotations

@@ -129,7 +129,7 @@ def isa_outputs(tmp_path_factory):
         subprocess.run([sys.executable, "-c", CHILD, str(d), str(base / "inputs.npz")], check=True,
                        env=_child_env(name), cwd=REPO, timeout=900)
         info = json.loads((d / "isa.json").read_text())
-        assert info == {"isa": name, "available": True}, info
+        assert info == {"isa": name, "available": name != "generic"}, info  # generic prefill: sgemm (vnni.wanted)
         results[name] = {qt: dict(np.load(d / f"out{qt}.npz")) for qt in QTYPES}
     return arrays, results
 

@@ -113,7 +113,8 @@ def ask(args: argparse.Namespace) -> int:
             if args.stats:
                 for n, share in zip(runner.nodes, runner.plan.shares):
                     speed = f"{n.speed / 1e9:.2f} GB/s"
-                    print(f"node {n.node_id:<14} {n.address:<21} {speed:<12} rtt {n.rtt_ms:6.3f} ms  {n.mode:<8} "
+                    link = "" if n.address == "local" else f"p90 {n.rtt_p90_ms:.3f} ms  {n.mbps:.0f} Mbit/s  "
+                    print(f"node {n.node_id:<14} {n.address:<21} {speed:<12} rtt {n.rtt_ms:6.3f} ms  {link}{n.mode:<8} "
                           f"kv {share.kv_groups} ffn {share.ffn_cols} vocab {share.vocab_rows}", file=sys.stderr)
             return _stream(runner, tok, ids, params, args, ctx, t0, recover)
         finally:
@@ -173,15 +174,16 @@ def status(args: argparse.Namespace) -> int:
     if (line := slots_line(view.get("slots"))) is not None:
         print(line)
     print(f"{'node':<16} {'address':<22} {'role':<7} {'state':<8} {'speed':>10} {'mem free':>9} "
-          f"{'kv groups':>9} {'ffn cols':>11} {'vocab rows':>13} {'rtt':>8}")
+          f"{'kv groups':>9} {'ffn cols':>11} {'vocab rows':>13} {'rtt p50/p90':>15} {'link':>12}")
     for n in view["nodes"]:
-        rtt = "-" if n.get("rtt_ms") is None else f"{n['rtt_ms']:.2f} ms"
+        rtt = "-" if n.get("rtt_ms") is None else f"{n['rtt_ms']:.2f}/{n.get('rtt_p90_ms') or 0:.2f} ms"
+        link = "-" if not n.get("mbps") else f"{n['mbps']:.0f} Mbit/s"
         if n.get("transfer") and n["transfer"][0] < n["transfer"][1]:  # fetching its slice from the root
             n["state"] = f"{100 * n['transfer'][0] // max(n['transfer'][1], 1)}% in"
         span = lambda r: f"{r[0]}-{r[1]}" if r[1] > r[0] else "-"  # noqa: E731
         print(f"{n['node_id']:<16} {n['address']:<22} {n['role']:<7} {n['state']:<8} "
               f"{n['speed'] / 1e9:>6.2f} GB/s {n['mem_free'] / 1e9:>6.1f} GB {span(n['kv_groups']):>9} "
-              f"{span(n['ffn_cols']):>11} {span(n['vocab_rows']):>13} {rtt:>8}")
+              f"{span(n['ffn_cols']):>11} {span(n['vocab_rows']):>13} {rtt:>15} {link:>12}")
     return 0
 
 
@@ -305,7 +307,7 @@ def serve(args: argparse.Namespace) -> int:
     from edgetp.cluster import sdnotify  # noqa: PLC0415
 
     flags = {name: getattr(args, name) for name in ("model", "key_file", "data_port", "node_id", "priority",
-                                                    "no_root", "interfaces", "peers", "threads", "sync", "ctx", "slots")}
+                                                    "no_root", "interfaces", "peers", "threads", "sync", "ctx", "slots", "kv_type")}
     if args.listen is not None:
         flags["host"], flags["http_port"] = args.listen
     flags = {k: v for k, v in flags.items() if v is not None}
@@ -323,7 +325,7 @@ def serve(args: argparse.Namespace) -> int:
         model_path=path, model_name=path.stem if str(settings.model).endswith(".gguf") else settings.model,
         host=settings.host, port=settings.http_port, workers=tuple(args.workers),
         weights=tuple(args.weights) if args.weights else None, sync=settings.sync, ctx=settings.ctx,
-        slots=settings.slots, threads=settings.threads, key=key, queue_size=args.queue, index_dir=Path(settings.cache_dir) / "index",
+        slots=settings.slots, kv_type=settings.kv_type, threads=settings.threads, key=key, queue_size=args.queue, index_dir=Path(settings.cache_dir) / "index",
         cluster=key is not None and not args.workers, data_port=settings.data_port,
         node_id=settings.node_id if settings.node_id_given
         else config.persistent_node_id(config.state_dir(os.environ, Path(settings.cache_dir))),

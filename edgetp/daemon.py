@@ -66,6 +66,7 @@ class ServeOptions:
     sync: str = "f32"
     ctx: int = 2048
     slots: int = 4                  # sequences decoded at once (the planner may give fewer)
+    kv_type: str = "f16"            # what every node's KV caches hold: "f16" or "f32"
     threads: int | None = None
     key: bytes | None = None
     queue_size: int = 8
@@ -91,7 +92,9 @@ def cluster_view(runner: ClusterRunner, model: str) -> events.ClusterView:
             node_id=info.node_id, address=info.address, role="root" if info.address == "local" else "worker",
             state="ready", speed=info.speed, mem_free=info.mem_free, kv_groups=tuple(share.kv_groups),
             ffn_cols=tuple(share.ffn_cols), vocab_rows=tuple(share.vocab_rows),
-            rtt_ms=None if info.address == "local" else info.rtt_ms))
+            rtt_ms=None if info.address == "local" else info.rtt_ms,
+            rtt_p90_ms=None if info.address == "local" else info.rtt_p90_ms,
+            mbps=None if info.address == "local" else info.mbps))
     return events.ClusterView(runner.plan.epoch, runner.nodes[0].node_id, model, tuple(nodes))
 
 
@@ -147,9 +150,9 @@ async def serve(opts: ServeOptions, on_listening: Callable[[str], None] | None =
     ctx = min(opts.ctx, mf.config.ctx_train)
     if opts.workers:
         runner = await ClusterRunner.connect(mf, list(opts.workers), ctx=ctx, weights=opts.weights, sync=opts.sync,
-                                             key=opts.key, threads=opts.threads, slots=opts.slots)
+                                             key=opts.key, threads=opts.threads, slots=opts.slots, kv_type=opts.kv_type)
     else:
-        runner = await asyncio.to_thread(LocalRunner, mf, ctx, opts.slots)
+        runner = await asyncio.to_thread(LocalRunner, mf, ctx, opts.slots, opts.kv_type)
     engine = Engine(runner, tok, opts.model_name, queue_size=opts.queue_size, bus=bus)
     on_engine(engine)
     if opts.workers:
@@ -297,7 +300,8 @@ class Roles:
                     runner = await ClusterRunner.connect(
                         self.mf, addresses, ctx=self.ctx, sync=self.opts.sync, key=self.opts.key,
                         threads=self.opts.threads, epoch=self.membership.epoch, node_id=self.node_id,
-                        fetch_port=self.http_port, on_progress=self._progress, slots=self.opts.slots)
+                        fetch_port=self.http_port, on_progress=self._progress, slots=self.opts.slots,
+                        kv_type=self.opts.kv_type)
                 except Exception as exc:  # noqa: BLE001 - whatever a peer did, plan without it
                     if not addresses:
                         raise

@@ -104,8 +104,10 @@ class NodeView:
     kv_groups: tuple[int, int] = (0, 0)
     ffn_cols: tuple[int, int] = (0, 0)
     vocab_rows: tuple[int, int] = (0, 0)
-    rtt_ms: float | None = None
+    rtt_ms: float | None = None              # the root's link to it: median round trip
     transfer: tuple[int, int] | None = None  # (bytes done, bytes total) of a weight download
+    rtt_p90_ms: float | None = None          # the root's link to it: 90th percentile round trip
+    mbps: float | None = None                # the root's link to it: measured throughput, Mbit/s
 
 
 @dataclass(frozen=True)
@@ -176,5 +178,10 @@ def _node(d: dict[str, Any]) -> NodeView:
                     _one_of(d["state"], NODE_STATES), float(d["speed"]), int(d["mem_free"]),
                     _pair(d.get("kv_groups", (0, 0))), _pair(d.get("ffn_cols", (0, 0))),
                     _pair(d.get("vocab_rows", (0, 0))),
-                    None if d.get("rtt_ms") is None else float(d["rtt_ms"]),
-                    None if d.get("transfer") is None else _pair(d["transfer"]))
+                    _opt_float(d.get("rtt_ms")),
+                    None if d.get("transfer") is None else _pair(d["transfer"]),
+                    _opt_float(d.get("rtt_p90_ms")), _opt_float(d.get("mbps")))
+
+
+def _opt_float(v: Any) -> float | None:
+    return None if v is None else float(v)

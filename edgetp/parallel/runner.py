@@ -55,6 +55,8 @@ class NodeInfo:
     rtt_ms: float
     mode: str           # link mode during generations
     rss: int = 0        # resident bytes after loading the shard
+    rtt_p90_ms: float = 0.0
+    mbps: float = 0.0   # measured throughput toward the node, Mbit/s (0: not measured, the root itself)
 
 
 class ClusterRunner:
@@ -80,7 +82,7 @@ class ClusterRunner:
                       sync: str = "f32", key: bytes | None = None, threads: int | None = None,
                       model_ref: str | None = None, epoch: int = 1,
                       node_id: str = ROOT_ID, fetch_port: int | None = None,
-                      on_progress: Progress | None = None, slots: int = 1) -> "ClusterRunner":
+                      on_progress: Progress | None = None, slots: int = 1, kv_type: str = "f16") -> "ClusterRunner":
         """Link to every worker, profile, plan and load.
 
         With `fetch_port` (our HTTP port, serving serve/weights.py) a worker
@@ -102,28 +104,29 @@ class ClusterRunner:
             mine = await asyncio.to_thread(profile.profile, threads, seconds, mf.dominant_type)
             infos = [NodeInfo(node_id, "local", mine.speed, mine.mem_free, 0.0, "local")]
             for link in links:
-                rtt = await link.ping()
-                link.hot_mode = choose_mode(rtt, hop, forced_mode())
-                log.info("link %s: rtt %.3f ms, event-loop hop %.3f ms -> %s mode during generations",
-                         link.name, rtt * 1e3, hop * 1e3, link.hot_mode)
+                st = await link.measure()
+                link.hot_mode = choose_mode(st.rtt_ms / 1e3, hop, forced_mode())
+                log.info("link %s: rtt %.3f ms (p90 %.3f), %.0f Mbit/s, event-loop hop %.3f ms -> %s mode during "
+                         "generations", link.name, st.rtt_ms, st.rtt_p90_ms, st.mbps, hop * 1e3, link.hot_mode)
                 rep = await link.request(FrameType.PROFILE, {"seconds": seconds, "qtype": mf.dominant_type},
                                          FrameType.READY, timeout=60)
                 infos.append(NodeInfo(link.peer_id or link.name, link.name, rep.header["speed"],
-                                      int(rep.header["mem_free"]), rtt * 1e3, link.hot_mode))
+                                      int(rep.header["mem_free"]), st.rtt_ms, link.hot_mode,
+                                      rtt_p90_ms=st.rtt_p90_ms, mbps=st.mbps))
             speeds = [float(w) for w in weights] if weights is not None else [i.speed for i in infos]
             nodes = [planner.NodeSpec(i.node_id, s, i.mem_free) for i, s in zip(infos, speeds)]
-            plan, slots = _plan(mf, ctx, slots, nodes, epoch, sync)
+            plan, slots = _plan(mf, ctx, slots, nodes, epoch, sync, kv_type)
             log.info("plan (epoch %d, %s sync, %d slots): %s", plan.epoch, plan.sync, slots,
                      "; ".join(f"{s.node_id} kv{s.kv_groups} ffn{s.ffn_cols} vocab{s.vocab_rows}" for s in plan.shares))
             header = {"model": model_ref or str(mf.path), "fingerprint": mf.fingerprint, "ctx": ctx,
-                      "sync": sync, "slots": slots} | ({"fetch_port": fetch_port} if fetch_port else {})
+                      "sync": sync, "slots": slots, "kv_type": kv_type} | ({"fetch_port": fetch_port} if fetch_port else {})
             for link, info in zip(links, infos[1:]):
                 spec = spec_for(plan, info.node_id)
                 await link.send(FrameType.LOAD, header | {"kv_groups": list(spec.kv_groups),
                                                           "ffn_cols": list(spec.ffn_cols),
                                                           "vocab_rows": list(spec.vocab_rows)})
             weights_root = await asyncio.to_thread(llama.load_weights, mf, spec_for(plan, node_id))
-            shard = llama.Shard(weights_root, ctx, slots=slots)
+            shard = llama.Shard(weights_root, ctx, slots=slots, kv_type=kv_type)
             for n, link in enumerate(links, start=1):
                 ready = await _loaded(link, infos[n].node_id, on_progress)
                 infos[n] = NodeInfo(**(asdict(infos[n]) | {"rss": int(ready.header["rss"])}))
@@ -134,7 +137,7 @@ class ClusterRunner:
             raise
         options = dict(ctx=ctx, weights=weights, sync=sync, key=key, threads=threads,
                        model_ref=model_ref, addresses=list(addresses), node_id=node_id, fetch_port=fetch_port,
-                       on_progress=on_progress, slots=options_slots)
+                       on_progress=on_progress, slots=options_slots, kv_type=kv_type)
         return cls(mf, ctx, plan, links, shard, infos, asyncio.get_running_loop(), options)
 
     async def without(self, address: str, epoch: int | None = None) -> "ClusterRunner":
@@ -248,12 +251,13 @@ class ClusterRunner:
             link.close()
 
 
-def _plan(mf: ModelFile, ctx: int, slots: int, nodes: list, epoch: int, sync: str) -> tuple[planner.Plan, int]:
+def _plan(mf: ModelFile, ctx: int, slots: int, nodes: list, epoch: int, sync: str,
+          kv_type: str) -> tuple[planner.Plan, int]:
     """A plan with KV caches for `slots` sequences, or for fewer (halving) when the nodes' memory
     holds no more; the slot count it got."""
     while True:
         try:
-            return packing.make_plan(model_shape(mf, ctx, slots), nodes, epoch=epoch, sync=sync), slots
+            return packing.make_plan(model_shape(mf, ctx, slots, kv_type), nodes, epoch=epoch, sync=sync), slots
         except planner.PlanError:
             if slots == 1:
                 raise

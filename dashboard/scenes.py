@@ -34,7 +34,7 @@ def connected() -> list:
 def forming() -> list:
     """Two boards found each other, a third joins, weights are still moving; nobody leads yet."""
     a = NodeView(A.node_id, A.address, "worker", "ready", A.speed, A.mem_free)
-    b = NodeView(B.node_id, B.address, "worker", "loading", B.speed, B.mem_free, rtt_ms=0.45,
+    b = NodeView(B.node_id, B.address, "worker", "loading", B.speed, B.mem_free, rtt_ms=0.45, rtt_p90_ms=1.2, mbps=94.0,
                  transfer=(40_000_000, 145_000_000))
     return [*connected(),
             ClusterView(0, None, MODEL, (a, b)),

@@ -106,8 +106,8 @@ class NodesTable(StateView):
         totals = [max((getattr(n, f)[1] for n in nodes), default=0) for f in ("kv_groups", "ffn_cols", "vocab_rows")]
         table = Table(box=box.SIMPLE_HEAD, expand=True, pad_edge=False, show_edge=False)
         for name, justify in (("node", "left"), ("address", "left"), ("role", "left"), ("speed", "right"),
-                              ("attn groups", "right"), ("FFN cols", "right"), ("vocab rows", "right"),
-                              ("mem free", "right"), ("RTT", "right"), ("state", "left")):
+                              ("attn", "right"), ("FFN cols", "right"), ("vocab", "right"),
+                              ("free", "right"), ("RTT/p90", "right"), ("Mbit/s", "right"), ("state", "left")):
             table.add_column(name, justify=justify, no_wrap=True, overflow="ellipsis")  # type: ignore[arg-type]
         for n in nodes:
             lost = n.state == "lost"
@@ -116,9 +116,16 @@ class NodesTable(StateView):
                           f"{fmt_bytes(n.speed)}/s" if n.speed else "-",
                           _share(n.kv_groups, totals[0]), _share(n.ffn_cols, totals[1]),
                           _share(n.vocab_rows, totals[2]), fmt_bytes(n.mem_free) if n.mem_free else "-",
-                          "-" if n.rtt_ms is None else fmt_ms(n.rtt_ms), _node_state(n),
+                          _rtt(n), "-" if not n.mbps else f"{n.mbps:.0f}", _node_state(n),
                           style="dim" if lost else None)
         return table
+
+
+def _rtt(n: NodeView) -> str:
+    """The root's link to n: median round trip, and its p90 where measured."""
+    if n.rtt_ms is None:
+        return "-"
+    return fmt_ms(n.rtt_ms) if n.rtt_p90_ms is None else f"{n.rtt_ms:.2f}/{fmt_ms(n.rtt_p90_ms)}"
 
 
 def _share(span: tuple[int, int], total: int) -> str:

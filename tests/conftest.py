@@ -34,6 +34,16 @@ def stories_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def stories(stories_path):
+    """stories260K opened, and its tokenizer: (ModelFile, Tokenizer)."""
+    from edgetp.model import gguf  # noqa: PLC0415
+    from edgetp.model.tokenizer import Tokenizer  # noqa: PLC0415
+
+    mf = gguf.open_model(stories_path)
+    return mf, Tokenizer.from_metadata(mf.metadata)
+
+
+@pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     path = cache_dir() / "models" / SMOLLM2_FILE
     if not path.exists():

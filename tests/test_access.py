@@ -19,9 +19,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from edgetp.model import gguf
 from edgetp.model.generate import LocalRunner
-from edgetp.model.tokenizer import Tokenizer
 from edgetp.net import auth, httpauth
 from edgetp.serve.api import GATE, make_app, serving
 from edgetp.serve.root import Engine
@@ -29,12 +27,6 @@ from edgetp.serve.root import Engine
 TOKEN = "tok-0123456789abcdef"
 TIMEOUT = aiohttp.ClientTimeout(total=60)
 ASK = {"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def stories(stories_path):
-    mf = gguf.open_model(stories_path)
-    return mf, Tokenizer.from_metadata(mf.metadata)
 
 
 @pytest.fixture

@@ -33,12 +33,6 @@ TIMEOUT = aiohttp.ClientTimeout(total=60)
 
 
 @pytest.fixture(scope="module")
-def stories(stories_path):
-    mf = gguf.open_model(stories_path)
-    return mf, Tokenizer.from_metadata(mf.metadata)
-
-
-@pytest.fixture(scope="module")
 def smollm2(smollm2_path):
     mf = gguf.open_model(smollm2_path)  # ~10 s: once for the module
     return mf, Tokenizer.from_metadata(mf.metadata)

@@ -18,10 +18,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from edgetp import events
-from edgetp.model import gguf
 from edgetp.model.batch import PREFILL_CHUNK
 from edgetp.model.generate import LocalRunner
-from edgetp.model.tokenizer import Tokenizer
 from edgetp.serve.api import NoRoot, make_app, serving
 from edgetp.serve.root import Engine
 
@@ -30,12 +28,6 @@ SLOTS = 4
 TIMEOUT = aiohttp.ClientTimeout(total=60)
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park", "A big red ball"]
 LONG = " ".join(["Once upon a time there was a little girl named Lily who loved to play outside."] * 12)
-
-
-@pytest.fixture(scope="module")
-def stories(stories_path):
-    mf = gguf.open_model(stories_path)
-    return mf, Tokenizer.from_metadata(mf.metadata)
 
 
 @pytest.fixture

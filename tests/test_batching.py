@@ -33,12 +33,6 @@ PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park"
 LONG = " ".join(["Once upon a time there was a little girl named Lily who loved to play outside."] * 12)
 
 
-@pytest.fixture(scope="module")
-def stories(stories_path):
-    mf = gguf.open_model(stories_path)
-    return mf, Tokenizer.from_metadata(mf.metadata)
-
-
 @pytest.fixture
 async def start():
     """start(mf, tok, slots, **engine_kw) -> (url, engine); every server stops at the end of the test."""

@@ -71,6 +71,11 @@ def int8(request, monkeypatch):
     return request.param == "1"
 
 
+@pytest.fixture(params=["f16", "f32"])
+def kv_type(request):
+    return request.param
+
+
 class Recorder:
     """A reduce that records each partial's shape and scales it (a stand-in for the other
     shards' sum: the result must flow on)."""
@@ -83,9 +88,9 @@ class Recorder:
         partial *= np.float32(1.25)
 
 
-def _filled(mf, spec=None):
+def _filled(mf, spec=None, kv_type="f16"):
     """A shard of SLOTS slots, slot s holding PROMPTS[s] (prefilled) plus one decoded token."""
-    shard = llama.Shard(llama.load_weights(mf, spec), ctx=32, reduce=Recorder(), slots=SLOTS)
+    shard = llama.Shard(llama.load_weights(mf, spec), ctx=32, reduce=Recorder(), slots=SLOTS, kv_type=kv_type)
     for s, p in enumerate(PROMPTS):
         shard.forward(llama.embed(mf, p), 0, slot=s)
         shard.forward(llama.embed(mf, [40 + s]), len(p), slot=s)
@@ -95,7 +100,7 @@ def _filled(mf, spec=None):
 def _alone(shard, mf, x, slots, positions):
     """The reference: each row run alone, one token through the per-op path, on a copy of
     the shard's caches. Returns (hidden rows, logits rows, the copy)."""
-    ref = llama.Shard(shard.w, shard.ctx, reduce=Recorder(), fast_decode=False, slots=shard.slots)
+    ref = llama.Shard(shard.w, shard.ctx, reduce=Recorder(), fast_decode=False, slots=shard.slots, kv_type=shard.kv_type)
     for a, b in zip(ref.k_cache + ref.v_cache, shard.k_cache + shard.v_cache):
         a[...] = b
     hs, ls = [], []
@@ -110,8 +115,8 @@ def _bits(a):
     return np.ascontiguousarray(a).view(np.uint32)
 
 
-def _check_steps(mf, spec=None, sizes=(1, 2, 3, 5, 8), steps=2):
-    shard = _filled(mf, spec)
+def _check_steps(mf, spec=None, sizes=(1, 2, 3, 5, 8), steps=2, kv_type="f16"):
+    shard = _filled(mf, spec, kv_type)
     length = [len(p) + 1 for p in PROMPTS]
     rng = np.random.default_rng(7)
     n_layers = shard.w.cfg.n_layers
@@ -134,12 +139,12 @@ def _check_steps(mf, spec=None, sizes=(1, 2, 3, 5, 8), steps=2):
     return shard
 
 
-def test_stories260k_rows_equal_each_sequence_alone(stories_path, threads, int8):
-    _check_steps(gguf.open_model(stories_path))
+def test_stories260k_rows_equal_each_sequence_alone(stories_path, threads, int8, kv_type):
+    _check_steps(gguf.open_model(stories_path), kv_type=kv_type)
 
 
-def test_mixed_type_rows_equal_each_sequence_alone(mixed_path, threads, int8):
-    shard = _check_steps(gguf.open_model(mixed_path))
+def test_mixed_type_rows_equal_each_sequence_alone(mixed_path, threads, int8, kv_type):
+    shard = _check_steps(gguf.open_model(mixed_path), kv_type=kv_type)
     plan = shard._row_plans[quant.int8_decode()]
     tokens = sum(len(m.tokens) for p in plan.layers for m in (p.qkv, p.o, p.gate_up, p.down))
     assert (tokens > 0) == (int8 and intdot.available(int(QT.Q4_0)))  # the several-token kernels ran

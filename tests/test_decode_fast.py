@@ -61,7 +61,12 @@ def int8(request, monkeypatch):
     return request.param == "1"
 
 
-def _run(mf, spec, fast: bool, flip_at: int | None = None, monkeypatch=None, biases: bool = False):
+@pytest.fixture(params=["f16", "f32"])
+def kv_type(request):
+    return request.param
+
+
+def _run(mf, spec, fast: bool, flip_at: int | None = None, monkeypatch=None, biases: bool = False, kv_type="f16"):
     """Prefill PROMPT, then decode DECODE one token at a time; every forward output, every
     partial handed to reduce and every logits row, as uint32 bits."""
     seen: list[np.ndarray] = []
@@ -75,7 +80,7 @@ def _run(mf, spec, fast: bool, flip_at: int | None = None, monkeypatch=None, bia
         seen.append(partial.copy().view(np.uint32))
         partial *= np.float32(1.5)  # a stand-in for the other shards' sum: the result must flow on
 
-    shard = llama.Shard(w, ctx=64, reduce=reduce, fast_decode=fast)
+    shard = llama.Shard(w, ctx=64, reduce=reduce, fast_decode=fast, kv_type=kv_type)
     shard.forward(llama.embed(mf, PROMPT), 0)
     for i, t in enumerate(DECODE):
         if i == flip_at:
@@ -85,9 +90,9 @@ def _run(mf, spec, fast: bool, flip_at: int | None = None, monkeypatch=None, bia
     return seen, shard
 
 
-def _same(mf, spec=None, biases=False):
-    fast, shard = _run(mf, spec, True, biases=biases)
-    slow, _ = _run(mf, spec, False, biases=biases)
+def _same(mf, spec=None, biases=False, kv_type="f16"):
+    fast, shard = _run(mf, spec, True, biases=biases, kv_type=kv_type)
+    slow, _ = _run(mf, spec, False, biases=biases, kv_type=kv_type)
     assert len(fast) == len(slow)
     for i, (a, b) in enumerate(zip(fast, slow)):
         assert a.shape == b.shape and np.array_equal(a, b), f"record {i} differs"
@@ -99,16 +104,16 @@ def _integer_products(shard) -> int:
                for m in (p.qkv, p.o, p.gate_up, p.down) if m is not None)
 
 
-def test_stories260k_decodes_bit_identical_to_the_per_op_path(stories_path, threads, int8):
-    _same(gguf.open_model(stories_path))
+def test_stories260k_decodes_bit_identical_to_the_per_op_path(stories_path, threads, int8, kv_type):
+    _same(gguf.open_model(stories_path), kv_type=kv_type)
 
 
-def test_mixed_type_model_decodes_bit_identical_to_the_per_op_path(mixed_path, threads, int8):
+def test_mixed_type_model_decodes_bit_identical_to_the_per_op_path(mixed_path, threads, int8, kv_type):
     mf = gguf.open_model(mixed_path)
     types = {mf.weight(f"blk.{i}.{n}.weight").qtype for i in (0, 1)
              for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
     assert len(types) == 9  # the file really mixes them
-    shard = _same(mf)
+    shard = _same(mf, kv_type=kv_type)
     assert (_integer_products(shard) > 0) == (int8 and quant.intdot.available(int(QT.Q5_0)))
 
 
@@ -186,3 +191,20 @@ def test_decode_attention_is_the_canonical_float32_order_bit_for_bit(pos, serial
     out = np.empty_like(q)
     ops.attention(q, kc, vc, pos, group, out, serial)
     assert np.array_equal(out.view(np.uint32), _attention_reference(q, kc, vc, pos, group).view(np.uint32))
+
+
+@pytest.mark.parametrize("pos", [0, 5, 37])
+@pytest.mark.parametrize("serial", [True, False])
+def test_decode_attention_over_an_f16_cache_reads_numpys_f16_values_exactly(pos, serial):
+    # the kernel reads the cache's uint16 bits; the reference is the same float32 order over
+    # numpy's own widening of those f16 values (exact), so any conversion error shows as a bit
+    rng = np.random.default_rng(100 + pos)
+    n_kv, group, hd = 3, 3, 64
+    kc = (rng.standard_normal((n_kv, 48, hd)) * 3).astype(np.float16)
+    vc = (rng.standard_normal((n_kv, 48, hd)) * 3).astype(np.float16)
+    kc[0, 0, :4] = [6.0e-8, -3.0e-5, 65504.0, 0.0]  # a subnormal, a small normal, the largest, zero
+    q = rng.standard_normal((1, n_kv * group * hd)).astype(np.float32)
+    out = np.empty_like(q)
+    ops.attention(q, ops.kernel_view(kc), ops.kernel_view(vc), pos, group, out, serial)
+    want = _attention_reference(q, kc.astype(np.float32), vc.astype(np.float32), pos, group)
+    assert np.array_equal(out.view(np.uint32), want.view(np.uint32))

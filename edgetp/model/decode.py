@@ -133,7 +133,7 @@ class Plan:
                     p.q[:n] += layer.bq
                     p.k[:n] += layer.bk
                     p.v[:n] += layer.bv
-                _attention(p.q[:n], p.k[:n], p.v[:n], s.k_cache[i], s.v_cache[i], slots, positions, s.cos, s.sin,
+                _attention(p.q[:n], p.k[:n], p.v[:n], s.k_bits[i], s.v_bits[i], slots, positions, s.cos, s.sin,
                            cfg.rope_dims, cfg.rope_neox, cfg.group_size, p.att[:n], serial, p.o.rounds, *ra)
                 p.o(n, serial)
                 partial = p.o.out[:n]
@@ -174,7 +174,8 @@ def _add_norm(x, partial, w, eps, h, add, rnd, xq, dx, s4, s16):  # pragma: no c
 @njit(parallel=True, **_JIT)
 def _attention(q, k, v, kc, vc, slots, positions, cos, sin, rope_dims, neox, group, att, serial, rnd, xq, dx, s4, s16):  # pragma: no cover
     # q (n, heads*hd), k and v (n, kv*hd), row b a token at positions[b] of KV slot slots[b]: rope
-    # its q and k, write its k and v there in the caches kc, vc (slots, kv, ctx, hd); att (n,
+    # its q and k, write its k and v there in the caches kc, vc (slots, kv, ctx, hd; float32 or
+    # the uint16 bits of f16, ops.kv_store rounding as numpy does); att (n,
     # heads*hd) = each row's attention over its own slot; if rnd, each row of att rounded
     n = q.shape[0]
     n_kv, hd = kc.shape[1], kc.shape[3]
@@ -185,8 +186,8 @@ def _attention(q, k, v, kc, vc, slots, positions, cos, sin, rope_dims, neox, gro
         ops.rope(k[b : b + 1], n_kv, hd, rope_dims, pos, cos, sin, neox)
         for g in range(n_kv):
             for d in range(hd):
-                kc[sl, g, pos, d] = k[b, g * hd + d]
-                vc[sl, g, pos, d] = v[b, g * hd + d]
+                kc[sl, g, pos, d] = ops.kv_store(k[b, g * hd + d], kc)
+                vc[sl, g, pos, d] = ops.kv_store(v[b, g * hd + d], vc)
     if serial:
         for job in range(n * heads):
             b = job // heads

@@ -12,7 +12,9 @@ import math
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
+
+from edgetp.model import isa
 
 _JIT = dict(cache=True, nogil=True, fastmath=False)
 
@@ -25,6 +27,138 @@ def _f32_bits(typingctx, i):
         return builder.bitcast(args[0], ir.FloatType())
 
     return types.float32(types.int32), codegen
+
+
+# ---------------------------------------------------------------- KV cache types
+# A KV cache is float32, or f16 (KV_TYPES): numpy holds an f16 cache as float16, the compiled
+# kernels as its uint16 view (numba has no float16) and convert each value with the CPU's
+# own instruction (LLVM fpext/fptrunc of half: vcvtph2ps/vcvtps2ph with F16C, fcvt on
+# aarch64, compiler-rt's routines on a baseline x86-64). fptrunc rounds to nearest even, as
+# numpy's float16 assignment does, so a value written by a kernel or by numpy is the same bits.
+# On the generic ISA (a baseline x86-64 without F16C) LLVM lowers those to compiler-rt calls
+# numba cannot link (__truncsfhf2), so there the same conversions are integer code.
+
+KV_TYPES = {"f16": np.float16, "f32": np.float32}  # setting -> numpy dtype of the cache
+
+
+def kv_dtype(kv_type: str) -> type:
+    """The numpy dtype of a KV cache of type kv_type; ValueError (one line) for others."""
+    if kv_type not in KV_TYPES:
+        raise ValueError(f"KV cache type {kv_type!r} is not one of {', '.join(KV_TYPES)}")
+    return KV_TYPES[kv_type]
+
+
+def kernel_view(cache: np.ndarray) -> np.ndarray:
+    """What the compiled kernels read and write of a KV cache: an f16 cache's uint16 view."""
+    return cache.view(np.uint16) if cache.dtype == np.float16 else cache
+
+
+@intrinsic
+def _i32_bits(typingctx, f):
+    """The int32 whose bits are the float32 f."""
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.int32(types.float32), codegen
+
+
+@njit(inline="always", **_JIT)
+def h2f_soft(h):  # pragma: no cover - compiled
+    """_h2f in integer code: a finite f16's bits moved into a float32 (as a subnormal when
+    the exponent field is 0) scaled by 2**112 (exact), inf and nan rebuilt."""
+    h = np.int32(h)
+    mag = (h & np.int32(0x7FFF)) << np.int32(13)
+    if mag >= np.int32(0x7C00 << 13):
+        mag = mag | np.int32(0x7F800000)  # inf, nan (payload kept)
+        v = _f32_bits(mag)
+    else:
+        v = _f32_bits(mag) * np.float32(2.0**112)
+    return -v if h & np.int32(0x8000) else v
+
+
+@njit(inline="always", **_JIT)
+def f2h_soft(f):  # pragma: no cover - compiled
+    """_f2h in integer code: float32 f to the bits of the nearest f16, ties to even."""
+    x = _i32_bits(np.float32(f))
+    sign = (x >> np.int32(16)) & np.int32(0x8000)
+    x = x & np.int32(0x7FFFFFFF)
+    if x > np.int32(0x7F800000):  # nan: quiet, the payload's top bits kept
+        h = np.int32(0x7E00) | ((x >> np.int32(13)) & np.int32(0x3FF))
+    elif x >= np.int32(0x477FF000):  # 65520 and up (inf too) round to inf
+        h = np.int32(0x7C00)
+    elif x >= np.int32(0x38800000):  # an f16 normal: rebias the exponent, round 13 bits off
+        h = (x - np.int32(0x38000000)) >> np.int32(13)
+        rest = x & np.int32(0x1FFF)
+        if rest > np.int32(0x1000) or (rest == np.int32(0x1000) and h & np.int32(1)):
+            h += np.int32(1)
+    elif x > np.int32(0x33000000):  # an f16 subnormal (or the smallest normal after rounding)
+        shift = np.int32(126) - (x >> np.int32(23))  # 14 .. 24
+        m = (x & np.int32(0x7FFFFF)) | np.int32(0x800000)
+        h = m >> shift
+        rest = m & ((np.int32(1) << shift) - np.int32(1))
+        half = np.int32(1) << (shift - np.int32(1))
+        if rest > half or (rest == half and h & np.int32(1)):
+            h += np.int32(1)
+    else:  # 2**-25 and below round to zero
+        h = np.int32(0)
+    return np.uint16(sign | h)
+
+
+def _soft_half() -> bool:
+    """Whether compiled code converts f16 in integer code: on the generic ISA (or if the ISA is in error)."""
+    try:
+        return isa.current() == "generic"
+    except isa.IsaError:
+        return True
+
+
+@intrinsic
+def _h2f(typingctx, h):
+    """The float32 value of the f16 whose bits are the uint16 h (exact)."""
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _f2h(typingctx, f):
+    """The bits of the float32 f rounded to f16, nearest even (overflow to inf)."""
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(types.float32), codegen
+
+
+def kv_load(x):  # pragma: no cover - compiled through the overload
+    """A KV cache element as float32 (compiled code only)."""
+    raise NotImplementedError
+
+
+def kv_store(v, cache):  # pragma: no cover - compiled through the overload
+    """float32 v as an element of `cache` (compiled code only)."""
+    raise NotImplementedError
+
+
+@overload(kv_load, inline="always")
+def _kv_load(x):
+    if x == types.uint16:
+        if _soft_half():
+            return lambda x: h2f_soft(x)
+        return lambda x: _h2f(x)
+    return lambda x: x
+
+
+@overload(kv_store, inline="always")
+def _kv_store(v, cache):
+    if cache.dtype == types.uint16:
+        if _soft_half():
+            return lambda v, cache: f2h_soft(v)
+        return lambda v, cache: _f2h(np.float32(v))
+    return lambda v, cache: v
 
 
 @njit(inline="always", **_JIT)
@@ -100,7 +234,7 @@ def rope(x, n_heads, head_dim, rope_dims, pos0, cos, sin, neox):  # pragma: no c
 @njit(parallel=True, **_JIT)
 def attention(q, k_cache, v_cache, pos0, group, out, serial):  # pragma: no cover - compiled
     # q: (n, n_heads * hd) roped queries for positions pos0 .. pos0+n-1
-    # k_cache, v_cache: (n_kv, ctx, hd); rows up to pos0+n-1 are filled
+    # k_cache, v_cache: (n_kv, ctx, hd) float32, or uint16 bits of f16; rows up to pos0+n-1 are filled
     # out: (n, n_heads * hd); query head h reads KV head h // group (causal)
     # serial: one thread, without the parallel launch (each head's arithmetic is the same)
     jobs = q.shape[0] * k_cache.shape[0] * group
@@ -132,10 +266,10 @@ def attend_head(q, k_cache, v_cache, pos0, group, out, job):  # pragma: no cover
         a0 = a1 = a2 = a3 = np.float32(0.0)
         for d in range(hd):
             qd = qh[d]
-            a0 += qd * kc[s0, d]
-            a1 += qd * kc[s0 + 1, d]
-            a2 += qd * kc[s0 + 2, d]
-            a3 += qd * kc[s0 + 3, d]
+            a0 += qd * kv_load(kc[s0, d])
+            a1 += qd * kv_load(kc[s0 + 1, d])
+            a2 += qd * kv_load(kc[s0 + 2, d])
+            a3 += qd * kv_load(kc[s0 + 3, d])
         scores[s0] = a0 * scale
         scores[s0 + 1] = a1 * scale
         scores[s0 + 2] = a2 * scale
@@ -144,7 +278,7 @@ def attend_head(q, k_cache, v_cache, pos0, group, out, job):  # pragma: no cover
     for s in range(s0, last + 1):
         acc = np.float32(0.0)
         for d in range(hd):
-            acc += qh[d] * kc[s, d]
+            acc += qh[d] * kv_load(kc[s, d])
         scores[s] = acc * scale
     top = np.float32(-np.inf)
     for s in range(last + 1):
@@ -160,7 +294,7 @@ def attend_head(q, k_cache, v_cache, pos0, group, out, job):  # pragma: no cover
     for s in range(last + 1):
         p = scores[s] * inv
         for d in range(hd):
-            o[d] += p * v_cache[kv, s, d]
+            o[d] += p * kv_load(v_cache[kv, s, d])
     for d in range(hd):
         out[t, h * hd + d] = o[d]
 
@@ -190,7 +324,7 @@ def attention_batch(q, k_cache, v_cache, pos0, group, out):
     """Causal attention for a batch of n > 1 tokens through BLAS, in blocks of one KV head
     and QBLOCK query rows.
 
-    Same contract as `attention`; the scalar kernel is right for one token, but a
+    Same contract as `attention` (an f16 cache as numpy float16 here); the scalar kernel is right for one token, but a
     prefill batch is two matrix products per KV head. Row blocks skip the keys
     after their last row: for 256 new tokens, 3/8 of the work. The scale goes on
     q, the causal softmax is one vectorized pass (`_softmax_causal`), and the
@@ -200,6 +334,7 @@ def attention_batch(q, k_cache, v_cache, pos0, group, out):
     """
     n = q.shape[0]
     n_kv, _, hd = k_cache.shape
+    wide = k_cache.dtype != np.float32  # f16 rows are widened to f32 (exact) for BLAS
     qh = q.reshape(n, n_kv, group, hd)
     oh = out.reshape(n, n_kv, group, hd)
     scale = np.float32(1.0 / math.sqrt(hd))
@@ -207,10 +342,13 @@ def attention_batch(q, k_cache, v_cache, pos0, group, out):
         b = min(n, a + QBLOCK)
         m, last = b - a, pos0 + b  # rows a..b-1 attend to keys 0..last-1 at most
         qs = qh[a:b, kv].transpose(1, 0, 2).reshape(group * m, hd) * scale    # rows: head-major
-        scores = qs @ k_cache[kv, :last].T                                     # (group * m, last)
+        keys, values = k_cache[kv, :last], v_cache[kv, :last]
+        if wide:
+            keys, values = keys.astype(np.float32), values.astype(np.float32)
+        scores = qs @ keys.T                                                   # (group * m, last)
         total = np.empty((group * m, 1), np.float32)
         _softmax_causal(scores, m, last - m, total)
-        att = (scores @ v_cache[kv, :last]) / total                            # normalised after PV
+        att = (scores @ values) / total                                        # normalised after PV
         oh[a:b, kv] = att.reshape(group, m, hd).transpose(1, 0, 2)
 
 

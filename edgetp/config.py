@@ -31,6 +31,7 @@ ENV_PREFIX = "EDGETP_"
 OTHER_ENV = frozenset({"EDGETP_CONFIG", "EDGETP_LINK_MODE", "EDGETP_URL", "EDGETP_API_KEY",  # clients
                        "EDGETP_INT8", "EDGETP_ISA"})  # the kernels (edgetp.model.quant, edgetp.model.isa)
 SYNC_TYPES = ("f32", "q8_0")
+KV_TYPES = ("f16", "f32")  # what the KV caches hold (edgetp/model/ops.py KV_TYPES)
 
 
 class ConfigError(ValueError):
@@ -110,6 +111,7 @@ class Settings:
     sync: str = "f32"                       # all-reduce payload: "f32" or "q8_0"
     ctx: int = 2048                         # context length (KV cache size) of each sequence
     slots: int = 4                          # sequences decoded at once, each with its own KV cache (fewer if memory is short)
+    kv_type: str = "f16"                    # KV cache values: "f16" (llama.cpp's default, half of f32) or "f32"
     api_tokens: tuple[str, ...] = ()        # bearer tokens the OpenAI API accepts; () means none needed
     max_memory_mb: int | None = None        # use at most this much memory for edgetp (runtime included); None: no cap
     slice_cache_mb: int = 4096              # model slices kept on disk (cache_dir/shards), least recently used out first
@@ -214,6 +216,12 @@ def _sync(value: Any) -> str:
     return value
 
 
+def _kv_type(value: Any) -> str:
+    if value not in KV_TYPES:
+        raise ValueError(f"expected one of {', '.join(KV_TYPES)}, got {value!r}")
+    return value
+
+
 def _tokens(value: Any) -> tuple[str, ...]:
     tokens = _strings(value)
     for t in tokens:
@@ -237,7 +245,7 @@ CHECKS: dict[str, Callable[[Any], Any]] = {
     "data_port": _port, "http_port": _port, "interfaces": _strings,
     "priority": _int, "no_root": _bool, "threads": _threads,
     "cache_dir": _path_or_none, "node_id": _node_id, "peers": _peers,
-    "sync": _sync, "ctx": _positive, "slots": _positive, "api_tokens": _tokens,
+    "sync": _sync, "ctx": _positive, "slots": _positive, "kv_type": _kv_type, "api_tokens": _tokens,
     "max_memory_mb": _threads, "slice_cache_mb": _positive,
     "heartbeat_s": _seconds, "heartbeat_timeout_s": _seconds, "settle_s": _seconds,
 }
@@ -328,7 +336,7 @@ def read_flags(overrides: Mapping[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"{flag}: unknown setting {key!r} (known: {', '.join(KEYS)})")
         if value is None:
             continue  # not given on the command line
-        if isinstance(value, str) and key not in ("model", "host", "node_id", "sync", "key_file", "cache_dir"):
+        if isinstance(value, str) and key not in ("model", "host", "node_id", "sync", "kv_type", "key_file", "cache_dir"):
             try:
                 value = _from_env(key, value)
             except ValueError as exc:

@@ -46,12 +46,12 @@ class Runner(Protocol):
 class LocalRunner:
     """Every slice of every layer in this process."""
 
-    def __init__(self, mf: ModelFile, ctx: int, slots: int = 1) -> None:
+    def __init__(self, mf: ModelFile, ctx: int, slots: int = 1, kv_type: str = "f16") -> None:
         self.mf = mf
         self.ctx = ctx
         self.slots = slots
         self.weights = llama.load_weights(mf)  # zero-copy views of the file
-        self.shard = llama.Shard(self.weights, ctx, slots=slots)
+        self.shard = llama.Shard(self.weights, ctx, slots=slots, kv_type=kv_type)
 
     def begin(self, params=None):
         return None

@@ -24,8 +24,13 @@ def _block(mf: ModelFile, name: str) -> int:
     return GGML_QUANT_SIZES[GGMLQuantizationType(mf.tensors[name].tensor_type)][0]
 
 
-def model_shape(mf: ModelFile, ctx: int, slots: int = 1) -> ModelShape:
-    """The planner's view of mf with KV caches of ctx positions for `slots` sequences."""
+KV_BYTES = {"f16": 2, "f32": 4}  # bytes per cached value of each KV cache type (llama.Shard's kv_type)
+
+
+def model_shape(mf: ModelFile, ctx: int, slots: int = 1, kv_type: str = "f16") -> ModelShape:
+    """The planner's view of mf with KV caches of ctx positions for `slots` sequences, of kv_type values."""
+    if kv_type not in KV_BYTES:
+        raise ValueError(f"KV cache type {kv_type!r} is not one of {', '.join(KV_BYTES)}")
     cfg = mf.config
     head = "token_embd.weight" if cfg.tied else "output.weight"
     # FFN columns are the input columns of ffn_down: a unit must not split its quant blocks.
@@ -45,6 +50,7 @@ def model_shape(mf: ModelFile, ctx: int, slots: int = 1) -> ModelShape:
         attn_bpw=_bpw(mf, "blk.0.attn_q.weight"),
         ffn_bpw=_bpw(mf, "blk.0.ffn_up.weight"),
         vocab_bpw=_bpw(mf, head),
+        kv_bytes_per_head_pos=2 * cfg.head_dim * KV_BYTES[kv_type],  # K and V
         ctx=ctx,
         slots=slots,
     )

@@ -43,7 +43,7 @@ from gguf import GGMLQuantizationType as QT
 
 from edgetp.parallel import profile
 from edgetp.cluster.election import EpochError, EpochState, StaleEpoch
-from edgetp.model import llama, quant, sampling
+from edgetp.model import llama, ops, quant, sampling
 from edgetp.model.gguf import GGUFError, ModelFile, open_model
 from edgetp.net.frames import FrameType
 from edgetp.net.link import BLOCKING, HANDSHAKE_TIMEOUT, Link, LinkClosed
@@ -255,14 +255,17 @@ class _Session:
         t0 = time.perf_counter()
         self.shard = None
         spec = llama.ShardSpec(tuple(h["kv_groups"]), tuple(h["ffn_cols"]), tuple(h["vocab_rows"]))
+        kv_type = h.get("kv_type", "f16")
+        if kv_type not in ops.KV_TYPES:
+            raise ValueError(f"LOAD: kv_type must be one of {', '.join(ops.KV_TYPES)}, got {kv_type!r}")
         self.mf = await self._model(h, spec)
         path = self.mf.path
         self.sync = h["sync"]
         weights = await asyncio.to_thread(llama.load_weights, self.mf, spec)
-        self.shard = llama.Shard(weights, int(h["ctx"]), slots=_positive(h.get("slots", 1), "slots"))
+        self.shard = llama.Shard(weights, int(h["ctx"]), slots=_positive(h.get("slots", 1), "slots"), kv_type=kv_type)
         await asyncio.to_thread(_warm_up, self.shard)
-        log.info("loaded shard %s of %s: %.1f MB of weights, %.1f MB KV cache",
-                 spec, path, weights.nbytes / 1e6, self.shard.kv_bytes / 1e6)
+        log.info("loaded shard %s of %s: %.1f MB of weights, %.1f MB KV cache (%s)",
+                 spec, path, weights.nbytes / 1e6, self.shard.kv_bytes / 1e6, kv_type)
         await self.link.send(FrameType.READY, {
             "rss": rss_bytes(), "weights": weights.nbytes, "kv": self.shard.kv_bytes,
             "load_ms": (time.perf_counter() - t0) * 1000, "embeds": _embeds(self.mf)})

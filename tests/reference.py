@@ -6,17 +6,17 @@ from functools import lru_cache
 
 import numpy as np
 
-GGML_TYPE_F32 = 0
+GGML_TYPES = {"f32": 0, "f16": 1}  # KV cache types: edgetp's name -> ggml_type
 
 
 @lru_cache(maxsize=4)
-def load(path: str, n_ctx: int = 512):
-    """A llama.cpp context with an f32 KV cache (its f16 default would add error we do not make)."""
+def load(path: str, n_ctx: int = 512, kv_type: str = "f32"):
+    """A llama.cpp context with a KV cache of kv_type (f16 is llama.cpp's default)."""
     import llama_cpp  # noqa: PLC0415
 
     return llama_cpp.Llama(
         model_path=path, n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, verbose=False,
-        n_threads=2, type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32, seed=0,
+        n_threads=2, type_k=GGML_TYPES[kv_type], type_v=GGML_TYPES[kv_type], seed=0,
     )
 
 
@@ -24,17 +24,17 @@ def tokenize(path, text: str, add_bos: bool = True, special: bool = False) -> li
     return list(load(str(path)).tokenize(text.encode(), add_bos=add_bos, special=special))
 
 
-def logits(path, ids: list[int]) -> np.ndarray:
+def logits(path, ids: list[int], kv_type: str = "f32") -> np.ndarray:
     """Logits at every position of ids: (n, vocab) f32."""
-    llm = load(str(path))
+    llm = load(str(path), kv_type=kv_type)
     llm.reset()
     llm.eval(ids)
     return np.array(llm.scores[: llm.n_tokens], dtype=np.float32)
 
 
-def greedy(path, ids: list[int], n: int) -> list[int]:
+def greedy(path, ids: list[int], n: int, kv_type: str = "f32") -> list[int]:
     """n greedy tokens after ids, argmax of llama.cpp's own logits at each step."""
-    llm = load(str(path))
+    llm = load(str(path), kv_type=kv_type)
     llm.reset()
     llm.eval(ids)
     out = []
@@ -45,12 +45,13 @@ def greedy(path, ids: list[int], n: int) -> list[int]:
     return out
 
 
-def exact_logits(path, ids: list[int]) -> np.ndarray:
+def exact_logits(path, ids: list[int], kv_type: str = "f32") -> np.ndarray:
     """The forward pass written out in float64 numpy on gguf-py's dequantized weights.
 
     An independent statement of the llama math (RMSNorm, RoPE on adjacent pairs,
     GQA causal attention, SwiGLU) with no rounding of activations: the "exact"
-    logits both engines approximate. (n, vocab) float64.
+    logits both engines approximate. (n, vocab) float64. kv_type "f16": the keys
+    and values are stored as f16 (numpy's rounding), as an f16 KV cache holds them.
     """
     from gguf import GGUFReader, quants  # noqa: PLC0415
 
@@ -90,6 +91,8 @@ def exact_logits(path, ids: list[int]) -> np.ndarray:
         q = rope(h @ weight(p + "attn_q.weight").T, nh)
         k = rope(h @ weight(p + "attn_k.weight").T, nkv)
         v = (h @ weight(p + "attn_v.weight").T).reshape(n, nkv, hd)
+        if kv_type == "f16":
+            k, v = (c.astype(np.float32).astype(np.float16).astype(np.float64) for c in (k, v))
         att = np.empty((n, nh, hd))
         for head in range(nh):
             kv = head // (nh // nkv)

@@ -56,14 +56,16 @@ def _attention64(q, k, v, pos0, group):
     return out
 
 
+@pytest.mark.parametrize("kv", [np.float32, np.float16])
 @pytest.mark.parametrize("n,pos0", [(2, 0), (70, 5), (130, 0), (64, 64)])
-def test_attention_batch_equals_float64_causal_attention(n, pos0):
-    # blocks of QBLOCK query rows, a partial last block, and keys already in the cache
+def test_attention_batch_equals_float64_causal_attention(n, pos0, kv):
+    # blocks of QBLOCK query rows, a partial last block, and keys already in the cache; an f16
+    # cache is read as its values (the float64 reference widens the same f16 values)
     rng = np.random.default_rng(n + pos0)
     n_kv, group, hd, ctx = 2, 3, 16, 256
     q = rng.standard_normal((n, n_kv * group * hd)).astype(np.float32)
-    k = rng.standard_normal((n_kv, ctx, hd)).astype(np.float32) * 2
-    v = rng.standard_normal((n_kv, ctx, hd)).astype(np.float32)
+    k = (rng.standard_normal((n_kv, ctx, hd)) * 2).astype(kv)
+    v = rng.standard_normal((n_kv, ctx, hd)).astype(kv)
     k[:, pos0 + n :] = v[:, pos0 + n :] = np.nan  # past the last position: never read
     out = np.full_like(q, np.nan)
     ops.attention_batch(q, k, v, pos0, group, out)

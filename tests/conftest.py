@@ -125,3 +125,30 @@ def int8_kernels(request, monkeypatch) -> str:
         broken = sorted(k for k in intdot.KINDS if not intdot.available(k))
         assert not broken, f"integer decode kernels failed their probe for types {broken}"
     return request.param
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    """The compute thread count, 1 and then 2 (skipped where numba runs fewer)."""
+    import numba  # noqa: PLC0415
+
+    from edgetp.model import quant  # noqa: PLC0415
+
+    if request.param > numba.config.NUMBA_NUM_THREADS:
+        pytest.skip(f"needs {request.param} cores, this machine runs {numba.config.NUMBA_NUM_THREADS} threads")
+    quant.set_threads(request.param)
+    yield request.param
+    quant.set_threads(None)
+
+
+@pytest.fixture(params=["1", "0"], ids=["int8", "float"])
+def int8(request, monkeypatch):
+    """The integer decode kernels (EDGETP_INT8=1), then the float ones."""
+    monkeypatch.setenv("EDGETP_INT8", request.param)
+    return request.param == "1"
+
+
+@pytest.fixture(params=["f16", "f32"])
+def kv_type(request):
+    """Each KV cache type."""
+    return request.param

@@ -15,7 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numba
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
@@ -40,40 +39,8 @@ MIXED = {"attn_q": "q5_0", "attn_k": "q4_0", "attn_v": "q8_0", "attn_output": "q
 
 @pytest.fixture(scope="module")
 def mixed_path(tmp_path_factory):
-    """tiny-k (widths multiples of 256) with the per-tensor types of MIXED."""
-    base = synth_gguf.model_tensors
-
-    def mixed(**kw):
-        specs = base(**kw)
-        for s in specs:
-            for key in sorted(MIXED, key=len):  # the more specific (blk.1.) wins
-                if "." + key in "." + s.name and not s.is_norm:
-                    s.qtype = synth_gguf.TYPES[MIXED[key]][0]
-        return specs
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(synth_gguf, "model_tensors", mixed)
-        return synth_gguf.write_preset(tmp_path_factory.mktemp("rows") / "mixed.gguf", "tiny-k")
-
-
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    if request.param > numba.config.NUMBA_NUM_THREADS:
-        pytest.skip(f"needs {request.param} cores, this machine runs {numba.config.NUMBA_NUM_THREADS} threads")
-    quant.set_threads(request.param)
-    yield request.param
-    quant.set_threads(None)
-
-
-@pytest.fixture(params=["1", "0"], ids=["int8", "float"])
-def int8(request, monkeypatch):
-    monkeypatch.setenv("EDGETP_INT8", request.param)
-    return request.param == "1"
-
-
-@pytest.fixture(params=["f16", "f32"])
-def kv_type(request):
-    return request.param
+    """tiny-k (every width a multiple of 256) with the per-tensor types of MIXED."""
+    return synth_gguf.write_preset(tmp_path_factory.mktemp("rows") / "mixed.gguf", "tiny-k", tensor_types=MIXED)
 
 
 class Recorder:

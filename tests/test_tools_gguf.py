@@ -211,6 +211,22 @@ def test_synth_cli(tmp_path):
     assert r.returncode == 0 and "--type" in r.stdout
 
 
+def test_synth_per_tensor_types_follow_the_longest_matching_name(tmp_path):
+    out = tmp_path / "mix.gguf"
+    assert synth_gguf.main([str(out), "--preset", "tiny-k", "--layers", "2", "--type", "q4_0", "-q",
+                            "--tensor-type", "attn_v=q8_0", "--tensor-type", "blk.1.attn_v=f16",
+                            "--tensor-type", "output.weight=q6_k"]) == 0
+    types = {t.name: QT(t.tensor_type) for t in gguf.GGUFReader(out).tensors}  # gguf-py reads it back
+    assert types["blk.0.attn_v.weight"] == QT.Q8_0 and types["blk.1.attn_v.weight"] == QT.F16
+    assert types["output.weight"] == QT.Q6_K and types["blk.0.attn_output.weight"] == QT.Q4_0
+    assert types["blk.1.attn_norm.weight"] == QT.F32
+    with pytest.raises(SystemExit) as exc:  # argparse's one-line usage error
+        synth_gguf.main([str(tmp_path / "bad.gguf"), "--preset", "tiny-k", "--tensor-type", "attn_v"])
+    assert exc.value.code == 2
+    assert synth_gguf.main([str(tmp_path / "bad.gguf"), "--preset", "tiny-k", "--tensor-type", "attn_v=q9"]) == 2
+    assert not (tmp_path / "bad.gguf").exists()
+
+
 # ---------------------------------------------------------------------------
 # synth_gguf: llama.cpp loads it
 # ---------------------------------------------------------------------------

@@ -411,8 +411,14 @@ def _qtype(name: str | None, default: QT) -> QT:
 
 def model_tensors(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn: int, vocab: int,
                   head_dim: int | None = None, weight_type: str = "f32", embd_type: str | None = None,
-                  output_type: str | None = None, tied: bool = False) -> list[TensorSpec]:
-    """The tensors of a llama-family model, in file order, validated for the chosen types."""
+                  output_type: str | None = None, tied: bool = False,
+                  tensor_types: dict[str, str] | None = None) -> list[TensorSpec]:
+    """The tensors of a llama-family model, in file order, validated for the chosen types.
+
+    tensor_types: per-tensor types over weight_type, as llama.cpp's mixes have them: a key
+    names a tensor by a dot-bounded part of its name ("attn_v" in every layer, "blk.1.attn_k"
+    in one, "output.weight"); the longest matching key wins. Norms stay F32.
+    """
     if head_dim is None:
         if dim % n_heads:
             raise ValueError(f"dim {dim} is not divisible by n_heads {n_heads}; pass head_dim")
@@ -442,6 +448,10 @@ def model_tensors(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn
             TensorSpec(p + "ffn_up.weight", ffn, dim, wt, 1.0 / np.sqrt(dim)),
             TensorSpec(p + "ffn_down.weight", dim, ffn, wt, 1.0 / np.sqrt(ffn)),
         ]
+    for s in specs:
+        keys = [k for k in (tensor_types or {}) if "." + k in "." + s.name]
+        if keys and not s.is_norm:
+            s.qtype = _qtype(tensor_types[max(keys, key=len)], s.qtype)
     bad = []
     for s in specs:
         if s.is_norm or s.qtype in (QT.F32, QT.F16, QT.BF16):
@@ -460,7 +470,8 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
                 rope_theta: float = 10000.0, norm_eps: float = 1e-5, arch: str = "llama",
                 weight_type: str = "f32", embd_type: str | None = None, output_type: str | None = None,
                 tied: bool = False, seed: int = 0, tokenizer: str = "spm", name: str = "synthetic",
-                check: bool = True, progress: Callable[[str], None] | None = None) -> Path:
+                check: bool = True, progress: Callable[[str], None] | None = None,
+                tensor_types: dict[str, str] | None = None) -> Path:
     """Write a synthetic llama-family GGUF model to `path` (via path.part, then rename).
 
     Norm weights are F32; token_embd uses `embd_type` and output.weight
@@ -477,7 +488,7 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
     hd = head_dim if head_dim is not None else (dim // n_heads if dim % n_heads == 0 else None)
     specs = model_tensors(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn=ffn,
                           vocab=vocab, head_dim=head_dim, weight_type=weight_type, embd_type=embd_type,
-                          output_type=output_type, tied=tied)
+                          output_type=output_type, tied=tied, tensor_types=tensor_types)
     assert hd is not None
 
     with gguf_writer(path, arch) as writer:
@@ -552,6 +563,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--type", dest="weight_type", default="f32", choices=list(TYPES), help="type of the 2-D weights")
     ap.add_argument("--embd-type", choices=list(TYPES), help="type of token_embd (default: --type)")
     ap.add_argument("--output-type", choices=list(TYPES), help="type of output.weight (default: --type)")
+    ap.add_argument("--tensor-type", dest="tensor_types", action="append", default=[], metavar="NAME=TYPE",
+                    help="a type for the tensors NAME names (attn_v, blk.1.attn_k, output.weight); repeatable")
     ap.add_argument("--dim", type=int)
     ap.add_argument("--layers", dest="n_layers", type=int)
     ap.add_argument("--heads", dest="n_heads", type=int)
@@ -590,8 +603,12 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         ap.error("give --preset or all of --dim --layers --heads --kv-heads --ffn --vocab (missing: "
                  + ", ".join(missing) + ")")
+    pairs = [t.partition("=") for t in args.tensor_types]
+    if any(not name or not typ for name, _, typ in pairs):
+        ap.error("--tensor-type takes NAME=TYPE, e.g. attn_v=q8_0")
     kw.update(weight_type=args.weight_type, embd_type=args.embd_type, output_type=args.output_type,
-              arch=args.arch, seed=args.seed, tokenizer=args.tokenizer, check=not args.no_check)
+              arch=args.arch, seed=args.seed, tokenizer=args.tokenizer, check=not args.no_check,
+              tensor_types={name: typ for name, _, typ in pairs} or None)
     t0 = time.perf_counter()
     try:
         out = write_model(args.out, **kw)

@@ -433,8 +433,7 @@ class Engine:
 
     def _publish_step(self, loop, sched: Scheduler) -> None:
         for kind, n, ms in sched.last:
-            _post(loop, self.bus.publish, events.StepRecord(kind, n, ms, len(sched.seqs),
-                                                                          len(self._waiting)))
+            _post(loop, self.bus.publish, events.StepRecord(kind, n, ms, len(sched.seqs), len(self._waiting)))
 
     def _counters(self) -> dict[str, Any]:
         """Link counters of the runner in use (a recovery may have replaced it)."""

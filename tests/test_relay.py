@@ -22,6 +22,10 @@ from tools.netns import Testbed, read_line, require_root_and_netns
 from tools.relay import PROFILES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The relay's round trip comes on top of the path's own (the echo or the worker answering, on a
+# machine that may be busy): the bounds hold the difference to the direct path to the setting, with
+# 2 ms of slack for load; twice the delay would still break them.
+SLACK_MS = 2.0
 
 
 def start_relay(to: str, *args: str, prefix: list[str] | None = None, listen: str = "127.0.0.1:0"):
@@ -99,8 +103,8 @@ def test_the_relay_adds_its_round_trip_and_jitter_and_no_more(echo):
         rtts = _round_trips(addr, 40)
     finally:
         stop_relay(proc)
-    assert min(rtts) >= 3.0 - 0.05  # rtt - jitter, never less
-    assert 3.6 <= statistics.median(rtts) <= 4.4 + base + 1.0, rtts
+    assert min(rtts) >= 3.0 - 0.05, rtts  # rtt - jitter, never less
+    assert 3.5 <= statistics.median(rtts) <= base + 4.0 + 1.0 + SLACK_MS, (base, rtts)
     assert max(rtts) - min(rtts) > 0.3  # the jitter is there
 
 
@@ -123,24 +127,28 @@ def test_bytes_cross_the_relay_intact_and_in_order(echo):
     assert bytes(got) == data
 
 
+async def _measure(address: str):
+    host, _, port = address.rpartition(":")
+    link = await Link.connect(host, int(port))
+    try:
+        await _hello(link, None, "root", 1)
+        return await link.measure()
+    finally:
+        link.close()
+
+
 def test_a_link_to_a_real_worker_through_a_wifi_relay_measures_the_wifi_round_trip():
     worker, waddr = start_worker()
     wifi = PROFILES["wifi"]
     relay, addr = start_relay(waddr, "--profile", "wifi")
     try:
-        async def go():
-            host, _, port = addr.rpartition(":")
-            link = await Link.connect(host, int(port))
-            try:
-                await _hello(link, None, "root", 1)
-                return await link.measure()
-            finally:
-                link.close()
-        st = asyncio.run(go())
+        direct = asyncio.run(_measure(waddr))
+        st = asyncio.run(_measure(addr))
     finally:
         stop_relay(relay)
         stop(worker)
-    assert wifi.rtt_ms - wifi.jitter_ms <= st.rtt_ms <= wifi.rtt_ms + wifi.jitter_ms + 1.0, st
+    assert wifi.rtt_ms - wifi.jitter_ms <= st.rtt_ms <= direct.rtt_ms + wifi.rtt_ms + wifi.jitter_ms + SLACK_MS, \
+        (st, direct)
     assert st.rtt_p90_ms >= st.rtt_ms
 
 
@@ -154,14 +162,13 @@ def test_the_wifi_profile_in_namespaces_is_its_rate_and_round_trip():
         worker, waddr = start_worker(host=far.address, prefix=far.argv([]))
         relay, addr = start_relay(waddr, "--profile", "wifi", prefix=root.argv([]), listen=f"{root.address}:0")
         try:
-            code = ("import asyncio, json, sys\nfrom edgetp.net.link import Link\nfrom edgetp.parallel.runner import _hello\n"
-                    "async def go(a):\n    h, _, p = a.rpartition(':')\n    l = await Link.connect(h, int(p))\n"
-                    "    await _hello(l, None, 'root', 1)\n    s = await l.measure()\n    l.close()\n"
-                    "    print(json.dumps([s.rtt_ms, s.mbps]))\nasyncio.run(go(sys.argv[1]))")
-            out = root.run([sys.executable, "-c", code, addr], timeout=120)
+            code = ("import asyncio, json, sys\nfrom tests.test_relay import _measure\n"
+                    "s = asyncio.run(_measure(sys.argv[1]))\nprint(json.dumps([s.rtt_ms, s.mbps]))")
+            direct = float(root.run([sys.executable, "-c", code, waddr], timeout=120, cwd=REPO).stdout.split(",")[0][1:])
+            out = root.run([sys.executable, "-c", code, addr], timeout=120, cwd=REPO)
             rtt, mbps = (float(v) for v in out.stdout.strip("[]\n").split(","))
         finally:
             stop_relay(relay)
             stop(worker)
-    assert wifi.rtt_ms - wifi.jitter_ms <= rtt <= wifi.rtt_ms + wifi.jitter_ms + 1.0
+    assert wifi.rtt_ms - wifi.jitter_ms <= rtt <= direct + wifi.rtt_ms + wifi.jitter_ms + SLACK_MS, (rtt, direct)
     assert 30 <= mbps <= 115  # tbf's 100 Mbit/s; a half-MiB probe over 4 ms sees part of slow start

@@ -354,6 +354,13 @@ def _positive(value: Any, name: str) -> int:
     return value
 
 
+def _feed(history: dict[int, list[int]], slot: int, pos: int, ids: list[int]) -> None:
+    """ids now sit at pos.. of slot's history, in place: no copy of the whole history per token."""
+    h = history.setdefault(slot, [])
+    del h[pos:]
+    h.extend(ids)
+
+
 def _hot_loop(hot: Hot, shard: llama.Shard, mf) -> None:
     """STEP after STEP until the root says end; runs on the compute thread.
 
@@ -379,14 +386,14 @@ def _hot_loop(hot: Hot, shard: llama.Shard, mf) -> None:
         if rows is not None:
             slots, positions = [int(r[0]) for r in rows], [int(r[1]) for r in rows]
             for slot, pos, t in zip(slots, positions, ids):
-                history[slot] = history.get(slot, [])[:pos] + [t]
+                _feed(history, slot, pos, [t])
             logits = shard.logits_rows(shard.forward_rows(x, slots, positions))
             params = [sampling.SamplingParams(**p) for p in h["params"]]
             hot.send(FrameType.LOGITS, *candidates_rows_message(
                 [sampling.candidates(logits[i], offset, history[s], p) for i, (s, p) in enumerate(zip(slots, params))]))
             continue
         slot, pos = int(h.get("slot", 0)), int(h["pos"])
-        history[slot] = history.get(slot, [])[:pos] + ids
+        _feed(history, slot, pos, ids)
         out = shard.forward(x, pos, slot=slot)
         want = h.get("want", "candidates")
         if want == "none":  # a prefill chunk before the last one

@@ -117,13 +117,6 @@ json.dump({"isa": isa.current()}, open(d + "/isa.json", "w"))
 """
 HOST = isa.host_features()
 RUNNABLE = isa.usable(*HOST)
-WHERE = {
-    "avx512vnni": "an x86-64 CPU with AVX-512 VNNI (Ice Lake, Zen 4)",
-    "avxvnni": "an x86-64 CPU with AVX-VNNI (Alder Lake or later)",
-    "avx2": "an x86-64 CPU with AVX2, FMA and F16C",
-    "neon": "an aarch64 CPU with dotprod; the arm64 qemu test bed runs it (EDGETP_ISA=neon NUMBA_CPU_NAME=cortex-a76)",
-    "generic": "any CPU",
-}
 
 
 def _child_env(name: str) -> dict[str, str]:
@@ -166,7 +159,7 @@ def test_every_isa_this_cpu_runs_returns_the_same_bits(isa_outputs):
 @pytest.mark.parametrize("name", isa.ISAS)
 def test_isa_returns_the_canonical_bits_of_the_numpy_reference(name, isa_outputs):
     if name not in RUNNABLE:
-        pytest.skip(f"{name} cannot run on this {HOST[0]} CPU: it needs {WHERE[name]}")
+        pytest.skip(f"{name} cannot run on this {HOST[0]} CPU: it needs {isa.WHERE[name]}")
     arrays, results = isa_outputs
     for qt in TYPES:
         w = arrays[f"w{int(qt)}"]
@@ -192,7 +185,7 @@ for qt in (QT.Q4_0, QT.Q8_0, QT.Q4_K):
 @pytest.mark.parametrize("name, want", [("avx2", {"vpmaddubsw", "vpmaddwd"})])
 def test_compiled_kernel_uses_the_isas_multiply_instructions_and_no_fma(name, want, tmp_path):
     if name not in RUNNABLE:
-        pytest.skip(f"{name} cannot run on this {HOST[0]} CPU: it needs {WHERE[name]}")
+        pytest.skip(f"{name} cannot run on this {HOST[0]} CPU: it needs {isa.WHERE[name]}")
     env = dict(_child_env(name), NUMBA_CACHE_DIR=str(tmp_path))  # a fresh cache: numba shows no asm of cached code
     res = subprocess.run([sys.executable, "-c", ASM_CHILD], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]

@@ -29,13 +29,6 @@ from edgetp.model import intgemm, isa
 REPO = Path(__file__).resolve().parent.parent
 HOST = isa.host_features()
 RUNNABLE = isa.usable(*HOST)
-WHERE = {
-    "avx512vnni": "an x86-64 CPU with AVX-512 VNNI (Ice Lake, Zen 4)",
-    "avxvnni": "an x86-64 CPU with AVX-VNNI (Alder Lake or later)",
-    "avx2": "an x86-64 CPU with AVX2, FMA and F16C",
-    "neon": "an aarch64 CPU with dotprod; the arm64 qemu test bed runs it (EDGETP_ISA=neon NUMBA_CPU_NAME=cortex-a76)",
-    "generic": "any CPU",
-}
 QTYPES = sorted(intgemm.KINDS)  # Q4_0, Q4_1, Q8_0
 ROWS, NB, TOKENS = 37, 5, intgemm.PAD + 5  # rows past 16-row panels, tokens past every tile
 
@@ -137,7 +130,7 @@ def isa_outputs(tmp_path_factory):
 @pytest.mark.parametrize("name", isa.ISAS)
 def test_prefill_tiles_of_each_isa_return_the_bits_of_the_numpy_definition(name, isa_outputs):
     if name not in RUNNABLE:
-        pytest.skip(f"{name} cannot run on this {HOST[0]} CPU: it needs {WHERE[name]}")
+        pytest.skip(f"{name} cannot run on this {HOST[0]} CPU: it needs {isa.WHERE[name]}")
     arrays, results = isa_outputs
     for qt in QTYPES:
         r = results[name][qt]

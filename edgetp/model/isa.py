@@ -50,6 +50,16 @@ _TARGET = {
     ("neon", "aarch64"): "cortex-a76",
     ("generic", "aarch64"): "generic",
 }
+# where an ISA runs, for a person: the CPU it needs, and how to run it elsewhere (skip
+# messages, docs); the neon entry names the settings tools/arm64_testbed.sh uses
+WHERE = {
+    "avx512vnni": "an x86-64 CPU with AVX-512 VNNI (Ice Lake, Zen 4)",
+    "avxvnni": "an x86-64 CPU with AVX-VNNI (Alder Lake or later)",
+    "avx2": "an x86-64 CPU with AVX2, FMA and F16C",
+    "neon": "an aarch64 CPU with dotprod; the arm64 qemu test bed runs it "
+            f"(EDGETP_ISA=neon NUMBA_CPU_NAME={_TARGET['neon', 'aarch64']})",
+    "generic": "any CPU",
+}
 # the ISA of a NUMBA_CPU_NAME a user set; names not listed count as generic
 _CPU_ISA = {
     **dict.fromkeys(("haswell", "broadwell", "skylake", "znver1", "znver2", "znver3"), "avx2"),

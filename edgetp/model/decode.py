@@ -149,6 +149,9 @@ class Plan:
                 p.down(n, serial)
                 partial = p.down.out[:n]
             s.reduce(partial)
+        if s.w.out_norm is None:  # a pipeline stage before the last: the residual goes on
+            x += partial
+            return x
         out = np.empty_like(h)
         _add_norm(x, partial, s.w.out_norm, eps, out, bool(self.layers), False, *rh)
         return out

@@ -33,7 +33,8 @@ class ShardMismatch(ValueError):
 
 
 # metadata of a shard file: the spec it holds, its source, the source's vocabulary size
-SHARD_KEYS = {k: f"edgetp.shard.{k}" for k in ("kv_groups", "ffn_cols", "vocab_rows", "vocab", "source_fingerprint")}
+SHARD_KEYS = {k: f"edgetp.shard.{k}" for k in ("kv_groups", "ffn_cols", "vocab_rows", "vocab", "source_fingerprint",
+                                                 "layers")}
 EXACT_TOP = 64  # logits recomputed exactly per decoded token and shard (Shard.logits)
 
 
@@ -44,10 +45,18 @@ class ShardSpec:
     kv_groups: Range   # KV heads [start, stop); query heads follow by the group size
     ffn_cols: Range    # FFN columns [start, stop)
     vocab_rows: Range  # lm-head rows [start, stop)
+    layers: Range | None = None  # a pipeline stage's layers [start, stop); None: every layer
 
     @classmethod
     def full(cls, cfg: ModelConfig) -> "ShardSpec":
         return cls((0, cfg.n_kv_heads), (0, cfg.ffn), (0, cfg.vocab))
+
+    def layer_range(self, n_layers: int) -> Range:
+        """The layers this shard runs; ValueError unless they lie within the model's."""
+        a, b = self.layers if self.layers is not None else (0, n_layers)
+        if not 0 <= a <= b <= n_layers:
+            raise ValueError(f"layers {a}:{b} is not a range within 0:{n_layers}")
+        return a, b
 
 
 @dataclass(frozen=True)
@@ -70,10 +79,11 @@ class Layer:
 class Weights:
     cfg: ModelConfig
     spec: ShardSpec
-    layers: tuple[Layer, ...]
-    out_norm: np.ndarray               # (dim,)
+    layers: tuple[Layer, ...]          # layers layer0.. of the model (a pipeline stage holds some)
+    out_norm: np.ndarray | None        # (dim,); None on a stage before the last: it hands on the residual
     lm_head: quant.Weight | None       # (vocab_l, dim)
     rope_freqs: np.ndarray | None      # llama-3 rope scaling factors, (rope_dims/2,)
+    layer0: int = 0                    # the model's index of layers[0]
 
     @property
     def nbytes(self) -> int:
@@ -105,7 +115,9 @@ def stored_spec(mf: ModelFile) -> ShardSpec | None:
     meta = mf.metadata
     if SHARD_KEYS["kv_groups"] not in meta:
         return None
-    return ShardSpec(*(tuple(int(v) for v in meta[SHARD_KEYS[k]]) for k in ("kv_groups", "ffn_cols", "vocab_rows")))
+    ranges = (tuple(int(v) for v in meta[SHARD_KEYS[k]]) for k in ("kv_groups", "ffn_cols", "vocab_rows"))
+    layers = tuple(int(v) for v in meta[SHARD_KEYS["layers"]]) if SHARD_KEYS["layers"] in meta else None
+    return ShardSpec(*ranges, layers)
 
 
 def load_weights(mf: ModelFile, spec: ShardSpec | None = None) -> Weights:
@@ -122,7 +134,8 @@ def load_weights(mf: ModelFile, spec: ShardSpec | None = None) -> Weights:
         if spec != stored:
             raise ShardMismatch(f"{mf.path} holds the shard {stored}, not {spec}")
         cfg = replace(cfg, vocab=int(mf.metadata[SHARD_KEYS["vocab"]]))
-        local = ShardSpec(*((0, b - a) for a, b in (spec.kv_groups, spec.ffn_cols, spec.vocab_rows)))
+        local = ShardSpec(*((0, b - a) for a, b in (spec.kv_groups, spec.ffn_cols, spec.vocab_rows)), spec.layers)
+    first, last = spec.layer_range(cfg.n_layers)
     hd, g = cfg.head_dim, cfg.group_size
     kv = (local.kv_groups[0] * hd, local.kv_groups[1] * hd)
     qh = (kv[0] * g, kv[1] * g)
@@ -131,7 +144,7 @@ def load_weights(mf: ModelFile, spec: ShardSpec | None = None) -> Weights:
         return mf.vector(name)[r[0]:r[1]].copy() if mf.has(name) else None
 
     layers = []
-    for i in range(cfg.n_layers):
+    for i in range(first, last):
         p = f"blk.{i}."
         layers.append(Layer(
             attn_norm=mf.vector(p + "attn_norm.weight"),
@@ -152,7 +165,8 @@ def load_weights(mf: ModelFile, spec: ShardSpec | None = None) -> Weights:
         cfg=cfg,
         spec=spec,
         layers=tuple(layers),
-        out_norm=mf.vector("output_norm.weight"),
+        out_norm=mf.vector("output_norm.weight") if last == cfg.n_layers else None,
+        layer0=first,
         lm_head=_rows(head, local.vocab_rows),
         rope_freqs=mf.vector("rope_freqs.weight") if mf.has("rope_freqs.weight") else None,
     )
@@ -188,8 +202,8 @@ class Shard:
             raise ValueError(f"a shard needs at least one KV slot, got {self.slots}")
         dtype = ops.kv_dtype(self.kv_type)
         shape = (self.slots, self.n_kv, self.ctx, cfg.head_dim)
-        self.k_cache = [np.zeros(shape, dtype) for _ in range(cfg.n_layers)]
-        self.v_cache = [np.zeros(shape, dtype) for _ in range(cfg.n_layers)]
+        self.k_cache = [np.zeros(shape, dtype) for _ in self.w.layers]
+        self.v_cache = [np.zeros(shape, dtype) for _ in self.w.layers]
         self.k_bits = [ops.kernel_view(c) for c in self.k_cache]
         self.v_bits = [ops.kernel_view(c) for c in self.v_cache]
         self.cos, self.sin = ops.rope_table(self.ctx, cfg.rope_dims, cfg.rope_theta, self.w.rope_freqs)
@@ -202,7 +216,8 @@ class Shard:
         """Run every layer on x: (n, dim) hidden states of positions pos..pos+n-1 of one
         sequence, whose KV cache is slot `slot`, in place.
 
-        Returns x after the final norm, (n, dim).
+        Returns x after the final norm, (n, dim); a pipeline stage before the last
+        returns the residual stream x itself, for the next stage.
         """
         n = x.shape[0]
         if not 0 <= slot < self.slots:
@@ -225,6 +240,8 @@ class Shard:
             partial = self._ffn(layer, h)
             self.reduce(partial)
             x += partial
+        if self.w.out_norm is None:
+            return x
         ops.rmsnorm(x, self.w.out_norm, cfg.norm_eps, h)
         return h
 
@@ -236,7 +253,8 @@ class Shard:
         Row b's result and what it writes to its slot are the bits of
         forward(x[b:b+1], positions[b], slot=slots[b]) alone, whatever the other rows; the
         integer kernels read each weight once for all B (intdot.TokenProducts), the float
-        kernels run row by row. reduce gets one (B, dim) partial per half-layer.
+        kernels run row by row. reduce gets one (B, dim) partial per half-layer. A pipeline
+        stage before the last returns the residual stream, as forward does.
         """
         B = x.shape[0]
         sl, ps = np.asarray(slots, np.int64).reshape(-1), np.asarray(positions, np.int64).reshape(-1)

@@ -75,6 +75,7 @@ class FrameType(enum.IntEnum):
     ERROR = 15
     PROFILE = 17  # measure a node's speed (16 was BYE, never sent; append new types)
     PROGRESS = 18  # a worker fetching its slice: bytes done and total
+    HIDDEN = 19  # a pipeline stage's residual stream, handed back for the next stage
 
 
 @dataclass(frozen=True)

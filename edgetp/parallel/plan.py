@@ -92,7 +92,7 @@ class ModelShape:
             if f.name.endswith("_bpw"):
                 _pos_float(f.name, value)
             else:
-                _int(f.name, value, 0 if f.name == "kv_bytes_per_head_pos" else 1)
+                _int(f.name, value, 0 if f.name in ("kv_bytes_per_head_pos", "vocab") else 1)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
         if self.ffn % self.ffn_block:
@@ -133,17 +133,24 @@ class ModelShape:
         return (self.n_kv_heads * self.group_bytes + self.n_ffn_blocks * self.ffn_block_bytes
                 + self.vocab * self.vocab_row_bytes)
 
+    def layer_fraction(self, share: Share) -> float:
+        """The part of every layer-bound cost a share's layers carry (1 without a pipeline)."""
+        if share.layers is None:
+            return 1.0
+        return (share.layers[1] - share.layers[0]) / self.n_layers
+
     def share_work(self, share: Share) -> int:
         """Weight bytes a share holds (the work it does per token)."""
         g0, g1 = share.kv_groups
         c0, c1 = share.ffn_cols
         r0, r1 = share.vocab_rows
-        return ((g1 - g0) * self.group_bytes + (c1 - c0) // self.ffn_block * self.ffn_block_bytes
-                + (r1 - r0) * self.vocab_row_bytes)
+        layered = (g1 - g0) * self.group_bytes + (c1 - c0) // self.ffn_block * self.ffn_block_bytes
+        return round(layered * self.layer_fraction(share)) + (r1 - r0) * self.vocab_row_bytes
 
     def share_memory(self, share: Share, overhead_bytes: int) -> int:
         g0, g1 = share.kv_groups
-        return self.share_work(share) + (g1 - g0) * self.group_kv_bytes + overhead_bytes
+        kv = round((g1 - g0) * self.group_kv_bytes * self.layer_fraction(share))
+        return self.share_work(share) + kv + overhead_bytes
 
 
 @dataclass(frozen=True)
@@ -161,12 +168,14 @@ class NodeSpec:
 
 @dataclass(frozen=True)
 class Share:
-    """One node's contiguous slices: [start, stop) of groups, FFN columns, vocab rows."""
+    """One node's contiguous slices: [start, stop) of groups, FFN columns, vocab rows, of the
+    layers of its pipeline stage (None: every layer, no pipeline)."""
 
     node_id: str
     kv_groups: Range
     ffn_cols: Range
     vocab_rows: Range
+    layers: Range | None = None
 
 
 def _check_tiling(what: str, ranges: list[Any], total: int, block: int, last_short: bool) -> None:
@@ -208,9 +217,36 @@ class Plan:
         if ids != [s.node_id for s in self.shares]:
             raise ValueError("shares are not in node order")
         s = self.shape
-        _check_tiling("kv_groups", [x.kv_groups for x in self.shares], s.n_kv_heads, 1, False)
-        _check_tiling("ffn_cols", [x.ffn_cols for x in self.shares], s.ffn, s.ffn_block, False)
-        _check_tiling("vocab_rows", [x.vocab_rows for x in self.shares], s.vocab, s.vocab_block, True)
+        stages = self.stages
+        if any(x.layers is None for x in self.shares) and len(stages) > 1:
+            raise ValueError("either every share names its layers (a pipeline) or none does")
+        _check_tiling("layers", [st[0].layers or (0, s.n_layers) for st in stages], s.n_layers, 1, False)
+        for k, st in enumerate(stages):
+            where = "" if len(stages) == 1 else f" of stage {k}"
+            _check_tiling("kv_groups" + where, [x.kv_groups for x in st], s.n_kv_heads, 1, False)
+            _check_tiling("ffn_cols" + where, [x.ffn_cols for x in st], s.ffn, s.ffn_block, False)
+            vocab = s.vocab if k == len(stages) - 1 else 0  # the last stage ends the token
+            _check_tiling("vocab_rows" + where, [x.vocab_rows for x in st], vocab, s.vocab_block, True)
+
+    @property
+    def stages(self) -> tuple[tuple[Share, ...], ...]:
+        """The shares grouped into pipeline stages, in order: consecutive shares with the same layers.
+        One stage without a pipeline (pure tensor parallelism)."""
+        out: list[list[Share]] = []
+        for x in self.shares:
+            if out and out[-1][0].layers == x.layers:
+                out[-1].append(x)
+            else:
+                out.append([x])
+        return tuple(tuple(st) for st in out)
+
+    @property
+    def kind(self) -> str:
+        """single (one node does all), tp (one stage of several), pp (stages of one node each), or hybrid."""
+        working = [st for st in self.stages if st[0].layers != (0, 0)]
+        if len(working) == 1:
+            return "single" if len(working[0]) == 1 else "tp"
+        return "pp" if all(len(st) == 1 for st in working) else "hybrid"
 
     def _index(self, node_id: str) -> int:
         for i, n in enumerate(self.nodes):
@@ -244,10 +280,15 @@ class Plan:
         vocabulary rows end the token, so each family's slowest node sets the
         pace of its phase: the sum over families of max_i(family work_i / speed_i).
         """
-        s = self.shape
+        return sum(self.stage_makespan(k) for k in range(len(self.stages)))
+
+    def stage_makespan(self, k: int) -> float:
+        """Plan.makespan of pipeline stage k alone: the stages of a pipeline run one after another."""
+        s, speed = self.shape, {n.node_id: n.speed for n in self.nodes}
+        stage = self.stages[k]
         total = 0.0
         for unit, part in ((s.group_bytes, lambda x: x.kv_groups[1] - x.kv_groups[0]),
-                           (s.ffn_block_bytes / s.ffn_block, lambda x: x.ffn_cols[1] - x.ffn_cols[0]),
-                           (s.vocab_row_bytes, lambda x: x.vocab_rows[1] - x.vocab_rows[0])):
-            total += max(part(sh) * unit / n.speed for n, sh in zip(self.nodes, self.shares))
+                           (s.ffn_block_bytes / s.ffn_block, lambda x: x.ffn_cols[1] - x.ffn_cols[0])):
+            total += max(part(sh) * unit * s.layer_fraction(sh) / speed[sh.node_id] for sh in stage)
+        total += max((sh.vocab_rows[1] - sh.vocab_rows[0]) * s.vocab_row_bytes / speed[sh.node_id] for sh in stage)
         return total

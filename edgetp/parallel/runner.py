@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -26,7 +26,7 @@ from edgetp.model.generate import feed
 from edgetp.model.gguf import ModelFile
 from edgetp.net.frames import Frame, FrameType
 from edgetp.net.link import BLOCKING, Counters, Link, LinkClosed, choose_mode, event_loop_hop, forced_mode
-from edgetp.parallel import packing, plan as planner
+from edgetp.parallel import cost, packing, pipeline, plan as planner
 from edgetp.parallel.collective import Hot, RootReduce, candidates_from, candidates_rows_from
 from edgetp.parallel.shard import model_shape, spec_for
 
@@ -57,6 +57,8 @@ class NodeInfo:
     rss: int = 0        # resident bytes after loading the shard
     rtt_p90_ms: float = 0.0
     mbps: float = 0.0   # measured throughput toward the node, Mbit/s (0: not measured, the root itself)
+    stage: int = 0      # its pipeline stage; -1: left out of the plan (idle)
+    layers: tuple[int, int] | None = None  # the layers of its stage (None: every layer)
 
 
 class ClusterRunner:
@@ -68,12 +70,16 @@ class ClusterRunner:
         self.ctx = ctx
         self.slots = shard.slots
         self.plan = plan
-        self.links = links
+        self.links = links  # the workers of the plan, in its node order
         self.shard = shard
         self.nodes = nodes
         self.loop = loop
         self.hots = [Hot(link, loop) for link in links]
-        self.shard.reduce = RootReduce(self.hots, plan.sync)
+        mine = len(plan.stages[0]) - 1  # the workers in the root's stage: its tensor-parallel group
+        self.group, self.chain = self.hots[:mine], self.hots[mine:]  # the chain: one worker per later stage
+        if self.group:
+            self.shard.reduce = RootReduce(self.group, plan.sync)
+        self.answering = self.chain[-1:] if self.chain else self.group  # who sends LOGITS
         self.offset = shard.w.spec.vocab_rows[0]
 
     # ------------------------------------------------------------------ set-up (on the loop)
@@ -82,8 +88,16 @@ class ClusterRunner:
                       sync: str = "f32", key: bytes | None = None, threads: int | None = None,
                       model_ref: str | None = None, epoch: int = 1,
                       node_id: str = ROOT_ID, fetch_port: int | None = None,
-                      on_progress: Progress | None = None, slots: int = 1, kv_type: str = "f16") -> "ClusterRunner":
+                      on_progress: Progress | None = None, slots: int = 1, kv_type: str = "f16",
+                      parallel: str = "tp", layout: Sequence[Sequence[int]] | None = None) -> "ClusterRunner":
         """Link to every worker, profile, plan and load.
+
+        `parallel` is the plan kind: "tp" (tensor parallelism over every node), "pp" (a pipeline,
+        one stage per node) or "auto" (the cost model's choice over every kind and subset of the
+        workers, for `slots` concurrent streams; workers left out are let go and shown idle).
+        `layout` forces the stages instead (tools/bench_links.py measures every kind): node indices
+        per stage, 0 the root, the rest in address order; an empty first stage is a root that
+        runs no layer.
 
         With `fetch_port` (our HTTP port, serving serve/weights.py) a worker
         without our model fetches its slice from us; `on_progress(node_id,
@@ -115,16 +129,22 @@ class ClusterRunner:
                                       rtt_p90_ms=st.rtt_p90_ms, mbps=st.mbps))
             speeds = [float(w) for w in weights] if weights is not None else [i.speed for i in infos]
             nodes = [planner.NodeSpec(i.node_id, s, i.mem_free) for i, s in zip(infos, speeds)]
-            plan, slots = _plan(mf, ctx, slots, nodes, epoch, sync, kv_type)
+            costs = {i.node_id: cost.LinkCost(i.rtt_ms / 1e3, max(i.mbps, 1e-3) * 1e6 / 8) for i in infos[1:]}
+            plan, slots = _plan(mf, ctx, slots, nodes, epoch, sync, kv_type, parallel, costs, layout)
             log.info("plan (epoch %d, %s sync, %d slots): %s", plan.epoch, plan.sync, slots,
-                     "; ".join(f"{s.node_id} kv{s.kv_groups} ffn{s.ffn_cols} vocab{s.vocab_rows}" for s in plan.shares))
+                     "; ".join(f"{s.node_id} kv{s.kv_groups} ffn{s.ffn_cols} vocab{s.vocab_rows}"
+                               + (f" layers{s.layers}" if s.layers else "") for s in plan.shares))
+            links, infos = _arrange(plan, links, infos)
             header = {"model": model_ref or str(mf.path), "fingerprint": mf.fingerprint, "ctx": ctx,
                       "sync": sync, "slots": slots, "kv_type": kv_type} | ({"fetch_port": fetch_port} if fetch_port else {})
+            group = {x.node_id for x in plan.stages[0]}
             for link, info in zip(links, infos[1:]):
                 spec = spec_for(plan, info.node_id)
                 await link.send(FrameType.LOAD, header | {"kv_groups": list(spec.kv_groups),
                                                           "ffn_cols": list(spec.ffn_cols),
-                                                          "vocab_rows": list(spec.vocab_rows)})
+                                                          "vocab_rows": list(spec.vocab_rows),
+                                                          "reduce": info.node_id in group}
+                                | ({"layers": list(spec.layers)} if spec.layers is not None else {}))
             weights_root = await asyncio.to_thread(llama.load_weights, mf, spec_for(plan, node_id))
             shard = llama.Shard(weights_root, ctx, slots=slots, kv_type=kv_type)
             for n, link in enumerate(links, start=1):
@@ -137,7 +157,8 @@ class ClusterRunner:
             raise
         options = dict(ctx=ctx, weights=weights, sync=sync, key=key, threads=threads,
                        model_ref=model_ref, addresses=list(addresses), node_id=node_id, fetch_port=fetch_port,
-                       on_progress=on_progress, slots=options_slots, kv_type=kv_type)
+                       on_progress=on_progress, slots=options_slots, kv_type=kv_type, parallel=parallel,
+                       layout=layout)
         return cls(mf, ctx, plan, links, shard, infos, asyncio.get_running_loop(), options)
 
     async def without(self, address: str, epoch: int | None = None) -> "ClusterRunner":
@@ -148,6 +169,7 @@ class ClusterRunner:
         keep = [i for i, a in enumerate(addresses) if a != address]
         if opts["weights"] is not None:
             opts["weights"] = [opts["weights"][0]] + [opts["weights"][i + 1] for i in keep]
+        opts["layout"] = None  # a forced layout names nodes that are gone: the kind's planner decides
         epoch = self.plan.epoch + 1 if epoch is None else epoch
         log.warning("worker %s lost; re-planning over %d node(s), epoch %d", address, len(keep) + 1, epoch)
         return await ClusterRunner.connect(self.mf, [addresses[i] for i in keep], epoch=epoch, **opts)
@@ -177,31 +199,50 @@ class ClusterRunner:
                   "want": "none" if params is None else "candidates"}
         if params is not None:
             header["params"] = asdict(params)
-        h = self._forward(header, x, lambda: self.shard.forward(x, pos, slot=slot))
+        h = self._stages(header, x, lambda: self.shard.forward(x, pos, slot=slot))
         if params is None:
             return None
-        own = sampling.candidates(self.shard.logits(h[-1:])[0], self.offset, history, params)
+        parts = [] if h is None else [sampling.candidates(self.shard.logits(h[-1:])[0], self.offset, history, params)]
         try:
-            parts = [own] + [candidates_from(hot.recv(FrameType.LOGITS)) for hot in self.hots]
+            parts += [candidates_from(hot.recv(FrameType.LOGITS)) for hot in self.answering]
         except LinkClosed as exc:
             raise _lost(exc) from None
         return sampling.merge(parts)
 
     def decode(self, rows: Sequence[Row]) -> list[sampling.Candidates]:
-        """One token of each row's sequence; every node answers candidates for each row."""
+        """One token of each row's sequence; every node with vocabulary rows answers candidates for each row.
+
+        Through a pipeline the rows go as micro-batches, one per stage: a later stage works on one
+        while the stages before it work on the next.
+        """
         for r in rows:
             self._check_room(r.pos + 1)
-        x = llama.embed(self.mf, [r.token for r in rows])
-        header = {"rows": [[r.slot, r.pos, int(r.token)] for r in rows], "params": [asdict(r.params) for r in rows]}
-        slots, positions = [r.slot for r in rows], [r.pos for r in rows]
-        h = self._forward(header, x, lambda: self.shard.forward_rows(x, slots, positions))
-        logits = self.shard.logits_rows(h)
-        own = [sampling.candidates(logits[i], self.offset, r.history, r.params) for i, r in enumerate(rows)]
-        try:
-            theirs = [candidates_rows_from(hot.recv(FrameType.LOGITS), len(rows)) for hot in self.hots]
-        except LinkClosed as exc:
-            raise _lost(exc) from None
-        return [sampling.merge([own[i]] + [t[i] for t in theirs]) for i in range(len(rows))]
+        m = max(1, min(len(rows), len(self.chain) + 1)) if self.chain else 1
+        batches = [list(rows[i * len(rows) // m:(i + 1) * len(rows) // m]) for i in range(m)]
+        out: list[sampling.Candidates] = []
+        sent = []
+        for batch in batches:  # every micro-batch through the root's stage, then on to the chain
+            x = llama.embed(self.mf, [r.token for r in batch])
+            header = {"rows": [[r.slot, r.pos, int(r.token)] for r in batch], "params": [asdict(r.params) for r in batch]}
+            slots, positions = [r.slot for r in batch], [r.pos for r in batch]
+            h = self._forward(header, x, lambda: self.shard.forward_rows(x, slots, positions))
+            if self.chain:
+                self._send(self.chain[0], header, h)
+            sent.append((batch, header, h))
+        for k in range(1, len(self.chain)):  # each later stage gets each micro-batch as the one before hands it on
+            for batch, header, _ in sent:
+                self._send(self.chain[k], header, self._hidden(self.chain[k - 1], len(batch)))
+        for batch, _, h in sent:
+            own = []
+            if not self.chain:
+                logits = self.shard.logits_rows(h)
+                own = [sampling.candidates(logits[i], self.offset, r.history, r.params) for i, r in enumerate(batch)]
+            try:
+                theirs = [candidates_rows_from(hot.recv(FrameType.LOGITS), len(batch)) for hot in self.answering]
+            except LinkClosed as exc:
+                raise _lost(exc) from None
+            out += [sampling.merge(([own[i]] if own else []) + [t[i] for t in theirs]) for i in range(len(batch))]
+        return out
 
     def run(self, ids, pos, history, params):
         """ids at pos.. of slot 0 in aligned chunks; the candidates for the next token."""
@@ -214,11 +255,11 @@ class ClusterRunner:
             chunk = list(ids[a - pos:b - pos])
             self._check_room(b)
             x = llama.embed(self.mf, chunk)
-            h = self._forward({"slot": 0, "pos": a, "ids": chunk, "want": "logits"}, x,
-                              lambda: self.shard.forward(x, a))
-            rows = [self.shard.logits(h)]
+            h = self._stages({"slot": 0, "pos": a, "ids": chunk, "want": "logits"}, x,
+                             lambda: self.shard.forward(x, a))
+            rows = [] if h is None else [self.shard.logits(h)]
             try:
-                rows += [np.array(hot.recv(FrameType.LOGITS).array()) for hot in self.hots]
+                rows += [np.array(hot.recv(FrameType.LOGITS).array()) for hot in self.answering]
             except LinkClosed as exc:
                 raise _lost(exc) from None
             out.append(np.concatenate(rows, axis=1))
@@ -229,13 +270,39 @@ class ClusterRunner:
             raise llama.ContextFull(f"context is full: {end} positions needed, the KV cache holds {self.ctx}")
 
     def _forward(self, header: dict, x: np.ndarray, own: Callable[[], np.ndarray]) -> np.ndarray:
-        """STEP to every worker (a worker with its own embedding table gets the ids only), then our own shard."""
+        """STEP to every worker of the root's stage (one with its own embedding table gets the ids
+        only), then our own shard."""
         try:
-            for hot in self.hots:
+            for hot in self.group:
                 hot.send(FrameType.STEP, header, b"" if hot.link.embeds else x)
             return own()
         except LinkClosed as exc:
             raise _lost(exc) from None
+
+    def _stages(self, header: dict, x: np.ndarray, own: Callable[[], np.ndarray]) -> np.ndarray | None:
+        """The root's stage, then each later stage in turn; the final hidden states when the root's
+        stage is the last, else None (the last stage's worker answers for the step)."""
+        h = self._forward(header, x, own)
+        for k, hot in enumerate(self.chain):
+            self._send(hot, header, h)
+            if k == len(self.chain) - 1:
+                return None
+            h = self._hidden(hot, x.shape[0])
+        return h
+
+    def _send(self, hot: Hot, header: dict, h: np.ndarray) -> None:
+        try:
+            hot.send(FrameType.STEP, header, h)
+        except LinkClosed as exc:
+            raise _lost(exc) from None
+
+    def _hidden(self, hot: Hot, n: int) -> np.ndarray:
+        """The residual stream a stage hands back, (n, dim)."""
+        try:
+            frame = hot.recv(FrameType.HIDDEN)
+        except LinkClosed as exc:
+            raise _lost(exc) from None
+        return np.array(frame.array(), dtype=np.float32).reshape(n, self.mf.config.dim)
 
     def counters(self) -> dict[str, Counters]:
         return {link.name: link.counters.snapshot() for link in self.links}
@@ -251,18 +318,48 @@ class ClusterRunner:
             link.close()
 
 
-def _plan(mf: ModelFile, ctx: int, slots: int, nodes: list, epoch: int, sync: str,
-          kv_type: str) -> tuple[planner.Plan, int]:
-    """A plan with KV caches for `slots` sequences, or for fewer (halving) when the nodes' memory
-    holds no more; the slot count it got."""
+def _plan(mf: ModelFile, ctx: int, slots: int, nodes: list, epoch: int, sync: str, kv_type: str,
+          parallel: str, links: dict[str, cost.LinkCost],
+          layout: Sequence[Sequence[int]] | None = None) -> tuple[planner.Plan, int]:
+    """A plan of kind `parallel` (pipeline.PARALLEL) with KV caches for `slots` sequences, or for
+    fewer (halving) when the nodes' memory holds no more; the slot count it got."""
     while True:
+        shape = model_shape(mf, ctx, slots, kv_type)
         try:
-            return packing.make_plan(model_shape(mf, ctx, slots, kv_type), nodes, epoch=epoch, sync=sync), slots
+            if layout is not None:
+                groups = [[nodes[i] for i in g] for g in layout]
+                empty = not groups[0]
+                plan = pipeline.stage_plan(shape, [[nodes[0]]] + groups[1:] if empty else groups, epoch=epoch,
+                                           sync=sync, root_empty=empty)
+                return plan, slots
+            if parallel == "tp":  # tensor parallelism over every node, as before there were kinds
+                return packing.make_plan(shape, nodes, epoch=epoch, sync=sync), slots
+            best = pipeline.choose(shape, nodes[0], nodes[1:], links, parallel=parallel, rows=slots,
+                                   epoch=epoch, sync=sync)
+            log.info("plan chosen (%s): %s; predicted %.1f ms per token for one stream, %.1f tok/s for %d",
+                     parallel, pipeline.describe(best.plan), best.single.step_s * 1e3, best.batch.tok_s, slots)
+            return best.plan, slots
         except planner.PlanError:
             if slots == 1:
                 raise
             log.warning("%d slots of %d positions do not fit the nodes' memory; trying %d", slots, ctx, slots // 2)
             slots //= 2
+
+
+def _arrange(plan: planner.Plan, links: list[Link], infos: list[NodeInfo]) -> tuple[list[Link], list[NodeInfo]]:
+    """Links and infos in the plan's node order (root first), with stages and layers; the workers
+    the plan leaves out are let go (their links closed) and listed last as idle (stage -1)."""
+    by_id = {i.node_id: (link, i) for link, i in zip(links, infos[1:])}
+    stage = {x.node_id: (k, x.layers) for k, st in enumerate(plan.stages) for x in st}
+    used = [n.node_id for n in plan.nodes[1:]]
+    for node_id, (link, info) in by_id.items():
+        if node_id not in stage:
+            log.info("worker %s left out of the plan (%s): idle", node_id, pipeline.describe(plan))
+            link.close()
+    root = replace(infos[0], stage=0, layers=stage[infos[0].node_id][1])
+    kept = [replace(by_id[i][1], stage=stage[i][0], layers=stage[i][1]) for i in used]
+    idle = [replace(i, stage=-1, mode="idle") for n, (_, i) in by_id.items() if n not in stage]
+    return [by_id[i][0] for i in used], [root, *kept, *idle]
 
 
 async def _loaded(link: Link, node_id: str, on_progress: Progress | None) -> Frame:

@@ -58,4 +58,5 @@ def model_shape(mf: ModelFile, ctx: int, slots: int = 1, kv_type: str = "f16") -
 
 def spec_for(plan: Plan, node_id: str) -> ShardSpec:
     share = plan.share(node_id)
-    return ShardSpec(tuple(share.kv_groups), tuple(share.ffn_cols), tuple(share.vocab_rows))
+    layers = None if share.layers is None else tuple(share.layers)
+    return ShardSpec(tuple(share.kv_groups), tuple(share.ffn_cols), tuple(share.vocab_rows), layers)

@@ -42,7 +42,8 @@ _BLK = re.compile(r"blk\.\d+\.(.+)")
 def shard_name(fingerprint: str, spec: ShardSpec) -> str:
     """File name of a shard in a cache: source model and spec, nothing else."""
     (a, b), (c, d), (e, f) = spec.kv_groups, spec.ffn_cols, spec.vocab_rows
-    return f"{fingerprint[:16]}-kv{a}-{b}-ffn{c}-{d}-vocab{e}-{f}.gguf"
+    layers = "" if spec.layers is None else f"-layers{spec.layers[0]}-{spec.layers[1]}"
+    return f"{fingerprint[:16]}-kv{a}-{b}-ffn{c}-{d}-vocab{e}-{f}{layers}.gguf"
 
 
 def check_spec(mf: ModelFile, spec: ShardSpec) -> None:
@@ -53,6 +54,7 @@ def check_spec(mf: ModelFile, spec: ShardSpec) -> None:
                                        ("vocab_rows", spec.vocab_rows, cfg.vocab)):
         if not 0 <= start <= stop <= limit:
             raise ValueError(f"{what} {start}:{stop} is not a range within 0:{limit}")
+    spec.layer_range(cfg.n_layers)
 
 
 def slice_plan(mf: ModelFile, spec: ShardSpec) -> dict[str, tuple[str, Range]]:
@@ -69,10 +71,13 @@ def slice_plan(mf: ModelFile, spec: ShardSpec) -> dict[str, tuple[str, Range]]:
         "ffn_gate.weight": ("rows", spec.ffn_cols), "ffn_up.weight": ("rows", spec.ffn_cols),
         "ffn_down.weight": ("cols", spec.ffn_cols),
     }
+    first, last = spec.layer_range(cfg.n_layers)
     plan: dict[str, tuple[str, Range]] = {}
     for name in mf.tensors:
         m = _BLK.fullmatch(name)
-        if m and m[1] in per_layer:
+        if m and not first <= int(name.split(".")[1]) < last:
+            plan[name] = ("rows", (0, 0))  # another pipeline stage's layer: its name only
+        elif m and m[1] in per_layer:
             plan[name] = per_layer[m[1]]
         elif name == "output.weight" or (name == "token_embd.weight" and cfg.tied):
             plan[name] = ("rows", spec.vocab_rows)
@@ -142,6 +147,8 @@ def _add_shard_keys(mf: ModelFile, spec: ShardSpec, writer: GGUFWriter) -> None:
     writer.add_key_value(SHARD_KEYS["kv_groups"], list(spec.kv_groups), arr, sub_type=u64)
     writer.add_key_value(SHARD_KEYS["ffn_cols"], list(spec.ffn_cols), arr, sub_type=u64)
     writer.add_key_value(SHARD_KEYS["vocab_rows"], list(spec.vocab_rows), arr, sub_type=u64)
+    if spec.layers is not None:
+        writer.add_key_value(SHARD_KEYS["layers"], list(spec.layers), arr, sub_type=u64)
     writer.add_key_value(SHARD_KEYS["vocab"], mf.config.vocab, u64)
     writer.add_key_value(SHARD_KEYS["source_fingerprint"], mf.fingerprint, GGUFValueType.STRING)
 

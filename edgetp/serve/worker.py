@@ -6,6 +6,7 @@ Session with a root, over one link:
     LOAD{model, fingerprint, spec, ctx, sync[, fetch_port]}  -> PROGRESS{done, total}* -> READY{rss, ...}
     RESET{params, mode}  -> hot loop on a compute thread:
         STEP{pos, ids, want} + x  ->  [PARTIAL -> REDUCED] x 2 per layer  ->  LOGITS
+        (a pipeline stage of its own: no PARTIAL, and HIDDEN instead of LOGITS before the last stage)
         STEP{end}  -> back to asyncio
     (close)  -> shard dropped, next root may connect
 
@@ -225,6 +226,7 @@ class _Session:
         self.link = link
         self.shard: llama.Shard | None = None
         self.sync = "f32"
+        self.reduce = True  # all-reduces with the root (its stage); False: a pipeline stage of its own
         self.mf = None
         self.idle = False  # waiting for the root's next request (not loading, profiling or generating)
 
@@ -254,13 +256,16 @@ class _Session:
     async def _load(self, h: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         self.shard = None
-        spec = llama.ShardSpec(tuple(h["kv_groups"]), tuple(h["ffn_cols"]), tuple(h["vocab_rows"]))
+        layers = h.get("layers")
+        spec = llama.ShardSpec(tuple(h["kv_groups"]), tuple(h["ffn_cols"]), tuple(h["vocab_rows"]),
+                               None if layers is None else tuple(layers))
         kv_type = h.get("kv_type", "f16")
         if kv_type not in ops.KV_TYPES:
             raise ValueError(f"LOAD: kv_type must be one of {', '.join(ops.KV_TYPES)}, got {kv_type!r}")
         self.mf = await self._model(h, spec)
         path = self.mf.path
         self.sync = h["sync"]
+        self.reduce = bool(h.get("reduce", True))
         weights = await asyncio.to_thread(llama.load_weights, self.mf, spec)
         self.shard = llama.Shard(weights, int(h["ctx"]), slots=_positive(h.get("slots", 1), "slots"), kv_type=kv_type)
         await asyncio.to_thread(_warm_up, self.shard)
@@ -311,11 +316,11 @@ class _Session:
         if self.shard is None:
             raise ValueError("RESET before LOAD")
         hot = Hot(self.link, asyncio.get_running_loop())
-        self.shard.reduce = WorkerReduce(hot, self.sync)
+        self.shard.reduce = WorkerReduce(hot, self.sync) if self.reduce else llama._no_reduce
         if h.get("mode") == BLOCKING:
             self.link.enter_blocking()
         try:
-            await asyncio.to_thread(_hot_loop, hot, self.shard, self.mf)
+            await asyncio.to_thread(_hot_loop, hot, self.shard, self.mf, not self.reduce)
         finally:
             if not self.link.closed:
                 self.link.leave_blocking()
@@ -361,14 +366,19 @@ def _feed(history: dict[int, list[int]], slot: int, pos: int, ids: list[int]) ->
     h.extend(ids)
 
 
-def _hot_loop(hot: Hot, shard: llama.Shard, mf) -> None:
+def _hot_loop(hot: Hot, shard: llama.Shard, mf, hands_on: bool = False) -> None:
     """STEP after STEP until the root says end; runs on the compute thread.
 
     A STEP is a prefill chunk of one slot ("slot", "pos", "ids") or a decode
     step of several ("rows": [slot, pos, id] each); it carries the sampling
     parameters of what it asks candidates for, and its payload carries the
-    embeddings only when this node has no embedding table of its own. Each
-    slot's tokens are kept here for the repetition penalties.
+    embeddings only when this node has no embedding table of its own (or,
+    for a later pipeline stage, the residual stream). Each slot's tokens are
+    kept here for the repetition penalties.
+
+    A pipeline stage before the last answers no candidates: when it is a
+    stage of its own (`hands_on`) it hands its residual stream back (HIDDEN)
+    for the next stage, and inside the root's stage the root has it already.
     """
     history: dict[int, list[int]] = {}
     offset = shard.w.spec.vocab_rows[0]
@@ -387,7 +397,12 @@ def _hot_loop(hot: Hot, shard: llama.Shard, mf) -> None:
             slots, positions = [int(r[0]) for r in rows], [int(r[1]) for r in rows]
             for slot, pos, t in zip(slots, positions, ids):
                 _feed(history, slot, pos, [t])
-            logits = shard.logits_rows(shard.forward_rows(x, slots, positions))
+            out = shard.forward_rows(x, slots, positions)
+            if shard.w.out_norm is None:
+                if hands_on:
+                    hot.send(FrameType.HIDDEN, {}, out)
+                continue
+            logits = shard.logits_rows(out)
             params = [sampling.SamplingParams(**p) for p in h["params"]]
             hot.send(FrameType.LOGITS, *candidates_rows_message(
                 [sampling.candidates(logits[i], offset, history[s], p) for i, (s, p) in enumerate(zip(slots, params))]))
@@ -395,6 +410,10 @@ def _hot_loop(hot: Hot, shard: llama.Shard, mf) -> None:
         slot, pos = int(h.get("slot", 0)), int(h["pos"])
         _feed(history, slot, pos, ids)
         out = shard.forward(x, pos, slot=slot)
+        if shard.w.out_norm is None:
+            if hands_on:
+                hot.send(FrameType.HIDDEN, {}, out)
+            continue
         want = h.get("want", "candidates")
         if want == "none":  # a prefill chunk before the last one
             continue

@@ -1,0 +1,107 @@
+"""The cost model: what one step of a plan costs, from measured speeds and links.
+
+Pure arithmetic over a Plan (parallel/plan.py), the links from the root to
+each worker and a few per-message constants. A step carries `rows` tokens
+(one per sequence of a decode step, or one prompt chunk's worth):
+
+    compute of stage k   Plan.stage_makespan(k) * (1 + row_cost * (b - 1))
+                         for b rows: weights are read once per step, each
+                         extra row costs row_cost of the first
+    sync of stage k      a stage of several nodes all-reduces twice per layer
+                         through the root: 2 * L_k * max over its workers of
+                         (rtt + 2 * b * dim * sync_bytes / throughput + message),
+                         plus one round trip for the STEP out and the answers back
+    hop into stage k>0   a stage of one worker gets the residual stream and
+                         hands it (or its candidates) back through the root:
+                         rtt + 2 * b * dim * 4 / throughput + message
+
+One stream runs the stages one after another: its token time is the sum of
+the stage times. With several sequences the rows are cut into micro-batches,
+one per working stage, and the stages work on different micro-batches at
+once: a step is the pipeline's fill plus the slowest stage once per further
+micro-batch, sum(t_k) + (m - 1) * max(t_k).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from edgetp.parallel.plan import Plan
+
+SYNC_BYTES = {"f32": 4.0, "q8_0": 34 / 32}  # bytes per value of an all-reduce payload
+HIDDEN_BYTES = 4.0  # the residual stream crosses a stage boundary as f32
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """The root's link to one worker, as Link.measure() found it."""
+
+    rtt_s: float          # median round trip of a small message
+    bytes_per_s: float    # throughput of a bulk transfer
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """What the arithmetic above does not see: software costs per message and per extra row."""
+
+    message_s: float = 60e-6  # one message handed between two processes beyond the wire's round trip
+    row_cost: float = 0.7     # an extra row of a step, relative to the first (weights read once, math per row)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    step_s: float      # one step of `rows` rows
+    compute_s: float   # of which compute (the stages' compute : sync ratio applied to the step)
+    sync_s: float      # of which all-reduces and stage hops
+    rows: int
+
+    @property
+    def tok_s(self) -> float:
+        return self.rows / self.step_s
+
+
+def micro_batches(plan: Plan, rows: int) -> int:
+    """How many micro-batches a step of `rows` rows is cut into: one per working stage, at most one per row."""
+    return max(1, min(rows, len(working_stages(plan))))
+
+
+def working_stages(plan: Plan) -> list[int]:
+    """Indices of the stages that run layers (a root that only embeds has an empty stage 0)."""
+    return [k for k, st in enumerate(plan.stages) if st[0].layers != (0, 0)]
+
+
+def predict(plan: Plan, links: Mapping[str, LinkCost], rows: int = 1, oh: Overheads = Overheads(),
+            root: str | None = None) -> Prediction:
+    """The predicted time of one step of `rows` rows under `plan`; links by worker node id.
+
+    `root` is the node that drives the step (the first node of the plan unless given): it needs no link.
+    """
+    if rows < 1:
+        raise ValueError(f"a step carries at least one row, got {rows}")
+    root = plan.nodes[0].node_id if root is None else root
+    s = plan.shape
+    m = micro_batches(plan, rows)
+    b = rows / m
+    stretch = 1 + oh.row_cost * (b - 1)
+    times, compute, sync = [], 0.0, 0.0
+    last = len(plan.stages) - 1
+    for k, stage in enumerate(plan.stages):
+        c = plan.stage_makespan(k) * stretch
+        far = [links[x.node_id] for x in stage if x.node_id != root]
+        n_layers = (stage[0].layers[1] - stage[0].layers[0]) if stage[0].layers else s.n_layers
+        if root in (x.node_id for x in stage):
+            per = [lk.rtt_s + 2 * b * s.dim * SYNC_BYTES[plan.sync] / lk.bytes_per_s + oh.message_s for lk in far]
+            y = 2 * n_layers * max(per, default=0.0)
+            y += max((lk.rtt_s + oh.message_s for lk in far), default=0.0) if k == last else 0.0
+        else:
+            if len(stage) > 1:
+                raise ValueError(f"stage {k} is a tensor-parallel group without the root: not supported")
+            lk = links[stage[0].node_id]
+            y = lk.rtt_s + 2 * b * s.dim * HIDDEN_BYTES / lk.bytes_per_s + oh.message_s
+        times.append(c + y)
+        compute += c
+        sync += y
+    step = sum(times) + (m - 1) * max(times)
+    share = compute / (compute + sync) if compute + sync else 1.0
+    return Prediction(step, step * share, step * (1 - share), rows)

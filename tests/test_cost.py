@@ -1,0 +1,90 @@
+"""The cost model (parallel/cost.py) against the formulas it states, computed by hand here."""
+
+from __future__ import annotations
+
+import pytest
+
+from edgetp.parallel import cost, pipeline
+from edgetp.parallel.plan import ModelShape, NodeSpec
+
+GIB = 2**30
+# one layer: 4 KV groups of 256*32*6 bytes + 1024 FFN columns of 3*256 bytes = 983040 bytes; vocab 256000 bytes
+SHAPE = ModelShape(n_layers=16, dim=256, n_heads=8, n_kv_heads=4, head_dim=32, ffn=1024, vocab=1000,
+                   attn_bpw=1.0, ffn_bpw=1.0, vocab_bpw=1.0, ctx=64)
+LAYER, VOCAB = 983040, 256000
+OH = cost.Overheads(message_s=50e-6, row_cost=0.5)
+
+
+def test_one_node_costs_its_weights_over_its_speed():
+    plan = pipeline.stage_plan(SHAPE, [[NodeSpec("r", 1e9, GIB)]])
+    p = cost.predict(plan, {}, 1, OH)
+    assert p.step_s == pytest.approx((16 * LAYER + VOCAB) / 1e9) and p.sync_s == 0
+    p4 = cost.predict(plan, {}, 4, OH)  # 4 rows: weights once, each extra row half the first
+    assert p4.step_s == pytest.approx((16 * LAYER + VOCAB) / 1e9 * (1 + 0.5 * 3))
+    assert p4.tok_s == pytest.approx(4 / p4.step_s)
+
+
+def test_tensor_parallelism_pays_two_round_trips_per_layer_and_one_for_the_answers():
+    r, w = NodeSpec("r", 1e9, GIB), NodeSpec("w", 1e9, GIB)
+    plan = pipeline.stage_plan(SHAPE, [[r, w]])
+    link = cost.LinkCost(rtt_s=2e-3, bytes_per_s=10e6)
+    p = cost.predict(plan, {"w": link}, 1, OH)
+    reduce = 2e-3 + 2 * 256 * 4 / 10e6 + 50e-6  # round trip, partial out and total back, one message
+    sync = 2 * 16 * reduce + (2e-3 + 50e-6)
+    assert p.sync_s == pytest.approx(sync)
+    assert p.compute_s == pytest.approx(plan.makespan)
+    assert p.step_s == pytest.approx(plan.makespan + sync)
+    q8 = pipeline.stage_plan(SHAPE, [[r, w]], sync="q8_0")
+    assert cost.predict(q8, {"w": link}, 1, OH).sync_s == pytest.approx(
+        2 * 16 * (2e-3 + 2 * 256 * 34 / 32 / 10e6 + 50e-6) + 2e-3 + 50e-6)
+
+
+def test_a_pipeline_pays_one_hop_per_stage_and_overlaps_micro_batches():
+    r, w = NodeSpec("r", 1e9, GIB), NodeSpec("w", 1e9, GIB)
+    plan = pipeline.stage_plan(SHAPE, [[r], [w]])
+    (a, b), (c, d) = plan.stages[0][0].layers, plan.stages[1][0].layers
+    t0 = (b - a) * LAYER / 1e9
+    t1 = (d - c) * LAYER / 1e9 + VOCAB / 1e9
+    link = cost.LinkCost(rtt_s=4e-3, bytes_per_s=12.5e6)
+    hop = 4e-3 + 2 * 256 * 4 / 12.5e6 + 50e-6
+    one = cost.predict(plan, {"w": link}, 1, OH)
+    assert one.step_s == pytest.approx(t0 + t1 + hop)
+    # 8 rows: two micro-batches of 4; the fill, then the slowest stage once more
+    eight = cost.predict(plan, {"w": link}, 8, OH)
+    s0 = t0 * (1 + 0.5 * 3)
+    s1 = t1 * (1 + 0.5 * 3) + 4e-3 + 2 * 4 * 256 * 4 / 12.5e6 + 50e-6
+    assert eight.step_s == pytest.approx(s0 + s1 + max(s0, s1))
+
+
+def test_on_wifi_the_planner_keeps_tensor_parallelism_off_the_slow_link():
+    shape = ModelShape(n_layers=16, dim=2048, n_heads=32, n_kv_heads=8, head_dim=64, ffn=8192, vocab=32000,
+                       attn_bpw=1.0625, ffn_bpw=1.0625, vocab_bpw=1.0625, ctx=512)
+    # 10 GB/s: a 1B Q8_0 model at 9 tokens a second on one node, as one core of the AMD EPYC here decodes it
+    root, a, b = NodeSpec("r", 10e9, 8 * GIB), NodeSpec("a", 10e9, 8 * GIB), NodeSpec("b", 10e9, 8 * GIB)
+    wifi = {n: cost.LinkCost(4e-3, 12.5e6) for n in ("a", "b")}
+    best = pipeline.choose(shape, root, [a, b], wifi, rows=1)
+    assert best.plan.kind == "single" and best.plan.nodes[0].node_id == "r"
+    ethernet = {n: cost.LinkCost(0.3e-3, 125e6) for n in ("a", "b")}
+    best = pipeline.choose(shape, root, [a, b], ethernet, rows=1)
+    assert best.plan.kind == "tp" and len(best.plan.nodes) == 3
+    mixed = {"a": cost.LinkCost(0.3e-3, 125e6), "b": cost.LinkCost(4e-3, 12.5e6)}
+    best = pipeline.choose(shape, root, [a, b], mixed, rows=1)
+    assert "b" not in {x.node_id for x in best.plan.stages[0]}  # no all-reduce crosses the Wi-Fi link
+
+
+def test_a_model_too_big_for_any_node_is_split_into_stages_on_wifi():
+    shape = ModelShape(n_layers=16, dim=2048, n_heads=32, n_kv_heads=8, head_dim=64, ffn=8192, vocab=32000,
+                       attn_bpw=1.0625, ffn_bpw=1.0625, vocab_bpw=1.0625, ctx=512)
+    cap = int(shape.weight_bytes * 0.6)  # no node holds it alone, two do
+    root, a, b = NodeSpec("r", 10e9, cap), NodeSpec("a", 10e9, cap), NodeSpec("b", 10e9, cap)
+    wifi = {n: cost.LinkCost(4e-3, 12.5e6) for n in ("a", "b")}
+    best = pipeline.choose(shape, root, [a, b], wifi, rows=1)
+    assert best.plan.kind == "pp", pipeline.describe(best.plan)
+    for n in best.plan.nodes:
+        assert best.plan.memory_bytes(n.node_id) <= cap
+    tp = pipeline.choose(shape, root, [a, b], wifi, rows=1, parallel="tp")
+    # 33 round trips of 4 ms against one per stage after the root's
+    assert best.single.step_s < tp.single.step_s
+    hop = 4e-3 + 2 * 2048 * 4 / 12.5e6 + cost.Overheads().message_s  # out and back, f32 residual
+    assert best.single.sync_s == pytest.approx((len(best.plan.stages) - 1) * hop)
+    assert tp.single.sync_s > 33 * 4e-3

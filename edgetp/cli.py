@@ -12,6 +12,9 @@ from edgetp import commands
 from edgetp.model import isa
 
 
+_PARALLEL_HELP = ("plan kind: tp (every node splits every layer; default), pp (a pipeline, one stage per node) "
+                  "or auto (the cheapest plan the cost model finds from measured speeds and links)")
+
 def _positive(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -73,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="relative speeds 1,2,3 in node order, the root first (default: measured)")
     ask.add_argument("--sync", choices=("f32", "q8_0"), default="f32",
                      help="all-reduce payload: exact f32 or Q8_0 blocks (3.8x fewer bytes)")
+    ask.add_argument("--parallel", choices=("tp", "pp", "auto"), default="tp", help=_PARALLEL_HELP)
     ask.add_argument("--key", default=os.environ.get("EDGETP_KEY_FILE"), help="cluster key file")
     ask.add_argument("--api-key", **_API_KEY)
     ask.add_argument("--url", default=os.environ.get("EDGETP_URL"),
@@ -115,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="HOST:PORT,... of `edgetp worker`s: a static cluster, no discovery")
     srv.add_argument("--weights", type=_weights, default=None, help="with --workers: relative speeds, the root first")
     srv.add_argument("--sync", choices=("f32", "q8_0"), default=None)
+    srv.add_argument("--parallel", choices=("tp", "pp", "auto"), default=None, help=_PARALLEL_HELP)
     srv.add_argument("--ctx", type=_positive, default=None)
     srv.add_argument("--threads", type=_positive, default=None)
     srv.add_argument("--slots", type=_positive, default=None,

@@ -22,6 +22,7 @@ from edgetp.net.httpauth import Credentials
 from edgetp.net.link import LinkClosed
 from edgetp.net.loopthread import LoopThread
 from edgetp.config import ConfigError
+from edgetp.parallel import pipeline
 from edgetp.parallel.plan import PlanError
 from edgetp.parallel.runner import ClusterRunner, WorkerLost
 from edgetp.serve.worker import Worker
@@ -102,7 +103,7 @@ def ask(args: argparse.Namespace) -> int:
         return _stream(runner, tok, ids, params, args, ctx, t0)
     with LoopThread() as lt:
         runner = lt.run(ClusterRunner.connect(mf, args.workers, ctx=ctx, weights=args.weights, sync=args.sync,
-                                              key=key, threads=args.threads))
+                                              key=key, threads=args.threads, parallel=args.parallel))
         current = [runner]  # the runner in use: a recovery replaces it
 
         def recover(exc: WorkerLost) -> ClusterRunner:
@@ -111,11 +112,17 @@ def ask(args: argparse.Namespace) -> int:
 
         try:
             if args.stats:
-                for n, share in zip(runner.nodes, runner.plan.shares):
+                print(f"plan {pipeline.describe(runner.plan)}", file=sys.stderr)
+                shares = {s.node_id: s for s in runner.plan.shares}
+                for n in runner.nodes:
                     speed = f"{n.speed / 1e9:.2f} GB/s"
                     link = "" if n.address == "local" else f"p90 {n.rtt_p90_ms:.3f} ms  {n.mbps:.0f} Mbit/s  "
+                    share = shares.get(n.node_id)
+                    what = "idle (left out of the plan)" if share is None else \
+                        f"kv {share.kv_groups} ffn {share.ffn_cols} vocab {share.vocab_rows}" \
+                        + (f" layers {share.layers}" if share.layers else "")
                     print(f"node {n.node_id:<14} {n.address:<21} {speed:<12} rtt {n.rtt_ms:6.3f} ms  {link}{n.mode:<8} "
-                          f"kv {share.kv_groups} ffn {share.ffn_cols} vocab {share.vocab_rows}", file=sys.stderr)
+                          f"{what}", file=sys.stderr)
             return _stream(runner, tok, ids, params, args, ctx, t0, recover)
         finally:
             current[0].close()
@@ -171,10 +178,12 @@ def status(args: argparse.Namespace) -> int:
 
     view = asyncio.run(go())
     print(f"epoch {view['epoch']}  root {view['root']}  model {view['model']}")
+    if view.get("plan"):
+        print(f"plan {view['plan']}")
     if (line := slots_line(view.get("slots"))) is not None:
         print(line)
     print(f"{'node':<16} {'address':<22} {'role':<7} {'state':<8} {'speed':>10} {'mem free':>9} "
-          f"{'kv groups':>9} {'ffn cols':>11} {'vocab rows':>13} {'rtt p50/p90':>15} {'link':>12}")
+          f"{'layers':>7} {'kv groups':>9} {'ffn cols':>11} {'vocab rows':>13} {'rtt p50/p90':>15} {'link':>12}")
     for n in view["nodes"]:
         rtt = "-" if n.get("rtt_ms") is None else f"{n['rtt_ms']:.2f}/{n.get('rtt_p90_ms') or 0:.2f} ms"
         link = "-" if not n.get("mbps") else f"{n['mbps']:.0f} Mbit/s"
@@ -182,7 +191,8 @@ def status(args: argparse.Namespace) -> int:
             n["state"] = f"{100 * n['transfer'][0] // max(n['transfer'][1], 1)}% in"
         span = lambda r: f"{r[0]}-{r[1]}" if r[1] > r[0] else "-"  # noqa: E731
         print(f"{n['node_id']:<16} {n['address']:<22} {n['role']:<7} {n['state']:<8} "
-              f"{n['speed'] / 1e9:>6.2f} GB/s {n['mem_free'] / 1e9:>6.1f} GB {span(n['kv_groups']):>9} "
+              f"{n['speed'] / 1e9:>6.2f} GB/s {n['mem_free'] / 1e9:>6.1f} GB {span(n.get('layers') or (0, 0)):>7} "
+              f"{span(n['kv_groups']):>9} "
               f"{span(n['ffn_cols']):>11} {span(n['vocab_rows']):>13} {rtt:>15} {link:>12}")
     return 0
 
@@ -307,7 +317,8 @@ def serve(args: argparse.Namespace) -> int:
     from edgetp.cluster import sdnotify  # noqa: PLC0415
 
     flags = {name: getattr(args, name) for name in ("model", "key_file", "data_port", "node_id", "priority",
-                                                    "no_root", "interfaces", "peers", "threads", "sync", "ctx", "slots", "kv_type")}
+                                                    "no_root", "interfaces", "peers", "threads", "sync", "ctx", "slots", "kv_type",
+                                                    "parallel")}
     if args.listen is not None:
         flags["host"], flags["http_port"] = args.listen
     flags = {k: v for k, v in flags.items() if v is not None}
@@ -325,7 +336,7 @@ def serve(args: argparse.Namespace) -> int:
         model_path=path, model_name=path.stem if str(settings.model).endswith(".gguf") else settings.model,
         host=settings.host, port=settings.http_port, workers=tuple(args.workers),
         weights=tuple(args.weights) if args.weights else None, sync=settings.sync, ctx=settings.ctx,
-        slots=settings.slots, kv_type=settings.kv_type, threads=settings.threads, key=key, queue_size=args.queue, index_dir=Path(settings.cache_dir) / "index",
+        slots=settings.slots, kv_type=settings.kv_type, parallel=settings.parallel, threads=settings.threads, key=key, queue_size=args.queue, index_dir=Path(settings.cache_dir) / "index",
         cluster=key is not None and not args.workers, data_port=settings.data_port,
         node_id=settings.node_id if settings.node_id_given
         else config.persistent_node_id(config.state_dir(os.environ, Path(settings.cache_dir))),

@@ -32,7 +32,7 @@ from aiohttp import web
 from gguf import GGMLQuantizationType as QT
 
 from edgetp import store
-from edgetp.parallel import profile
+from edgetp.parallel import pipeline, profile
 from edgetp.cluster.discovery import PeerAdvert
 from edgetp.cluster.membership import Membership, data_address, http_url
 from edgetp.cluster.peering import PeerEndpoints
@@ -67,6 +67,7 @@ class ServeOptions:
     ctx: int = 2048
     slots: int = 4                  # sequences decoded at once (the planner may give fewer)
     kv_type: str = "f16"            # what every node's KV caches hold: "f16" or "f32"
+    parallel: str = "tp"            # plan kind: "tp", "pp" or "auto" (parallel/pipeline.py)
     threads: int | None = None
     key: bytes | None = None
     queue_size: int = 8
@@ -87,23 +88,32 @@ class ServeOptions:
 
 def cluster_view(runner: ClusterRunner, model: str) -> events.ClusterView:
     nodes = []
-    for info, share in zip(runner.nodes, runner.plan.shares):
+    shares = {s.node_id: s for s in runner.plan.shares}
+    n_layers = runner.plan.shape.n_layers
+    for info in runner.nodes:
+        share = shares.get(info.node_id)  # None: left out of the plan
+        spans = {} if share is None else dict(kv_groups=tuple(share.kv_groups), ffn_cols=tuple(share.ffn_cols),
+                                              vocab_rows=tuple(share.vocab_rows), stage=info.stage,
+                                              layers=tuple(share.layers or (0, n_layers)))
         nodes.append(events.NodeView(
             node_id=info.node_id, address=info.address, role="root" if info.address == "local" else "worker",
-            state="ready", speed=info.speed, mem_free=info.mem_free, kv_groups=tuple(share.kv_groups),
-            ffn_cols=tuple(share.ffn_cols), vocab_rows=tuple(share.vocab_rows),
+            state="ready" if share is not None else "idle", speed=info.speed, mem_free=info.mem_free,
             rtt_ms=None if info.address == "local" else info.rtt_ms,
             rtt_p90_ms=None if info.address == "local" else info.rtt_p90_ms,
-            mbps=None if info.address == "local" else info.mbps))
-    return events.ClusterView(runner.plan.epoch, runner.nodes[0].node_id, model, tuple(nodes))
+            mbps=None if info.address == "local" else info.mbps, **spans))
+    return events.ClusterView(runner.plan.epoch, runner.nodes[0].node_id, model, tuple(nodes),
+                              plan=pipeline.describe(runner.plan))
 
 
 def replan_event(runner: ClusterRunner) -> events.ClusterEvent:
     """The `replan` record of a new plan: every node's shares, for the log and the dashboard."""
     return events.ClusterEvent(
-        "replan", f"planned over {len(runner.nodes)} node(s)", None, runner.plan.epoch,
+        "replan", f"planned over {len(runner.plan.nodes)} node(s): {pipeline.describe(runner.plan)}", None,
+        runner.plan.epoch,
         {"nodes": {s.node_id: {"kv_groups": list(s.kv_groups), "ffn_cols": list(s.ffn_cols),
-                               "vocab_rows": list(s.vocab_rows)} for s in runner.plan.shares}})
+                               "vocab_rows": list(s.vocab_rows)}
+                   | ({"layers": list(s.layers)} if s.layers else {}) for s in runner.plan.shares},
+         "plan": pipeline.describe(runner.plan)})
 
 
 class Recovery:
@@ -150,7 +160,8 @@ async def serve(opts: ServeOptions, on_listening: Callable[[str], None] | None =
     ctx = min(opts.ctx, mf.config.ctx_train)
     if opts.workers:
         runner = await ClusterRunner.connect(mf, list(opts.workers), ctx=ctx, weights=opts.weights, sync=opts.sync,
-                                             key=opts.key, threads=opts.threads, slots=opts.slots, kv_type=opts.kv_type)
+                                             key=opts.key, threads=opts.threads, slots=opts.slots, kv_type=opts.kv_type,
+                                             parallel=opts.parallel)
     else:
         runner = await asyncio.to_thread(LocalRunner, mf, ctx, opts.slots, opts.kv_type)
     engine = Engine(runner, tok, opts.model_name, queue_size=opts.queue_size, bus=bus)
@@ -301,7 +312,7 @@ class Roles:
                         self.mf, addresses, ctx=self.ctx, sync=self.opts.sync, key=self.opts.key,
                         threads=self.opts.threads, epoch=self.membership.epoch, node_id=self.node_id,
                         fetch_port=self.http_port, on_progress=self._progress, slots=self.opts.slots,
-                        kv_type=self.opts.kv_type)
+                        kv_type=self.opts.kv_type, parallel=self.opts.parallel)
                 except Exception as exc:  # noqa: BLE001 - whatever a peer did, plan without it
                     if not addresses:
                         raise

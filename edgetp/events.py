@@ -19,7 +19,8 @@ from typing import Any
 NODE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
 
 CLUSTER_EVENTS = ("join", "leave", "election", "replan", "transfer", "profile", "error")
-NODE_STATES = ("ready", "joining", "loading", "lost", "foreign")  # joining: proven, not yet settled (no plan has it)
+# joining: proven, not yet settled (no plan has it); idle: reachable, left out of the plan (its link would slow it)
+NODE_STATES = ("ready", "joining", "loading", "lost", "foreign", "idle")
 ROLES = ("root", "worker")
 
 
@@ -108,6 +109,8 @@ class NodeView:
     transfer: tuple[int, int] | None = None  # (bytes done, bytes total) of a weight download
     rtt_p90_ms: float | None = None          # the root's link to it: 90th percentile round trip
     mbps: float | None = None                # the root's link to it: measured throughput, Mbit/s
+    stage: int | None = None                 # its pipeline stage (0: the root's), None: in no plan
+    layers: tuple[int, int] | None = None    # the layers its stage runs
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,7 @@ class ClusterView:
     nodes: tuple[NodeView, ...]
     root_url: str | None = None  # the root's API, where per-token records are published
     slots: SlotsView | None = None  # the root's engine (None where no engine runs here)
+    plan: str | None = None  # the plan's kind and stages, one line (parallel/pipeline.describe)
     type: str = "snapshot"
 
 
@@ -151,7 +155,8 @@ def from_dict(d: Any) -> TokenRecord | RequestRecord | StepRecord | ClusterEvent
         if kind == "snapshot":
             return ClusterView(int(d["epoch"]), d.get("root"), str(d["model"]),
                                tuple(_node(n) for n in d["nodes"]), d.get("root_url"),
-                               None if d.get("slots") is None else _slots(d["slots"]))
+                               None if d.get("slots") is None else _slots(d["slots"]),
+                               None if d.get("plan") is None else str(d["plan"]))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise EventError(f"malformed {kind} record: {exc}") from None
     raise EventError(f"unknown record type {kind!r}")
@@ -180,7 +185,9 @@ def _node(d: dict[str, Any]) -> NodeView:
                     _pair(d.get("vocab_rows", (0, 0))),
                     _opt_float(d.get("rtt_ms")),
                     None if d.get("transfer") is None else _pair(d["transfer"]),
-                    _opt_float(d.get("rtt_p90_ms")), _opt_float(d.get("mbps")))
+                    _opt_float(d.get("rtt_p90_ms")), _opt_float(d.get("mbps")),
+                    None if d.get("stage") is None else int(d["stage"]),
+                    None if d.get("layers") is None else _pair(d["layers"]))
 
 
 def _opt_float(v: Any) -> float | None:

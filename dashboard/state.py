@@ -130,6 +130,7 @@ class DashboardState:
     generation: Generation | None = None
     requests: tuple[RequestLine, ...] = ()  # running ones in the order they started, then the last finished
     slots: SlotsView | None = None  # the root engine's slots (total 0: not told yet)
+    plan: str | None = None  # the plan's kind and stages (ClusterView.plan), None: not told
     batches: tuple[int, ...] = ()  # sequences per decode step, the last `history` steps, oldest first
     step_ms: tuple[float, ...] = ()  # the wall time of those steps
     log: tuple[LogEntry, ...] = ()  # the last `log_size` entries, oldest first
@@ -180,7 +181,7 @@ def apply(state: DashboardState, record: Any) -> DashboardState:
     if isinstance(record, ClusterView):
         slots = record.slots if record.slots is not None else state.slots
         return replace(state, epoch=record.epoch, root=record.root, model=record.model, nodes=record.nodes,
-                       slots=slots)
+                       slots=slots, plan=record.plan if record.plan is not None else state.plan)
     if isinstance(record, ConnectionStatus):
         return _connection(state, record)
     if isinstance(record, AskStarted):
@@ -313,8 +314,9 @@ def _cluster(state: DashboardState, ev: ClusterEvent) -> DashboardState:
         shares = ev.detail.get("nodes") or {}
         nodes = state.nodes
         for node_id, share in shares.items() if isinstance(shares, dict) else ():
-            nodes = _update(nodes, str(node_id), **_fields(share, ("kv_groups", "ffn_cols", "vocab_rows")))
-        state = replace(state, nodes=nodes)
+            nodes = _update(nodes, str(node_id), **_fields(share, ("kv_groups", "ffn_cols", "vocab_rows", "layers")))
+        plan = ev.detail.get("plan")
+        state = replace(state, nodes=nodes, plan=str(plan) if plan is not None else state.plan)
     elif ev.event == "transfer" and ev.node_id is not None:
         done, total = int(ev.detail.get("done", 0)), int(ev.detail.get("total", 0))
         loading = total > 0 and done < total
@@ -367,7 +369,7 @@ def _fields(detail: Any, names: tuple[str, ...]) -> dict[str, Any]:
             continue
         value = detail[name]
         try:
-            if name in ("kv_groups", "ffn_cols", "vocab_rows"):
+            if name in ("kv_groups", "ffn_cols", "vocab_rows", "layers"):
                 a, b = value
                 out[name] = (int(a), int(b))
             elif name in ("speed",):

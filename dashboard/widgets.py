@@ -90,14 +90,17 @@ class NodesTable(StateView):
     """Every node: who it is, what it measured, what share of the model it carries, how it is."""
 
     SIZED_BY_STATE = True
-    STATE_STYLES = {"ready": "green", "joining": "cyan", "loading": "yellow", "lost": "bold red", "foreign": "dim"}
+    STATE_STYLES = {"ready": "green", "joining": "cyan", "loading": "yellow", "lost": "bold red", "foreign": "dim",
+                    "idle": "dim"}
 
     def depends(self, state: DashboardState) -> tuple[Any, ...]:
-        return (state.nodes, state.root)
+        return (state.nodes, state.root, state.plan)
 
     def decorate(self, state: DashboardState) -> None:
         ready = sum(1 for n in state.nodes if n.state == "ready")
         self.border_title = f"Nodes · {ready}/{len(state.nodes)} ready"
+        if state.plan:
+            self.border_title += f" · {state.plan.split(':')[0]}"  # the plan's kind: single, tp, pp or hybrid
 
     def render(self) -> RenderableType:
         nodes = self.state.nodes
@@ -105,7 +108,9 @@ class NodesTable(StateView):
             return Text("No nodes yet: waiting for the cluster to form.", style="dim italic")
         totals = [max((getattr(n, f)[1] for n in nodes), default=0) for f in ("kv_groups", "ffn_cols", "vocab_rows")]
         table = Table(box=box.SIMPLE_HEAD, expand=True, pad_edge=False, show_edge=False)
+        staged = len({n.layers for n in nodes if n.layers is not None}) > 1  # a pipeline: show each stage's layers
         for name, justify in (("node", "left"), ("address", "left"), ("role", "left"), ("speed", "right"),
+                              *((("stage", "right"),) if staged else ()),
                               ("attn", "right"), ("FFN cols", "right"), ("vocab", "right"),
                               ("free", "right"), ("RTT/p90", "right"), ("Mbit/s", "right"), ("state", "left")):
             table.add_column(name, justify=justify, no_wrap=True, overflow="ellipsis")  # type: ignore[arg-type]
@@ -114,11 +119,20 @@ class NodesTable(StateView):
             role = Text("★ root", "bold") if n.role == "root" else Text("worker")
             table.add_row(Text(n.node_id, "bold" if n.role == "root" else ""), n.address, role,
                           f"{fmt_bytes(n.speed)}/s" if n.speed else "-",
+                          *((_stage(n),) if staged else ()),
                           _share(n.kv_groups, totals[0]), _share(n.ffn_cols, totals[1]),
                           _share(n.vocab_rows, totals[2]), fmt_bytes(n.mem_free) if n.mem_free else "-",
                           _rtt(n), "-" if not n.mbps else f"{n.mbps:.0f}", _node_state(n),
                           style="dim" if lost else None)
         return table
+
+
+def _stage(n: NodeView) -> str:
+    """A pipeline stage's number and its layers, e.g. "1 · 8-16"."""
+    if n.layers is None or n.stage is None:
+        return "-"
+    a, b = n.layers
+    return f"{n.stage} · {a}-{b}" if b > a else f"{n.stage} · embeds"
 
 
 def _rtt(n: NodeView) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+from dataclasses import replace
 
 import aiohttp
 import pytest
@@ -504,3 +505,18 @@ def test_snapshot_batching(snap_compare):
     """Four slots busy, a fifth request queued: one line per request, the batch size rising to 4."""
     app, run_before = snapshot_app(scenes.batching())
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+async def test_a_pipeline_shows_each_nodes_stage_and_layers_and_an_idle_node():
+    a = replace(scenes.A, stage=0, layers=(0, 10))
+    b = replace(scenes.B, stage=1, layers=(10, 16))
+    c = replace(scenes.C, state="idle", kv_groups=(0, 0), ffn_cols=(0, 0), vocab_rows=(0, 0))
+    records = [ClusterView(3, "pi5-a", scenes.MODEL, (a, b, c), plan="pp: layers 0:10 on pi5-a; layers 10:16 on pi5-b")]
+    app = DashboardApp(ScriptedSource(records, hold=True))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, len(records))
+        widget = app.main.query_one(NodesTable)
+        rows = {line.split()[0]: line for line in text_of(widget).splitlines() if line.strip()}
+        assert "0 · 0-10" in rows["pi5-a"] and "1 · 10-16" in rows["pi5-b"]
+        assert "idle" in rows["opi-c"]
+        assert widget.border_title.endswith("· pp")

@@ -180,3 +180,45 @@ def test_a_stage_slice_file_holds_its_layers_only_and_runs_as_the_stage_does(tmp
                           from_source.logits(from_source.forward(h.copy(), 0)))
     with pytest.raises(ValueError, match="layers 2:99"):
         llama.load_weights(mf, llama.ShardSpec((0, 1), (0, 32), (0, 0), (2, 99)))
+
+
+# --------------------------------------------------------------------------- a Wi-Fi cluster in namespaces
+
+def test_over_wifi_the_planner_keeps_tensor_parallelism_off_the_slow_links_and_the_text_is_one_nodes(
+        stories_path):
+    """Three hosts in network namespaces at Wi-Fi's rate (tbf), each worker behind a relay that adds
+    Wi-Fi's 4 +- 1 ms round trip; the root is `edgetp ask --parallel auto` in its own namespace."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from tests.test_relay import REPO, start_relay, stop_relay  # noqa: PLC0415
+    from tools.netns import Testbed, require_root_and_netns  # noqa: PLC0415
+    from tools.relay import PROFILES  # noqa: PLC0415
+
+    reason = require_root_and_netns()
+    if reason:
+        pytest.skip(reason)
+    base = [sys.executable, "-m", "edgetp", "ask", "--local", "--model", str(stories_path), "--raw",
+            "--temperature", "0", "--max-tokens", "32", "--threads", "1", STORY]
+    single = subprocess.run(base, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert single.returncode == 0, single.stderr
+    with Testbed(3, rate=PROFILES["wifi"].rate) as tb:
+        root = tb[0]
+        procs, relays = [], []
+        try:
+            for far in (tb[1], tb[2]):
+                procs.append(start_worker(host=far.address, prefix=far.argv([])))
+                relays.append(start_relay(procs[-1][1], "--profile", "wifi", prefix=root.argv([]),
+                                          listen=f"{root.address}:0"))
+            out = root.run(base + ["--workers", ",".join(a for _, a in relays), "--parallel", "auto", "--stats"],
+                           timeout=300, check=False, cwd=REPO)
+        finally:
+            for proc, _ in relays:
+                stop_relay(proc)
+            for proc, _ in procs:
+                stop(proc)
+    assert out.returncode == 0, out.stderr
+    plan = next(line for line in out.stderr.splitlines() if line.startswith("plan "))
+    first_stage = plan.split(";")[0]
+    assert "+" not in first_stage, f"an all-reduce crosses a Wi-Fi link: {plan}"
+    assert out.stdout == single.stdout and len(single.stdout) > 20

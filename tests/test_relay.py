@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -172,3 +173,33 @@ def test_the_wifi_profile_in_namespaces_is_its_rate_and_round_trip():
             stop(worker)
     assert wifi.rtt_ms - wifi.jitter_ms <= rtt <= direct + wifi.rtt_ms + wifi.jitter_ms + SLACK_MS, (rtt, direct)
     assert 30 <= mbps <= 115  # tbf's 100 Mbit/s; a half-MiB probe over 4 ms sees part of slow start
+
+
+def _echo_time(address: str, data: bytes) -> float:
+    """Seconds to send data through an echo and have it all back."""
+    host, _, port = address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        t0 = time.perf_counter()
+        sender = threading.Thread(target=s.sendall, args=(data,))
+        sender.start()
+        got = 0
+        while got < len(data):
+            chunk = s.recv(1 << 20)
+            assert chunk, "the relay closed early"
+            got += len(chunk)
+        sender.join(timeout=30)
+        return time.perf_counter() - t0
+
+
+def test_the_relays_rate_serialises_each_direction_and_sigusr1_degrades_the_delay_tenfold(echo):
+    proc, addr = start_relay(echo.address, "--rtt-ms", "2", "--rate-mbit", "40")
+    try:
+        # 2 MB at 40 Mbit/s takes 0.4 s each way; the echo's way back overlaps the way out
+        assert _echo_time(addr, os.urandom(2_000_000)) >= 0.4
+        before = statistics.median(_round_trips(addr, 10))
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.2)
+        after = statistics.median(_round_trips(addr, 10))
+    finally:
+        stop_relay(proc)
+    assert before < 2.0 + 1.0 + SLACK_MS and after >= 20.0 - 0.05, (before, after)

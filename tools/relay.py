@@ -9,8 +9,10 @@ request/response pair sees is rtt +- jitter on top of the path's own. Threads an
 time.sleep, not asyncio: a sleep on Linux lands within ~0.1 ms, an event loop's timer
 within ~1 ms, which would swamp the Ethernet profile.
 
-Rates come from tbf on the namespaces' links (tools/netns.py); PROFILES name the pairs
-the real-links issue asks for. Prints "ready HOST:PORT" once listening; runs until killed
+Rates come from tbf on the namespaces' links (tools/netns.py), or from --rate-mbit here
+(each direction serialises its chunks at that rate, for loopback benchmarks without
+namespaces); PROFILES name the pairs the real-links issue asks for. SIGUSR1 multiplies the
+added delay and jitter by 10 from then on: a link that degrades mid-run. Prints "ready HOST:PORT" once listening; runs until killed
 (tools/netns.Host.stop_processes, or SIGTERM).
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import random
+import signal
 import socket
 import sys
 import threading
@@ -41,14 +44,16 @@ PROFILES = {
 # in front of the one node (tests/test_relay.py builds it).
 
 CHUNK = 256 * 1024
+_SCALE = [1.0]  # the delay's multiplier: SIGUSR1 makes it 10 (a degraded link)
 
 
 class _Direction:
     """One direction of one connection: a reader thread stamps chunks, a writer thread sends them when due."""
 
     def __init__(self, src: socket.socket, dst: socket.socket, delay_s: float, jitter_s: float,
-                 rng: random.Random) -> None:
+                 rng: random.Random, bytes_per_s: float = 0.0) -> None:
         self.src, self.dst = src, dst
+        self.bytes_per_s = bytes_per_s  # 0: no rate of our own
         self.delay, self.jitter, self.rng = delay_s, jitter_s, rng
         self.queue: collections.deque[tuple[float, bytes]] = collections.deque()
         self.ready = threading.Condition()
@@ -61,7 +66,9 @@ class _Direction:
         due = 0.0
         try:
             while data := self.src.recv(CHUNK):
-                due = max(due, time.monotonic() + self.delay + self.rng.uniform(-self.jitter, self.jitter))
+                scale = _SCALE[0]
+                arrive = time.monotonic() + scale * (self.delay + self.rng.uniform(-self.jitter, self.jitter))
+                due = max(due, arrive) + (len(data) / self.bytes_per_s if self.bytes_per_s else 0.0)
                 with self.ready:
                     self.queue.append((due, data))
                     self.ready.notify()
@@ -89,7 +96,8 @@ class _Direction:
             pass
 
 
-def _serve_one(client: socket.socket, target: tuple[str, int], delay_s: float, jitter_s: float, seed: int) -> None:
+def _serve_one(client: socket.socket, target: tuple[str, int], delay_s: float, jitter_s: float, seed: int,
+               bytes_per_s: float = 0.0) -> None:
     try:
         upstream = socket.create_connection(target, timeout=10)
     except OSError:
@@ -99,7 +107,8 @@ def _serve_one(client: socket.socket, target: tuple[str, int], delay_s: float, j
     for s in (client, upstream):
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     rng = random.Random(seed)
-    ways = [_Direction(client, upstream, delay_s, jitter_s, rng), _Direction(upstream, client, delay_s, jitter_s, rng)]
+    ways = [_Direction(client, upstream, delay_s, jitter_s, rng, bytes_per_s),
+            _Direction(upstream, client, delay_s, jitter_s, rng, bytes_per_s)]
     for way in ways:
         for t in way.threads:
             t.join()
@@ -108,8 +117,9 @@ def _serve_one(client: socket.socket, target: tuple[str, int], delay_s: float, j
 
 
 def serve(listen: tuple[str, int], target: tuple[str, int], rtt_ms: float, jitter_ms: float,
-          seed: int = 1, on_ready=None) -> None:
-    """Relay every connection to `listen` to `target`, rtt_ms +- jitter_ms added per round trip."""
+          seed: int = 1, on_ready=None, rate_mbit: float = 0.0) -> None:
+    """Relay every connection to `listen` to `target`, rtt_ms +- jitter_ms added per round trip,
+    each direction at rate_mbit (0: as fast as the path)."""
     srv = socket.create_server(listen, reuse_port=False)
     if on_ready is not None:
         on_ready(srv.getsockname()[:2])
@@ -118,7 +128,8 @@ def serve(listen: tuple[str, int], target: tuple[str, int], rtt_ms: float, jitte
     while True:
         client, _ = srv.accept()
         n += 1
-        threading.Thread(target=_serve_one, args=(client, target, delay, jitter, seed + n), daemon=True).start()
+        threading.Thread(target=_serve_one, args=(client, target, delay, jitter, seed + n, rate_mbit * 1e6 / 8),
+                         daemon=True).start()
 
 
 def _address(text: str) -> tuple[str, int]:
@@ -135,17 +146,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rtt-ms", type=float, default=None, help="round trip to add (default: the profile's)")
     ap.add_argument("--jitter-ms", type=float, default=None, help="+- on it (default: the profile's)")
     ap.add_argument("--profile", choices=sorted(PROFILES), default=None)
+    ap.add_argument("--rate-mbit", type=float, default=0.0, help="each direction's rate (default: unlimited)")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args(argv)
     prof = PROFILES.get(args.profile or "", Profile("", 0.0, 0.0))
     rtt = prof.rtt_ms if args.rtt_ms is None else args.rtt_ms
     jitter = prof.jitter_ms if args.jitter_ms is None else args.jitter_ms
-    if rtt < 0 or jitter < 0 or jitter > rtt:
-        print(f"relay: need 0 <= jitter ({jitter}) <= rtt ({rtt})", file=sys.stderr)
+    if rtt < 0 or jitter < 0 or jitter > rtt or args.rate_mbit < 0:
+        print(f"relay: need 0 <= jitter ({jitter}) <= rtt ({rtt}) and a rate >= 0", file=sys.stderr)
         return 2
+    signal.signal(signal.SIGUSR1, lambda *_: _SCALE.__setitem__(0, 10.0))
     try:
         serve(args.listen, args.to, rtt, jitter, args.seed,
-              on_ready=lambda addr: print(f"ready {addr[0]}:{addr[1]}", flush=True))
+              on_ready=lambda addr: print(f"ready {addr[0]}:{addr[1]}", flush=True), rate_mbit=args.rate_mbit)
     except OSError as exc:
         print(f"relay: {exc}", file=sys.stderr)
         return 1

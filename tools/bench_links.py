@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+"""Plan kinds over shaped links: measured tok/s beside the cost model's prediction, and the planner's pick.
+
+For each link profile, every plan kind is run for real (root here, `edgetp worker`s
+on 127.0.0.1, each behind a tools/relay.py that adds the profile's round trip,
+jitter and rate), its decode tok/s measured over a greedy run and printed beside
+what parallel/cost.py predicts from the same run's measured speeds and links. The
+row `auto` would choose (pipeline.choose over the measured figures, one stream)
+is marked; with 8 streams, the aggregate tok/s of the kinds that matter is
+printed too.
+
+    python tools/bench_links.py                      # SmolLM2 and the 1B shape Q8_0, every profile
+    python tools/bench_links.py --model smollm2 --profile wifi --tokens 16
+
+Loopback profiles, not namespaces: every relay runs beside the workers on this
+machine, so 3 processes share its cores. Every process started here is stopped
+in a finally; every loop is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import os
+
+for _k, _v in {"NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
+               "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}.items():
+    os.environ.setdefault(_k, _v)
+
+import argparse  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT_DIR = Path(__file__).resolve().parent.parent
+if str(ROOT_DIR) not in sys.path:
+    sys.path.insert(0, str(ROOT_DIR))
+
+from edgetp.model import gguf, quant  # noqa: E402
+from edgetp.model.batch import Row  # noqa: E402
+from edgetp.net.loopthread import LoopThread  # noqa: E402
+from edgetp.parallel import cost, pipeline  # noqa: E402
+from edgetp.parallel.runner import ClusterRunner  # noqa: E402
+from tools.bench_parallel import GREEDY, SMOLLM2, Procs, decode, ensure_1b, prompt_for, table  # noqa: E402
+from tools.netns import read_line  # noqa: E402
+from tools.relay import PROFILES  # noqa: E402
+
+BENCH_1B = Path.home() / ".cache/edgetp/bench/llama-3.2-1b.q8_0.gguf"
+CTX = 256
+# the worker links of each profile: relay profile per worker (None: plain loopback)
+LINKS = {"loopback": (None, None), "ethernet": ("ethernet", "ethernet"), "wifi": ("wifi", "wifi"),
+         "mixed": ("ethernet", "wifi")}
+# (name, layout): node indices per stage, 0 the root; an empty first stage: the root only embeds
+KINDS = {2: [("single", [[0]]), ("tp", [[0, 1]]), ("pp", [[0], [1]])],
+         3: [("tp", [[0, 1, 2]]), ("pp", [[0], [1], [2]]), ("hybrid", [[0, 1], [2]])]}
+RATE_MBIT = {"ethernet": 1000.0, "wifi": 100.0}
+
+
+def start_relay(procs: Procs, to: str, profile: str) -> str:
+    prof = PROFILES[profile]
+    proc = subprocess.Popen([sys.executable, "-m", "tools.relay", "--listen", "127.0.0.1:0", "--to", to,
+                             "--profile", profile, "--rate-mbit", str(RATE_MBIT[profile])],
+                            cwd=ROOT_DIR, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    procs.procs.append(proc)
+    line = read_line(proc, 20)
+    if not line.startswith("ready "):
+        raise RuntimeError(f"relay ({prof}) did not start: {line!r}")
+    return line.split()[1]
+
+
+def links_of(runner: ClusterRunner) -> dict[str, cost.LinkCost]:
+    return {n.node_id: cost.LinkCost(n.rtt_ms / 1e3, max(n.mbps, 1e-3) * 1e6 / 8) for n in runner.nodes[1:]}
+
+
+def batch_tok_s(runner: ClusterRunner, prompt: list[int], streams: int, steps: int, limit: float) -> float:
+    """Aggregate decode tok/s of `streams` sequences decoded together (after a prefill each)."""
+    runner.begin(GREEDY)
+    try:
+        hist = [list(prompt) for _ in range(streams)]
+        nxt = [int(runner.prefill(s, prompt, 0, hist[s], GREEDY).ids[0]) for s in range(streams)]
+        t0, done = time.perf_counter(), 0
+        for _ in range(steps):
+            rows = []
+            for s in range(streams):
+                hist[s].append(nxt[s])
+                rows.append(Row(s, len(hist[s]) - 1, nxt[s], hist[s], GREEDY))
+            nxt = [int(c.ids[0]) for c in runner.decode(rows)]
+            done += streams
+            if time.perf_counter() - t0 > limit:
+                break
+        return done / (time.perf_counter() - t0)
+    finally:
+        runner.end()
+
+
+def run_profile(control: LoopThread, path: Path, name: str, profile: str, args) -> list[list[str]]:
+    rows: list[list[str]] = []
+    mf = gguf.open_model(path)
+    prompt = prompt_for(path)
+    for n in (2, 3):
+        if profile == "mixed" and n == 2:
+            continue
+        with Procs() as procs:
+            addrs = []
+            for p in LINKS[profile][:n - 1]:
+                _, addr = procs.worker()
+                addrs.append(addr if p is None else start_relay(procs, addr, p))
+            measured: dict[str, tuple[float, float, str]] = {}
+            runner = None
+            for kind, layout in KINDS[n]:
+                if kind == "single":
+                    addresses, layout = [], None
+                else:
+                    addresses = addrs
+                runner = control.run(ClusterRunner.connect(mf, addresses, ctx=CTX, threads=1, layout=layout,
+                                                           slots=args.streams), timeout=900)
+                try:
+                    d = decode(runner, prompt, args.tokens, args.limit)
+                    pred = cost.predict(runner.plan, links_of(runner), 1)
+                    agg = batch_tok_s(runner, prompt, args.streams, args.batch_steps, args.limit) \
+                        if args.streams > 1 and profile == "wifi" else None
+                    pred_b = cost.predict(runner.plan, links_of(runner), args.streams).tok_s
+                    measured[pipeline.describe(runner.plan)] = (d.tok_s, pred.tok_s, kind)
+                    rows.append([name, profile, str(n), kind, pipeline.describe(runner.plan), f"{pred.tok_s:.2f}",
+                                 f"{d.tok_s:.2f}", f"{100 * (pred.tok_s / d.tok_s - 1):+.0f}%",
+                                 f"{pred.sync_s / pred.step_s:.0%}",
+                                 "-" if agg is None else f"{agg:.2f} (pred {pred_b:.2f})", ""])
+                    if kind != "single":
+                        nodes = [runner.plan.nodes[0]] + [x for x in runner.plan.nodes[1:]]
+                        links = links_of(runner)
+                finally:
+                    runner.close()
+            # the planner's choice from this profile's measured figures (speeds and links of the last run)
+            shape = runner.plan.shape
+            best = pipeline.choose(shape, nodes[0], nodes[1:], links, rows=1, sync=runner.plan.sync)
+            chosen = pipeline.describe(best.plan)
+            hit = [r for r in rows[-len(KINDS[n]):] if r[4].split(":")[0] == chosen.split(":")[0]
+                   and _same_nodes(r[4], chosen)]
+            if hit:
+                hit[0][-1] = "**chosen**"
+            else:
+                rows.append([name, profile, str(n), "auto", chosen, f"{best.single.tok_s:.2f}", "(not run)", "",
+                             "", "", "**chosen**"])
+            best_measured = max(v[0] for v in measured.values())
+            rows.append([name, profile, str(n), "", "best measured / chosen's measured", "",
+                         f"{best_measured:.2f}", "", "", "",
+                         f"{(hit[0][6] if hit else '-')}"])
+    return rows
+
+
+def _same_nodes(a: str, b: str) -> bool:
+    """The same stages over the same nodes (layer counts may differ by the speeds each run measured)."""
+    def nodes(s: str) -> list[str]:
+        return [part.split(" on ")[-1] for part in s.split(": ", 1)[1].split("; ")]
+    return nodes(a) == nodes(b)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", action="append", choices=["smollm2", "1b-q8_0"], help="default: both")
+    ap.add_argument("--profile", action="append", choices=list(LINKS), help="default: every profile")
+    ap.add_argument("--tokens", type=int, default=32, help="decode tokens per measurement")
+    ap.add_argument("--streams", type=int, default=8, help="concurrent streams of the batched rows (wifi)")
+    ap.add_argument("--batch-steps", type=int, default=8, help="decode steps of the batched rows")
+    ap.add_argument("--limit", type=float, default=60.0, help="seconds at most per decode loop")
+    args = ap.parse_args(argv)
+    quant.set_threads(1)
+    models = {"smollm2": ("SmolLM2-135M Q4_1", SMOLLM2),
+              "1b-q8_0": ("1B shape Q8_0", BENCH_1B if BENCH_1B.exists() else ensure_1b())}
+    chosen_models = args.model or list(models)
+    t0 = time.perf_counter()
+    rows: list[list[str]] = []
+    with LoopThread() as control:
+        for m in chosen_models:
+            name, path = models[m]
+            for profile in args.profile or list(LINKS):
+                print(f"[bench_links] {name} {profile} ...", file=sys.stderr, flush=True)
+                rows += run_profile(control, path, name, profile, args)
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    print(f"# edgetp plan kinds over shaped links\n\n- {time.strftime('%Y-%m-%d %H:%M')}, {cpu}, "
+          f"{os.cpu_count()} CPUs, 1 numba thread per process, load average {os.getloadavg()[0]:.2f}; "
+          f"{args.tokens} greedy tokens per row; relays on loopback: ethernet 0.3 ms / 1 Gbit, "
+          f"wifi 4 +- 1 ms / 100 Mbit, mixed = worker 1 ethernet, worker 2 wifi\n")
+    print(table(["model", "profile", "nodes", "kind", "plan", "predicted tok/s", "measured tok/s", "error",
+                 "sync share (pred)", f"{args.streams} streams tok/s", "planner"], rows))
+    print(f"\n_(took {time.perf_counter() - t0:.0f} s)_")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -288,7 +288,7 @@ class EventLog(StateView):
 
     KIND_STYLES = {"join": "green", "profile": "green", "leave": "bold red", "election": "bold magenta", "replan": "cyan",
                    "transfer": "yellow", "error": "bold red", "request": "blue", "connection": "bright_black",
-                   "ask": "blue", "warning": "yellow"}
+                   "ask": "blue", "warning": "yellow", "rebalance": "bold cyan"}
 
     def depends(self, state: DashboardState) -> tuple[Any, ...]:
         return (state.log,)

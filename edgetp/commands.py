@@ -14,6 +14,7 @@ from pathlib import Path
 
 from edgetp import client, store
 from edgetp.model import gguf, isa, quant, sampling
+from edgetp.model.batch import RunnerLost
 from edgetp.model.generate import ContextError, LocalRunner, generate
 from edgetp.model.llama import ContextFull
 from edgetp.model.tokenizer import Tokenizer, UnsupportedTokenizer
@@ -106,8 +107,8 @@ def ask(args: argparse.Namespace) -> int:
                                               key=key, threads=args.threads, parallel=args.parallel))
         current = [runner]  # the runner in use: a recovery replaces it
 
-        def recover(exc: WorkerLost) -> ClusterRunner:
-            current[0] = lt.run(current[0].without(exc.link_name), timeout=600)
+        def recover(exc: RunnerLost) -> ClusterRunner:
+            current[0] = lt.run(current[0].recovered(exc), timeout=600)
             return current[0]
 
         try:

@@ -38,13 +38,14 @@ from edgetp.cluster.membership import Membership, data_address, http_url
 from edgetp.cluster.peering import PeerEndpoints
 from edgetp.cluster.sdnotify import Notifier
 from edgetp.model import quant
+from edgetp.model.batch import Rebalance, RunnerLost
 from edgetp.model.generate import LocalRunner
 from edgetp.model.gguf import ModelFile, open_model
 from edgetp.model.tokenizer import Tokenizer
 from edgetp.net import auth
 from edgetp.net.link import LinkClosed
 from edgetp.parallel.plan import PlanError
-from edgetp.parallel.runner import ClusterRunner, WorkerLost
+from edgetp.parallel.runner import ClusterRunner
 from edgetp import events
 from edgetp.serve.backoff import Backoff
 from edgetp.serve.api import NoRoot, make_app, run_api, serving
@@ -126,12 +127,15 @@ class Recovery:
         self.epoch = epoch  # in a cluster the election owns epochs; alone, a re-plan starts the next one
         self.view = view    # a fresh snapshot for watchers after the re-plan
 
-    def __call__(self, exc: WorkerLost) -> ClusterRunner:
+    def __call__(self, exc: RunnerLost) -> ClusterRunner:
         old: ClusterRunner = self.engine.runner
-        self._publish(events.ClusterEvent("leave", f"worker {exc.link_name} lost: {exc}", exc.link_name,
-                                          old.plan.epoch))
+        if isinstance(exc, Rebalance):
+            self._publish(events.ClusterEvent("rebalance", f"re-planning: {exc}", None, old.plan.epoch))
+        else:
+            self._publish(events.ClusterEvent("leave", f"worker {exc.link_name} lost: {exc}", exc.link_name,
+                                              old.plan.epoch))
         epoch = self.epoch() if self.epoch else None
-        new = asyncio.run_coroutine_threadsafe(old.without(exc.link_name, epoch), self.loop).result(600)
+        new = asyncio.run_coroutine_threadsafe(old.recovered(exc, epoch), self.loop).result(600)
         self.engine.runner = new
         self._publish(replan_event(new))
         if self.view is not None:

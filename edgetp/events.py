@@ -18,7 +18,7 @@ from typing import Any
 # A node id is one DNS label (it names the mDNS service instance): no dots.
 NODE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
 
-CLUSTER_EVENTS = ("join", "leave", "election", "replan", "transfer", "profile", "error")
+CLUSTER_EVENTS = ("join", "leave", "election", "replan", "transfer", "profile", "error", "rebalance")
 # joining: proven, not yet settled (no plan has it); idle: reachable, left out of the plan (its link would slow it)
 NODE_STATES = ("ready", "joining", "loading", "lost", "foreign", "idle")
 ROLES = ("root", "worker")

@@ -46,6 +46,11 @@ class RunnerLost(Exception):
     """Part of a runner (a cluster node) is gone; a new runner may take over."""
 
 
+class Rebalance(RunnerLost):
+    """The runner's plan no longer fits its nodes (parallel/rebalance.py): a new plan should take over,
+    replaying what this one had seen, as after a lost node."""
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     index: int                 # 0-based position in the answer

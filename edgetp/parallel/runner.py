@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import asdict, dataclass, replace
 from typing import Callable, Sequence
 
@@ -21,12 +22,13 @@ import numpy as np
 
 from edgetp.parallel import profile
 from edgetp.model import llama, sampling
-from edgetp.model.batch import Row, RunnerLost, chunks
+from edgetp.model.batch import Rebalance, Row, RunnerLost, chunks
 from edgetp.model.generate import feed
 from edgetp.model.gguf import ModelFile
 from edgetp.net.frames import Frame, FrameType
 from edgetp.net.link import BLOCKING, Counters, Link, LinkClosed, choose_mode, event_loop_hop, forced_mode
 from edgetp.parallel import cost, packing, pipeline, plan as planner
+from edgetp.parallel.rebalance import StepWatch
 from edgetp.parallel.collective import Hot, RootReduce, candidates_from, candidates_rows_from
 from edgetp.parallel.shard import model_shape, spec_for
 
@@ -81,6 +83,10 @@ class ClusterRunner:
             self.shard.reduce = RootReduce(self.group, plan.sync)
         self.answering = self.chain[-1:] if self.chain else self.group  # who sends LOGITS
         self.offset = shard.w.spec.vocab_rows[0]
+        # measured speeds can change under us; given ones (--weights) cannot
+        self.watch = StepWatch() if self.options.get("weights") is None and self.options.get("rebalance", True) \
+            and links else None
+        self.due: str | None = None  # why the next step should re-plan instead (the watch's reason)
 
     # ------------------------------------------------------------------ set-up (on the loop)
     @classmethod
@@ -89,7 +95,8 @@ class ClusterRunner:
                       model_ref: str | None = None, epoch: int = 1,
                       node_id: str = ROOT_ID, fetch_port: int | None = None,
                       on_progress: Progress | None = None, slots: int = 1, kv_type: str = "f16",
-                      parallel: str = "tp", layout: Sequence[Sequence[int]] | None = None) -> "ClusterRunner":
+                      parallel: str = "tp", layout: Sequence[Sequence[int]] | None = None,
+                      rebalance: bool = True) -> "ClusterRunner":
         """Link to every worker, profile, plan and load.
 
         `parallel` is the plan kind: "tp" (tensor parallelism over every node), "pp" (a pipeline,
@@ -97,7 +104,8 @@ class ClusterRunner:
         workers, for `slots` concurrent streams; workers left out are let go and shown idle).
         `layout` forces the stages instead (tools/bench_links.py measures every kind): node indices
         per stage, 0 the root, the rest in address order; an empty first stage is a root that
-        runs no layer.
+        runs no layer. With `rebalance` (and measured speeds), decode steps that become steadily
+        slower than they began raise batch.Rebalance: see `recovered`.
 
         With `fetch_port` (our HTTP port, serving serve/weights.py) a worker
         without our model fetches its slice from us; `on_progress(node_id,
@@ -158,7 +166,7 @@ class ClusterRunner:
         options = dict(ctx=ctx, weights=weights, sync=sync, key=key, threads=threads,
                        model_ref=model_ref, addresses=list(addresses), node_id=node_id, fetch_port=fetch_port,
                        on_progress=on_progress, slots=options_slots, kv_type=kv_type, parallel=parallel,
-                       layout=layout)
+                       layout=layout, rebalance=rebalance)
         return cls(mf, ctx, plan, links, shard, infos, asyncio.get_running_loop(), options)
 
     async def without(self, address: str, epoch: int | None = None) -> "ClusterRunner":
@@ -173,6 +181,22 @@ class ClusterRunner:
         epoch = self.plan.epoch + 1 if epoch is None else epoch
         log.warning("worker %s lost; re-planning over %d node(s), epoch %d", address, len(keep) + 1, epoch)
         return await ClusterRunner.connect(self.mf, [addresses[i] for i in keep], epoch=epoch, **opts)
+
+    async def replanned(self, reason: str, epoch: int | None = None) -> "ClusterRunner":
+        """A new runner over the same nodes, every speed and link measured again and planned afresh."""
+        self.close()
+        opts = dict(self.options)
+        addresses = opts.pop("addresses")
+        opts["layout"] = None
+        epoch = self.plan.epoch + 1 if epoch is None else epoch
+        log.warning("re-planning over %d node(s), epoch %d: %s", len(addresses) + 1, epoch, reason)
+        return await ClusterRunner.connect(self.mf, addresses, epoch=epoch, **opts)
+
+    async def recovered(self, exc: RunnerLost, epoch: int | None = None) -> "ClusterRunner":
+        """The runner that takes over after exc: re-planned around a lost worker, or afresh (Rebalance)."""
+        if isinstance(exc, Rebalance):
+            return await self.replanned(str(exc), epoch)
+        return await self.without(exc.link_name, epoch)
 
     # ------------------------------------------------------------------ generation (compute thread)
     def begin(self, params: sampling.SamplingParams | None = None) -> None:
@@ -217,6 +241,15 @@ class ClusterRunner:
         """
         for r in rows:
             self._check_room(r.pos + 1)
+        if self.due is not None:  # before anything is sent: the workers have seen nothing of this step
+            raise Rebalance(self.due)
+        t0 = time.perf_counter()
+        out = self._decode(rows)
+        if self.watch is not None:
+            self.due = self.watch.record(len(rows), time.perf_counter() - t0)
+        return out
+
+    def _decode(self, rows: Sequence[Row]) -> list[sampling.Candidates]:
         m = max(1, min(len(rows), len(self.chain) + 1)) if self.chain else 1
         batches = [list(rows[i * len(rows) // m:(i + 1) * len(rows) // m]) for i in range(m)]
         out: list[sampling.Candidates] = []

@@ -1,0 +1,85 @@
+"""Re-planning at run time: the watch's rule against hand-made step times, and a link that degrades
+tenfold mid-answer (tools/relay.py, SIGUSR1) re-planned around, over real processes, with the
+single node's text."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from edgetp.model import gguf, quant
+from edgetp.model.generate import LocalRunner, generate
+from edgetp.model.sampling import SamplingParams
+from edgetp.model.tokenizer import Tokenizer
+from edgetp.net.loopthread import LoopThread
+from edgetp.parallel.rebalance import StepWatch
+from edgetp.parallel.runner import ClusterRunner
+from edgetp.serve.spawn import start_worker, stop
+from tests.test_relay import start_relay, stop_relay
+
+GREEDY = SamplingParams(temperature=0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_the_watch_speaks_once_the_recent_median_is_past_the_factor_and_the_gap():
+    clock = Clock()
+    w = StepWatch(window=4, factor=1.3, min_gap_s=10.0, clock=clock)
+    for dt in (10, 11, 9, 10):  # the first median: 10 ms
+        assert w.record(1, dt / 1e3) is None
+    for dt in (12, 12, 13, 12.9):  # 12.5 ms: within 1.3x
+        assert w.record(1, dt / 1e3) is None
+    for dt in (14, 14, 14):  # 13.95 > 13 ms, but only 10 s after the plan began
+        assert w.record(1, dt / 1e3) is None
+    assert w.record(2, 0.030) is None  # another batch size keeps its own first median
+    clock.t = 10.0
+    reason = w.record(1, 0.014)
+    assert reason is not None and "14.0 ms" in reason and "10.0 ms" in reason
+    # two rows: its first steps are slow from the start, which is no change at all
+    assert all(w.record(2, 0.030) is None for _ in range(8))
+
+
+def test_a_link_that_degrades_tenfold_mid_answer_is_planned_around_with_the_same_text(stories_path, monkeypatch):
+    monkeypatch.setenv("EDGETP_INT8", "0")  # exact float arithmetic on every node
+    quant.set_threads(1)
+    mf = gguf.open_model(stories_path)
+    tok = Tokenizer.from_metadata(mf.metadata)
+    ids = tok.encode("Once upon a time, there was a little girl named Lily. She")
+    want = [ev.token_id for ev in generate(LocalRunner(mf, 256), tok, ids, GREEDY, 60)]
+    worker, waddr = start_worker()
+    relay, addr = start_relay(waddr, "--rtt-ms", "2")
+    try:
+        with LoopThread() as lt:
+            # a pipeline through the relay: one 2 ms hop a token, until the hop becomes 20 ms
+            runner = lt.run(ClusterRunner.connect(mf, [addr], ctx=256, parallel="auto", layout=[[0], [1]]),
+                            timeout=300)
+            runner.watch = StepWatch(window=6, factor=1.3, min_gap_s=0.0)
+            current, plans = [runner], []
+
+            def recover(exc):
+                plans.append(str(exc))
+                current[0] = lt.run(current[0].recovered(exc), timeout=300)
+                return current[0]
+
+            got = []
+            try:
+                for ev in generate(runner, tok, ids, GREEDY, 60, recover=recover):
+                    got.append(ev.token_id)
+                    if len(got) == 20:
+                        relay.send_signal(signal.SIGUSR1)
+            finally:
+                current[0].close()
+    finally:
+        stop_relay(relay)
+        stop(worker)
+    assert got == want
+    assert plans and "take" in plans[0], plans  # the watch's reason, logged with the re-plan
+    # measured again: a 20 ms link is worth nothing to a model this small, the root serves alone
+    assert current[0].plan.kind == "single" and current[0].plan.nodes[0].node_id == "root", current[0].plan

@@ -12,8 +12,8 @@ from edgetp import commands
 from edgetp.model import isa
 
 
-_PARALLEL_HELP = ("plan kind: tp (every node splits every layer; default), pp (a pipeline, one stage per node) "
-                  "or auto (the cheapest plan the cost model finds from measured speeds and links)")
+_PARALLEL_HELP = ("plan kind: auto (default: the cheapest plan the cost model finds from measured speeds and links, "
+                  "for --slots streams), tp (every node splits every layer) or pp (a pipeline, one stage per node)")
 
 def _positive(text: str) -> int:
     value = int(text)
@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="relative speeds 1,2,3 in node order, the root first (default: measured)")
     ask.add_argument("--sync", choices=("f32", "q8_0"), default="f32",
                      help="all-reduce payload: exact f32 or Q8_0 blocks (3.8x fewer bytes)")
-    ask.add_argument("--parallel", choices=("tp", "pp", "auto"), default="tp", help=_PARALLEL_HELP)
+    ask.add_argument("--parallel", choices=("tp", "pp", "auto"), default="auto", help=_PARALLEL_HELP)
     ask.add_argument("--key", default=os.environ.get("EDGETP_KEY_FILE"), help="cluster key file")
     ask.add_argument("--api-key", **_API_KEY)
     ask.add_argument("--url", default=os.environ.get("EDGETP_URL"),

@@ -113,8 +113,8 @@ class Settings:
     ctx: int = 2048                         # context length (KV cache size) of each sequence
     slots: int = 4                          # sequences decoded at once, each with its own KV cache (fewer if memory is short)
     kv_type: str = "f16"                    # KV cache values: "f16" (llama.cpp's default, half of f32) or "f32"
-    parallel: str = "tp"                    # plan kind: "tp" (every node splits every layer), "pp" (a pipeline of
-                                            # single-node stages) or "auto" (the cost model picks over measured links)
+    parallel: str = "auto"                  # plan kind: "auto" (the cost model picks over measured links), "tp"
+                                            # (every node splits every layer) or "pp" (a pipeline of single-node stages)
     api_tokens: tuple[str, ...] = ()        # bearer tokens the OpenAI API accepts; () means none needed
     max_memory_mb: int | None = None        # use at most this much memory for edgetp (runtime included); None: no cap
     slice_cache_mb: int = 4096              # model slices kept on disk (cache_dir/shards), least recently used out first

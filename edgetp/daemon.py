@@ -68,7 +68,7 @@ class ServeOptions:
     ctx: int = 2048
     slots: int = 4                  # sequences decoded at once (the planner may give fewer)
     kv_type: str = "f16"            # what every node's KV caches hold: "f16" or "f32"
-    parallel: str = "tp"            # plan kind: "tp", "pp" or "auto" (parallel/pipeline.py)
+    parallel: str = "auto"          # plan kind: "auto", "tp" or "pp" (parallel/pipeline.py)
     threads: int | None = None
     key: bytes | None = None
     queue_size: int = 8

@@ -61,3 +61,29 @@ def test_a_served_cluster_streams_the_single_node_text_even_when_a_worker_dies_m
         stop(keep)
         stop(victim)
     assert server.returncode is not None
+
+
+def test_a_served_pipeline_streams_the_single_node_text_and_shows_its_stages(stories_path):
+    alone, url = start_server("--model", str(stories_path))
+    try:
+        expected = stream_text(url)
+    finally:
+        stop(alone)
+    (w1, a), (w2, b) = start_worker(), start_worker()
+    server = None
+    try:
+        server, url = start_server("--model", str(stories_path), "--workers", f"{a},{b}", "--parallel", "pp")
+        assert stream_text(url) == expected
+        view = json.load(urllib.request.urlopen(f"{url}/v1/cluster", timeout=10))
+        assert view["plan"].startswith("pp: layers 0:")
+        assert [n["stage"] for n in view["nodes"]] == [0, 1, 2]
+        layers = [tuple(n["layers"]) for n in view["nodes"]]
+        assert layers[0][0] == 0 and layers[-1][1] == 5 and all(x[1] == y[0] for x, y in zip(layers, layers[1:]))
+        status = subprocess.run([sys.executable, "-m", "edgetp", "status", "--url", url], capture_output=True,
+                                text=True, timeout=60)
+        assert status.returncode == 0 and status.stdout.splitlines()[1] == f"plan {view['plan']}", status.stdout
+    finally:
+        if server:
+            stop(server)
+        stop(w1)
+        stop(w2)

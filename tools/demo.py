@@ -63,7 +63,11 @@ def main() -> int:
             print("== three daemons on this machine: forming (pi-c keeps no model: it fetches its slice) ==",
                   flush=True)
             for name, model, priority in (("pi-a", "smollm2", 1), ("pi-b", "smollm2", 0), ("pi-c", "none", 0)):
-                env = {"EDGETP_CACHE_DIR": str(Path(tmp) / name)} if model == "none" else {}
+                # the demo splits every layer three ways on purpose: on one machine's loopback the planner's
+                # own choice (--parallel auto, the default) would let the root answer alone
+                env = {"EDGETP_PARALLEL": "tp"}
+                if model == "none":
+                    env["EDGETP_CACHE_DIR"] = str(Path(tmp) / name)
                 daemons.append(start_daemon(model, str(key), name, priority=priority, env=env))
             url = daemons[1][1]
             deadline = time.monotonic() + 30

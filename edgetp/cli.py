@@ -105,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--threads", type=_positive, default=None)
     worker.add_argument("--key", default=os.environ.get("EDGETP_KEY_FILE"), help="cluster key file")
     worker.add_argument("--node-id", default=None)
+    worker.add_argument("--max-memory-mb", type=_positive, default=None,
+                        help="use at most this much memory, the runtime included (the plan gives less)")
     worker.set_defaults(func=commands.worker)
 
     srv = sub.add_parser("serve", help="serve the API; with a cluster key, join the cluster on the LAN",

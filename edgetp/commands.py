@@ -292,6 +292,9 @@ def worker(args: argparse.Namespace) -> int:
     node_id = args.node_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
     if key is None:
         print("edgetp: warning: no cluster key; any root that can reach this port may use it", file=sys.stderr)
+    if args.max_memory_mb:
+        from edgetp.parallel import profile  # noqa: PLC0415
+        profile.limit_memory(args.max_memory_mb * 2**20)
     w = Worker(node_id, key=key, threads=args.threads, model_path=args.model,
                resolve=lambda ref: str(store.resolve(ref)), index_dir=str(store.cache_dir() / "index"))
 

@@ -38,7 +38,7 @@ if str(ROOT_DIR) not in sys.path:
 from edgetp.model import gguf, quant  # noqa: E402
 from edgetp.model.batch import Row  # noqa: E402
 from edgetp.net.loopthread import LoopThread  # noqa: E402
-from edgetp.parallel import cost, pipeline  # noqa: E402
+from edgetp.parallel import cost, pipeline, profile  # noqa: E402
 from edgetp.parallel.runner import ClusterRunner  # noqa: E402
 from tools.bench_parallel import GREEDY, SMOLLM2, Procs, decode, ensure_1b, prompt_for, table  # noqa: E402
 from tools.netns import read_line  # noqa: E402
@@ -147,6 +147,39 @@ def run_profile(control: LoopThread, path: Path, name: str, profile: str, args) 
     return rows
 
 
+def run_too_big(control: LoopThread, path: Path, name: str, args) -> list[list[str]]:
+    """Every node capped below the model (--cap-mb, the runtime included): auto over wifi and mixed, beside
+    the sum of the uncapped single-node speeds."""
+    rows: list[list[str]] = []
+    mf = gguf.open_model(path)
+    prompt = prompt_for(path)
+    alone = control.run(ClusterRunner.connect(mf, [], ctx=CTX, threads=1, rebalance=False), timeout=900)
+    try:
+        single = decode(alone, prompt, args.tokens, args.limit).tok_s
+    finally:
+        alone.close()
+    for profile_name in ("wifi", "mixed"):
+        with Procs() as procs:
+            addrs = []
+            for p in LINKS[profile_name]:
+                _, addr = procs.worker(extra=["--max-memory-mb", str(args.cap_mb)])
+                addrs.append(start_relay(procs, addr, p))
+            profile.limit_memory(args.cap_mb * 2**20)
+            try:
+                runner = control.run(ClusterRunner.connect(mf, addrs, ctx=CTX, threads=1, parallel="auto",
+                                                           rebalance=False), timeout=900)
+            finally:
+                profile.limit_memory(None)
+            try:
+                d = decode(runner, prompt, args.tokens, args.limit)
+                pred = cost.predict(runner.plan, links_of(runner), 1)
+                rows.append([name, profile_name, f"{args.cap_mb} MB each", pipeline.describe(runner.plan),
+                             f"{pred.tok_s:.2f}", f"{d.tok_s:.2f}", f"{3 * single:.2f} (3 x {single:.2f})"])
+            finally:
+                runner.close()
+    return rows
+
+
 def _same_nodes(a: str, b: str) -> bool:
     """The same stages over the same nodes (layer counts may differ by the speeds each run measured)."""
     def nodes(s: str) -> list[str]:
@@ -162,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=8, help="concurrent streams of the batched rows (wifi)")
     ap.add_argument("--batch-steps", type=int, default=8, help="decode steps of the batched rows")
     ap.add_argument("--limit", type=float, default=60.0, help="seconds at most per decode loop")
+    ap.add_argument("--cap-mb", type=int, default=0,
+                    help="also serve the 1B shape with every node capped at this many MB (0: skip)")
     args = ap.parse_args(argv)
     quant.set_threads(1)
     models = {"smollm2": ("SmolLM2-135M Q4_1", SMOLLM2),
@@ -182,6 +217,12 @@ def main(argv: list[str] | None = None) -> int:
           f"wifi 4 +- 1 ms / 100 Mbit, mixed = worker 1 ethernet, worker 2 wifi\n")
     print(table(["model", "profile", "nodes", "kind", "plan", "predicted tok/s", "measured tok/s", "error",
                  "sync share (pred)", f"{args.streams} streams tok/s", "planner"], rows))
+    if args.cap_mb:
+        with LoopThread() as control:
+            big = run_too_big(control, models["1b-q8_0"][1], models["1b-q8_0"][0], args)
+        print("\n## Too big for any one node\n")
+        print(table(["model", "profile", "memory cap", "plan (auto)", "predicted tok/s", "measured tok/s",
+                     "sum of single-node speeds"], big))
     print(f"\n_(took {time.perf_counter() - t0:.0f} s)_")
     return 0
 

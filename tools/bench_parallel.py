@@ -107,7 +107,8 @@ class Procs:
             f.close()
 
     def worker(self, cpus: set[int] | None = None, cgroup_procs: Path | None = None,
-               node_id: str | None = None, key_file: Path | None = None) -> tuple[subprocess.Popen, str]:
+               node_id: str | None = None, key_file: Path | None = None,
+               extra: Sequence[str] = ()) -> tuple[subprocess.Popen, str]:
         """An `edgetp worker --threads 1` on a free loopback port: (process, "127.0.0.1:PORT")."""
         log = tempfile.TemporaryFile(mode="w+")
         self.logs.append(log)
@@ -116,6 +117,7 @@ class Procs:
             cmd += ["--node-id", node_id]
         if key_file:
             cmd += ["--key", str(key_file)]
+        cmd += list(extra)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT_DIR,
                                 preexec_fn=_pin(cpus, cgroup_procs))
         self.procs.append(proc)

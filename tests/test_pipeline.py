@@ -22,6 +22,7 @@ from edgetp.parallel import pipeline
 from edgetp.parallel.plan import ModelShape, NodeSpec, PlanError
 from edgetp.parallel.runner import ClusterRunner
 from edgetp.serve.spawn import start_worker, stop
+from tests.test_parallel import greedy
 
 GREEDY = sampling.SamplingParams(temperature=0)
 STORY = "Once upon a time, there was a little girl named Lily. She"
@@ -49,21 +50,6 @@ def control():
     quant.set_threads(1)
     with LoopThread() as lt:
         yield lt
-
-
-def greedy(runner, ids, n):
-    runner.begin(GREEDY)
-    try:
-        history, out, pending, pos = list(ids), [], list(ids), 0
-        for _ in range(n):
-            tok = int(runner.run(pending, pos, history, GREEDY).ids[0])
-            pos += len(pending)
-            out.append(tok)
-            history.append(tok)
-            pending = [tok]
-        return out
-    finally:
-        runner.end()
 
 
 LAYOUTS = {

@@ -39,12 +39,16 @@ def stream_text(url: str, kill_after: int | None = None, victim: subprocess.Pope
     return text
 
 
-def test_a_served_cluster_streams_the_single_node_text_even_when_a_worker_dies_mid_answer(stories_path):
+def single_node_text(stories_path) -> str:
     alone, url = start_server("--model", str(stories_path))
     try:
-        expected = stream_text(url)
+        return stream_text(url)
     finally:
         stop(alone)
+
+
+def test_a_served_cluster_streams_the_single_node_text_even_when_a_worker_dies_mid_answer(stories_path):
+    expected = single_node_text(stories_path)
     assert len(expected) > 100
     (keep, a), (victim, b) = start_worker(), start_worker()
     server = None
@@ -64,11 +68,7 @@ def test_a_served_cluster_streams_the_single_node_text_even_when_a_worker_dies_m
 
 
 def test_a_served_pipeline_streams_the_single_node_text_and_shows_its_stages(stories_path):
-    alone, url = start_server("--model", str(stories_path))
-    try:
-        expected = stream_text(url)
-    finally:
-        stop(alone)
+    expected = single_node_text(stories_path)
     (w1, a), (w2, b) = start_worker(), start_worker()
     server = None
     try:

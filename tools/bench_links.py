@@ -19,28 +19,23 @@ in a finally; every loop is bounded in count and time.
 
 from __future__ import annotations
 
+import argparse
 import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
-for _k, _v in {"NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
-               "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}.items():
-    os.environ.setdefault(_k, _v)
+if __package__ in (None, ""):  # run as a script: the repository's root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import argparse  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-ROOT_DIR = Path(__file__).resolve().parent.parent
-if str(ROOT_DIR) not in sys.path:
-    sys.path.insert(0, str(ROOT_DIR))
-
+# first: bench_parallel sets one thread per process before numba loads
+from tools.bench_parallel import GREEDY, ROOT_DIR, SMOLLM2, Procs, decode, ensure_1b, prompt_for, table  # noqa: E402
 from edgetp.model import gguf, quant  # noqa: E402
 from edgetp.model.batch import Row  # noqa: E402
 from edgetp.net.loopthread import LoopThread  # noqa: E402
 from edgetp.parallel import cost, pipeline, profile  # noqa: E402
 from edgetp.parallel.runner import ClusterRunner  # noqa: E402
-from tools.bench_parallel import GREEDY, SMOLLM2, Procs, decode, ensure_1b, prompt_for, table  # noqa: E402
 from tools.netns import read_line  # noqa: E402
 from tools.relay import PROFILES  # noqa: E402
 

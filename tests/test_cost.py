@@ -88,3 +88,15 @@ def test_a_model_too_big_for_any_node_is_split_into_stages_on_wifi():
     hop = 4e-3 + 2 * 2048 * 4 / 12.5e6 + cost.Overheads().message_s  # out and back, f32 residual
     assert best.single.sync_s == pytest.approx((len(best.plan.stages) - 1) * hop)
     assert tp.single.sync_s > 33 * 4e-3
+
+
+def test_a_worker_left_out_is_told_why_with_the_cheapest_plan_that_has_it():
+    root, a = NodeSpec("r", 10e9, 8 * GIB), NodeSpec("a", 10e9, 8 * GIB)
+    links = {"a": cost.LinkCost(40e-3, 1e6)}  # a terrible link
+    found = pipeline.candidates(SHAPE, root, [a], links)
+    best = pipeline.choose(SHAPE, root, [a], links, found=found)
+    assert [n.node_id for n in best.plan.nodes] == ["r"]
+    why = pipeline.left_out(found, best, "a")
+    cheapest_with_a = min((c for c in found if "a" in {n.node_id for n in c.plan.nodes}),
+                          key=lambda c: c.batch.step_s)
+    assert f"{cheapest_with_a.batch.step_s * 1e3:.1f} ms" in why and f"{best.batch.step_s * 1e3:.1f} ms" in why

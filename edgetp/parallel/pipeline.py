@@ -157,19 +157,35 @@ def candidates(shape: ModelShape, root: NodeSpec, workers: Sequence[NodeSpec], l
 
 
 def choose(shape: ModelShape, root: NodeSpec, workers: Sequence[NodeSpec], links: Mapping[str, cost.LinkCost],
-           *, parallel: str = "auto", rows: int = 1, **kw) -> Candidate:
-    """The cheapest candidate for `rows` concurrent streams: the least step time per row.
+           *, parallel: str = "auto", rows: int = 1, found: Sequence[Candidate] | None = None, **kw) -> Candidate:
+    """The cheapest candidate for `rows` concurrent streams (of `found`, if candidates() gave them already):
+    the least step time per row.
 
     PlanError when nothing fits, with the reason the plan over every node gives.
     """
-    found = candidates(shape, root, workers, links, parallel=parallel, rows=rows, **kw)
+    if found is None:
+        found = candidates(shape, root, workers, links, parallel=parallel, rows=rows, **kw)
     if not found:
         everyone = [[root, *workers]] if parallel != "pp" else [[root]] + [[w] for w in workers]
         stage_plan(shape, everyone, epoch=kw.get("epoch", 0), sync=kw.get("sync", "f32"),
                    overhead_bytes=kw.get("overhead_bytes", DEFAULT_OVERHEAD))  # raises the reason
         raise PlanError("no plan fits")
-    best = min(found, key=lambda c: (c.batch.step_s / c.batch.rows, len(c.plan.nodes)))
-    return best
+    return min(found, key=_cost)
+
+
+def _cost(c: Candidate) -> tuple[float, int]:
+    return c.batch.step_s / c.batch.rows, len(c.plan.nodes)  # seconds per token; fewer nodes on a tie
+
+
+def left_out(found: Sequence[Candidate], best: Candidate, node_id: str) -> str:
+    """Why `best` leaves node_id out: the cheapest plan with it, beside the chosen one (per token)."""
+    with_it = [c for c in found if any(n.node_id == node_id for n in c.plan.nodes)]
+    ms = best.batch.step_s / best.batch.rows * 1e3
+    if not with_it:
+        return f"no plan with it fits; the chosen one predicts {ms:.1f} ms a token"
+    other = min(with_it, key=_cost)
+    return (f"the cheapest plan with it ({describe(other.plan)}) predicts {other.batch.step_s / other.batch.rows * 1e3:.1f} "
+            f"ms a token, the chosen one {ms:.1f} ms")
 
 
 def describe(plan: Plan) -> str:

@@ -367,10 +367,17 @@ def _plan(mf: ModelFile, ctx: int, slots: int, nodes: list, epoch: int, sync: st
                 return plan, slots
             if parallel == "tp":  # tensor parallelism over every node, as before there were kinds
                 return packing.make_plan(shape, nodes, epoch=epoch, sync=sync), slots
+            found = pipeline.candidates(shape, nodes[0], nodes[1:], links, parallel=parallel, rows=slots,
+                                        epoch=epoch, sync=sync)
             best = pipeline.choose(shape, nodes[0], nodes[1:], links, parallel=parallel, rows=slots,
-                                   epoch=epoch, sync=sync)
+                                   epoch=epoch, sync=sync, found=found)
             log.info("plan chosen (%s): %s; predicted %.1f ms per token for one stream, %.1f tok/s for %d",
                      parallel, pipeline.describe(best.plan), best.single.step_s * 1e3, best.batch.tok_s, slots)
+            used = {n.node_id for n in best.plan.nodes}
+            for n in nodes[1:]:
+                if n.node_id not in used:
+                    log.info("worker %s left out of the plan, idle: %s", n.node_id,
+                             pipeline.left_out(found, best, n.node_id))
             return best.plan, slots
         except planner.PlanError:
             if slots == 1:
@@ -387,8 +394,7 @@ def _arrange(plan: planner.Plan, links: list[Link], infos: list[NodeInfo]) -> tu
     used = [n.node_id for n in plan.nodes[1:]]
     for node_id, (link, info) in by_id.items():
         if node_id not in stage:
-            log.info("worker %s left out of the plan (%s): idle", node_id, pipeline.describe(plan))
-            link.close()
+            link.close()  # let go: another root may use it
     root = replace(infos[0], stage=0, layers=stage[infos[0].node_id][1])
     kept = [replace(by_id[i][1], stage=stage[i][0], layers=stage[i][1]) for i in used]
     idle = [replace(i, stage=-1, mode="idle") for n, (_, i) in by_id.items() if n not in stage]

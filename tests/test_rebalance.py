@@ -44,6 +44,8 @@ def test_the_watch_speaks_once_the_recent_median_is_past_the_factor_and_the_gap(
     assert reason is not None and "14.0 ms" in reason and "10.0 ms" in reason
     # two rows: its first steps are slow from the start, which is no change at all
     assert all(w.record(2, 0.030) is None for _ in range(8))
+    # far into the context attention costs more: compared with steps there, not with the first ones
+    assert all(w.record(1, 0.020, pos=700) is None for _ in range(12))
 
 
 def test_a_link_that_degrades_tenfold_mid_answer_is_planned_around_with_the_same_text(stories_path, monkeypatch):

@@ -246,7 +246,7 @@ class ClusterRunner:
         t0 = time.perf_counter()
         out = self._decode(rows)
         if self.watch is not None:
-            self.due = self.watch.record(len(rows), time.perf_counter() - t0)
+            self.due = self.watch.record(len(rows), time.perf_counter() - t0, max(r.pos for r in rows))
         return out
 
     def _decode(self, rows: Sequence[Row]) -> list[sampling.Candidates]:

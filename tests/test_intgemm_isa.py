@@ -29,6 +29,8 @@ from edgetp.model import intgemm, isa
 REPO = Path(__file__).resolve().parent.parent
 HOST = isa.host_features()
 RUNNABLE = isa.usable(*HOST)
+# seconds for a child that compiles every kernel of its ISA; the arm64 test bed raises it (qemu-user)
+CHILD_TIMEOUT = float(os.environ.get("EDGETP_TEST_CHILD_TIMEOUT", "900"))
 QTYPES = sorted(intgemm.KINDS)  # Q4_0, Q4_1, Q8_0
 ROWS, NB, TOKENS = 37, 5, intgemm.PAD + 5  # rows past 16-row panels, tokens past every tile
 
@@ -120,7 +122,7 @@ def isa_outputs(tmp_path_factory):
         d = base / name
         d.mkdir()
         subprocess.run([sys.executable, "-c", CHILD, str(d), str(base / "inputs.npz")], check=True,
-                       env=_child_env(name), cwd=REPO, timeout=900)
+                       env=_child_env(name), cwd=REPO, timeout=CHILD_TIMEOUT)
         info = json.loads((d / "isa.json").read_text())
         assert info == {"isa": name, "available": name != "generic"}, info  # generic prefill: sgemm (vnni.wanted)
         results[name] = {qt: dict(np.load(d / f"out{qt}.npz")) for qt in QTYPES}

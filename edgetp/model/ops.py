@@ -30,27 +30,65 @@ def _f32_bits(typingctx, i):
 
 
 # ---------------------------------------------------------------- KV cache types
-# A KV cache is float32, or f16 (KV_TYPES): numpy holds an f16 cache as float16, the compiled
-# kernels as its uint16 view (numba has no float16) and convert each value with the CPU's
-# own instruction (LLVM fpext/fptrunc of half: vcvtph2ps/vcvtps2ph with F16C, fcvt on
-# aarch64, compiler-rt's routines on a baseline x86-64). fptrunc rounds to nearest even, as
-# numpy's float16 assignment does, so a value written by a kernel or by numpy is the same bits.
-# On the generic ISA (a baseline x86-64 without F16C) LLVM lowers those to compiler-rt calls
-# numba cannot link (__truncsfhf2), so there the same conversions are integer code.
+# A KV cache is float32, f16 or q8_0 (KV_TYPES), one row of head_dim values per (slot, KV head,
+# position). numpy holds an f16 cache as float16, the compiled kernels as its uint16 view (numba
+# has no float16) and convert each value with the CPU's own instruction (LLVM fpext/fptrunc of
+# half: vcvtph2ps/vcvtps2ph with F16C, fcvt on aarch64, compiler-rt's routines on a baseline
+# x86-64). fptrunc rounds to nearest even, as numpy's float16 assignment does, so a value written
+# by a kernel or by numpy is the same bits. On the generic ISA (a baseline x86-64 without F16C)
+# LLVM lowers those to compiler-rt calls numba cannot link (__truncsfhf2), so there the same
+# conversions are integer code.
+#
+# q8_0 is llama.cpp's block_q8_0 along head_dim: per 32 values an f16 scale d = amax / 127 and 32
+# int8 q = roundf(x / d) (ggml's quantize_row_q8_0_ref: the scale in f32, rounding half away from
+# zero), a value read back as d * q in f32. 34 bytes per 32 values; numpy holds it as Q8_0 records
+# (d, qs), the kernels as their bytes (uint8, hd / 32 * 34 per row), which are ggml's bytes. As in
+# llama.cpp, a head_dim that is not a multiple of 32 cannot hold q8_0 (kv_cache refuses it).
 
-KV_TYPES = {"f16": np.float16, "f32": np.float32}  # setting -> numpy dtype of the cache
+QK8_0 = 32  # values per q8_0 block
+Q8_0 = np.dtype([("d", "<f2"), ("qs", "i1", (QK8_0,))])  # one block, 34 bytes (ggml's block_q8_0)
+KV_TYPES = {"f16": np.float16, "f32": np.float32, "q8_0": Q8_0}  # setting -> numpy dtype of the cache
 
 
-def kv_dtype(kv_type: str) -> type:
+def kv_dtype(kv_type: str) -> np.dtype:
     """The numpy dtype of a KV cache of type kv_type; ValueError (one line) for others."""
     if kv_type not in KV_TYPES:
         raise ValueError(f"KV cache type {kv_type!r} is not one of {', '.join(KV_TYPES)}")
-    return KV_TYPES[kv_type]
+    return np.dtype(KV_TYPES[kv_type])
+
+
+def kv_row_bytes(kv_type: str, head_dim: int) -> int:
+    """Bytes of one cached row of head_dim values; ValueError (one line) for a type that cannot hold it."""
+    dtype = kv_dtype(kv_type)
+    if dtype != Q8_0:
+        return head_dim * dtype.itemsize
+    if head_dim % QK8_0:
+        raise ValueError(f"KV cache type 'q8_0' needs a head size that is a multiple of {QK8_0}, "
+                         f"this model's is {head_dim} (use f16 or f32)")
+    return head_dim // QK8_0 * Q8_0.itemsize
+
+
+def kv_cache(kv_type: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A zeroed KV cache of kv_type holding rows of shape[-1] values: shape, or for q8_0 shape[:-1] + (blocks,)."""
+    kv_row_bytes(kv_type, shape[-1])
+    if kv_type == "q8_0":
+        shape = shape[:-1] + (shape[-1] // QK8_0,)
+    return np.zeros(shape, kv_dtype(kv_type))
 
 
 def kernel_view(cache: np.ndarray) -> np.ndarray:
-    """What the compiled kernels read and write of a KV cache: an f16 cache's uint16 view."""
+    """What the compiled kernels read and write of a KV cache: an f16 cache's uint16 view, a q8_0 cache's bytes."""
+    if cache.dtype == Q8_0:
+        return cache.view(np.uint8)
     return cache.view(np.uint16) if cache.dtype == np.float16 else cache
+
+
+def kv_values(cache: np.ndarray) -> np.ndarray:
+    """The float32 values a KV cache (or a slice of its rows) holds, rows of head_dim."""
+    if cache.dtype == Q8_0:  # ggml's dequantize_row_q8_0: d * q in f32
+        values = cache["qs"].astype(np.float32) * cache["d"].astype(np.float32)[..., None]
+        return values.reshape(cache.shape[:-1] + (-1,))
+    return cache.astype(np.float32, copy=False)
 
 
 @intrinsic
@@ -133,32 +171,113 @@ def _f2h(typingctx, f):
     return types.uint16(types.float32), codegen
 
 
-def kv_load(x):  # pragma: no cover - compiled through the overload
-    """A KV cache element as float32 (compiled code only)."""
+def half_to_f32(h):  # pragma: no cover - compiled through the overload
+    """The float32 value of the f16 whose bits are the uint16 h (compiled code only)."""
     raise NotImplementedError
 
 
-def kv_store(v, cache):  # pragma: no cover - compiled through the overload
-    """float32 v as an element of `cache` (compiled code only)."""
+def f32_to_half(v):  # pragma: no cover - compiled through the overload
+    """The bits of float32 v rounded to f16, nearest even (compiled code only)."""
     raise NotImplementedError
 
 
-@overload(kv_load, inline="always")
-def _kv_load(x):
-    if x == types.uint16:
-        if _soft_half():
-            return lambda x: h2f_soft(x)
-        return lambda x: _h2f(x)
-    return lambda x: x
+@overload(half_to_f32, inline="always")
+def _half_to_f32(h):
+    if _soft_half():
+        return lambda h: h2f_soft(h)
+    return lambda h: _h2f(np.uint16(h))
 
 
-@overload(kv_store, inline="always")
-def _kv_store(v, cache):
+@overload(f32_to_half, inline="always")
+def _f32_to_half(v):
+    if _soft_half():
+        return lambda v: f2h_soft(v)
+    return lambda v: _f2h(np.float32(v))
+
+
+def kv_rows(cache, s0, count, scratch):  # pragma: no cover - compiled through the overload
+    """Rows s0 .. s0+count-1 of a KV cache's kernel view (ctx, row) as float32 (count, hd): a
+    float32 cache's own rows, else decoded into scratch (>= count rows of hd). Compiled code only."""
+    raise NotImplementedError
+
+
+def kv_write(row, values):  # pragma: no cover - compiled through the overload
+    """Store the float32 values (hd,) in one row of a KV cache's kernel view. Compiled code only."""
+    raise NotImplementedError
+
+
+@overload(kv_rows, inline="always")
+def _kv_rows(cache, s0, count, scratch):
+    if cache.dtype == types.float32:
+        return lambda cache, s0, count, scratch: cache[s0 : s0 + count]
     if cache.dtype == types.uint16:
-        if _soft_half():
-            return lambda v, cache: f2h_soft(v)
-        return lambda v, cache: _f2h(np.float32(v))
-    return lambda v, cache: v
+        def f16_rows(cache, s0, count, scratch):
+            for r in range(count):
+                for d in range(scratch.shape[1]):
+                    scratch[r, d] = half_to_f32(cache[s0 + r, d])
+            return scratch[:count]
+        return f16_rows
+
+    def q8_0_rows(cache, s0, count, scratch):  # uint8: block_q8_0 after block_q8_0
+        for r in range(count):
+            row = cache[s0 + r]
+            for blk in range(scratch.shape[1] // 32):
+                at = blk * 34
+                d = half_to_f32(np.uint16(np.int32(row[at]) | (np.int32(row[at + 1]) << np.int32(8))))
+                for j in range(32):
+                    scratch[r, blk * 32 + j] = d * np.float32(np.int8(row[at + 2 + j]))
+        return scratch[:count]
+    return q8_0_rows
+
+
+@overload(kv_write, inline="always")
+def _kv_write(row, values):
+    if row.dtype == types.float32:
+        def f32_write(row, values):
+            for d in range(values.shape[0]):
+                row[d] = values[d]
+        return f32_write
+    if row.dtype == types.uint16:
+        def f16_write(row, values):
+            for d in range(values.shape[0]):
+                row[d] = f32_to_half(values[d])
+        return f16_write
+
+    return lambda row, values: q8_0_write(row, values)
+
+
+@njit(**_JIT)
+def q8_0_write(row, values):  # pragma: no cover - compiled
+    # values (hd,) f32 as block_q8_0s into the bytes row: ggml's quantize_row_q8_0_ref, bit for bit
+    for blk in range(values.shape[0] // 32):
+        x = values[blk * 32 : blk * 32 + 32]
+        amax = np.float32(0.0)
+        for j in range(32):
+            amax = max(amax, abs(x[j]))
+        d = amax / np.float32(127.0)
+        inv = np.float32(0.0)
+        if d != np.float32(0.0):
+            inv = np.float32(1.0) / d
+        h = f32_to_half(d)
+        at = blk * 34
+        row[at] = np.uint8(h & np.uint16(0xFF))
+        row[at + 1] = np.uint8(h >> np.uint16(8))
+        for j in range(32):
+            v = x[j] * inv
+            a = abs(v)
+            fl = np.floor(a)
+            q = np.int32(fl + np.floor(np.float32(2.0) * (a - fl)))  # roundf: half away from zero
+            if v < np.float32(0.0):
+                q = -q
+            row[at + 2 + j] = np.uint8(q & np.int32(0xFF))
+
+
+@njit(**_JIT)
+def kv_write_rows(cache, pos, values):  # pragma: no cover - compiled
+    # cache: one slot's kernel view (n_kv, ctx, row); values (n, n_kv, hd) float32 of positions pos .. pos+n-1
+    for t in range(values.shape[0]):
+        for g in range(values.shape[1]):
+            kv_write(cache[g, pos + t], values[t, g])
 
 
 @njit(inline="always", **_JIT)
@@ -234,7 +353,7 @@ def rope(x, n_heads, head_dim, rope_dims, pos0, cos, sin, neox):  # pragma: no c
 @njit(parallel=True, **_JIT)
 def attention(q, k_cache, v_cache, pos0, group, out, serial):  # pragma: no cover - compiled
     # q: (n, n_heads * hd) roped queries for positions pos0 .. pos0+n-1
-    # k_cache, v_cache: (n_kv, ctx, hd) float32, or uint16 bits of f16; rows up to pos0+n-1 are filled
+    # k_cache, v_cache: (n_kv, ctx, row) kernel views (kernel_view); rows up to pos0+n-1 are filled
     # out: (n, n_heads * hd); query head h reads KV head h // group (causal)
     # serial: one thread, without the parallel launch (each head's arithmetic is the same)
     jobs = q.shape[0] * k_cache.shape[0] * group
@@ -250,9 +369,11 @@ def attention(q, k_cache, v_cache, pos0, group, out, serial):  # pragma: no cove
 def attend_head(q, k_cache, v_cache, pos0, group, out, job):  # pragma: no cover - compiled
     # one (token, query head) of `attention`. Each score is one chain over d in order, each
     # output value one chain over s in order; four scores run side by side (independent
-    # chains, the same bits) rather than one long dependency at a time.
-    n_kv, ctx, hd = k_cache.shape
+    # chains, the same bits) rather than one long dependency at a time. A cache that is not
+    # float32 is decoded (kv_rows) a few rows at a time into f32 first: the same values, any type.
+    n_kv = k_cache.shape[0]
     n_heads = n_kv * group
+    hd = q.shape[1] // n_heads
     scale = np.float32(1.0 / math.sqrt(hd))
     t = job // n_heads
     h = job % n_heads
@@ -260,25 +381,28 @@ def attend_head(q, k_cache, v_cache, pos0, group, out, job):  # pragma: no cover
     last = pos0 + t  # attends to 0 .. last
     scores = np.empty(last + 1, dtype=np.float32)
     qh = q[t, h * hd : h * hd + hd]
-    kc = k_cache[kv]
+    kc, vc = k_cache[kv], v_cache[kv]
+    scratch = np.empty((4, hd), dtype=np.float32)
     s0 = 0
     while s0 + 4 <= last + 1:  # four scores at a time: four independent chains
+        keys = kv_rows(kc, s0, 4, scratch)
         a0 = a1 = a2 = a3 = np.float32(0.0)
         for d in range(hd):
             qd = qh[d]
-            a0 += qd * kv_load(kc[s0, d])
-            a1 += qd * kv_load(kc[s0 + 1, d])
-            a2 += qd * kv_load(kc[s0 + 2, d])
-            a3 += qd * kv_load(kc[s0 + 3, d])
+            a0 += qd * keys[0, d]
+            a1 += qd * keys[1, d]
+            a2 += qd * keys[2, d]
+            a3 += qd * keys[3, d]
         scores[s0] = a0 * scale
         scores[s0 + 1] = a1 * scale
         scores[s0 + 2] = a2 * scale
         scores[s0 + 3] = a3 * scale
         s0 += 4
     for s in range(s0, last + 1):
+        keys = kv_rows(kc, s, 1, scratch)
         acc = np.float32(0.0)
         for d in range(hd):
-            acc += qh[d] * kv_load(kc[s, d])
+            acc += qh[d] * keys[0, d]
         scores[s] = acc * scale
     top = np.float32(-np.inf)
     for s in range(last + 1):
@@ -293,8 +417,9 @@ def attend_head(q, k_cache, v_cache, pos0, group, out, job):  # pragma: no cover
     o = np.zeros(hd, dtype=np.float32)
     for s in range(last + 1):
         p = scores[s] * inv
+        values = kv_rows(vc, s, 1, scratch)
         for d in range(hd):
-            o[d] += p * kv_load(v_cache[kv, s, d])
+            o[d] += p * values[0, d]
     for d in range(hd):
         out[t, h * hd + d] = o[d]
 
@@ -324,7 +449,7 @@ def attention_batch(q, k_cache, v_cache, pos0, group, out):
     """Causal attention for a batch of n > 1 tokens through BLAS, in blocks of one KV head
     and QBLOCK query rows.
 
-    Same contract as `attention` (an f16 cache as numpy float16 here); the scalar kernel is right for one token, but a
+    Same contract as `attention` (the caches as numpy holds them here); the scalar kernel is right for one token, but a
     prefill batch is two matrix products per KV head. Row blocks skip the keys
     after their last row: for 256 new tokens, 3/8 of the work. The scale goes on
     q, the causal softmax is one vectorized pass (`_softmax_causal`), and the
@@ -333,8 +458,8 @@ def attention_batch(q, k_cache, v_cache, pos0, group, out):
     holds the head, so a cluster stays bit-identical to a single node.
     """
     n = q.shape[0]
-    n_kv, _, hd = k_cache.shape
-    wide = k_cache.dtype != np.float32  # f16 rows are widened to f32 (exact) for BLAS
+    n_kv = k_cache.shape[0]
+    hd = q.shape[1] // (n_kv * group)
     qh = q.reshape(n, n_kv, group, hd)
     oh = out.reshape(n, n_kv, group, hd)
     scale = np.float32(1.0 / math.sqrt(hd))
@@ -342,9 +467,7 @@ def attention_batch(q, k_cache, v_cache, pos0, group, out):
         b = min(n, a + QBLOCK)
         m, last = b - a, pos0 + b  # rows a..b-1 attend to keys 0..last-1 at most
         qs = qh[a:b, kv].transpose(1, 0, 2).reshape(group * m, hd) * scale    # rows: head-major
-        keys, values = k_cache[kv, :last], v_cache[kv, :last]
-        if wide:
-            keys, values = keys.astype(np.float32), values.astype(np.float32)
+        keys, values = kv_values(k_cache[kv, :last]), kv_values(v_cache[kv, :last])  # f32 for BLAS
         scores = qs @ keys.T                                                   # (group * m, last)
         total = np.empty((group * m, 1), np.float32)
         _softmax_causal(scores, m, last - m, total)

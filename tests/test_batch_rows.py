@@ -79,7 +79,8 @@ def _alone(shard, mf, x, slots, positions):
 
 
 def _bits(a):
-    return np.ascontiguousarray(a).view(np.uint32)
+    a = np.ascontiguousarray(a)
+    return a.view(np.uint8) if a.dtype.names else a.view(np.uint32)  # a q8_0 cache: its bytes
 
 
 def _check_steps(mf, spec=None, sizes=(1, 2, 3, 5, 8), steps=2, kv_type="f16"):
@@ -107,6 +108,8 @@ def _check_steps(mf, spec=None, sizes=(1, 2, 3, 5, 8), steps=2, kv_type="f16"):
 
 
 def test_stories260k_rows_equal_each_sequence_alone(stories_path, threads, int8, kv_type):
+    if kv_type == "q8_0":
+        pytest.skip("stories260K's head size (8) cannot hold q8_0 (refused, as llama.cpp does); the mixed model runs it")
     _check_steps(gguf.open_model(stories_path), kv_type=kv_type)
 
 

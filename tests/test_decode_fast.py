@@ -72,6 +72,8 @@ def _integer_products(shard) -> int:
 
 
 def test_stories260k_decodes_bit_identical_to_the_per_op_path(stories_path, threads, int8, kv_type):
+    if kv_type == "q8_0":
+        pytest.skip("stories260K's head size (8) cannot hold q8_0 (refused, as llama.cpp does); the mixed model runs it")
     _same(gguf.open_model(stories_path), kv_type=kv_type)
 
 

@@ -263,3 +263,20 @@ def test_a_load_asking_for_an_unknown_cache_type_is_refused_in_one_line(worker, 
 
     with LoopThread() as lt:
         lt.run(load(), timeout=120)
+
+
+def test_serving_a_model_whose_head_size_cannot_hold_q8_0_stops_with_one_line(stories_path, tmp_path):
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    (tmp_path / "empty.toml").write_text("")
+    repo = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    p = subprocess.run([sys.executable, "-m", "edgetp", "serve", "--model", str(stories_path), "--kv-type", "q8_0",
+                        "--listen", "127.0.0.1:0", "--config", str(tmp_path / "empty.toml")],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=repo)
+    assert p.returncode == 1 and p.stdout == ""
+    assert p.stderr == ("edgetp: KV cache type 'q8_0' needs a head size that is a multiple of 32, "
+                        "this model's is 8 (use f16 or f32)\n")

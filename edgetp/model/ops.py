@@ -50,20 +50,24 @@ Q8_0 = np.dtype([("d", "<f2"), ("qs", "i1", (QK8_0,))])  # one block, 34 bytes (
 KV_TYPES = {"f16": np.float16, "f32": np.float32, "q8_0": Q8_0}  # setting -> numpy dtype of the cache
 
 
+class KVTypeError(ValueError):
+    """A KV cache type that does not exist, or that the model's head size cannot hold (one line)."""
+
+
 def kv_dtype(kv_type: str) -> np.dtype:
-    """The numpy dtype of a KV cache of type kv_type; ValueError (one line) for others."""
+    """The numpy dtype of a KV cache of type kv_type; KVTypeError (one line) for others."""
     if kv_type not in KV_TYPES:
-        raise ValueError(f"KV cache type {kv_type!r} is not one of {', '.join(KV_TYPES)}")
+        raise KVTypeError(f"KV cache type {kv_type!r} is not one of {', '.join(KV_TYPES)}")
     return np.dtype(KV_TYPES[kv_type])
 
 
 def kv_row_bytes(kv_type: str, head_dim: int) -> int:
-    """Bytes of one cached row of head_dim values; ValueError (one line) for a type that cannot hold it."""
+    """Bytes of one cached row of head_dim values; KVTypeError (one line) for a type that cannot hold it."""
     dtype = kv_dtype(kv_type)
     if dtype != Q8_0:
         return head_dim * dtype.itemsize
     if head_dim % QK8_0:
-        raise ValueError(f"KV cache type 'q8_0' needs a head size that is a multiple of {QK8_0}, "
+        raise KVTypeError(f"KV cache type 'q8_0' needs a head size that is a multiple of {QK8_0}, "
                          f"this model's is {head_dim} (use f16 or f32)")
     return head_dim // QK8_0 * Q8_0.itemsize
 

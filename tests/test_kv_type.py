@@ -242,6 +242,32 @@ def test_a_two_process_cluster_runs_the_cache_type_it_was_given(worker, stories_
             assert np.abs(got - local[kv_type]).max() < apart / 10 < np.abs(got - local[other]).max()
 
 
+def test_a_two_process_cluster_runs_a_q8_0_cache(worker, tiny_k, monkeypatch):
+    # the worker's LOAD carries q8_0: the cluster's logits sit near a single node's with a q8_0
+    # cache, far from one with an f16 cache
+    from edgetp.model.generate import LocalRunner  # noqa: PLC0415
+    from edgetp.net.loopthread import LoopThread  # noqa: PLC0415
+    from edgetp.parallel.runner import ClusterRunner  # noqa: PLC0415
+
+    monkeypatch.setenv("EDGETP_INT8", "0")
+    mf = gguf.open_model(tiny_k)
+    ids = PROMPT * 4
+    local = {t: LocalRunner(mf, 64, kv_type=t).logits(ids, 0) for t in ("q8_0", "f16")}
+    apart = np.abs(local["q8_0"] - local["f16"]).max()
+    with LoopThread() as lt:
+        runner = lt.run(ClusterRunner.connect(mf, [worker], ctx=64, weights=[1, 1], kv_type="q8_0"), timeout=300)
+        try:
+            assert runner.shard.kv_type == "q8_0" and runner.plan.shares[1].kv_groups[1] > runner.plan.shares[1].kv_groups[0]
+            runner.begin()
+            try:
+                got = runner.logits(ids, 0)
+            finally:
+                runner.end()
+        finally:
+            runner.close()
+    assert np.abs(got - local["q8_0"]).max() < apart / 10
+
+
 def test_a_load_asking_for_an_unknown_cache_type_is_refused_in_one_line(worker, stories_path):
     from edgetp.net.frames import FrameType  # noqa: PLC0415
     from edgetp.net.link import Link, LinkClosed  # noqa: PLC0415

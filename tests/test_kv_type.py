@@ -178,8 +178,8 @@ def test_the_planner_counts_the_cache_type_chosen(smollm2_path):
     packing.make_plan(shape, nodes)
     with pytest.raises(planner.PlanError):
         packing.make_plan(model_shape(mf, ctx, 4, "f32"), nodes)
-    assert _plan(mf, ctx, 4, nodes, 1, "f32", "f16")[1] == 4
-    assert _plan(mf, ctx, 4, nodes, 1, "f32", "f32")[1] == 2  # half the slots at twice the bytes
+    assert _plan(mf, ctx, 4, nodes, 1, "f32", "f16", "tp", {})[1] == 4
+    assert _plan(mf, ctx, 4, nodes, 1, "f32", "f32", "tp", {})[1] == 2  # half the slots at twice the bytes
     # the same memory holds 7 slots of q8_0 where it held 4 of f16 (4 x 64 / 34 = 7.5), not 8
     packing.make_plan(model_shape(mf, ctx, 7, "q8_0"), nodes)
     with pytest.raises(planner.PlanError):

@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType, quants
 from numba import njit
 
 from edgetp import config
-from edgetp.model import gguf, llama, ops
+from edgetp.model import gguf, kvcache, llama
 from edgetp.parallel import packing
 from edgetp.parallel import plan as planner
 from edgetp.parallel.runner import _plan
@@ -36,13 +36,13 @@ def tiny_k(tmp_path_factory):
 @njit(cache=False)
 def _soft_writes(x, out):  # pragma: no cover - compiled
     for i in range(x.shape[0]):
-        out[i] = ops.f2h_soft(x[i])
+        out[i] = kvcache.f2h_soft(x[i])
 
 
 @njit(cache=False)
 def _soft_reads(h, out):  # pragma: no cover - compiled
     for i in range(h.shape[0]):
-        out[i] = ops.h2f_soft(h[i])
+        out[i] = kvcache.h2f_soft(h[i])
 
 
 def test_the_generic_isas_integer_f16_conversions_are_numpys_bits():
@@ -110,11 +110,11 @@ def test_the_q8_0_writer_is_gguf_pys_quantizer_bit_for_bit():
             np.r_[1e-6, rng.standard_normal(31) * 1e-7], np.r_[6e4, rng.standard_normal(31) * 1e4], np.full(32, -0.5)]
     rows = np.concatenate([np.concatenate(rows).reshape(-1, 64),
                            (rng.standard_normal((300, 64)) * rng.uniform(1e-3, 1e2, (300, 1)))]).astype(np.float32)
-    cache = ops.kv_cache("q8_0", (1, len(rows), 64))
-    ops.kv_write_rows(ops.kernel_view(cache), 0, rows[:, None, :])
+    cache = kvcache.kv_cache("q8_0", (1, len(rows), 64))
+    kvcache.kv_write_rows(kvcache.kernel_view(cache), 0, rows[:, None, :])
     want = _q8_0(rows)
-    assert np.array_equal(ops.kernel_view(cache)[0], want)
-    assert np.array_equal(ops.kv_values(cache)[0], quants.dequantize(want, Q8).reshape(rows.shape))
+    assert np.array_equal(kvcache.kernel_view(cache)[0], want)
+    assert np.array_equal(kvcache.kv_values(cache)[0], quants.dequantize(want, Q8).reshape(rows.shape))
     assert cache["qs"][0, 0, 0, 1] == -16 and cache["qs"][0, 0, 0, 2] == -15  # -15.5 -> -16, -14.5 -> -15
 
 
@@ -123,13 +123,13 @@ def test_a_q8_0_cache_holds_gguf_pys_q8_0_of_the_f32_caches_first_layer(tiny_k):
     # gguf-py's Q8_0 of what the f32 shard holds, whichever path (prefill, decode, rows) wrote it
     mf = gguf.open_model(tiny_k)
     wide, q8 = _run(mf, "f32"), _run(mf, "q8_0")
-    assert q8.k_cache[0].dtype == ops.Q8_0 and q8.k_bits[0].dtype == np.uint8
+    assert q8.k_cache[0].dtype == kvcache.Q8_0 and q8.k_bits[0].dtype == np.uint8
     filled = len(PROMPT) + 4
     assert np.abs(wide.k_cache[0][0, :, :filled]).min(axis=-1).max() > 0
     for got, ref in ((q8.k_bits[0], wide.k_cache[0]), (q8.v_bits[0], wide.v_cache[0])):
         assert np.array_equal(got, _q8_0(ref))
     # deeper layers read the rounded cache: near f32 (q8_0 steps are 1/127 of a block's largest), not equal
-    deep = ops.kv_values(q8.k_cache[-1][0, :, :filled]), wide.k_cache[-1][0, :, :filled]
+    deep = kvcache.kv_values(q8.k_cache[-1][0, :, :filled]), wide.k_cache[-1][0, :, :filled]
     assert np.allclose(*deep, rtol=0.05, atol=0.05) and not np.array_equal(*deep)
 
 

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(threads + batches) < 1 or args.reps < 1 or args.prompt < 1:
         ap.error("--threads, --batches, --reps and --prompt must be at least 1")
     kv_types = [k for k in args.kv_types.split(",") if k]
-    from edgetp.model.ops import KV_TYPES
+    from edgetp.model.kvcache import KV_TYPES
 
     if not kv_types or set(kv_types) - set(KV_TYPES):
         ap.error(f"--kv-types: each of {', '.join(KV_TYPES)}")

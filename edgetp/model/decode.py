@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numba import njit, prange
 
-from edgetp.model import intdot, ops, quant
+from edgetp.model import intdot, kvcache, ops, quant
 
 if TYPE_CHECKING:
     from edgetp.model.llama import Layer, Shard
@@ -177,8 +177,8 @@ def _add_norm(x, partial, w, eps, h, add, rnd, xq, dx, s4, s16):  # pragma: no c
 @njit(parallel=True, **_JIT)
 def _attention(q, k, v, kc, vc, slots, positions, cos, sin, rope_dims, neox, group, att, serial, rnd, xq, dx, s4, s16):  # pragma: no cover
     # q (n, heads*hd), k and v (n, kv*hd), row b a token at positions[b] of KV slot slots[b]: rope
-    # its q and k, write its k and v there in the caches kc, vc (slots, kv, ctx, row: ops.kernel_view,
-    # written by ops.kv_write as the per-op path writes them); att (n,
+    # its q and k, write its k and v there in the caches kc, vc (slots, kv, ctx, row: kvcache.kernel_view,
+    # written by kvcache.kv_write as the per-op path writes them); att (n,
     # heads*hd) = each row's attention over its own slot; if rnd, each row of att rounded
     n = q.shape[0]
     n_kv = kc.shape[1]
@@ -189,8 +189,8 @@ def _attention(q, k, v, kc, vc, slots, positions, cos, sin, rope_dims, neox, gro
         ops.rope(q[b : b + 1], heads, hd, rope_dims, pos, cos, sin, neox)
         ops.rope(k[b : b + 1], n_kv, hd, rope_dims, pos, cos, sin, neox)
         for g in range(n_kv):
-            ops.kv_write(kc[sl, g, pos], k[b, g * hd : g * hd + hd])
-            ops.kv_write(vc[sl, g, pos], v[b, g * hd : g * hd + hd])
+            kvcache.kv_write(kc[sl, g, pos], k[b, g * hd : g * hd + hd])
+            kvcache.kv_write(vc[sl, g, pos], v[b, g * hd : g * hd + hd])
     if serial:
         for job in range(n * heads):
             b = job // heads

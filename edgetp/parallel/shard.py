@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from edgetp.model import ops
+from edgetp.model import kvcache
 from edgetp.model.gguf import ModelFile
 from edgetp.model.llama import ShardSpec
 from edgetp.parallel.plan import ModelShape, Plan
@@ -29,7 +29,7 @@ def model_shape(mf: ModelFile, ctx: int, slots: int = 1, kv_type: str = "f16") -
     """The planner's view of mf with KV caches of ctx positions for `slots` sequences, of kv_type values
     (ValueError, one line, for a type the model's head size cannot hold)."""
     cfg = mf.config
-    row_bytes = ops.kv_row_bytes(kv_type, cfg.head_dim)  # one head's values at one position, as llama.Shard holds them
+    row_bytes = kvcache.kv_row_bytes(kv_type, cfg.head_dim)  # one head's values at one position, as llama.Shard holds them
     head = "token_embd.weight" if cfg.tied else "output.weight"
     # FFN columns are the input columns of ffn_down: a unit must not split its quant blocks.
     ffn_block = max(32, _block(mf, "blk.0.ffn_down.weight"))

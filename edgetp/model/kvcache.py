@@ -42,6 +42,8 @@ def _f32_bits(typingctx, i):
 # zero), a value read back as d * q in f32. 34 bytes per 32 values; numpy holds it as Q8_0 records
 # (d, qs), the kernels as their bytes (uint8, hd / 32 * 34 per row), which are ggml's bytes. As in
 # llama.cpp, a head_dim that is not a multiple of 32 cannot hold q8_0 (kv_cache refuses it).
+# (llama.cpp's own AVX2 writer scales by 127 / amax and rounds ties to even: in rare last-bit
+# cases its bytes differ from the reference's, which gguf-py and this module follow.)
 
 QK8_0 = 32  # values per q8_0 block
 Q8_0 = np.dtype([("d", "<f2"), ("qs", "i1", (QK8_0,))])  # one block, 34 bytes (ggml's block_q8_0)

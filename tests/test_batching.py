@@ -24,7 +24,6 @@ from edgetp.net.loopthread import LoopThread
 from edgetp.parallel.runner import ClusterRunner
 from edgetp.serve.api import make_app, serving
 from edgetp.serve.root import Engine, QueueFull, Request
-from edgetp.serve.spawn import start_worker, stop
 
 CTX = 512
 GREEDY = SamplingParams(temperature=0)
@@ -230,19 +229,7 @@ def test_with_a_q8_0_cache_each_sequence_and_a_cached_prefix_give_the_tokens_the
 # --------------------------------------------------------------------------- a cluster
 
 
-@pytest.fixture(scope="module")
-def two_workers():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("EDGETP_INT8", "0")
-        procs = [start_worker() for _ in range(2)]
-    try:
-        yield [addr for _, addr in procs]
-    finally:
-        for proc, _ in procs:
-            stop(proc)
-
-
-def test_a_batch_across_three_processes_gives_each_sequence_its_single_node_text(two_workers, stories_path,
+def test_a_batch_across_three_processes_gives_each_sequence_its_single_node_text(float_workers, stories_path,
                                                                                    monkeypatch):
     monkeypatch.setenv("EDGETP_INT8", "0")  # the workers' kernels: exact float arithmetic on every node
     quant.set_threads(1)
@@ -253,7 +240,7 @@ def test_a_batch_across_three_processes_gives_each_sequence_its_single_node_text
     want = [[ev.token_id for ev in generate(LocalRunner(mf, CTX), tok, ids, p, 32)]
             for ids, p in zip(prompts, params)]
     with LoopThread() as lt:
-        runner = lt.run(ClusterRunner.connect(mf, two_workers, ctx=CTX, weights=[1, 2, 3], slots=4), timeout=300)
+        runner = lt.run(ClusterRunner.connect(mf, float_workers, ctx=CTX, weights=[1, 2, 3], slots=4), timeout=300)
         try:
             assert runner.slots == 4
             sched = Scheduler(runner, tok)

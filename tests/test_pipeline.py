@@ -28,18 +28,6 @@ GREEDY = sampling.SamplingParams(temperature=0)
 STORY = "Once upon a time, there was a little girl named Lily. She"
 
 
-@pytest.fixture(scope="module")
-def workers():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("EDGETP_INT8", "0")
-        procs = [start_worker() for _ in range(2)]
-    try:
-        yield [addr for _, addr in procs]
-    finally:
-        for proc, _ in procs:
-            stop(proc)
-
-
 @pytest.fixture(autouse=True)
 def _float_kernels(monkeypatch):
     monkeypatch.setenv("EDGETP_INT8", "0")
@@ -61,13 +49,14 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_every_layout_gives_the_single_node_greedy_tokens(name, workers, control, stories_path):
+def test_every_layout_gives_the_single_node_greedy_tokens(name, float_workers, control, stories_path):
     from edgetp.model.tokenizer import Tokenizer  # noqa: PLC0415
 
     mf = gguf.open_model(stories_path)
     ids = Tokenizer.from_metadata(mf.metadata).encode(STORY)
     expected = greedy(LocalRunner(mf, 256), ids, 48)
-    runner = control.run(ClusterRunner.connect(mf, workers, ctx=256, weights=[1, 2, 3], layout=LAYOUTS[name]),
+    runner = control.run(ClusterRunner.connect(mf, float_workers, ctx=256, weights=[1, 2, 3],
+                                               layout=LAYOUTS[name]),
                          timeout=300)
     try:
         layers = [(n.node_id, n.stage, n.layers) for n in runner.nodes]
@@ -77,7 +66,8 @@ def test_every_layout_gives_the_single_node_greedy_tokens(name, workers, control
         runner.close()
 
 
-def test_a_batch_through_a_pipeline_gives_each_sequence_its_single_node_tokens(workers, control, stories_path):
+def test_a_batch_through_a_pipeline_gives_each_sequence_its_single_node_tokens(float_workers, control,
+                                                                            stories_path):
     """Four sequences decoded together, cut into micro-batches across three stages."""
     from edgetp.model.tokenizer import Tokenizer  # noqa: PLC0415
 
@@ -85,7 +75,8 @@ def test_a_batch_through_a_pipeline_gives_each_sequence_its_single_node_tokens(w
     tok = Tokenizer.from_metadata(mf.metadata)
     prompts = [tok.encode(p) for p in ("Once upon a time", "The dog", "Lily and Ben went", "A big red ball")]
     expected = [greedy(LocalRunner(mf, 128), p, 16) for p in prompts]
-    runner = control.run(ClusterRunner.connect(mf, workers, ctx=128, slots=4, layout=[[0], [1], [2]]), timeout=300)
+    runner = control.run(ClusterRunner.connect(mf, float_workers, ctx=128, slots=4, layout=[[0], [1], [2]]),
+                         timeout=300)
     try:
         runner.begin()
         try:

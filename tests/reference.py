@@ -50,7 +50,10 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32") -> np.ndarray:
 
     An independent statement of the llama math (RMSNorm, RoPE on adjacent pairs,
     GQA causal attention, SwiGLU) with no rounding of activations: the "exact"
-    logits both engines approximate. (n, vocab) float64. kv_type "f16": the keys
+    logits both engines approximate. Per architecture, as Hugging Face's modeling
+    files define it: qwen2 adds q/k/v biases; qwen2 and qwen3 rotate the two halves
+    of each head (`rotate_half`) instead of adjacent pairs; qwen3 RMS-norms each
+    head of q and of k (q_norm, k_norm over head_dim) before the rotation. (n, vocab) float64. kv_type "f16": the keys
     and values are stored as f16 (numpy's rounding), as an f16 KV cache holds them.
     """
     from gguf import GGUFReader, quants  # noqa: PLC0415
@@ -64,6 +67,7 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32") -> np.ndarray:
     hd = meta.get(f"{arch}.attention.key_length", dim // nh)
     eps = meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
     theta = meta.get(f"{arch}.rope.freq_base", 10000.0)
+    halves = arch in ("qwen2", "qwen3")
     n = len(ids)
 
     def weight(name):
@@ -78,9 +82,21 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32") -> np.ndarray:
     cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
 
     def rope(v, heads):
+        if halves:  # x * cos + rotate_half(x) * sin, the frequencies repeated over both halves
+            v = v.reshape(n, heads, hd)
+            c, s = np.concatenate([cos, cos], -1), np.concatenate([sin, sin], -1)
+            return v * c + np.concatenate([-v[..., hd // 2:], v[..., : hd // 2]], -1) * s
         v = v.reshape(n, heads, hd // 2, 2)
         a, b = v[..., 0], v[..., 1]
         return np.stack([a * cos - b * sin, a * sin + b * cos], -1).reshape(n, heads, hd)
+
+    def linear(h, name):  # h @ W.T (+ b where the file has the bias)
+        out = h @ weight(name + ".weight").T
+        return out + weight(name + ".bias") if name + ".bias" in tensors else out
+
+    def head_norm(v, heads, name):  # qwen3: RMSNorm of each head's hd values
+        v = v.reshape(n, heads, hd)
+        return norm(v, weight(name)) if name in tensors else v
 
     embd = weight("token_embd.weight")
     x = embd[ids]
@@ -88,9 +104,9 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32") -> np.ndarray:
     for layer in range(meta[f"{arch}.block_count"]):
         p = f"blk.{layer}."
         h = norm(x, weight(p + "attn_norm.weight"))
-        q = rope(h @ weight(p + "attn_q.weight").T, nh)
-        k = rope(h @ weight(p + "attn_k.weight").T, nkv)
-        v = (h @ weight(p + "attn_v.weight").T).reshape(n, nkv, hd)
+        q = rope(head_norm(linear(h, p + "attn_q"), nh, p + "attn_q_norm.weight"), nh)
+        k = rope(head_norm(linear(h, p + "attn_k"), nkv, p + "attn_k_norm.weight"), nkv)
+        v = linear(h, p + "attn_v").reshape(n, nkv, hd)
         if kv_type == "f16":
             k, v = (c.astype(np.float32).astype(np.float16).astype(np.float64) for c in (k, v))
         att = np.empty((n, nh, hd))

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write synthetic llama-family GGUF models with random weights.
+"""Write synthetic llama-family GGUF models with random weights (llama, qwen3).
 
 For tests and benchmarks: any shape, any of the common tensor types, a
 synthetic SentencePiece-style vocabulary, and the metadata llama.cpp needs to
@@ -14,6 +14,7 @@ per-element Python loops, so the 1B preset in Q8_0 takes seconds, not minutes.
     python tools/synth_gguf.py OUT.gguf --preset llama-3.2-1b --type q8_0
     python tools/synth_gguf.py OUT.gguf --dim 96 --layers 3 --heads 6 \\
         --kv-heads 3 --ffn 224 --vocab 600 --type q4_0
+    python tools/synth_gguf.py OUT.gguf --preset tiny-headdim --arch qwen3
 
 Library use: ``write_model(path, dim=..., ...)`` or
 ``write_preset(path, "tiny-odd", weight_type="q8_0")``.
@@ -56,6 +57,13 @@ TYPES: dict[str, tuple[QT, LlamaFileType]] = {
     "q5_k": (QT.Q5_K, LlamaFileType.MOSTLY_Q5_K_S),
     "q6_k": (QT.Q6_K, LlamaFileType.MOSTLY_Q6_K),
     "iq4_xs": (QT.IQ4_XS, LlamaFileType.MOSTLY_IQ4_XS),
+}
+
+#: architectures this writer knows: name -> per-layer norm weights of head_dim values beyond
+#: llama's tensors (qwen3: an RMSNorm for every head of q and of k)
+ARCHS: dict[str, tuple[str, ...]] = {
+    "llama": (),
+    "qwen3": ("attn_q_norm.weight", "attn_k_norm.weight"),
 }
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -412,7 +420,7 @@ def _qtype(name: str | None, default: QT) -> QT:
 def model_tensors(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn: int, vocab: int,
                   head_dim: int | None = None, weight_type: str = "f32", embd_type: str | None = None,
                   output_type: str | None = None, tied: bool = False,
-                  tensor_types: dict[str, str] | None = None) -> list[TensorSpec]:
+                  tensor_types: dict[str, str] | None = None, arch: str = "llama") -> list[TensorSpec]:
     """The tensors of a llama-family model, in file order, validated for the chosen types.
 
     tensor_types: per-tensor types over weight_type, as llama.cpp's mixes have them: a key
@@ -427,6 +435,8 @@ def model_tensors(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn
         raise ValueError(f"n_heads {n_heads} must be a multiple of n_kv_heads {n_kv_heads}")
     if head_dim % 2:
         raise ValueError(f"head_dim {head_dim} must be even (rotary embedding)")
+    if arch not in ARCHS:
+        raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join(ARCHS)}")
     wt = _qtype(weight_type, QT.F32)
     et = _qtype(embd_type, wt)
     ot = _qtype(output_type, wt)
@@ -448,6 +458,7 @@ def model_tensors(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn
             TensorSpec(p + "ffn_up.weight", ffn, dim, wt, 1.0 / np.sqrt(dim)),
             TensorSpec(p + "ffn_down.weight", dim, ffn, wt, 1.0 / np.sqrt(ffn)),
         ]
+        specs += [TensorSpec(p + suffix, 0, head_dim, QT.F32, 1.0) for suffix in ARCHS[arch]]
     for s in specs:
         keys = [k for k in (tensor_types or {}) if "." + k in "." + s.name]
         if keys and not s.is_norm:
@@ -488,7 +499,7 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
     hd = head_dim if head_dim is not None else (dim // n_heads if dim % n_heads == 0 else None)
     specs = model_tensors(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn=ffn,
                           vocab=vocab, head_dim=head_dim, weight_type=weight_type, embd_type=embd_type,
-                          output_type=output_type, tied=tied, tensor_types=tensor_types)
+                          output_type=output_type, tied=tied, tensor_types=tensor_types, arch=arch)
     assert hd is not None
 
     with gguf_writer(path, arch) as writer:
@@ -575,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctx", type=int)
     ap.add_argument("--rope-theta", type=float)
     ap.add_argument("--norm-eps", type=float)
-    ap.add_argument("--arch", default="llama")
+    ap.add_argument("--arch", default="llama", choices=list(ARCHS))
     tie = ap.add_mutually_exclusive_group()
     tie.add_argument("--tied", dest="tied", action="store_true", default=None, help="no output.weight")
     tie.add_argument("--untied", dest="tied", action="store_false", help="write output.weight")

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from edgetp.model.llama import Layer, Shard
 
 _JIT = dict(cache=True, nogil=True)
+_NO_NORM = np.zeros(0, np.float32)  # a layer without q/k norms
 
 
 class _Matvecs:
@@ -133,8 +134,10 @@ class Plan:
                     p.q[:n] += layer.bq
                     p.k[:n] += layer.bk
                     p.v[:n] += layer.bv
-                _attention(p.q[:n], p.k[:n], p.v[:n], s.k_bits[i], s.v_bits[i], slots, positions, s.cos, s.sin,
-                           cfg.rope_dims, cfg.rope_neox, cfg.group_size, p.att[:n], serial, p.o.rounds, *ra)
+                qn, kn = (_NO_NORM, _NO_NORM) if layer.q_norm is None else (layer.q_norm, layer.k_norm)
+                _attention(p.q[:n], p.k[:n], p.v[:n], s.k_bits[i], s.v_bits[i], slots, positions, qn, kn, eps,
+                           s.cos, s.sin, cfg.rope_dims, cfg.rope_neox, cfg.group_size, p.att[:n], serial,
+                           p.o.rounds, *ra)
                 p.o(n, serial)
                 partial = p.o.out[:n]
             s.reduce(partial)
@@ -175,9 +178,10 @@ def _add_norm(x, partial, w, eps, h, add, rnd, xq, dx, s4, s16):  # pragma: no c
 
 
 @njit(parallel=True, **_JIT)
-def _attention(q, k, v, kc, vc, slots, positions, cos, sin, rope_dims, neox, group, att, serial, rnd, xq, dx, s4, s16):  # pragma: no cover
-    # q (n, heads*hd), k and v (n, kv*hd), row b a token at positions[b] of KV slot slots[b]: rope
-    # its q and k, write its k and v there in the caches kc, vc (slots, kv, ctx, hd; float32 or
+def _attention(q, k, v, kc, vc, slots, positions, qn, kn, eps, cos, sin, rope_dims, neox, group, att, serial, rnd,
+               xq, dx, s4, s16):  # pragma: no cover - compiled
+    # q (n, heads*hd), k and v (n, kv*hd), row b a token at positions[b] of KV slot slots[b]: norm
+    # each head of its q and k by qn, kn (hd,) unless they are empty (qwen3), rope its q and k, write its k and v there in the caches kc, vc (slots, kv, ctx, hd; float32 or
     # the uint16 bits of f16, ops.kv_store rounding as numpy does); att (n,
     # heads*hd) = each row's attention over its own slot; if rnd, each row of att rounded
     n = q.shape[0]
@@ -185,6 +189,9 @@ def _attention(q, k, v, kc, vc, slots, positions, cos, sin, rope_dims, neox, gro
     heads = n_kv * group
     for b in range(n):
         pos, sl = positions[b], slots[b]
+        if qn.shape[0]:
+            ops.rmsnorm_heads(q[b : b + 1], hd, qn, eps)
+            ops.rmsnorm_heads(k[b : b + 1], hd, kn, eps)
         ops.rope(q[b : b + 1], heads, hd, rope_dims, pos, cos, sin, neox)
         ops.rope(k[b : b + 1], n_kv, hd, rope_dims, pos, cos, sin, neox)
         for g in range(n_kv):

@@ -23,7 +23,8 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from edgetp.model import quant
 
 GGUF_MAGIC = b"GGUF"
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+NEOX_ARCHS = ("qwen2", "qwen3")  # rope on pairs (i, i + d/2), as llama.cpp's LLAMA_ROPE_TYPE_NEOX
 
 
 class GGUFError(Exception):
@@ -49,6 +50,7 @@ class ModelConfig:
     norm_eps: float
     tied: bool              # lm head shares token_embd
     qkv_bias: bool          # qwen2 has q/k/v biases
+    qk_norm: bool = False   # qwen3: RMSNorm over each head of q and of k (attn_q_norm, attn_k_norm), before rope
 
     @property
     def group_size(self) -> int:
@@ -94,6 +96,7 @@ class ModelFile:
         self.tensors = _map_tensors(self.path, head["tensors"])
         _check_extents(self.path, self.tensors.values(), self.data_offset, self.alignment)
         self.config = _read_config(self.path, self.metadata, self.tensors)
+        _check_layers(self.path, self.config, self.tensors)
         _check_tensor_types(self.path, self.tensors)
 
     @cached_property
@@ -318,11 +321,37 @@ def _read_config(path: Path, metadata: dict[str, Any], tensors: dict) -> ModelCo
         ctx_train=int(get(f"{arch}.context_length", 2048)),
         rope_theta=float(get(f"{arch}.rope.freq_base", 10000.0)),
         rope_dims=int(get(f"{arch}.rope.dimension_count", head_dim)),
-        rope_neox=arch == "qwen2",
+        rope_neox=arch in NEOX_ARCHS,
         norm_eps=float(get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         tied="output.weight" not in tensors,
         qkv_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm=arch == "qwen3",
     )
+
+
+def _layer_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...] | None]:
+    """The tensors every layer must hold: suffix -> ggml shape, None where any shape goes
+    (the matrices, whose shapes are checked where they are sliced)."""
+    names: dict[str, tuple[int, ...] | None] = dict.fromkeys(
+        ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+         "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"))
+    if cfg.qk_norm:
+        names["attn_q_norm.weight"] = names["attn_k_norm.weight"] = (cfg.head_dim,)
+    return names
+
+
+def _check_layers(path: Path, cfg: ModelConfig, tensors: dict) -> None:
+    """Every tensor the architecture needs is there (at open: no partial load), 1-D ones of their shape."""
+    need = ["output_norm.weight"] + [f"blk.{i}.{s}" for i in range(cfg.n_layers) for s in _layer_tensors(cfg)]
+    for name in need:
+        if name not in tensors:
+            raise GGUFError(f"{path}: tensor {name!r} is missing (architecture {cfg.arch} needs it)")
+    for i in range(cfg.n_layers):
+        for suffix, shape in _layer_tensors(cfg).items():
+            t = tensors[f"blk.{i}.{suffix}"]
+            if shape is not None and tuple(t.shape) != shape:
+                raise GGUFError(f"{path}: tensor 'blk.{i}.{suffix}' has shape {list(t.shape)}, "
+                                f"expected {list(shape)} (head_dim {cfg.head_dim})")
 
 
 def _check_tensor_types(path: Path, tensors: dict) -> None:

@@ -1,4 +1,4 @@
-"""Forward pass of one shard of a llama-family model (llama, mistral, qwen2).
+"""Forward pass of one shard of a llama-family model (llama, mistral, qwen2, qwen3).
 
 A shard holds a contiguous range of KV-head groups (with their query heads),
 a range of FFN columns and a range of vocabulary rows; a single node holds
@@ -69,6 +69,8 @@ class Layer:
     bk: np.ndarray | None
     bv: np.ndarray | None
     wo: quant.Weight | None            # (dim, heads_l * hd)
+    q_norm: np.ndarray | None          # (hd,) RMSNorm weight of every query head, before rope (qwen3)
+    k_norm: np.ndarray | None          # (hd,) of every key head
     ffn_norm: np.ndarray               # (dim,)
     w_gate: quant.Weight | None        # (ffn_l, dim)
     w_up: quant.Weight | None          # (ffn_l, dim)
@@ -155,6 +157,8 @@ def load_weights(mf: ModelFile, spec: ShardSpec | None = None) -> Weights:
             bk=bias(p + "attn_k.bias", kv),
             bv=bias(p + "attn_v.bias", kv),
             wo=_cols(mf.weight(p + "attn_output.weight"), qh),
+            q_norm=mf.vector(p + "attn_q_norm.weight") if cfg.qk_norm else None,
+            k_norm=mf.vector(p + "attn_k_norm.weight") if cfg.qk_norm else None,
             ffn_norm=mf.vector(p + "ffn_norm.weight"),
             w_gate=_rows(mf.weight(p + "ffn_gate.weight"), local.ffn_cols),
             w_up=_rows(mf.weight(p + "ffn_up.weight"), local.ffn_cols),
@@ -322,6 +326,9 @@ class Shard:
             q += layer.bq
             k += layer.bk
             v += layer.bv
+        if layer.q_norm is not None:
+            ops.rmsnorm_heads(q, hd, layer.q_norm, cfg.norm_eps)
+            ops.rmsnorm_heads(k, hd, layer.k_norm, cfg.norm_eps)
         ops.rope(q, self.n_heads, hd, cfg.rope_dims, pos, self.cos, self.sin, cfg.rope_neox)
         ops.rope(k, self.n_kv, hd, cfg.rope_dims, pos, self.cos, self.sin, cfg.rope_neox)
         kc, vc = self.k_cache[i][slot], self.v_cache[i][slot]

@@ -197,6 +197,21 @@ def rmsnorm(x, w, eps, out):  # pragma: no cover - compiled
             out[i, j] = x[i, j] * scale * w[j]
 
 
+@njit(**_JIT)
+def rmsnorm_heads(x, head_dim, w, eps):  # pragma: no cover - compiled
+    # x: (n, heads * head_dim) f32, each head's head_dim values RMS-normed in place, times w (head_dim,)
+    # (qwen3's q and k norms); each head's arithmetic is rmsnorm's on a row of head_dim
+    n, width = x.shape
+    for i in range(n):
+        for base in range(0, width, head_dim):
+            ss = 0.0
+            for j in range(head_dim):
+                ss += x[i, base + j] * x[i, base + j]
+            scale = np.float32(1.0 / math.sqrt(ss / head_dim + eps))
+            for j in range(head_dim):
+                x[i, base + j] = x[i, base + j] * scale * w[j]
+
+
 def rope_table(n_pos: int, rope_dims: int, theta: float, freq_factors: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin of every position and frequency: (n_pos, rope_dims // 2) each, f32."""
     inv = theta ** (-np.arange(0, rope_dims, 2, dtype=np.float64) / rope_dims)

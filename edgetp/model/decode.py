@@ -27,10 +27,20 @@ from numba import njit, prange
 from edgetp.model import intdot, ops, quant
 
 if TYPE_CHECKING:
+    from edgetp.model.gguf import ModelConfig
     from edgetp.model.llama import Layer, Shard
 
 _JIT = dict(cache=True, nogil=True)
 _NO_NORM = np.zeros(0, np.float32)  # a layer without q/k norms
+
+
+def fuses(cfg: ModelConfig) -> bool:
+    """Whether a Plan computes this model: its fused steps are the pre-norm residual stream with
+    SwiGLU and plain causal attention (llama, mistral, qwen2, qwen3). Gemma's post-norms (a norm
+    between the all-reduce and the residual add), GeGLU, soft-caps, sliding windows and second
+    rope table are not in its kernels: those models decode through the per-op path
+    (Shard.forward with n == 1), the same arithmetic with Python dispatch between the ops."""
+    return not (cfg.post_norms or cfg.geglu or cfg.attn_softcap or cfg.swa_window or cfg.attn_scale)
 
 
 class _Matvecs:

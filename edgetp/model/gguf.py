@@ -23,8 +23,8 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from edgetp.model import quant
 
 GGUF_MAGIC = b"GGUF"
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
-NEOX_ARCHS = ("qwen2", "qwen3")  # rope on pairs (i, i + d/2), as llama.cpp's LLAMA_ROPE_TYPE_NEOX
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+NEOX_ARCHS = ("qwen2", "qwen3", "gemma2", "gemma3")  # rope on pairs (i, i + d/2), as llama.cpp's LLAMA_ROPE_TYPE_NEOX
 
 
 class GGUFError(Exception):
@@ -50,7 +50,21 @@ class ModelConfig:
     norm_eps: float
     tied: bool              # lm head shares token_embd
     qkv_bias: bool          # qwen2 has q/k/v biases
-    qk_norm: bool = False   # qwen3: RMSNorm over each head of q and of k (attn_q_norm, attn_k_norm), before rope
+    qk_norm: bool = False   # qwen3, gemma3: RMSNorm over each head of q and of k (attn_q_norm, attn_k_norm), before rope
+    # Gemma (2 and 3), as llama.cpp reads it; the defaults are llama's
+    embed_scale: float = 1.0        # token embeddings times this (gemma: sqrt(dim))
+    post_norms: bool = False        # RMSNorm of the attention and FFN outputs before the residual add
+    geglu: bool = False             # gelu_tanh(gate) * up instead of silu(gate) * up
+    attn_scale: float = 0.0         # query scale; 0: 1/sqrt(head_dim)
+    attn_softcap: float = 0.0       # attention scores -> cap * tanh(score / cap) (gemma2); 0: none
+    final_softcap: float = 0.0      # logits -> cap * tanh(logit / cap) (gemma2); 0: none
+    swa_window: int = 0             # sliding-window layers see the keys p with pos - p < swa_window
+    swa_layers: tuple[bool, ...] = ()  # per layer: a sliding-window (local) layer
+    rope_theta_swa: float = 0.0     # rope base of the sliding-window layers
+
+    def is_local(self, layer: int) -> bool:
+        """Whether layer `layer` attends over a sliding window (with rope_theta_swa)."""
+        return self.swa_window > 0 and bool(self.swa_layers) and self.swa_layers[layer]
 
     @property
     def group_size(self) -> int:
@@ -309,9 +323,11 @@ def _read_config(path: Path, metadata: dict[str, Any], tensors: dict) -> ModelCo
     if "token_embd.weight" not in tensors:
         raise GGUFError(f"{path}: tensor 'token_embd.weight' is missing")
     vocab = int(tensors["token_embd.weight"].shape[1])
+    n_layers = int(get(f"{arch}.block_count"))
+    gemma = _gemma(path, arch, metadata, n_layers, dim, n_heads, head_dim) if arch.startswith("gemma") else {}
     return ModelConfig(
         arch=arch,
-        n_layers=int(get(f"{arch}.block_count")),
+        n_layers=n_layers,
         dim=dim,
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
@@ -323,9 +339,51 @@ def _read_config(path: Path, metadata: dict[str, Any], tensors: dict) -> ModelCo
         rope_dims=int(get(f"{arch}.rope.dimension_count", head_dim)),
         rope_neox=arch in NEOX_ARCHS,
         norm_eps=float(get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        tied="output.weight" not in tensors,
+        tied=arch == "gemma2" or "output.weight" not in tensors,  # llama.cpp's gemma2 reads token_embd
         qkv_bias="blk.0.attn_q.bias" in tensors,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
+        **gemma,
+    )
+
+
+def _gemma(path: Path, arch: str, metadata: dict[str, Any], n_layers: int, dim: int, n_heads: int,
+           head_dim: int) -> dict[str, Any]:
+    """Gemma 2 / 3 hyper-parameters as llama.cpp's loader sets them (llama_model_gemma2/3::load_arch_hparams).
+
+    gemma2: sliding window 4096 unless the file says, every 2nd layer global (layer i is local
+    when i % period < period - 1, the period from attention.sliding_window_pattern), the local
+    rope base rope.freq_base_swa (else the global one), attention and final logit soft-caps
+    from the file, else 50 and 30. gemma3: period 6, local rope base 10000, sliding window only
+    when the file gives one, no attention cap, a final cap only when the file gives one. Both: a
+    query scale of 1/sqrt(dim / heads) for the 27B shapes (46 and 62 layers), else 1/sqrt(head_dim).
+    """
+    def value(key: str, default: Any) -> Any:
+        v = metadata.get(f"{arch}.{key}")
+        return default if v is None else v
+
+    g2 = arch == "gemma2"
+    window = int(value("attention.sliding_window", 4096 if g2 else 0))
+    pattern = value("attention.sliding_window_pattern", 2 if g2 else 6)
+    if isinstance(pattern, list):
+        if len(pattern) != n_layers:
+            raise GGUFError(f"{path}: {arch}.attention.sliding_window_pattern has {len(pattern)} entries "
+                            f"for {n_layers} layers")
+        local = tuple(bool(p) for p in pattern)
+    else:
+        period = int(pattern)
+        local = tuple(period == 0 or i % period < period - 1 for i in range(n_layers))
+    big = n_layers == (46 if g2 else 62)
+    theta = float(value("rope.freq_base", 10000.0))
+    return dict(
+        embed_scale=float(np.sqrt(np.float32(dim))),
+        post_norms=True,
+        geglu=True,
+        attn_scale=float(1.0 / np.sqrt(dim / n_heads if big else head_dim)),
+        attn_softcap=float(value("attn_logit_softcapping", 50.0)) if g2 else 0.0,
+        final_softcap=float(value("final_logit_softcapping", 30.0 if g2 else 0.0)),
+        swa_window=window,
+        swa_layers=local if window > 0 else (),
+        rope_theta_swa=float(value("rope.freq_base_swa", theta if g2 else 10000.0)),
     )
 
 
@@ -337,6 +395,8 @@ def _layer_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...] | None]:
          "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"))
     if cfg.qk_norm:
         names["attn_q_norm.weight"] = names["attn_k_norm.weight"] = (cfg.head_dim,)
+    if cfg.post_norms:
+        names["post_attention_norm.weight"] = names["post_ffw_norm.weight"] = (cfg.dim,)
     return names
 
 

@@ -1,4 +1,4 @@
-"""Forward pass of one shard of a llama-family model (llama, mistral, qwen2, qwen3).
+"""Forward pass of one shard of a llama-family model (llama, mistral, qwen2, qwen3, gemma2, gemma3).
 
 A shard holds a contiguous range of KV-head groups (with their query heads),
 a range of FFN columns and a range of vocabulary rows; a single node holds
@@ -7,6 +7,11 @@ per-layer sums of partial results go through an injected `reduce`
 callable, which is the identity on a single node and an all-reduce in a
 cluster (Megatron-style: q/k/v/gate/up split by output rows, o/down by
 input columns).
+
+The architectures differ by data, not by code paths: a Layer's optional tensors
+(q/k biases, per-head q/k norms, post-norms) are None where the model has none,
+and ModelConfig says which activation, scales, caps and windows apply
+(gguf._read_config, as llama.cpp reads them).
 """
 
 from __future__ import annotations
@@ -72,6 +77,8 @@ class Layer:
     q_norm: np.ndarray | None          # (hd,) RMSNorm weight of every query head, before rope (qwen3)
     k_norm: np.ndarray | None          # (hd,) of every key head
     ffn_norm: np.ndarray               # (dim,)
+    attn_post_norm: np.ndarray | None  # (dim,) RMSNorm of the summed attention output (gemma)
+    ffn_post_norm: np.ndarray | None   # (dim,) of the summed FFN output
     w_gate: quant.Weight | None        # (ffn_l, dim)
     w_up: quant.Weight | None          # (ffn_l, dim)
     w_down: quant.Weight | None        # (dim, ffn_l)
@@ -160,6 +167,8 @@ def load_weights(mf: ModelFile, spec: ShardSpec | None = None) -> Weights:
             q_norm=mf.vector(p + "attn_q_norm.weight") if cfg.qk_norm else None,
             k_norm=mf.vector(p + "attn_k_norm.weight") if cfg.qk_norm else None,
             ffn_norm=mf.vector(p + "ffn_norm.weight"),
+            attn_post_norm=mf.vector(p + "post_attention_norm.weight") if cfg.post_norms else None,
+            ffn_post_norm=mf.vector(p + "post_ffw_norm.weight") if cfg.post_norms else None,
             w_gate=_rows(mf.weight(p + "ffn_gate.weight"), local.ffn_cols),
             w_up=_rows(mf.weight(p + "ffn_up.weight"), local.ffn_cols),
             w_down=_cols(mf.weight(p + "ffn_down.weight"), local.ffn_cols),
@@ -211,6 +220,8 @@ class Shard:
         self.k_bits = [ops.kernel_view(c) for c in self.k_cache]
         self.v_bits = [ops.kernel_view(c) for c in self.v_cache]
         self.cos, self.sin = ops.rope_table(self.ctx, cfg.rope_dims, cfg.rope_theta, self.w.rope_freqs)
+        if any(cfg.is_local(i) for i in range(cfg.n_layers)):  # sliding-window layers' own rope base
+            self.cos_swa, self.sin_swa = ops.rope_table(self.ctx, cfg.rope_dims, cfg.rope_theta_swa, self.w.rope_freqs)
 
     @property
     def kv_bytes(self) -> int:
@@ -228,7 +239,7 @@ class Shard:
             raise ValueError(f"KV slot {slot} does not exist: this shard holds slots 0 to {self.slots - 1}")
         if pos + n > self.ctx:
             raise ContextFull(f"context is full: {pos + n} positions needed, the KV cache holds {self.ctx}")
-        if n == 1 and self.fast_decode:
+        if n == 1 and self.fast_decode and decode.fuses(self.w.cfg):
             int8 = quant.int8_decode()
             if int8 not in self._plans:
                 self._plans[int8] = decode.Plan(self, int8)
@@ -239,10 +250,14 @@ class Shard:
             ops.rmsnorm(x, layer.attn_norm, cfg.norm_eps, h)
             partial = self._attention(i, layer, h, pos, slot)
             self.reduce(partial)
+            if layer.attn_post_norm is not None:
+                ops.rmsnorm(partial, layer.attn_post_norm, cfg.norm_eps, partial)
             x += partial
             ops.rmsnorm(x, layer.ffn_norm, cfg.norm_eps, h)
             partial = self._ffn(layer, h)
             self.reduce(partial)
+            if layer.ffn_post_norm is not None:
+                ops.rmsnorm(partial, layer.ffn_post_norm, cfg.norm_eps, partial)
             x += partial
         if self.w.out_norm is None:
             return x
@@ -271,6 +286,11 @@ class Shard:
             raise ValueError(f"KV slots {sl.tolist()} must be distinct, each 0 to {self.slots - 1}")
         if ps.min() < 0 or ps.max() >= self.ctx:
             raise ContextFull(f"context is full: position {int(ps.max())} needed, the KV cache holds {self.ctx}")
+        if not decode.fuses(self.w.cfg):  # row by row through the per-op path: each row's bits alone
+            out = np.empty_like(x)
+            for b in range(B):  # x's row b (a view: C-contiguous) is updated in place, as a Plan does
+                out[b] = self.forward(x[b:b + 1], int(ps[b]), int(sl[b]))[0]
+            return out
         int8 = quant.int8_decode()
         if int8 not in self._row_plans:
             self._row_plans[int8] = decode.Plan(self, int8, self.slots)
@@ -290,7 +310,7 @@ class Shard:
         decode.matvec_rows(head, h, out)
         for b in range(B):
             quant.refine_top(head, h[b], out[b], EXACT_TOP)
-        return out
+        return self._softcap(out)
 
     def logits(self, h: np.ndarray) -> np.ndarray:
         """This shard's vocabulary rows of the logits: (n, vocab_l).
@@ -307,7 +327,15 @@ class Shard:
             _apply(head, h, out)
             if h.shape[0] == 1:
                 quant.refine_top(head, h[0], out[0], EXACT_TOP)
-        return out
+        return self._softcap(out)
+
+    def _softcap(self, logits: np.ndarray) -> np.ndarray:
+        """gemma2's final soft-cap, cap * tanh(logit / cap), in f32 steps as llama.cpp (elementwise:
+        each shard caps its own vocabulary rows)."""
+        cap = self.w.cfg.final_softcap
+        if cap > 0.0:
+            logits[:] = np.tanh(logits * np.float32(1.0 / cap)) * np.float32(cap)
+        return logits
 
     def _attention(self, i: int, layer: Layer, h: np.ndarray, pos: int, slot: int) -> np.ndarray:
         cfg = self.w.cfg
@@ -329,17 +357,21 @@ class Shard:
         if layer.q_norm is not None:
             ops.rmsnorm_heads(q, hd, layer.q_norm, cfg.norm_eps)
             ops.rmsnorm_heads(k, hd, layer.k_norm, cfg.norm_eps)
-        ops.rope(q, self.n_heads, hd, cfg.rope_dims, pos, self.cos, self.sin, cfg.rope_neox)
-        ops.rope(k, self.n_kv, hd, cfg.rope_dims, pos, self.cos, self.sin, cfg.rope_neox)
+        local = cfg.is_local(i)
+        cos, sin = (self.cos_swa, self.sin_swa) if local else (self.cos, self.sin)
+        window = cfg.swa_window if local else 0
+        ops.rope(q, self.n_heads, hd, cfg.rope_dims, pos, cos, sin, cfg.rope_neox)
+        ops.rope(k, self.n_kv, hd, cfg.rope_dims, pos, cos, sin, cfg.rope_neox)
         kc, vc = self.k_cache[i][slot], self.v_cache[i][slot]
         kc[:, pos:pos + n, :] = k.reshape(n, self.n_kv, hd).transpose(1, 0, 2)
         vc[:, pos:pos + n, :] = v.reshape(n, self.n_kv, hd).transpose(1, 0, 2)
         att = np.empty_like(q)
         if n == 1:
             kb, vb = self.k_bits[i][slot], self.v_bits[i][slot]
-            ops.attention(q, kb, vb, pos, cfg.group_size, att, quant.threads() == 1)
+            ops.attention(q, kb, vb, pos, cfg.group_size, att, quant.threads() == 1, cfg.attn_scale, window,
+                          cfg.attn_softcap)
         else:
-            ops.attention_batch(q, kc, vc, pos, cfg.group_size, att)
+            ops.attention_batch(q, kc, vc, pos, cfg.group_size, att, cfg.attn_scale, window, cfg.attn_softcap)
         _apply(layer.wo, att, partial)
         return partial
 
@@ -353,7 +385,10 @@ class Shard:
         hb = quant.Batch(h)
         _apply(layer.w_gate, hb, gate)
         _apply(layer.w_up, hb, up)
-        ops.silu_mul(gate, up)
+        if self.w.cfg.geglu:
+            ops.gelu_mul(gate, up)
+        else:
+            ops.silu_mul(gate, up)
         _apply(layer.w_down, gate, partial)
         return partial
 
@@ -370,4 +405,7 @@ def _apply(w: quant.Weight, x: np.ndarray | quant.Batch, out: np.ndarray) -> Non
 def embed(mf: ModelFile, token_ids: list[int]) -> np.ndarray:
     """Embedding rows for the given tokens: (n, dim) f32 (only those rows are read)."""
     table = mf.weight("token_embd.weight")
-    return np.stack([quant.dequantize_rows(table, t, t + 1)[0] for t in token_ids]).astype(np.float32)
+    rows = np.stack([quant.dequantize_rows(table, t, t + 1)[0] for t in token_ids]).astype(np.float32)
+    if mf.config.embed_scale != 1.0:  # gemma: times sqrt(dim), in f32 as llama.cpp's ggml_scale
+        rows *= np.float32(mf.config.embed_scale)
+    return rows

@@ -80,6 +80,9 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32") -> np.ndarray:
     hd = key("attention.key_length", dim // nh)
     eps = key("attention.layer_norm_rms_epsilon", 1e-5)
     theta = key("rope.freq_base", 10000.0)
+    # linear rope scaling: positions divided by rope.scaling.factor (HF's "linear" rope_scaling);
+    # gemma3's sliding-window layers are never scaled (its local rope has no rope_scaling)
+    stretch = key("rope.scaling.factor", 1.0) if key("rope.scaling.type", "linear") == "linear" else 1.0
     gemma, gemma2 = arch in ("gemma2", "gemma3"), arch == "gemma2"
     halves = arch in ("qwen2", "qwen3", "gemma2", "gemma3")
     window = key("attention.sliding_window", 4096 if gemma2 else 0) if gemma else 0
@@ -99,8 +102,8 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32") -> np.ndarray:
     def norm(x, w):
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
-    def rope(v, heads, base):
-        ang = np.arange(n)[:, None] * base ** (-np.arange(0, hd, 2) / hd)[None, :]
+    def rope(v, heads, base, factor):
+        ang = (np.arange(n) / factor)[:, None] * base ** (-np.arange(0, hd, 2) / hd)[None, :]
         cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
         if halves:  # x * cos + rotate_half(x) * sin, the frequencies repeated over both halves
             v = v.reshape(n, heads, hd)
@@ -136,13 +139,14 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32") -> np.ndarray:
         p = f"blk.{layer}."
         local = window > 0 and (period == 0 or layer % period < period - 1)
         base = theta_local if local else theta
+        factor = 1.0 if local and arch == "gemma3" else stretch
         seen = pos[None, :] <= pos[:, None]  # causal: query i sees key j <= i ...
         if local:
             seen &= pos[:, None] - pos[None, :] < window  # ... and only the last `window` of them
         mask = np.where(seen, 0.0, -np.inf)
         h = norm(x, weight(p + "attn_norm.weight"))
-        q = rope(head_norm(linear(h, p + "attn_q"), nh, p + "attn_q_norm.weight"), nh, base)
-        k = rope(head_norm(linear(h, p + "attn_k"), nkv, p + "attn_k_norm.weight"), nkv, base)
+        q = rope(head_norm(linear(h, p + "attn_q"), nh, p + "attn_q_norm.weight"), nh, base, factor)
+        k = rope(head_norm(linear(h, p + "attn_k"), nkv, p + "attn_k_norm.weight"), nkv, base, factor)
         v = linear(h, p + "attn_v").reshape(n, nkv, hd)
         if kv_type == "f16":
             k, v = (c.astype(np.float32).astype(np.float16).astype(np.float64) for c in (k, v))

@@ -200,3 +200,21 @@ def test_two_and_three_processes_with_uneven_weights_give_the_single_nodes_token
 def test_a_gemma_file_without_a_tensor_it_needs_is_refused_in_one_line_naming_it(gemma, arch, tensor, tmp_path):
     bad = _without(gemma(arch), tmp_path / f"{arch}-missing.gguf", tensor)
     assert_one_line_error(ask(bad), str(bad), f"'{tensor}' is missing")
+
+
+# ---------------------------------------------------------------- linear rope scaling
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2", "llama"])
+def test_linear_rope_scaling_matches_llamacpp_and_the_exact_math(llama_cpp, synth_model, arch, float_kernels):
+    # Gemma 3 4B and up carry rope.scaling.type linear, factor 8: llama.cpp scales the global
+    # layers' angles by 1/8 and leaves gemma3's sliding-window layers alone (gemma2 scales both)
+    path = synth_model("tiny-headdim", "f32", arch=arch, rope_scale_linear=8.0, **SHAPES.get(arch, {}))
+    assert gguf.open_model(path).config.rope_scale == 1 / 8
+    ids = _ids(path)
+    exact = reference.exact_logits(path, ids, "f32")
+    spread = _spread(exact)
+    ours = _ours(path, ids, "f32")
+    assert _error(ours, exact, spread).max() <= BOUND["f32"]
+    cpp = reference.logits(path, ids, "f32")
+    assert np.all(_error(ours, cpp, spread) <= _error(cpp, exact, spread) + BOUND["f32"])

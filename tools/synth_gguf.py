@@ -492,13 +492,14 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
                 check: bool = True, progress: Callable[[str], None] | None = None,
                 tensor_types: dict[str, str] | None = None, swa_window: int | None = None,
                 swa_pattern: int | None = None, rope_theta_swa: float | None = None,
-                attn_softcap: float | None = None, final_softcap: float | None = None) -> Path:
+                attn_softcap: float | None = None, final_softcap: float | None = None,
+                rope_scale_linear: float | None = None) -> Path:
     """Write a synthetic llama-family GGUF model to `path` (via path.part, then rename).
 
     Gemma keys, written only when given (llama.cpp then uses its defaults): `swa_window`
     (attention.sliding_window), `swa_pattern` (attention.sliding_window_pattern),
     `rope_theta_swa` (rope.freq_base_swa), `attn_softcap` and `final_softcap` (the logit
-    soft-caps). gemma2 is always tied: llama.cpp reads its lm head from token_embd.
+    soft-caps); `rope_scale_linear`: linear rope scaling by that factor (any arch). gemma2 is always tied: llama.cpp reads its lm head from token_embd.
 
     Norm weights are F32; token_embd uses `embd_type` and output.weight
     `output_type` (both default to `weight_type`); output.weight is omitted
@@ -543,6 +544,9 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
             writer.add_attn_logit_softcapping(float(attn_softcap))
         if final_softcap is not None:
             writer.add_final_logit_softcapping(float(final_softcap))
+        if rope_scale_linear is not None:
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(float(rope_scale_linear))
         writer.add_file_type(int(TYPES[wt_key][1]))
         writer.add_vocab_size(vocab)
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -618,6 +622,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rope-theta-swa", type=float, help="rope base of the local layers (gemma)")
     ap.add_argument("--attn-softcap", type=float, help="attention logit soft-cap (gemma2)")
     ap.add_argument("--final-softcap", type=float, help="final logit soft-cap (gemma2)")
+    ap.add_argument("--rope-scale-linear", type=float, help="linear rope scaling factor (rope.scaling.factor)")
     tie = ap.add_mutually_exclusive_group()
     tie.add_argument("--tied", dest="tied", action="store_true", default=None, help="no output.weight")
     tie.add_argument("--untied", dest="tied", action="store_false", help="write output.weight")
@@ -638,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
         kw["name"] = args.preset
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn", "vocab", "ctx",
                 "rope_theta", "norm_eps", "tied", "swa_window", "swa_pattern", "rope_theta_swa",
-                "attn_softcap", "final_softcap"):
+                "attn_softcap", "final_softcap", "rope_scale_linear"):
         val = getattr(args, key)
         if val is not None:
             kw[key] = val

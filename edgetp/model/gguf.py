@@ -61,6 +61,8 @@ class ModelConfig:
     swa_window: int = 0             # sliding-window layers see the keys p with pos - p < swa_window
     swa_layers: tuple[bool, ...] = ()  # per layer: a sliding-window (local) layer
     rope_theta_swa: float = 0.0     # rope base of the sliding-window layers
+    rope_scale: float = 1.0         # linear rope scaling: angles times this (1 / rope.scaling.factor)
+    rope_scale_swa: float = 1.0     # the same for the sliding-window layers (gemma3: never scaled)
 
     def is_local(self, layer: int) -> bool:
         """Whether layer `layer` attends over a sliding window (with rope_theta_swa)."""
@@ -324,7 +326,13 @@ def _read_config(path: Path, metadata: dict[str, Any], tensors: dict) -> ModelCo
         raise GGUFError(f"{path}: tensor 'token_embd.weight' is missing")
     vocab = int(tensors["token_embd.weight"].shape[1])
     n_layers = int(get(f"{arch}.block_count"))
+    # llama.cpp: freq_scale = 1 / rope.scaling.factor; "linear" (also its default type) is that alone.
+    # (YaRN's other terms are not implemented: such files run without them, as before.)
+    factor = float(metadata.get(f"{arch}.rope.scaling.factor") or 0.0)
+    linear = metadata.get(f"{arch}.rope.scaling.type", "linear") == "linear"
+    rope_scale = 1.0 / factor if factor and linear else 1.0
     gemma = _gemma(path, arch, metadata, n_layers, dim, n_heads, head_dim) if arch.startswith("gemma") else {}
+    gemma.setdefault("rope_scale_swa", rope_scale)
     return ModelConfig(
         arch=arch,
         n_layers=n_layers,
@@ -342,6 +350,7 @@ def _read_config(path: Path, metadata: dict[str, Any], tensors: dict) -> ModelCo
         tied=arch == "gemma2" or "output.weight" not in tensors,  # llama.cpp's gemma2 reads token_embd
         qkv_bias="blk.0.attn_q.bias" in tensors,
         qk_norm=arch in ("qwen3", "gemma3"),
+        rope_scale=rope_scale,
         **gemma,
     )
 
@@ -353,8 +362,8 @@ def _gemma(path: Path, arch: str, metadata: dict[str, Any], n_layers: int, dim: 
     gemma2: sliding window 4096 unless the file says, every 2nd layer global (layer i is local
     when i % period < period - 1, the period from attention.sliding_window_pattern), the local
     rope base rope.freq_base_swa (else the global one), attention and final logit soft-caps
-    from the file, else 50 and 30. gemma3: period 6, local rope base 10000, sliding window only
-    when the file gives one, no attention cap, a final cap only when the file gives one. Both: a
+    from the file, else 50 and 30. gemma3: period 6, local rope base 10000 and no rope scaling
+    on the local layers, sliding window only when the file gives one, no attention cap, a final cap only when the file gives one. Both: a
     query scale of 1/sqrt(dim / heads) for the 27B shapes (46 and 62 layers), else 1/sqrt(head_dim).
     """
     def value(key: str, default: Any) -> Any:
@@ -384,6 +393,7 @@ def _gemma(path: Path, arch: str, metadata: dict[str, Any], n_layers: int, dim: 
         swa_window=window,
         swa_layers=local if window > 0 else (),
         rope_theta_swa=float(value("rope.freq_base_swa", theta if g2 else 10000.0)),
+        **({} if g2 else {"rope_scale_swa": 1.0}),
     )
 
 

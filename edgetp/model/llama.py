@@ -219,9 +219,10 @@ class Shard:
         self.v_cache = [np.zeros(shape, dtype) for _ in self.w.layers]
         self.k_bits = [ops.kernel_view(c) for c in self.k_cache]
         self.v_bits = [ops.kernel_view(c) for c in self.v_cache]
-        self.cos, self.sin = ops.rope_table(self.ctx, cfg.rope_dims, cfg.rope_theta, self.w.rope_freqs)
-        if any(cfg.is_local(i) for i in range(cfg.n_layers)):  # sliding-window layers' own rope base
-            self.cos_swa, self.sin_swa = ops.rope_table(self.ctx, cfg.rope_dims, cfg.rope_theta_swa, self.w.rope_freqs)
+        self.cos, self.sin = ops.rope_table(self.ctx, cfg.rope_dims, cfg.rope_theta, self.w.rope_freqs, cfg.rope_scale)
+        if any(cfg.is_local(i) for i in range(cfg.n_layers)):  # sliding-window layers' own rope
+            self.cos_swa, self.sin_swa = ops.rope_table(self.ctx, cfg.rope_dims, cfg.rope_theta_swa, self.w.rope_freqs,
+                                                        cfg.rope_scale_swa)
 
     @property
     def kv_bytes(self) -> int:

@@ -212,12 +212,14 @@ def rmsnorm_heads(x, head_dim, w, eps):  # pragma: no cover - compiled
                 x[i, base + j] = x[i, base + j] * scale * w[j]
 
 
-def rope_table(n_pos: int, rope_dims: int, theta: float, freq_factors: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin of every position and frequency: (n_pos, rope_dims // 2) each, f32."""
+def rope_table(n_pos: int, rope_dims: int, theta: float, freq_factors: np.ndarray | None,
+               scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin of every position and frequency: (n_pos, rope_dims // 2) each, f32; scale: linear
+    rope scaling, every angle times it (llama.cpp's freq_scale)."""
     inv = theta ** (-np.arange(0, rope_dims, 2, dtype=np.float64) / rope_dims)
     if freq_factors is not None:
         inv = inv / freq_factors[: rope_dims // 2].astype(np.float64)
-    ang = np.arange(n_pos, dtype=np.float64)[:, None] * inv[None, :]
+    ang = (np.arange(n_pos, dtype=np.float64) * scale)[:, None] * inv[None, :]
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 

@@ -28,11 +28,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgetp.model import decode, gguf, llama
+from edgetp.model import gguf, llama
 from edgetp.model.generate import LocalRunner
 from edgetp.model.tokenizer import Tokenizer
 from tests import reference
 from tests.test_cli_errors import ask, assert_one_line_error
+from tests.test_decode_fast import _same
 from tests.test_engine_reference import BOUND, FOX, INT8_VS_CPP, _error, _ours, _spread
 from tests.test_parallel import GREEDY, _serving, cluster, greedy
 from tests.test_qwen3 import _without
@@ -74,7 +75,6 @@ def test_the_files_read_as_llamacpps_loader_reads_them(gemma):
     g3 = gguf.open_model(gemma("gemma3")).config
     assert g3.swa_layers == (True,) * 5 + (False, True) and g3.rope_theta_swa == 10000.0
     assert (g3.attn_softcap, g3.final_softcap, g3.qk_norm, g3.rope_theta) == (0.0, 0.0, True, 1e6)
-    assert not decode.fuses(g2) and not decode.fuses(g3)
 
 
 @pytest.mark.parametrize("kv_type", ["f16", "f32"])
@@ -145,6 +145,14 @@ def test_a_batched_decode_step_gives_each_row_the_bits_of_that_row_alone(gemma, 
         alone = primed(prompt)
         want = alone.logits(alone.forward(llama.embed(mf, [tok]), len(prompt)))
         assert np.array_equal(got[b].view(np.uint32), want[0].view(np.uint32)), f"row {b}"
+
+
+@pytest.mark.parametrize("wt", ["q8_0", "q4_k"])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_the_fused_decode_plan_gives_the_per_op_paths_bits(gemma, arch, wt, int8, kv_type):
+    # post-norms, GeGLU, soft-caps, windows and both rope tables inside decode.Plan's fused steps
+    # (test_decode_fast._same: 5 prompt tokens then 8 decoded, past gemma's window of 8)
+    _same(gguf.open_model(gemma(arch, wt)), kv_type=kv_type)
 
 
 # ---------------------------------------------------------------- tensor parallel, real processes

@@ -27,20 +27,10 @@ from numba import njit, prange
 from edgetp.model import intdot, ops, quant
 
 if TYPE_CHECKING:
-    from edgetp.model.gguf import ModelConfig
     from edgetp.model.llama import Layer, Shard
 
 _JIT = dict(cache=True, nogil=True)
 _NO_NORM = np.zeros(0, np.float32)  # a layer without q/k norms
-
-
-def fuses(cfg: ModelConfig) -> bool:
-    """Whether a Plan computes this model: its fused steps are the pre-norm residual stream with
-    SwiGLU and plain causal attention (llama, mistral, qwen2, qwen3). Gemma's post-norms (a norm
-    between the all-reduce and the residual add), GeGLU, soft-caps, sliding windows and second
-    rope table are not in its kernels: those models decode through the per-op path
-    (Shard.forward with n == 1), the same arithmetic with Python dispatch between the ops."""
-    return not (cfg.post_norms or cfg.geglu or cfg.attn_softcap or cfg.swa_window or cfg.attn_scale)
 
 
 class _Matvecs:
@@ -131,42 +121,49 @@ class Plan:
         rh, ra, rg = self.r["h"], self.r["att"], self.r["gate"]
         zeros = self.zeros[:n]
         partial = zeros  # the sum x has yet to get (none before the first layer)
+        post = _NO_NORM  # the norm that sum gets before it is added (gemma's post-norms)
         for i, p in enumerate(self.layers):
             layer = p.layer
             if p.qkv is None:
-                _add_norm(x, partial, layer.attn_norm, eps, h, i > 0, False, *rh)
+                _add_norm(x, partial, post, layer.attn_norm, eps, h, i > 0, False, *rh)
                 partial = zeros
                 partial.fill(0.0)
             else:
-                _add_norm(x, partial, layer.attn_norm, eps, h, i > 0, p.qkv.rounds, *rh)
+                _add_norm(x, partial, post, layer.attn_norm, eps, h, i > 0, p.qkv.rounds, *rh)
                 p.qkv(n, serial)
                 if layer.bq is not None:
                     p.q[:n] += layer.bq
                     p.k[:n] += layer.bk
                     p.v[:n] += layer.bv
                 qn, kn = (_NO_NORM, _NO_NORM) if layer.q_norm is None else (layer.q_norm, layer.k_norm)
+                local = cfg.is_local(s.w.layer0 + i)
+                cos, sin = (s.cos_swa, s.sin_swa) if local else (s.cos, s.sin)
                 _attention(p.q[:n], p.k[:n], p.v[:n], s.k_bits[i], s.v_bits[i], slots, positions, qn, kn, eps,
-                           s.cos, s.sin, cfg.rope_dims, cfg.rope_neox, cfg.group_size, p.att[:n], serial,
-                           p.o.rounds, *ra)
+                           cos, sin, cfg.rope_dims, cfg.rope_neox, cfg.group_size, cfg.attn_scale,
+                           cfg.swa_window if local else 0, cfg.attn_softcap, p.att[:n], serial, p.o.rounds, *ra)
                 p.o(n, serial)
                 partial = p.o.out[:n]
             s.reduce(partial)
+            post = _NO_NORM if layer.attn_post_norm is None else layer.attn_post_norm
             if p.gate_up is None:
-                _add_norm(x, partial, layer.ffn_norm, eps, h, True, False, *rh)
+                _add_norm(x, partial, post, layer.ffn_norm, eps, h, True, False, *rh)
                 partial = zeros
                 partial.fill(0.0)
             else:
-                _add_norm(x, partial, layer.ffn_norm, eps, h, True, p.gate_up.rounds, *rh)
+                _add_norm(x, partial, post, layer.ffn_norm, eps, h, True, p.gate_up.rounds, *rh)
                 p.gate_up(n, serial)
-                _silu(p.gate[:n], p.up[:n], p.down.rounds, *rg)
+                _glu(p.gate[:n], p.up[:n], cfg.geglu, p.down.rounds, *rg)
                 p.down(n, serial)
                 partial = p.down.out[:n]
             s.reduce(partial)
+            post = _NO_NORM if layer.ffn_post_norm is None else layer.ffn_post_norm
         if s.w.out_norm is None:  # a pipeline stage before the last: the residual goes on
+            if self.layers and post.shape[0]:
+                ops.rmsnorm(partial, post, eps, partial)
             x += partial
             return x
         out = np.empty_like(h)
-        _add_norm(x, partial, s.w.out_norm, eps, out, bool(self.layers), False, *rh)
+        _add_norm(x, partial, post, s.w.out_norm, eps, out, bool(self.layers), False, *rh)
         return out
 
 
@@ -174,9 +171,12 @@ class Plan:
 
 
 @njit(**_JIT)
-def _add_norm(x, partial, w, eps, h, add, rnd, xq, dx, s4, s16):  # pragma: no cover - compiled
-    # x, partial, h (n, dim): if add, x += partial; h = rmsnorm(x) * w; and, if rnd, row b of h
+def _add_norm(x, partial, post, w, eps, h, add, rnd, xq, dx, s4, s16):  # pragma: no cover - compiled
+    # x, partial, h (n, dim): if add, x += partial (first normed in place by post (dim,) unless
+    # post is empty: gemma's post-norms); h = rmsnorm(x) * w; and, if rnd, row b of h
     # rounded into row b of xq/dx/s4/s16
+    if add and post.shape[0]:
+        ops.rmsnorm(partial, post, eps, partial)
     if add:
         for b in range(x.shape[0]):
             for j in range(x.shape[1]):
@@ -188,12 +188,13 @@ def _add_norm(x, partial, w, eps, h, add, rnd, xq, dx, s4, s16):  # pragma: no c
 
 
 @njit(parallel=True, **_JIT)
-def _attention(q, k, v, kc, vc, slots, positions, qn, kn, eps, cos, sin, rope_dims, neox, group, att, serial, rnd,
-               xq, dx, s4, s16):  # pragma: no cover - compiled
+def _attention(q, k, v, kc, vc, slots, positions, qn, kn, eps, cos, sin, rope_dims, neox, group, scale, window, cap,
+               att, serial, rnd, xq, dx, s4, s16):  # pragma: no cover - compiled
     # q (n, heads*hd), k and v (n, kv*hd), row b a token at positions[b] of KV slot slots[b]: norm
     # each head of its q and k by qn, kn (hd,) unless they are empty (qwen3), rope its q and k, write its k and v there in the caches kc, vc (slots, kv, ctx, hd; float32 or
     # the uint16 bits of f16, ops.kv_store rounding as numpy does); att (n,
-    # heads*hd) = each row's attention over its own slot; if rnd, each row of att rounded
+    # heads*hd) = each row's attention over its own slot (scale, window, cap: ops.attention's);
+    # if rnd, each row of att rounded
     n = q.shape[0]
     n_kv, hd = kc.shape[1], kc.shape[3]
     heads = n_kv * group
@@ -211,21 +212,26 @@ def _attention(q, k, v, kc, vc, slots, positions, qn, kn, eps, cos, sin, rope_di
     if serial:
         for job in range(n * heads):
             b = job // heads
-            ops.attend_head(q[b : b + 1], kc[slots[b]], vc[slots[b]], positions[b], group, att[b : b + 1], job % heads)
+            ops.attend_head(q[b : b + 1], kc[slots[b]], vc[slots[b]], positions[b], group, att[b : b + 1], job % heads,
+                            scale, window, cap)
     else:
         for job in prange(n * heads):
             b = job // heads
-            ops.attend_head(q[b : b + 1], kc[slots[b]], vc[slots[b]], positions[b], group, att[b : b + 1], job % heads)
+            ops.attend_head(q[b : b + 1], kc[slots[b]], vc[slots[b]], positions[b], group, att[b : b + 1], job % heads,
+                            scale, window, cap)
     if rnd:
         for b in range(n):
             intdot.round_into(att[b], xq[b], dx[b], s4[b], s16[b])
 
 
 @njit(**_JIT)
-def _silu(gate, up, rnd, xq, dx, s4, s16):  # pragma: no cover - compiled
-    # gate, up (n, f): gate <- silu(gate) * up, and, if rnd, each row rounded
+def _glu(gate, up, gelu, rnd, xq, dx, s4, s16):  # pragma: no cover - compiled
+    # gate, up (n, f): gate <- silu(gate) * up (gelu: gelu(gate) * up), and, if rnd, each row rounded
     for b in range(gate.shape[0]):
-        ops.silu_mul_row(gate, up, b)
+        if gelu:
+            ops.gelu_mul_row(gate, up, b)
+        else:
+            ops.silu_mul_row(gate, up, b)
         if rnd:
             intdot.round_into(gate[b], xq[b], dx[b], s4[b], s16[b])
 

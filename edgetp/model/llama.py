@@ -240,7 +240,7 @@ class Shard:
             raise ValueError(f"KV slot {slot} does not exist: this shard holds slots 0 to {self.slots - 1}")
         if pos + n > self.ctx:
             raise ContextFull(f"context is full: {pos + n} positions needed, the KV cache holds {self.ctx}")
-        if n == 1 and self.fast_decode and decode.fuses(self.w.cfg):
+        if n == 1 and self.fast_decode:
             int8 = quant.int8_decode()
             if int8 not in self._plans:
                 self._plans[int8] = decode.Plan(self, int8)
@@ -287,11 +287,6 @@ class Shard:
             raise ValueError(f"KV slots {sl.tolist()} must be distinct, each 0 to {self.slots - 1}")
         if ps.min() < 0 or ps.max() >= self.ctx:
             raise ContextFull(f"context is full: position {int(ps.max())} needed, the KV cache holds {self.ctx}")
-        if not decode.fuses(self.w.cfg):  # row by row through the per-op path: each row's bits alone
-            out = np.empty_like(x)
-            for b in range(B):  # x's row b (a view: C-contiguous) is updated in place, as a Plan does
-                out[b] = self.forward(x[b:b + 1], int(ps[b]), int(sl[b]))[0]
-            return out
         int8 = quant.int8_decode()
         if int8 not in self._row_plans:
             self._row_plans[int8] = decode.Plan(self, int8, self.slots)
@@ -358,7 +353,7 @@ class Shard:
         if layer.q_norm is not None:
             ops.rmsnorm_heads(q, hd, layer.q_norm, cfg.norm_eps)
             ops.rmsnorm_heads(k, hd, layer.k_norm, cfg.norm_eps)
-        local = cfg.is_local(i)
+        local = cfg.is_local(self.w.layer0 + i)  # i: this shard's layer, of a pipeline stage's range
         cos, sin = (self.cos_swa, self.sin_swa) if local else (self.cos, self.sin)
         window = cfg.swa_window if local else 0
         ops.rope(q, self.n_heads, hd, cfg.rope_dims, pos, cos, sin, cfg.rope_neox)

@@ -334,10 +334,15 @@ def softcap(x, cap):  # pragma: no cover - compiled
 def gelu_mul(gate, up):  # pragma: no cover - compiled
     # gate, up: (n, f); gate <- gelu(gate) * up, GELU's tanh form (GeGLU, gemma)
     for i in prange(gate.shape[0]):
-        for j in range(gate.shape[1]):
-            g = gate[i, j]
-            inner = np.float32(0.7978845608028654) * (g + np.float32(0.044715) * g * g * g)
-            gate[i, j] = np.float32(0.5) * g * (np.float32(1.0) + np.float32(math.tanh(inner))) * up[i, j]
+        gelu_mul_row(gate, up, i)
+
+
+@njit(**_JIT)
+def gelu_mul_row(gate, up, i):  # pragma: no cover - compiled
+    for j in range(gate.shape[1]):
+        g = gate[i, j]
+        inner = np.float32(0.7978845608028654) * (g + np.float32(0.044715) * g * g * g)
+        gate[i, j] = np.float32(0.5) * g * (np.float32(1.0) + np.float32(math.tanh(inner))) * up[i, j]
 
 
 @njit(parallel=True, **_JIT)

@@ -226,3 +226,86 @@ def test_linear_rope_scaling_matches_llamacpp_and_the_exact_math(llama_cpp, synt
     assert _error(ours, exact, spread).max() <= BOUND["f32"]
     cpp = reference.logits(path, ids, "f32")
     assert np.all(_error(ours, cpp, spread) <= _error(cpp, exact, spread) + BOUND["f32"])
+
+
+# ---------------------------------------------------------------- chat templates
+
+# Gemma 2's and Gemma 3's templates as their tokenizer_config.json carry them (Gemma 3's
+# image item left out): Gemma 2 refuses a system turn, Gemma 3 folds it into the first
+# user turn. llama.cpp's own Gemma formatting (llama_chat_apply_template, which knows the
+# template by its <start_of_turn>) is the reference; it leaves the BOS to the tokenizer.
+GEMMA2_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}")
+GEMMA3_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+TURNS = [{"role": "user", "content": " Hi there \n"}, {"role": "assistant", "content": "Hello! "},
+         {"role": "user", "content": "What is 2+2?"}]
+SYSTEM = [{"role": "system", "content": "Answer in French."}]
+
+
+def _llamacpp_chat(llama_cpp, template: str, messages: list[dict], add_generation_prompt: bool) -> str:
+    import ctypes  # noqa: PLC0415
+
+    chat = (llama_cpp.llama_chat_message * len(messages))(
+        *[llama_cpp.llama_chat_message(m["role"].encode(), m["content"].encode()) for m in messages])
+    buf = ctypes.create_string_buffer(1 << 14)
+    n = llama_cpp.llama_chat_apply_template(template.encode(), chat, len(messages), add_generation_prompt, buf,
+                                            len(buf))
+    assert 0 < n < len(buf)
+    return buf.raw[:n].decode()
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("template,messages", [(GEMMA2_TEMPLATE, TURNS), (GEMMA3_TEMPLATE, TURNS),
+                                               (GEMMA3_TEMPLATE, SYSTEM + TURNS)],
+                         ids=["gemma2", "gemma3", "gemma3-system"])
+def test_gemma_chat_templates_render_as_llamacpp_formats_gemma(llama_cpp, template, messages, add_generation_prompt):
+    from edgetp.model.chat import render_chat_template  # noqa: PLC0415
+
+    ours = render_chat_template(template, messages, add_generation_prompt=add_generation_prompt, bos_token="<bos>")
+    assert ours == "<bos>" + _llamacpp_chat(llama_cpp, template, messages, add_generation_prompt)
+
+
+def test_gemma2s_template_refuses_a_system_turn_in_one_clear_error():
+    from edgetp.model.chat import ChatTemplateError, render_chat_template  # noqa: PLC0415
+
+    with pytest.raises(ChatTemplateError, match="System role not supported"):
+        render_chat_template(GEMMA2_TEMPLATE, SYSTEM + TURNS)

@@ -35,6 +35,7 @@ from tests import reference
 from tests.test_cli_errors import ask, assert_one_line_error
 from tests.test_decode_fast import _same
 from tests.test_engine_reference import BOUND, FOX, INT8_VS_CPP, _error, _ours, _spread
+from edgetp.parallel.runner import ClusterRunner
 from tests.test_parallel import GREEDY, _serving, cluster, greedy
 from tests.test_qwen3 import _without
 
@@ -198,6 +199,41 @@ def test_two_and_three_processes_with_uneven_weights_give_the_single_nodes_token
             assert greedy(runner, ids, 64) == expected, f"{n} processes, shares {shares}"
         finally:
             runner.close()
+
+
+@pytest.mark.parametrize("layout", [[[0], [1], [2]], [[0, 1], [2]]], ids=["pp-over-three", "hybrid"])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_pipeline_stages_give_the_single_nodes_tokens(arch, layout, workers, control, gemma, float_kernels):
+    # a stage's layers keep their own kind (local or global, by the model's layer index: gemma3's
+    # stages, split after layer 4 or earlier, would otherwise take global layer 5 for a local one)
+    # and a stage's last post-norm goes on the residual it hands on
+    path = gemma(arch, "q8_0", preset="tiny-odd", head_dim=32, n_layers=7)
+    mf = gguf.open_model(path)
+    ids = Tokenizer.from_metadata(mf.metadata).encode(FOX)
+    expected = greedy(LocalRunner(mf, 256), ids, 48)
+    runner = control.run(ClusterRunner.connect(mf, workers, ctx=256, weights=[1, 2, 3], layout=layout), timeout=300)
+    try:
+        layers = [(n.node_id, n.stage, n.layers) for n in runner.nodes]
+        assert len(runner.plan.stages) == len(layout), layers
+        assert greedy(runner, ids, 48) == expected, layers
+    finally:
+        runner.close()
+
+
+def test_a_gemma_stage_slice_file_opens_and_runs_as_its_stage(gemma, tmp_path):
+    from edgetp.parallel.shardfile import write_shard  # noqa: PLC0415
+
+    mf = gguf.open_model(gemma("gemma3", "q8_0"))
+    cfg = mf.config
+    full = (0, cfg.n_kv_heads), (0, cfg.ffn)
+    spec = llama.ShardSpec(*full, (0, cfg.vocab), (3, cfg.n_layers))
+    part = gguf.open_model(write_shard(mf, spec, tmp_path / "stage.gguf"))  # other layers' norms: names only
+    x = llama.embed(mf, [1, 42, 7, 99, 5, 300, 12, 77, 150, 3])  # past the window of 8
+    first = llama.Shard(llama.load_weights(mf, llama.ShardSpec(*full, (0, 0), (0, 3))), 16)
+    whole = llama.Shard(llama.load_weights(mf), 16)
+    stage = llama.Shard(llama.load_weights(part, spec), 16)
+    want = whole.logits(whole.forward(x.copy(), 0))
+    assert np.array_equal(stage.logits(stage.forward(first.forward(x.copy(), 0), 0)), want)
 
 
 # ---------------------------------------------------------------- bad input

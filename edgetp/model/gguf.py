@@ -112,7 +112,7 @@ class ModelFile:
         self.tensors = _map_tensors(self.path, head["tensors"])
         _check_extents(self.path, self.tensors.values(), self.data_offset, self.alignment)
         self.config = _read_config(self.path, self.metadata, self.tensors)
-        _check_layers(self.path, self.config, self.tensors)
+        _check_layers(self.path, self.config, self.tensors, self.metadata)
         _check_tensor_types(self.path, self.tensors)
 
     @cached_property
@@ -410,13 +410,17 @@ def _layer_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...] | None]:
     return names
 
 
-def _check_layers(path: Path, cfg: ModelConfig, tensors: dict) -> None:
-    """Every tensor the architecture needs is there (at open: no partial load), 1-D ones of their shape."""
+def _check_layers(path: Path, cfg: ModelConfig, tensors: dict, metadata: dict[str, Any]) -> None:
+    """Every tensor the architecture needs is there (at open: no partial load), 1-D ones of their shape.
+
+    A pipeline stage's shard file keeps every name but holds data for its own layers only
+    (edgetp.shard.layers, parallel/shardfile.py): shapes are checked in those."""
     need = ["output_norm.weight"] + [f"blk.{i}.{s}" for i in range(cfg.n_layers) for s in _layer_tensors(cfg)]
     for name in need:
         if name not in tensors:
             raise GGUFError(f"{path}: tensor {name!r} is missing (architecture {cfg.arch} needs it)")
-    for i in range(cfg.n_layers):
+    held = metadata.get("edgetp.shard.layers") or (0, cfg.n_layers)
+    for i in range(int(held[0]), int(held[1])):
         for suffix, shape in _layer_tensors(cfg).items():
             t = tensors[f"blk.{i}.{suffix}"]
             if shape is not None and tuple(t.shape) != shape:

@@ -407,17 +407,19 @@ def _softmax_causal(scores, m, base, total, window):  # pragma: no cover - compi
     # 0..base; in place: exp(s - max) over the keys it sees, 0 elsewhere; total: the sums.
     # window > 0: a row sees only its last `window` keys (itself included).
     # One thread: a block is ~0.1 ms, about what waking numba's workers costs.
+    # (Keys before the window are set to -inf, which exp32 takes to exactly 0: the loops stay
+    # those of plain causal attention, whose fastmath vector code, and so bits, they keep.)
     rows, keys = scores.shape
     for r in range(rows):
         seen = base + r % m + 1
-        first = max(0, seen - window) if window > 0 else 0
-        for j in range(first):
-            scores[r, j] = 0.0
-        top = scores[r, first]
-        for j in range(first + 1, seen):
+        if window > 0:
+            for j in range(seen - window):
+                scores[r, j] = -np.inf
+        top = scores[r, 0]
+        for j in range(1, seen):
             top = max(top, scores[r, j])
         acc = np.float32(0.0)
-        for j in range(first, seen):
+        for j in range(seen):
             e = exp32(scores[r, j] - top)
             scores[r, j] = e
             acc += e

@@ -126,8 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--threads", type=_positive, default=None)
     srv.add_argument("--slots", type=_positive, default=None,
                      help="sequences decoded at once, each with a KV cache of --ctx positions (default 4)")
-    srv.add_argument("--kv-type", choices=("f16", "f32"), default=None,
-                     help="what the KV caches hold: f16 (default, as llama.cpp) or f32 (twice the memory)")
+    srv.add_argument("--kv-type", choices=("f16", "f32", "q8_0"), default=None,
+                     help="what the KV caches hold: f16 (default, as llama.cpp), f32 (twice the memory) "
+                          "or q8_0 (34 bytes per 32 values, ~53%% of f16; head size a multiple of 32)")
     srv.add_argument("--queue", type=_positive, default=8,
                      help="requests that may wait while every slot is busy; more get 429")
     srv.add_argument("--key", dest="key_file", default=None,

@@ -17,6 +17,7 @@ from edgetp.model import gguf, isa, quant, sampling
 from edgetp.model.batch import RunnerLost
 from edgetp.model.generate import ContextError, LocalRunner, generate
 from edgetp.model.llama import ContextFull
+from edgetp.model.kvcache import KVTypeError
 from edgetp.model.tokenizer import Tokenizer, UnsupportedTokenizer
 from edgetp.net import auth
 from edgetp.net.httpauth import Credentials
@@ -49,6 +50,7 @@ USER_ERRORS = (
     PlanError,
     WorkerError,
     ConfigError,
+    KVTypeError,
 )
 
 

@@ -32,7 +32,7 @@ ENV_PREFIX = "EDGETP_"
 OTHER_ENV = frozenset({"EDGETP_CONFIG", "EDGETP_LINK_MODE", "EDGETP_URL", "EDGETP_API_KEY",  # clients
                        "EDGETP_INT8", "EDGETP_ISA"})  # the kernels (edgetp.model.quant, edgetp.model.isa)
 SYNC_TYPES = ("f32", "q8_0")
-KV_TYPES = ("f16", "f32")  # what the KV caches hold (edgetp/model/ops.py KV_TYPES)
+KV_TYPES = ("f16", "f32", "q8_0")  # what the KV caches hold (edgetp/model/ops.py KV_TYPES)
 
 
 class ConfigError(ValueError):
@@ -112,7 +112,7 @@ class Settings:
     sync: str = "f32"                       # all-reduce payload: "f32" or "q8_0"
     ctx: int = 2048                         # context length (KV cache size) of each sequence
     slots: int = 4                          # sequences decoded at once, each with its own KV cache (fewer if memory is short)
-    kv_type: str = "f16"                    # KV cache values: "f16" (llama.cpp's default, half of f32) or "f32"
+    kv_type: str = "f16"                    # KV cache values: "f16" (llama.cpp's default, half of f32), "f32" or "q8_0"
     parallel: str = "auto"                  # plan kind: "auto" (the cost model picks over measured links), "tp"
                                             # (every node splits every layer) or "pp" (a pipeline of single-node stages)
     api_tokens: tuple[str, ...] = ()        # bearer tokens the OpenAI API accepts; () means none needed

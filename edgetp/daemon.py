@@ -67,7 +67,7 @@ class ServeOptions:
     sync: str = "f32"
     ctx: int = 2048
     slots: int = 4                  # sequences decoded at once (the planner may give fewer)
-    kv_type: str = "f16"            # what every node's KV caches hold: "f16" or "f32"
+    kv_type: str = "f16"            # what every node's KV caches hold: "f16", "f32" or "q8_0"
     parallel: str = "auto"          # plan kind: "auto", "tp" or "pp" (parallel/pipeline.py)
     threads: int | None = None
     key: bytes | None = None

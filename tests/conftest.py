@@ -152,7 +152,7 @@ def int8(request, monkeypatch):
     return request.param == "1"
 
 
-@pytest.fixture(params=["f16", "f32"])
+@pytest.fixture(params=["f16", "f32", "q8_0"])
 def kv_type(request):
-    """Each KV cache type."""
+    """Each KV cache type (q8_0 needs a head size that is a multiple of 32)."""
     return request.param

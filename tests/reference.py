@@ -6,17 +6,18 @@ from functools import lru_cache
 
 import numpy as np
 
-GGML_TYPES = {"f32": 0, "f16": 1}  # KV cache types: edgetp's name -> ggml_type
+GGML_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}  # KV cache types: edgetp's name -> ggml_type
 
 
 @lru_cache(maxsize=4)
 def load(path: str, n_ctx: int = 512, kv_type: str = "f32"):
-    """A llama.cpp context with a KV cache of kv_type (f16 is llama.cpp's default)."""
+    """A llama.cpp context with a KV cache of kv_type (f16 is llama.cpp's default; a quantized V
+    cache needs llama.cpp's flash attention, so q8_0 runs with it)."""
     import llama_cpp  # noqa: PLC0415
 
     return llama_cpp.Llama(
         model_path=path, n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, verbose=False,
-        n_threads=2, type_k=GGML_TYPES[kv_type], type_v=GGML_TYPES[kv_type], seed=0,
+        n_threads=2, type_k=GGML_TYPES[kv_type], type_v=GGML_TYPES[kv_type], seed=0, flash_attn=kv_type == "q8_0",
     )
 
 
@@ -51,7 +52,8 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32") -> np.ndarray:
     An independent statement of the llama math (RMSNorm, RoPE on adjacent pairs,
     GQA causal attention, SwiGLU) with no rounding of activations: the "exact"
     logits both engines approximate. (n, vocab) float64. kv_type "f16": the keys
-    and values are stored as f16 (numpy's rounding), as an f16 KV cache holds them.
+    and values are stored as f16 (numpy's rounding), as an f16 KV cache holds them;
+    "q8_0": as gguf-py's Q8_0 (ggml's blocks of 32 along each head) of their f32 rounding.
 
     Per architecture, as Hugging Face's modeling files define it, with the
     hyper-parameters llama.cpp takes from the GGUF keys (or its defaults):
@@ -65,7 +67,7 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32") -> np.ndarray:
       that see keys p with pos - p < window, with their own rope base (gemma3: 10000);
       gemma2 soft-caps the attention scores and the logits, cap * tanh(x / cap).
     """
-    from gguf import GGUFReader, quants  # noqa: PLC0415
+    from gguf import GGMLQuantizationType, GGUFReader, quants  # noqa: PLC0415
 
     reader = GGUFReader(str(path))
     tensors = {t.name: t for t in reader.tensors}
@@ -150,6 +152,9 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32") -> np.ndarray:
         v = linear(h, p + "attn_v").reshape(n, nkv, hd)
         if kv_type == "f16":
             k, v = (c.astype(np.float32).astype(np.float16).astype(np.float64) for c in (k, v))
+        if kv_type == "q8_0":
+            k, v = (quants.dequantize(quants.quantize(c.astype(np.float32).reshape(-1, hd), GGMLQuantizationType.Q8_0),
+                                      GGMLQuantizationType.Q8_0).astype(np.float64).reshape(c.shape) for c in (k, v))
         att = np.empty((n, nh, hd))
         for head in range(nh):
             kv = head // (nh // nkv)

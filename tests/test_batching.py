@@ -192,6 +192,41 @@ def test_the_scheduler_reuses_whole_chunks_only_and_frees_the_least_recently_use
     assert cached == 0 and slot_d == slot_b  # least recently used without a prefix to offer
 
 
+def _run_together(sched, seqs, limit=4000):
+    """Every seq through sched, admitted in order as slots free: (tokens of each, batch size of each step)."""
+    got: dict[int, list[int]] = {id(s): [] for s in seqs}
+    waiting, batches = list(seqs), []
+    for _ in range(limit):
+        while waiting and sched.free:
+            sched.admit(waiting.pop(0))
+        if not sched.seqs and not waiting:
+            break
+        for seq, ev in sched.step():
+            got[id(seq)].append(ev.token_id)
+        batches.append(sched.batch)
+    return [got[id(s)] for s in seqs], batches
+
+
+def test_with_a_q8_0_cache_each_sequence_and_a_cached_prefix_give_the_tokens_they_get_alone(smollm2_path):
+    # SmolLM2's head size (64) holds q8_0 (stories260K's cannot). The long prompt is read in chunks
+    # (BLAS attention over the dequantized cache) between the decode rows of the short ones (the
+    # compiled kernel), and then again from the prefix cache: every token as it comes alone.
+    mf = gguf.open_model(smollm2_path)
+    tok = Tokenizer.from_metadata(mf.metadata)
+    prompts = [tok.encode(p, add_special=True) for p in (*PROMPTS[:3], LONG)]
+    assert len(prompts[-1]) > PREFILL_CHUNK + 1
+    params = [params_of(k) for k in range(4)]
+    want = [[ev.token_id for ev in generate(LocalRunner(mf, CTX, kv_type="q8_0"), tok, ids, p, 16)]
+            for ids, p in zip(prompts, params)]
+    sched = Scheduler(LocalRunner(mf, CTX, 4, "q8_0"), tok)
+    got, batches = _run_together(sched, [Seq(ids, p, 16) for ids, p in zip(prompts, params)])
+    assert got == want
+    assert max(batches) >= 3  # the short ones decoded together
+    again = Seq(prompts[-1], params[-1], 16)
+    got, _ = _run_together(sched, [again])
+    assert again.cached == (len(prompts[-1]) - 1) // PREFILL_CHUNK * PREFILL_CHUNK and got == [want[-1]]
+
+
 # --------------------------------------------------------------------------- a cluster
 
 

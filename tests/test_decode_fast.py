@@ -12,7 +12,7 @@ import pytest
 
 from gguf import GGMLQuantizationType as QT
 
-from edgetp.model import decode, gguf, llama, ops, quant
+from edgetp.model import decode, gguf, kvcache, llama, ops, quant
 from tools import synth_gguf
 
 PROMPT = [1, 17, 42, 99, 7]
@@ -72,6 +72,8 @@ def _integer_products(shard) -> int:
 
 
 def test_stories260k_decodes_bit_identical_to_the_per_op_path(stories_path, threads, int8, kv_type):
+    if kv_type == "q8_0":
+        pytest.skip("stories260K's head size (8) cannot hold q8_0 (refused, as llama.cpp does); the mixed model runs it")
     _same(gguf.open_model(stories_path), kv_type=kv_type)
 
 
@@ -172,6 +174,6 @@ def test_decode_attention_over_an_f16_cache_reads_numpys_f16_values_exactly(pos,
     kc[0, 0, :4] = [6.0e-8, -3.0e-5, 65504.0, 0.0]  # a subnormal, a small normal, the largest, zero
     q = rng.standard_normal((1, n_kv * group * hd)).astype(np.float32)
     out = np.empty_like(q)
-    ops.attention(q, ops.kernel_view(kc), ops.kernel_view(vc), pos, group, out, serial)
+    ops.attention(q, kvcache.kernel_view(kc), kvcache.kernel_view(vc), pos, group, out, serial)
     want = _attention_reference(q, kc.astype(np.float32), vc.astype(np.float32), pos, group)
     assert np.array_equal(out.view(np.uint32), want.view(np.uint32))

@@ -1,37 +1,48 @@
-"""The KV cache type (issue 14 item 5): f16 by default, f32 as a setting.
+"""The KV cache type (issue 14 item 5): f16 by default, f32 and q8_0 as settings.
 
 References: numpy's own float32 -> float16 conversion (round to nearest even) of what
-the f32 cache holds, and the memory formula layers x ctx x slots x KV heads x head_dim
-x 2 (K and V) x bytes per value.
+the f32 cache holds; gguf-py's Q8_0 quantize/dequantize (gguf.quants, the bits of ggml's
+quantize_row_q8_0_ref) of it; and the memory formula layers x ctx x slots x KV heads x
+head_dim x 2 (K and V) x bytes per value (q8_0: 34 bytes per 32 values).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType, quants
 from numba import njit
 
 from edgetp import config
-from edgetp.model import gguf, llama, ops
+from edgetp.model import gguf, kvcache, llama
 from edgetp.parallel import packing
 from edgetp.parallel import plan as planner
 from edgetp.parallel.runner import _plan
 from edgetp.parallel.shard import model_shape
 
 PROMPT = [1, 17, 42, 99, 7, 250, 3]
-BYTES = {"f16": 2, "f32": 4}
+BYTES = {"f16": 2, "f32": 4, "q8_0": 34 / 32}  # per value
+Q8 = GGMLQuantizationType.Q8_0
+
+
+@pytest.fixture(scope="module")
+def tiny_k(tmp_path_factory):
+    """A model whose head size (64) can hold q8_0 (stories260K's, 8, cannot)."""
+    from tools import synth_gguf  # noqa: PLC0415
+
+    return synth_gguf.write_preset(tmp_path_factory.mktemp("kv") / "tiny-k.gguf", "tiny-k")
 
 
 @njit(cache=False)
 def _soft_writes(x, out):  # pragma: no cover - compiled
     for i in range(x.shape[0]):
-        out[i] = ops.f2h_soft(x[i])
+        out[i] = kvcache.f2h_soft(x[i])
 
 
 @njit(cache=False)
 def _soft_reads(h, out):  # pragma: no cover - compiled
     for i in range(h.shape[0]):
-        out[i] = ops.h2f_soft(h[i])
+        out[i] = kvcache.h2f_soft(h[i])
 
 
 def test_the_generic_isas_integer_f16_conversions_are_numpys_bits():
@@ -85,20 +96,70 @@ def test_an_f16_cache_holds_numpys_rounding_of_the_f32_caches_first_layer(storie
     assert np.allclose(*deep, rtol=0.05, atol=0.05) and not np.array_equal(*deep)
 
 
-def test_the_cache_takes_two_or_four_bytes_per_value(stories_path):
-    mf = gguf.open_model(stories_path)
-    cfg = mf.config
-    for kv_type, size in BYTES.items():
-        shard = llama.Shard(llama.load_weights(mf), ctx=16, slots=3, kv_type=kv_type)
-        assert shard.kv_bytes == cfg.n_layers * 3 * cfg.n_kv_heads * 16 * cfg.head_dim * 2 * size
+def _q8_0(values: np.ndarray) -> np.ndarray:
+    """gguf-py's Q8_0 blocks of f32 rows (..., head_dim), as bytes (..., head_dim / 32 * 34)."""
+    rows = values.reshape(-1, values.shape[-1])
+    return quants.quantize(rows, Q8).reshape(values.shape[:-1] + (-1,))
+
+
+def test_the_q8_0_writer_is_gguf_pys_quantizer_bit_for_bit():
+    # the ties of roundf (x.5 goes away from zero, not to even), a zero block, huge and tiny
+    # scales (f16 subnormal, f16 overflow is not reachable: |x| / 127), signs, random rows
+    rng = np.random.default_rng(3)
+    rows = [np.r_[127.0, np.arange(31) - 15.5], np.r_[-127.0, np.arange(31) * 0.5 - 7.25], np.zeros(32),
+            np.r_[1e-6, rng.standard_normal(31) * 1e-7], np.r_[6e4, rng.standard_normal(31) * 1e4], np.full(32, -0.5)]
+    rows = np.concatenate([np.concatenate(rows).reshape(-1, 64),
+                           (rng.standard_normal((300, 64)) * rng.uniform(1e-3, 1e2, (300, 1)))]).astype(np.float32)
+    cache = kvcache.kv_cache("q8_0", (1, len(rows), 64))
+    kvcache.kv_write_rows(kvcache.kernel_view(cache), 0, rows[:, None, :])
+    want = _q8_0(rows)
+    assert np.array_equal(kvcache.kernel_view(cache)[0], want)
+    assert np.array_equal(kvcache.kv_values(cache)[0], quants.dequantize(want, Q8).reshape(rows.shape))
+    assert cache["qs"][0, 0, 0, 1] == -16 and cache["qs"][0, 0, 0, 2] == -15  # -15.5 -> -16, -14.5 -> -15
+
+
+def test_a_q8_0_cache_holds_gguf_pys_q8_0_of_the_f32_caches_first_layer(tiny_k):
+    # as for f16: layer 0's k and v depend only on the token, so the q8_0 shard holds exactly
+    # gguf-py's Q8_0 of what the f32 shard holds, whichever path (prefill, decode, rows) wrote it
+    mf = gguf.open_model(tiny_k)
+    wide, q8 = _run(mf, "f32"), _run(mf, "q8_0")
+    assert q8.k_cache[0].dtype == kvcache.Q8_0 and q8.k_bits[0].dtype == np.uint8
+    filled = len(PROMPT) + 4
+    assert np.abs(wide.k_cache[0][0, :, :filled]).min(axis=-1).max() > 0
+    for got, ref in ((q8.k_bits[0], wide.k_cache[0]), (q8.v_bits[0], wide.v_cache[0])):
+        assert np.array_equal(got, _q8_0(ref))
+    # deeper layers read the rounded cache: near f32 (q8_0 steps are 1/127 of a block's largest), not equal
+    deep = kvcache.kv_values(q8.k_cache[-1][0, :, :filled]), wide.k_cache[-1][0, :, :filled]
+    assert np.allclose(*deep, rtol=0.05, atol=0.05) and not np.array_equal(*deep)
+
+
+def test_the_cache_takes_two_four_or_34_32nds_bytes_per_value(stories_path, tiny_k):
+    for path, types in ((stories_path, ("f16", "f32")), (tiny_k, ("f16", "f32", "q8_0"))):
+        mf = gguf.open_model(path)
+        cfg = mf.config
+        for kv_type in types:
+            shard = llama.Shard(llama.load_weights(mf), ctx=16, slots=3, kv_type=kv_type)
+            assert shard.kv_bytes == cfg.n_layers * 3 * cfg.n_kv_heads * 16 * cfg.head_dim * 2 * BYTES[kv_type]
+    half = llama.Shard(llama.load_weights(mf), ctx=16, slots=3, kv_type="f16")
+    assert shard.kv_bytes / half.kv_bytes == 34 / 64  # q8_0: 53% of f16
 
 
 def test_an_unknown_cache_type_is_one_clear_error(stories_path):
     w = llama.load_weights(gguf.open_model(stories_path))
-    with pytest.raises(ValueError, match=r"^KV cache type 'bf16' is not one of f16, f32$"):
+    with pytest.raises(ValueError, match=r"^KV cache type 'bf16' is not one of f16, f32, q8_0$"):
         llama.Shard(w, ctx=8, kv_type="bf16")
-    with pytest.raises(ValueError, match="not one of"):
+    with pytest.raises(ValueError, match=r"^KV cache type 'q4' is not one of f16, f32, q8_0$"):
         model_shape(gguf.open_model(stories_path), 8, 1, "q4")
+
+
+def test_q8_0_is_refused_in_one_line_for_a_head_size_not_a_multiple_of_32(stories_path):
+    # as llama.cpp refuses it: a q8_0 block is 32 values along one head
+    mf = gguf.open_model(stories_path)
+    line = r"^KV cache type 'q8_0' needs a head size that is a multiple of 32, this model's is 8 \(use f16 or f32\)$"
+    with pytest.raises(ValueError, match=line):
+        llama.Shard(llama.load_weights(mf), ctx=8, kv_type="q8_0")
+    with pytest.raises(ValueError, match=line):
+        model_shape(mf, 8, 1, "q8_0")
 
 
 def test_the_planner_counts_the_cache_type_chosen(smollm2_path):
@@ -108,6 +169,7 @@ def test_the_planner_counts_the_cache_type_chosen(smollm2_path):
     for kv_type, size in BYTES.items():
         shape = model_shape(mf, ctx, 4, kv_type)
         assert shape.group_kv_bytes == cfg.n_layers * ctx * 4 * 2 * cfg.head_dim * size
+    assert model_shape(mf, ctx, 4, "q8_0").kv_bytes_per_head_pos == 2 * cfg.head_dim // 32 * 34
     assert model_shape(mf, ctx).kv_bytes_per_head_pos == 2 * cfg.head_dim * 2  # f16 by default
     # one node with room for the weights and 4 slots of f16 (= 2 slots of f32), and a little over
     shape = model_shape(mf, ctx, 4, "f16")
@@ -116,8 +178,12 @@ def test_the_planner_counts_the_cache_type_chosen(smollm2_path):
     packing.make_plan(shape, nodes)
     with pytest.raises(planner.PlanError):
         packing.make_plan(model_shape(mf, ctx, 4, "f32"), nodes)
-    assert _plan(mf, ctx, 4, nodes, 1, "f32", "f16")[1] == 4
-    assert _plan(mf, ctx, 4, nodes, 1, "f32", "f32")[1] == 2  # half the slots at twice the bytes
+    assert _plan(mf, ctx, 4, nodes, 1, "f32", "f16", "tp", {})[1] == 4
+    assert _plan(mf, ctx, 4, nodes, 1, "f32", "f32", "tp", {})[1] == 2  # half the slots at twice the bytes
+    # the same memory holds 7 slots of q8_0 where it held 4 of f16 (4 x 64 / 34 = 7.5), not 8
+    packing.make_plan(model_shape(mf, ctx, 7, "q8_0"), nodes)
+    with pytest.raises(planner.PlanError):
+        packing.make_plan(model_shape(mf, ctx, 8, "q8_0"), nodes)
 
 
 def test_the_setting_comes_from_file_environment_or_flag(tmp_path):
@@ -127,8 +193,9 @@ def test_the_setting_comes_from_file_environment_or_flag(tmp_path):
     assert config.load_settings({}, {}, p).kv_type == "f32"
     assert config.load_settings({}, {"EDGETP_KV_TYPE": "f16"}, p).kv_type == "f16"
     assert config.load_settings({"kv_type": "f32"}, {"EDGETP_KV_TYPE": "f16"}, p).kv_type == "f32"
+    assert config.load_settings({"kv_type": "q8_0"}, {}, p).kv_type == "q8_0"
     p.write_text('kv_type = "q4_0"\n')
-    with pytest.raises(config.ConfigError, match=r"edgetp.toml: kv_type: expected one of f16, f32, got 'q4_0'"):
+    with pytest.raises(config.ConfigError, match=r"edgetp.toml: kv_type: expected one of f16, f32, q8_0, got 'q4_0'"):
         config.load_settings({}, {}, p)
     with pytest.raises(config.ConfigError, match=r"^EDGETP_KV_TYPE: kv_type: expected one of"):
         config.load_settings({}, {"EDGETP_KV_TYPE": "half"}, None, default_path=tmp_path / "none.toml")
@@ -158,7 +225,7 @@ def test_a_two_process_cluster_runs_the_cache_type_it_was_given(worker, stories_
     monkeypatch.setenv("EDGETP_INT8", "0")
     mf = gguf.open_model(stories_path)
     ids = PROMPT * 4
-    local = {t: LocalRunner(mf, 64, kv_type=t).logits(ids, 0) for t in BYTES}
+    local = {t: LocalRunner(mf, 64, kv_type=t).logits(ids, 0) for t in ("f16", "f32")}
     apart = np.abs(local["f16"] - local["f32"]).max()
     with LoopThread() as lt:
         for kv_type, other in (("f32", "f16"), ("f16", "f32")):
@@ -175,6 +242,32 @@ def test_a_two_process_cluster_runs_the_cache_type_it_was_given(worker, stories_
             assert np.abs(got - local[kv_type]).max() < apart / 10 < np.abs(got - local[other]).max()
 
 
+def test_a_two_process_cluster_runs_a_q8_0_cache(worker, tiny_k, monkeypatch):
+    # the worker's LOAD carries q8_0: the cluster's logits sit near a single node's with a q8_0
+    # cache, far from one with an f16 cache
+    from edgetp.model.generate import LocalRunner  # noqa: PLC0415
+    from edgetp.net.loopthread import LoopThread  # noqa: PLC0415
+    from edgetp.parallel.runner import ClusterRunner  # noqa: PLC0415
+
+    monkeypatch.setenv("EDGETP_INT8", "0")
+    mf = gguf.open_model(tiny_k)
+    ids = PROMPT * 4
+    local = {t: LocalRunner(mf, 64, kv_type=t).logits(ids, 0) for t in ("q8_0", "f16")}
+    apart = np.abs(local["q8_0"] - local["f16"]).max()
+    with LoopThread() as lt:
+        runner = lt.run(ClusterRunner.connect(mf, [worker], ctx=64, weights=[1, 1], kv_type="q8_0"), timeout=300)
+        try:
+            assert runner.shard.kv_type == "q8_0" and runner.plan.shares[1].kv_groups[1] > runner.plan.shares[1].kv_groups[0]
+            runner.begin()
+            try:
+                got = runner.logits(ids, 0)
+            finally:
+                runner.end()
+        finally:
+            runner.close()
+    assert np.abs(got - local["q8_0"]).max() < apart / 10
+
+
 def test_a_load_asking_for_an_unknown_cache_type_is_refused_in_one_line(worker, stories_path):
     from edgetp.net.frames import FrameType  # noqa: PLC0415
     from edgetp.net.link import Link, LinkClosed  # noqa: PLC0415
@@ -188,7 +281,7 @@ def test_a_load_asking_for_an_unknown_cache_type_is_refused_in_one_line(worker, 
             await _hello(link, None, "root-test", 1)
             header = {"model": str(stories_path), "fingerprint": gguf.open_model(stories_path).fingerprint, "ctx": 16, "sync": "f32", "slots": 1, "kv_type": "bf16",
                       "kv_groups": [0, 1], "ffn_cols": [0, 32], "vocab_rows": [0, 32]}
-            with pytest.raises(LinkClosed, match=r"LOAD: kv_type must be one of f16, f32, got 'bf16'") as err:
+            with pytest.raises(LinkClosed, match=r"LOAD: kv_type must be one of f16, f32, q8_0, got 'bf16'") as err:
                 await link.request(FrameType.LOAD, header, FrameType.READY, timeout=60)
             assert "\n" not in str(err.value)
         finally:
@@ -196,3 +289,20 @@ def test_a_load_asking_for_an_unknown_cache_type_is_refused_in_one_line(worker, 
 
     with LoopThread() as lt:
         lt.run(load(), timeout=120)
+
+
+def test_serving_a_model_whose_head_size_cannot_hold_q8_0_stops_with_one_line(stories_path, tmp_path):
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    (tmp_path / "empty.toml").write_text("")
+    repo = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    p = subprocess.run([sys.executable, "-m", "edgetp", "serve", "--model", str(stories_path), "--kv-type", "q8_0",
+                        "--listen", "127.0.0.1:0", "--config", str(tmp_path / "empty.toml")],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=repo)
+    assert p.returncode == 1 and p.stdout == ""
+    assert p.stderr == ("edgetp: KV cache type 'q8_0' needs a head size that is a multiple of 32, "
+                        "this model's is 8 (use f16 or f32)\n")

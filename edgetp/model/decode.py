@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numba import njit, prange
 
-from edgetp.model import intdot, ops, quant
+from edgetp.model import intdot, kvcache, ops, quant
 
 if TYPE_CHECKING:
     from edgetp.model.llama import Layer, Shard
@@ -191,12 +191,13 @@ def _add_norm(x, partial, post, w, eps, h, add, rnd, xq, dx, s4, s16):  # pragma
 def _attention(q, k, v, kc, vc, slots, positions, qn, kn, eps, cos, sin, rope_dims, neox, group, scale, window, cap,
                att, serial, rnd, xq, dx, s4, s16):  # pragma: no cover - compiled
     # q (n, heads*hd), k and v (n, kv*hd), row b a token at positions[b] of KV slot slots[b]: norm
-    # each head of its q and k by qn, kn (hd,) unless they are empty (qwen3), rope its q and k, write its k and v there in the caches kc, vc (slots, kv, ctx, hd; float32 or
-    # the uint16 bits of f16, ops.kv_store rounding as numpy does); att (n,
-    # heads*hd) = each row's attention over its own slot (scale, window, cap: ops.attention's);
-    # if rnd, each row of att rounded
+    # each head of its q and k by qn, kn (hd,) unless they are empty (qwen3), rope its q and k,
+    # write its k and v there in the caches kc, vc (slots, kv, ctx, row: kvcache.kernel_view,
+    # written by kvcache.kv_write as the per-op path writes them); att (n, heads*hd) = each row's
+    # attention over its own slot (scale, window, cap: ops.attention's); if rnd, each row of att rounded
     n = q.shape[0]
-    n_kv, hd = kc.shape[1], kc.shape[3]
+    n_kv = kc.shape[1]
+    hd = k.shape[1] // n_kv
     heads = n_kv * group
     for b in range(n):
         pos, sl = positions[b], slots[b]
@@ -206,9 +207,8 @@ def _attention(q, k, v, kc, vc, slots, positions, qn, kn, eps, cos, sin, rope_di
         ops.rope(q[b : b + 1], heads, hd, rope_dims, pos, cos, sin, neox)
         ops.rope(k[b : b + 1], n_kv, hd, rope_dims, pos, cos, sin, neox)
         for g in range(n_kv):
-            for d in range(hd):
-                kc[sl, g, pos, d] = ops.kv_store(k[b, g * hd + d], kc)
-                vc[sl, g, pos, d] = ops.kv_store(v[b, g * hd + d], vc)
+            kvcache.kv_write(kc[sl, g, pos], k[b, g * hd : g * hd + hd])
+            kvcache.kv_write(vc[sl, g, pos], v[b, g * hd : g * hd + hd])
     if serial:
         for job in range(n * heads):
             b = job // heads

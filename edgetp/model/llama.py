@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from edgetp.model import decode, ops, quant
+from edgetp.model import decode, kvcache, ops, quant
 from edgetp.model.gguf import ModelConfig, ModelFile
 
 Range = tuple[int, int]
@@ -198,11 +198,12 @@ class Shard:
     reduce: Reduce = _no_reduce
     fast_decode: bool = True  # one token through decode.Plan (False: the per-op path, as for batches)
     slots: int = 1  # KV caches, one per sequence a step may carry (forward's slot, forward_rows's slots)
-    kv_type: str = "f16"  # what the KV caches hold: ops.KV_TYPES ("f16" as llama.cpp, or "f32")
-    k_cache: list[np.ndarray] = field(init=False, repr=False)  # per layer (slots, n_kv, ctx, head_dim), kv_type
+    kv_type: str = "f16"  # what the KV caches hold: kvcache.KV_TYPES ("f16" as llama.cpp, "f32" or "q8_0")
+    # per layer (slots, n_kv, ctx, head_dim) of kv_type; q8_0: (slots, n_kv, ctx, head_dim / 32) kvcache.Q8_0 blocks
+    k_cache: list[np.ndarray] = field(init=False, repr=False)
     v_cache: list[np.ndarray] = field(init=False, repr=False)
     k_bits: list[np.ndarray] = field(init=False, repr=False)  # the same memory as the compiled kernels see it
-    v_bits: list[np.ndarray] = field(init=False, repr=False)  # (ops.kernel_view: uint16 for f16)
+    v_bits: list[np.ndarray] = field(init=False, repr=False)  # (kvcache.kernel_view: uint16 for f16, bytes for q8_0)
     _plans: dict[bool, decode.Plan] = field(init=False, repr=False, default_factory=dict)  # by int8_decode()
     _row_plans: dict[bool, decode.Plan] = field(init=False, repr=False, default_factory=dict)  # `slots` rows
 
@@ -213,12 +214,11 @@ class Shard:
         self.n_ffn = spec.ffn_cols[1] - spec.ffn_cols[0]
         if self.slots < 1:
             raise ValueError(f"a shard needs at least one KV slot, got {self.slots}")
-        dtype = ops.kv_dtype(self.kv_type)
         shape = (self.slots, self.n_kv, self.ctx, cfg.head_dim)
-        self.k_cache = [np.zeros(shape, dtype) for _ in self.w.layers]
-        self.v_cache = [np.zeros(shape, dtype) for _ in self.w.layers]
-        self.k_bits = [ops.kernel_view(c) for c in self.k_cache]
-        self.v_bits = [ops.kernel_view(c) for c in self.v_cache]
+        self.k_cache = [kvcache.kv_cache(self.kv_type, shape) for _ in self.w.layers]
+        self.v_cache = [kvcache.kv_cache(self.kv_type, shape) for _ in self.w.layers]
+        self.k_bits = [kvcache.kernel_view(c) for c in self.k_cache]
+        self.v_bits = [kvcache.kernel_view(c) for c in self.v_cache]
         self.cos, self.sin = ops.rope_table(self.ctx, cfg.rope_dims, cfg.rope_theta, self.w.rope_freqs, cfg.rope_scale)
         if any(cfg.is_local(i) for i in range(cfg.n_layers)):  # sliding-window layers' own rope
             self.cos_swa, self.sin_swa = ops.rope_table(self.ctx, cfg.rope_dims, cfg.rope_theta_swa, self.w.rope_freqs,
@@ -358,16 +358,16 @@ class Shard:
         window = cfg.swa_window if local else 0
         ops.rope(q, self.n_heads, hd, cfg.rope_dims, pos, cos, sin, cfg.rope_neox)
         ops.rope(k, self.n_kv, hd, cfg.rope_dims, pos, cos, sin, cfg.rope_neox)
-        kc, vc = self.k_cache[i][slot], self.v_cache[i][slot]
-        kc[:, pos:pos + n, :] = k.reshape(n, self.n_kv, hd).transpose(1, 0, 2)
-        vc[:, pos:pos + n, :] = v.reshape(n, self.n_kv, hd).transpose(1, 0, 2)
+        kb, vb = self.k_bits[i][slot], self.v_bits[i][slot]
+        kvcache.kv_write_rows(kb, pos, k.reshape(n, self.n_kv, hd))
+        kvcache.kv_write_rows(vb, pos, v.reshape(n, self.n_kv, hd))
         att = np.empty_like(q)
         if n == 1:
-            kb, vb = self.k_bits[i][slot], self.v_bits[i][slot]
             ops.attention(q, kb, vb, pos, cfg.group_size, att, quant.threads() == 1, cfg.attn_scale, window,
                           cfg.attn_softcap)
         else:
-            ops.attention_batch(q, kc, vc, pos, cfg.group_size, att, cfg.attn_scale, window, cfg.attn_softcap)
+            ops.attention_batch(q, self.k_cache[i][slot], self.v_cache[i][slot], pos, cfg.group_size, att,
+                                cfg.attn_scale, window, cfg.attn_softcap)
         _apply(layer.wo, att, partial)
         return partial
 

@@ -10,155 +10,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.extending import intrinsic, overload
+from numba import njit, prange
 
-from edgetp.model import isa
+from edgetp.model.kvcache import _f32_bits, kv_rows, kv_values
 
 _JIT = dict(cache=True, nogil=True, fastmath=False)
-
-
-@intrinsic
-def _f32_bits(typingctx, i):
-    """The float32 whose bits are the int32 i."""
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return types.float32(types.int32), codegen
-
-
-# ---------------------------------------------------------------- KV cache types
-# A KV cache is float32, or f16 (KV_TYPES): numpy holds an f16 cache as float16, the compiled
-# kernels as its uint16 view (numba has no float16) and convert each value with the CPU's
-# own instruction (LLVM fpext/fptrunc of half: vcvtph2ps/vcvtps2ph with F16C, fcvt on
-# aarch64, compiler-rt's routines on a baseline x86-64). fptrunc rounds to nearest even, as
-# numpy's float16 assignment does, so a value written by a kernel or by numpy is the same bits.
-# On the generic ISA (a baseline x86-64 without F16C) LLVM lowers those to compiler-rt calls
-# numba cannot link (__truncsfhf2), so there the same conversions are integer code.
-
-KV_TYPES = {"f16": np.float16, "f32": np.float32}  # setting -> numpy dtype of the cache
-
-
-def kv_dtype(kv_type: str) -> type:
-    """The numpy dtype of a KV cache of type kv_type; ValueError (one line) for others."""
-    if kv_type not in KV_TYPES:
-        raise ValueError(f"KV cache type {kv_type!r} is not one of {', '.join(KV_TYPES)}")
-    return KV_TYPES[kv_type]
-
-
-def kernel_view(cache: np.ndarray) -> np.ndarray:
-    """What the compiled kernels read and write of a KV cache: an f16 cache's uint16 view."""
-    return cache.view(np.uint16) if cache.dtype == np.float16 else cache
-
-
-@intrinsic
-def _i32_bits(typingctx, f):
-    """The int32 whose bits are the float32 f."""
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.int32(types.float32), codegen
-
-
-@njit(inline="always", **_JIT)
-def h2f_soft(h):  # pragma: no cover - compiled
-    """_h2f in integer code: a finite f16's bits moved into a float32 (as a subnormal when
-    the exponent field is 0) scaled by 2**112 (exact), inf and nan rebuilt."""
-    h = np.int32(h)
-    mag = (h & np.int32(0x7FFF)) << np.int32(13)
-    if mag >= np.int32(0x7C00 << 13):
-        mag = mag | np.int32(0x7F800000)  # inf, nan (payload kept)
-        v = _f32_bits(mag)
-    else:
-        v = _f32_bits(mag) * np.float32(2.0**112)
-    return -v if h & np.int32(0x8000) else v
-
-
-@njit(inline="always", **_JIT)
-def f2h_soft(f):  # pragma: no cover - compiled
-    """_f2h in integer code: float32 f to the bits of the nearest f16, ties to even."""
-    x = _i32_bits(np.float32(f))
-    sign = (x >> np.int32(16)) & np.int32(0x8000)
-    x = x & np.int32(0x7FFFFFFF)
-    if x > np.int32(0x7F800000):  # nan: quiet, the payload's top bits kept
-        h = np.int32(0x7E00) | ((x >> np.int32(13)) & np.int32(0x3FF))
-    elif x >= np.int32(0x477FF000):  # 65520 and up (inf too) round to inf
-        h = np.int32(0x7C00)
-    elif x >= np.int32(0x38800000):  # an f16 normal: rebias the exponent, round 13 bits off
-        h = (x - np.int32(0x38000000)) >> np.int32(13)
-        rest = x & np.int32(0x1FFF)
-        if rest > np.int32(0x1000) or (rest == np.int32(0x1000) and h & np.int32(1)):
-            h += np.int32(1)
-    elif x > np.int32(0x33000000):  # an f16 subnormal (or the smallest normal after rounding)
-        shift = np.int32(126) - (x >> np.int32(23))  # 14 .. 24
-        m = (x & np.int32(0x7FFFFF)) | np.int32(0x800000)
-        h = m >> shift
-        rest = m & ((np.int32(1) << shift) - np.int32(1))
-        half = np.int32(1) << (shift - np.int32(1))
-        if rest > half or (rest == half and h & np.int32(1)):
-            h += np.int32(1)
-    else:  # 2**-25 and below round to zero
-        h = np.int32(0)
-    return np.uint16(sign | h)
-
-
-def _soft_half() -> bool:
-    """Whether compiled code converts f16 in integer code: on the generic ISA (or if the ISA is in error)."""
-    try:
-        return isa.current() == "generic"
-    except isa.IsaError:
-        return True
-
-
-@intrinsic
-def _h2f(typingctx, h):
-    """The float32 value of the f16 whose bits are the uint16 h (exact)."""
-
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-    return types.float32(types.uint16), codegen
-
-
-@intrinsic
-def _f2h(typingctx, f):
-    """The bits of the float32 f rounded to f16, nearest even (overflow to inf)."""
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-
-    return types.uint16(types.float32), codegen
-
-
-def kv_load(x):  # pragma: no cover - compiled through the overload
-    """A KV cache element as float32 (compiled code only)."""
-    raise NotImplementedError
-
-
-def kv_store(v, cache):  # pragma: no cover - compiled through the overload
-    """float32 v as an element of `cache` (compiled code only)."""
-    raise NotImplementedError
-
-
-@overload(kv_load, inline="always")
-def _kv_load(x):
-    if x == types.uint16:
-        if _soft_half():
-            return lambda x: h2f_soft(x)
-        return lambda x: _h2f(x)
-    return lambda x: x
-
-
-@overload(kv_store, inline="always")
-def _kv_store(v, cache):
-    if cache.dtype == types.uint16:
-        if _soft_half():
-            return lambda v, cache: f2h_soft(v)
-        return lambda v, cache: _f2h(np.float32(v))
-    return lambda v, cache: v
 
 
 @njit(inline="always", **_JIT)
@@ -251,7 +107,7 @@ def rope(x, n_heads, head_dim, rope_dims, pos0, cos, sin, neox):  # pragma: no c
 @njit(parallel=True, **_JIT)
 def attention(q, k_cache, v_cache, pos0, group, out, serial, scale=0.0, window=0, cap=0.0):  # pragma: no cover
     # q: (n, n_heads * hd) roped queries for positions pos0 .. pos0+n-1
-    # k_cache, v_cache: (n_kv, ctx, hd) float32, or uint16 bits of f16; rows up to pos0+n-1 are filled
+    # k_cache, v_cache: (n_kv, ctx, row) kernel views (kernel_view); rows up to pos0+n-1 are filled
     # out: (n, n_heads * hd); query head h reads KV head h // group (causal)
     # serial: one thread, without the parallel launch (each head's arithmetic is the same)
     # scale: of q.k (0: 1/sqrt(hd)); window > 0: only keys p with pos - p < window (a sliding
@@ -269,9 +125,11 @@ def attention(q, k_cache, v_cache, pos0, group, out, serial, scale=0.0, window=0
 def attend_head(q, k_cache, v_cache, pos0, group, out, job, scale=0.0, window=0, cap=0.0):  # pragma: no cover
     # one (token, query head) of `attention`. Each score is one chain over d in order, each
     # output value one chain over s in order; four scores run side by side (independent
-    # chains, the same bits) rather than one long dependency at a time.
-    n_kv, ctx, hd = k_cache.shape
+    # chains, the same bits) rather than one long dependency at a time. A cache that is not
+    # float32 is decoded (kv_rows) a few rows at a time into f32 first: the same values, any type.
+    n_kv = k_cache.shape[0]
     n_heads = n_kv * group
+    hd = q.shape[1] // n_heads
     sc = np.float32(1.0 / math.sqrt(hd)) if scale == 0.0 else np.float32(scale)
     t = job // n_heads
     h = job % n_heads
@@ -280,25 +138,28 @@ def attend_head(q, k_cache, v_cache, pos0, group, out, job, scale=0.0, window=0,
     first = max(0, last - window + 1) if window > 0 else 0
     scores = np.empty(last + 1, dtype=np.float32)
     qh = q[t, h * hd : h * hd + hd]
-    kc = k_cache[kv]
+    kc, vc = k_cache[kv], v_cache[kv]
+    scratch = np.empty((4, hd), dtype=np.float32)
     s0 = first
     while s0 + 4 <= last + 1:  # four scores at a time: four independent chains
+        keys = kv_rows(kc, s0, 4, scratch)
         a0 = a1 = a2 = a3 = np.float32(0.0)
         for d in range(hd):
             qd = qh[d]
-            a0 += qd * kv_load(kc[s0, d])
-            a1 += qd * kv_load(kc[s0 + 1, d])
-            a2 += qd * kv_load(kc[s0 + 2, d])
-            a3 += qd * kv_load(kc[s0 + 3, d])
+            a0 += qd * keys[0, d]
+            a1 += qd * keys[1, d]
+            a2 += qd * keys[2, d]
+            a3 += qd * keys[3, d]
         scores[s0] = a0 * sc
         scores[s0 + 1] = a1 * sc
         scores[s0 + 2] = a2 * sc
         scores[s0 + 3] = a3 * sc
         s0 += 4
     for s in range(s0, last + 1):
+        keys = kv_rows(kc, s, 1, scratch)
         acc = np.float32(0.0)
         for d in range(hd):
-            acc += qh[d] * kv_load(kc[s, d])
+            acc += qh[d] * keys[0, d]
         scores[s] = acc * sc
     if cap > 0.0:
         softcap(scores[first:], cap)
@@ -315,8 +176,9 @@ def attend_head(q, k_cache, v_cache, pos0, group, out, job, scale=0.0, window=0,
     o = np.zeros(hd, dtype=np.float32)
     for s in range(first, last + 1):
         p = scores[s] * inv
+        values = kv_rows(vc, s, 1, scratch)
         for d in range(hd):
-            o[d] += p * kv_load(v_cache[kv, s, d])
+            o[d] += p * values[0, d]
     for d in range(hd):
         out[t, h * hd + d] = o[d]
 
@@ -370,7 +232,7 @@ def attention_batch(q, k_cache, v_cache, pos0, group, out, scale=0.0, window=0, 
     """Causal attention for a batch of n > 1 tokens through BLAS, in blocks of one KV head
     and QBLOCK query rows.
 
-    Same contract as `attention` (an f16 cache as numpy float16 here, scale, window and cap
+    Same contract as `attention` (the caches as numpy holds them here, scale, window and cap
     too); the scalar kernel is right for one token, but a
     prefill batch is two matrix products per KV head. Row blocks skip the keys
     after their last row: for 256 new tokens, 3/8 of the work. The scale goes on
@@ -380,8 +242,8 @@ def attention_batch(q, k_cache, v_cache, pos0, group, out, scale=0.0, window=0, 
     holds the head, so a cluster stays bit-identical to a single node.
     """
     n = q.shape[0]
-    n_kv, _, hd = k_cache.shape
-    wide = k_cache.dtype != np.float32  # f16 rows are widened to f32 (exact) for BLAS
+    n_kv = k_cache.shape[0]
+    hd = q.shape[1] // (n_kv * group)
     qh = q.reshape(n, n_kv, group, hd)
     oh = out.reshape(n, n_kv, group, hd)
     scale = np.float32(1.0 / math.sqrt(hd) if scale == 0.0 else scale)
@@ -389,9 +251,7 @@ def attention_batch(q, k_cache, v_cache, pos0, group, out, scale=0.0, window=0, 
         b = min(n, a + QBLOCK)
         m, last = b - a, pos0 + b  # rows a..b-1 attend to keys 0..last-1 at most
         qs = qh[a:b, kv].transpose(1, 0, 2).reshape(group * m, hd) * scale    # rows: head-major
-        keys, values = k_cache[kv, :last], v_cache[kv, :last]
-        if wide:
-            keys, values = keys.astype(np.float32), values.astype(np.float32)
+        keys, values = kv_values(k_cache[kv, :last]), kv_values(v_cache[kv, :last])  # f32 for BLAS
         scores = qs @ keys.T                                                   # (group * m, last)
         if cap > 0.0:
             scores = np.tanh(scores * np.float32(1.0 / cap)) * np.float32(cap)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from edgetp.model import kvcache
 from edgetp.model.gguf import ModelFile
 from edgetp.model.llama import ShardSpec
 from edgetp.parallel.plan import ModelShape, Plan
@@ -24,14 +25,11 @@ def _block(mf: ModelFile, name: str) -> int:
     return GGML_QUANT_SIZES[GGMLQuantizationType(mf.tensors[name].tensor_type)][0]
 
 
-KV_BYTES = {"f16": 2, "f32": 4}  # bytes per cached value of each KV cache type (llama.Shard's kv_type)
-
-
 def model_shape(mf: ModelFile, ctx: int, slots: int = 1, kv_type: str = "f16") -> ModelShape:
-    """The planner's view of mf with KV caches of ctx positions for `slots` sequences, of kv_type values."""
-    if kv_type not in KV_BYTES:
-        raise ValueError(f"KV cache type {kv_type!r} is not one of {', '.join(KV_BYTES)}")
+    """The planner's view of mf with KV caches of ctx positions for `slots` sequences, of kv_type values
+    (ValueError, one line, for a type the model's head size cannot hold)."""
     cfg = mf.config
+    row_bytes = kvcache.kv_row_bytes(kv_type, cfg.head_dim)  # one head's values at one position, as llama.Shard holds them
     head = "token_embd.weight" if cfg.tied else "output.weight"
     # FFN columns are the input columns of ffn_down: a unit must not split its quant blocks.
     ffn_block = max(32, _block(mf, "blk.0.ffn_down.weight"))
@@ -50,7 +48,7 @@ def model_shape(mf: ModelFile, ctx: int, slots: int = 1, kv_type: str = "f16") -
         attn_bpw=_bpw(mf, "blk.0.attn_q.weight"),
         ffn_bpw=_bpw(mf, "blk.0.ffn_up.weight"),
         vocab_bpw=_bpw(mf, head),
-        kv_bytes_per_head_pos=2 * cfg.head_dim * KV_BYTES[kv_type],  # K and V
+        kv_bytes_per_head_pos=2 * row_bytes,  # K and V
         ctx=ctx,
         slots=slots,
     )

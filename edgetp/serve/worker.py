@@ -44,7 +44,7 @@ from gguf import GGMLQuantizationType as QT
 
 from edgetp.parallel import profile
 from edgetp.cluster.election import EpochError, EpochState, StaleEpoch
-from edgetp.model import llama, ops, quant, sampling
+from edgetp.model import kvcache, llama, quant, sampling
 from edgetp.model.gguf import GGUFError, ModelFile, open_model
 from edgetp.net.frames import FrameType
 from edgetp.net.link import BLOCKING, HANDSHAKE_TIMEOUT, Link, LinkClosed
@@ -260,8 +260,8 @@ class _Session:
         spec = llama.ShardSpec(tuple(h["kv_groups"]), tuple(h["ffn_cols"]), tuple(h["vocab_rows"]),
                                None if layers is None else tuple(layers))
         kv_type = h.get("kv_type", "f16")
-        if kv_type not in ops.KV_TYPES:
-            raise ValueError(f"LOAD: kv_type must be one of {', '.join(ops.KV_TYPES)}, got {kv_type!r}")
+        if kv_type not in kvcache.KV_TYPES:
+            raise ValueError(f"LOAD: kv_type must be one of {', '.join(kvcache.KV_TYPES)}, got {kv_type!r}")
         self.mf = await self._model(h, spec)
         path = self.mf.path
         self.sync = h["sync"]

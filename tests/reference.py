@@ -54,6 +54,18 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32") -> np.ndarray:
     logits both engines approximate. (n, vocab) float64. kv_type "f16": the keys
     and values are stored as f16 (numpy's rounding), as an f16 KV cache holds them;
     "q8_0": as gguf-py's Q8_0 (ggml's blocks of 32 along each head) of their f32 rounding.
+
+    Per architecture, as Hugging Face's modeling files define it, with the
+    hyper-parameters llama.cpp takes from the GGUF keys (or its defaults):
+    - qwen2 adds q/k/v biases; qwen2, qwen3 and gemma rotate the two halves of each
+      head (`rotate_half`) instead of adjacent pairs;
+    - qwen3 and gemma3 RMS-norm each head of q and of k (over head_dim) before the rotation;
+    - gemma2/gemma3 (modeling_gemma2/3): embeddings times sqrt(dim); the attention and MLP
+      outputs RMS-normed again before each residual add; GeGLU with tanh GELU; the
+      norm weights used as stored (the converter stored 1 + w); sliding-window layers
+      (layer i local when i % period < period - 1; period 2 for gemma2, 6 for gemma3)
+      that see keys p with pos - p < window, with their own rope base (gemma3: 10000);
+      gemma2 soft-caps the attention scores and the logits, cap * tanh(x / cap).
     """
     from gguf import GGMLQuantizationType, GGUFReader, quants  # noqa: PLC0415
 
@@ -61,11 +73,27 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32") -> np.ndarray:
     tensors = {t.name: t for t in reader.tensors}
     meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.")}
     arch = meta["general.architecture"]
-    dim, nh = meta[f"{arch}.embedding_length"], meta[f"{arch}.attention.head_count"]
-    nkv = meta.get(f"{arch}.attention.head_count_kv", nh)
-    hd = meta.get(f"{arch}.attention.key_length", dim // nh)
-    eps = meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
-    theta = meta.get(f"{arch}.rope.freq_base", 10000.0)
+
+    def key(name, default=None):
+        return meta.get(f"{arch}.{name}", default)
+
+    dim, nh, n_layers = key("embedding_length"), key("attention.head_count"), key("block_count")
+    nkv = key("attention.head_count_kv", nh)
+    hd = key("attention.key_length", dim // nh)
+    eps = key("attention.layer_norm_rms_epsilon", 1e-5)
+    theta = key("rope.freq_base", 10000.0)
+    # linear rope scaling: positions divided by rope.scaling.factor (HF's "linear" rope_scaling);
+    # gemma3's sliding-window layers are never scaled (its local rope has no rope_scaling)
+    stretch = key("rope.scaling.factor", 1.0) if key("rope.scaling.type", "linear") == "linear" else 1.0
+    gemma, gemma2 = arch in ("gemma2", "gemma3"), arch == "gemma2"
+    halves = arch in ("qwen2", "qwen3", "gemma2", "gemma3")
+    window = key("attention.sliding_window", 4096 if gemma2 else 0) if gemma else 0
+    period = key("attention.sliding_window_pattern", 2 if gemma2 else 6)
+    theta_local = key("rope.freq_base_swa", theta if gemma2 else 10000.0)
+    attn_cap = key("attn_logit_softcapping", 50.0) if gemma2 else 0.0
+    final_cap = key("final_logit_softcapping", 30.0 if gemma2 else 0.0) if gemma else 0.0
+    big = gemma and n_layers == (46 if gemma2 else 62)  # gemma's 27B: queries scaled by its width per head
+    scale = 1 / np.sqrt(dim / nh) if big else 1 / np.sqrt(hd)
     n = len(ids)
 
     def weight(name):
@@ -76,23 +104,52 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32") -> np.ndarray:
     def norm(x, w):
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
-    ang = np.arange(n)[:, None] * theta ** (-np.arange(0, hd, 2) / hd)[None, :]
-    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
-
-    def rope(v, heads):
+    def rope(v, heads, base, factor):
+        ang = (np.arange(n) / factor)[:, None] * base ** (-np.arange(0, hd, 2) / hd)[None, :]
+        cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+        if halves:  # x * cos + rotate_half(x) * sin, the frequencies repeated over both halves
+            v = v.reshape(n, heads, hd)
+            c, s = np.concatenate([cos, cos], -1), np.concatenate([sin, sin], -1)
+            return v * c + np.concatenate([-v[..., hd // 2:], v[..., : hd // 2]], -1) * s
         v = v.reshape(n, heads, hd // 2, 2)
         a, b = v[..., 0], v[..., 1]
         return np.stack([a * cos - b * sin, a * sin + b * cos], -1).reshape(n, heads, hd)
 
+    def linear(h, name):  # h @ W.T (+ b where the file has the bias)
+        out = h @ weight(name + ".weight").T
+        return out + weight(name + ".bias") if name + ".bias" in tensors else out
+
+    def head_norm(v, heads, name):  # qwen3, gemma3: RMSNorm of each head's hd values
+        v = v.reshape(n, heads, hd)
+        return norm(v, weight(name)) if name in tensors else v
+
+    def post_norm(v, name):  # gemma: the block's output normed before the residual add
+        return norm(v, weight(name)) if gemma else v
+
+    def cap(v, c):
+        return c * np.tanh(v / c) if c else v
+
+    def act(gate):
+        if gemma:  # gelu, tanh form
+            return 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate ** 3)))
+        return gate / (1 + np.exp(-gate))  # silu
+
     embd = weight("token_embd.weight")
-    x = embd[ids]
-    causal = np.triu(np.full((n, n), -np.inf), 1)
-    for layer in range(meta[f"{arch}.block_count"]):
+    x = embd[ids] * (np.sqrt(dim) if gemma else 1.0)
+    pos = np.arange(n)
+    for layer in range(n_layers):
         p = f"blk.{layer}."
+        local = window > 0 and (period == 0 or layer % period < period - 1)
+        base = theta_local if local else theta
+        factor = 1.0 if local and arch == "gemma3" else stretch
+        seen = pos[None, :] <= pos[:, None]  # causal: query i sees key j <= i ...
+        if local:
+            seen &= pos[:, None] - pos[None, :] < window  # ... and only the last `window` of them
+        mask = np.where(seen, 0.0, -np.inf)
         h = norm(x, weight(p + "attn_norm.weight"))
-        q = rope(h @ weight(p + "attn_q.weight").T, nh)
-        k = rope(h @ weight(p + "attn_k.weight").T, nkv)
-        v = (h @ weight(p + "attn_v.weight").T).reshape(n, nkv, hd)
+        q = rope(head_norm(linear(h, p + "attn_q"), nh, p + "attn_q_norm.weight"), nh, base, factor)
+        k = rope(head_norm(linear(h, p + "attn_k"), nkv, p + "attn_k_norm.weight"), nkv, base, factor)
+        v = linear(h, p + "attn_v").reshape(n, nkv, hd)
         if kv_type == "f16":
             k, v = (c.astype(np.float32).astype(np.float16).astype(np.float64) for c in (k, v))
         if kv_type == "q8_0":
@@ -101,12 +158,12 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32") -> np.ndarray:
         att = np.empty((n, nh, hd))
         for head in range(nh):
             kv = head // (nh // nkv)
-            s = q[:, head] @ k[:, kv].T / np.sqrt(hd) + causal
+            s = cap(q[:, head] @ k[:, kv].T * scale, attn_cap) + mask
             s = np.exp(s - s.max(1, keepdims=True))
             att[:, head] = (s / s.sum(1, keepdims=True)) @ v[:, kv]
-        x = x + att.reshape(n, -1) @ weight(p + "attn_output.weight").T
+        x = x + post_norm(att.reshape(n, -1) @ weight(p + "attn_output.weight").T, p + "post_attention_norm.weight")
         h = norm(x, weight(p + "ffn_norm.weight"))
         gate, up = h @ weight(p + "ffn_gate.weight").T, h @ weight(p + "ffn_up.weight").T
-        x = x + (gate / (1 + np.exp(-gate)) * up) @ weight(p + "ffn_down.weight").T
-    head = weight("output.weight") if "output.weight" in tensors else embd
-    return norm(x, weight("output_norm.weight")) @ head.T
+        x = x + post_norm((act(gate) * up) @ weight(p + "ffn_down.weight").T, p + "post_ffw_norm.weight")
+    head = weight("output.weight") if "output.weight" in tensors and not gemma2 else embd
+    return cap(norm(x, weight("output_norm.weight")) @ head.T, final_cap)

@@ -256,6 +256,26 @@ def test_llama_cpp_loads_synthetic_model(llama_cpp, synth_models, wtype):
 
 
 @pytest.mark.llamacpp
+@pytest.mark.parametrize("wtype", ["f32", "q8_0", "q4_k", "iq4_xs"])
+@pytest.mark.parametrize("arch", [a for a in synth_gguf.ARCHS if a != "llama"])
+def test_every_architecture_the_writer_knows_holds_its_own_tensors_and_loads_in_llama_cpp(
+        llama_cpp, tmp_path, arch, wtype):
+    preset = TYPE_CASES[wtype][0]
+    path = synth_gguf.write_preset(tmp_path / f"{arch}-{wtype}.gguf", preset, weight_type=wtype, arch=arch,
+                                   head_dim=32 if preset == "tiny-odd" else 128)
+    reader = gguf.GGUFReader(path)
+    assert _fields(reader)["general.architecture"] == arch
+    # every tensor is one gguf-py lists for this architecture (its MODEL_TENSORS table)
+    known = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[next(k for k, v in gguf.MODEL_ARCH_NAMES.items()
+                                                                    if v == arch)]}
+    names = {t.name.removesuffix(".weight") for t in reader.tensors}
+    assert {n if not n.startswith("blk.") else "blk.{bid}." + n.split(".", 2)[2] for n in names} <= known
+    ids = [1, 300, 301, 450, 17, 302]
+    logits = _llama_logits(llama_cpp, path, ids)
+    assert logits.shape == (len(ids), synth_gguf.PRESETS[preset]["vocab"]) and np.all(np.isfinite(logits))
+
+
+@pytest.mark.llamacpp
 def test_llama_cpp_tokenizes_and_decodes_synthetic_vocab(llama_cpp, synth_models):
     llm = llama_cpp.Llama(model_path=str(synth_models["q8_0"]), n_ctx=64, verbose=False, n_threads=2)
     try:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write synthetic llama-family GGUF models with random weights.
+"""Write synthetic llama-family GGUF models with random weights (llama, qwen3, gemma2, gemma3).
 
 For tests and benchmarks: any shape, any of the common tensor types, a
 synthetic SentencePiece-style vocabulary, and the metadata llama.cpp needs to
@@ -14,6 +14,8 @@ per-element Python loops, so the 1B preset in Q8_0 takes seconds, not minutes.
     python tools/synth_gguf.py OUT.gguf --preset llama-3.2-1b --type q8_0
     python tools/synth_gguf.py OUT.gguf --dim 96 --layers 3 --heads 6 \\
         --kv-heads 3 --ffn 224 --vocab 600 --type q4_0
+    python tools/synth_gguf.py OUT.gguf --preset tiny-headdim --arch qwen3
+    python tools/synth_gguf.py OUT.gguf --preset tiny-headdim --arch gemma2 --swa-window 8
 
 Library use: ``write_model(path, dim=..., ...)`` or
 ``write_preset(path, "tiny-odd", weight_type="q8_0")``.
@@ -56,6 +58,19 @@ TYPES: dict[str, tuple[QT, LlamaFileType]] = {
     "q5_k": (QT.Q5_K, LlamaFileType.MOSTLY_Q5_K_S),
     "q6_k": (QT.Q6_K, LlamaFileType.MOSTLY_Q6_K),
     "iq4_xs": (QT.IQ4_XS, LlamaFileType.MOSTLY_IQ4_XS),
+}
+
+#: architectures this writer knows: name -> per-layer norm weights beyond llama's tensors, each
+#: with its width ("head": head_dim, "dim"). qwen3: an RMSNorm for every head of q and of k;
+#: gemma2: norms of the attention and FFN outputs; gemma3: both. (Gemma's norm weights are
+#: stored as 1 + w, as llama.cpp's converter writes them: random values around 1 here too.)
+_QK = (("attn_q_norm.weight", "head"), ("attn_k_norm.weight", "head"))
+_POST = (("post_attention_norm.weight", "dim"), ("post_ffw_norm.weight", "dim"))
+ARCHS: dict[str, tuple[tuple[str, str], ...]] = {
+    "llama": (),
+    "qwen3": _QK,
+    "gemma2": _POST,
+    "gemma3": _QK + _POST,
 }
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -412,7 +427,7 @@ def _qtype(name: str | None, default: QT) -> QT:
 def model_tensors(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn: int, vocab: int,
                   head_dim: int | None = None, weight_type: str = "f32", embd_type: str | None = None,
                   output_type: str | None = None, tied: bool = False,
-                  tensor_types: dict[str, str] | None = None) -> list[TensorSpec]:
+                  tensor_types: dict[str, str] | None = None, arch: str = "llama") -> list[TensorSpec]:
     """The tensors of a llama-family model, in file order, validated for the chosen types.
 
     tensor_types: per-tensor types over weight_type, as llama.cpp's mixes have them: a key
@@ -427,6 +442,8 @@ def model_tensors(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn
         raise ValueError(f"n_heads {n_heads} must be a multiple of n_kv_heads {n_kv_heads}")
     if head_dim % 2:
         raise ValueError(f"head_dim {head_dim} must be even (rotary embedding)")
+    if arch not in ARCHS:
+        raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join(ARCHS)}")
     wt = _qtype(weight_type, QT.F32)
     et = _qtype(embd_type, wt)
     ot = _qtype(output_type, wt)
@@ -448,6 +465,8 @@ def model_tensors(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn
             TensorSpec(p + "ffn_up.weight", ffn, dim, wt, 1.0 / np.sqrt(dim)),
             TensorSpec(p + "ffn_down.weight", dim, ffn, wt, 1.0 / np.sqrt(ffn)),
         ]
+        specs += [TensorSpec(p + suffix, 0, head_dim if width == "head" else dim, QT.F32, 1.0)
+                  for suffix, width in ARCHS[arch]]
     for s in specs:
         keys = [k for k in (tensor_types or {}) if "." + k in "." + s.name]
         if keys and not s.is_norm:
@@ -471,8 +490,16 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
                 weight_type: str = "f32", embd_type: str | None = None, output_type: str | None = None,
                 tied: bool = False, seed: int = 0, tokenizer: str = "spm", name: str = "synthetic",
                 check: bool = True, progress: Callable[[str], None] | None = None,
-                tensor_types: dict[str, str] | None = None) -> Path:
+                tensor_types: dict[str, str] | None = None, swa_window: int | None = None,
+                swa_pattern: int | None = None, rope_theta_swa: float | None = None,
+                attn_softcap: float | None = None, final_softcap: float | None = None,
+                rope_scale_linear: float | None = None) -> Path:
     """Write a synthetic llama-family GGUF model to `path` (via path.part, then rename).
+
+    Gemma keys, written only when given (llama.cpp then uses its defaults): `swa_window`
+    (attention.sliding_window), `swa_pattern` (attention.sliding_window_pattern),
+    `rope_theta_swa` (rope.freq_base_swa), `attn_softcap` and `final_softcap` (the logit
+    soft-caps); `rope_scale_linear`: linear rope scaling by that factor (any arch). gemma2 is always tied: llama.cpp reads its lm head from token_embd.
 
     Norm weights are F32; token_embd uses `embd_type` and output.weight
     `output_type` (both default to `weight_type`); output.weight is omitted
@@ -482,13 +509,14 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
     finite with the intended scale.  Returns the final path.
     """
     path = Path(path)
+    tied = tied or arch == "gemma2"
     wt_key = weight_type.lower()
     if wt_key not in TYPES:
         raise ValueError(f"unknown weight_type {weight_type!r}; choose from {', '.join(TYPES)}")
     hd = head_dim if head_dim is not None else (dim // n_heads if dim % n_heads == 0 else None)
     specs = model_tensors(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn=ffn,
                           vocab=vocab, head_dim=head_dim, weight_type=weight_type, embd_type=embd_type,
-                          output_type=output_type, tied=tied, tensor_types=tensor_types)
+                          output_type=output_type, tied=tied, tensor_types=tensor_types, arch=arch)
     assert hd is not None
 
     with gguf_writer(path, arch) as writer:
@@ -506,6 +534,19 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
         if hd * n_heads != dim:
             writer.add_key_length(hd)
             writer.add_value_length(hd)
+        if swa_window is not None:
+            writer.add_sliding_window(int(swa_window))
+        if swa_pattern is not None:
+            writer.add_sliding_window_pattern(int(swa_pattern))
+        if rope_theta_swa is not None:
+            writer.add_rope_freq_base_swa(float(rope_theta_swa))
+        if attn_softcap is not None:
+            writer.add_attn_logit_softcapping(float(attn_softcap))
+        if final_softcap is not None:
+            writer.add_final_logit_softcapping(float(final_softcap))
+        if rope_scale_linear is not None:
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(float(rope_scale_linear))
         writer.add_file_type(int(TYPES[wt_key][1]))
         writer.add_vocab_size(vocab)
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -575,7 +616,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctx", type=int)
     ap.add_argument("--rope-theta", type=float)
     ap.add_argument("--norm-eps", type=float)
-    ap.add_argument("--arch", default="llama")
+    ap.add_argument("--arch", default="llama", choices=list(ARCHS))
+    ap.add_argument("--swa-window", type=int, help="sliding window of the local layers (gemma)")
+    ap.add_argument("--swa-pattern", type=int, help="every Nth layer global, the rest local (gemma)")
+    ap.add_argument("--rope-theta-swa", type=float, help="rope base of the local layers (gemma)")
+    ap.add_argument("--attn-softcap", type=float, help="attention logit soft-cap (gemma2)")
+    ap.add_argument("--final-softcap", type=float, help="final logit soft-cap (gemma2)")
+    ap.add_argument("--rope-scale-linear", type=float, help="linear rope scaling factor (rope.scaling.factor)")
     tie = ap.add_mutually_exclusive_group()
     tie.add_argument("--tied", dest="tied", action="store_true", default=None, help="no output.weight")
     tie.add_argument("--untied", dest="tied", action="store_false", help="write output.weight")
@@ -595,7 +642,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.preset:
         kw["name"] = args.preset
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn", "vocab", "ctx",
-                "rope_theta", "norm_eps", "tied"):
+                "rope_theta", "norm_eps", "tied", "swa_window", "swa_pattern", "rope_theta_swa",
+                "attn_softcap", "final_softcap", "rope_scale_linear"):
         val = getattr(args, key)
         if val is not None:
             kw[key] = val

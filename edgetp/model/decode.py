@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from edgetp.model.llama import Layer, Shard
 
 _JIT = dict(cache=True, nogil=True)
+_NO_NORM = np.zeros(0, np.float32)  # a layer without q/k norms
 
 
 class _Matvecs:
@@ -120,40 +121,49 @@ class Plan:
         rh, ra, rg = self.r["h"], self.r["att"], self.r["gate"]
         zeros = self.zeros[:n]
         partial = zeros  # the sum x has yet to get (none before the first layer)
+        post = _NO_NORM  # the norm that sum gets before it is added (gemma's post-norms)
         for i, p in enumerate(self.layers):
             layer = p.layer
             if p.qkv is None:
-                _add_norm(x, partial, layer.attn_norm, eps, h, i > 0, False, *rh)
+                _add_norm(x, partial, post, layer.attn_norm, eps, h, i > 0, False, *rh)
                 partial = zeros
                 partial.fill(0.0)
             else:
-                _add_norm(x, partial, layer.attn_norm, eps, h, i > 0, p.qkv.rounds, *rh)
+                _add_norm(x, partial, post, layer.attn_norm, eps, h, i > 0, p.qkv.rounds, *rh)
                 p.qkv(n, serial)
                 if layer.bq is not None:
                     p.q[:n] += layer.bq
                     p.k[:n] += layer.bk
                     p.v[:n] += layer.bv
-                _attention(p.q[:n], p.k[:n], p.v[:n], s.k_bits[i], s.v_bits[i], slots, positions, s.cos, s.sin,
-                           cfg.rope_dims, cfg.rope_neox, cfg.group_size, p.att[:n], serial, p.o.rounds, *ra)
+                qn, kn = (_NO_NORM, _NO_NORM) if layer.q_norm is None else (layer.q_norm, layer.k_norm)
+                local = cfg.is_local(s.w.layer0 + i)
+                cos, sin = (s.cos_swa, s.sin_swa) if local else (s.cos, s.sin)
+                _attention(p.q[:n], p.k[:n], p.v[:n], s.k_bits[i], s.v_bits[i], slots, positions, qn, kn, eps,
+                           cos, sin, cfg.rope_dims, cfg.rope_neox, cfg.group_size, cfg.attn_scale,
+                           cfg.swa_window if local else 0, cfg.attn_softcap, p.att[:n], serial, p.o.rounds, *ra)
                 p.o(n, serial)
                 partial = p.o.out[:n]
             s.reduce(partial)
+            post = _NO_NORM if layer.attn_post_norm is None else layer.attn_post_norm
             if p.gate_up is None:
-                _add_norm(x, partial, layer.ffn_norm, eps, h, True, False, *rh)
+                _add_norm(x, partial, post, layer.ffn_norm, eps, h, True, False, *rh)
                 partial = zeros
                 partial.fill(0.0)
             else:
-                _add_norm(x, partial, layer.ffn_norm, eps, h, True, p.gate_up.rounds, *rh)
+                _add_norm(x, partial, post, layer.ffn_norm, eps, h, True, p.gate_up.rounds, *rh)
                 p.gate_up(n, serial)
-                _silu(p.gate[:n], p.up[:n], p.down.rounds, *rg)
+                _glu(p.gate[:n], p.up[:n], cfg.geglu, p.down.rounds, *rg)
                 p.down(n, serial)
                 partial = p.down.out[:n]
             s.reduce(partial)
+            post = _NO_NORM if layer.ffn_post_norm is None else layer.ffn_post_norm
         if s.w.out_norm is None:  # a pipeline stage before the last: the residual goes on
+            if self.layers and post.shape[0]:
+                ops.rmsnorm(partial, post, eps, partial)
             x += partial
             return x
         out = np.empty_like(h)
-        _add_norm(x, partial, s.w.out_norm, eps, out, bool(self.layers), False, *rh)
+        _add_norm(x, partial, post, s.w.out_norm, eps, out, bool(self.layers), False, *rh)
         return out
 
 
@@ -161,9 +171,12 @@ class Plan:
 
 
 @njit(**_JIT)
-def _add_norm(x, partial, w, eps, h, add, rnd, xq, dx, s4, s16):  # pragma: no cover - compiled
-    # x, partial, h (n, dim): if add, x += partial; h = rmsnorm(x) * w; and, if rnd, row b of h
+def _add_norm(x, partial, post, w, eps, h, add, rnd, xq, dx, s4, s16):  # pragma: no cover - compiled
+    # x, partial, h (n, dim): if add, x += partial (first normed in place by post (dim,) unless
+    # post is empty: gemma's post-norms); h = rmsnorm(x) * w; and, if rnd, row b of h
     # rounded into row b of xq/dx/s4/s16
+    if add and post.shape[0]:
+        ops.rmsnorm(partial, post, eps, partial)
     if add:
         for b in range(x.shape[0]):
             for j in range(x.shape[1]):
@@ -175,17 +188,22 @@ def _add_norm(x, partial, w, eps, h, add, rnd, xq, dx, s4, s16):  # pragma: no c
 
 
 @njit(parallel=True, **_JIT)
-def _attention(q, k, v, kc, vc, slots, positions, cos, sin, rope_dims, neox, group, att, serial, rnd, xq, dx, s4, s16):  # pragma: no cover
-    # q (n, heads*hd), k and v (n, kv*hd), row b a token at positions[b] of KV slot slots[b]: rope
-    # its q and k, write its k and v there in the caches kc, vc (slots, kv, ctx, row: kvcache.kernel_view,
-    # written by kvcache.kv_write as the per-op path writes them); att (n,
-    # heads*hd) = each row's attention over its own slot; if rnd, each row of att rounded
+def _attention(q, k, v, kc, vc, slots, positions, qn, kn, eps, cos, sin, rope_dims, neox, group, scale, window, cap,
+               att, serial, rnd, xq, dx, s4, s16):  # pragma: no cover - compiled
+    # q (n, heads*hd), k and v (n, kv*hd), row b a token at positions[b] of KV slot slots[b]: norm
+    # each head of its q and k by qn, kn (hd,) unless they are empty (qwen3), rope its q and k,
+    # write its k and v there in the caches kc, vc (slots, kv, ctx, row: kvcache.kernel_view,
+    # written by kvcache.kv_write as the per-op path writes them); att (n, heads*hd) = each row's
+    # attention over its own slot (scale, window, cap: ops.attention's); if rnd, each row of att rounded
     n = q.shape[0]
     n_kv = kc.shape[1]
     hd = k.shape[1] // n_kv
     heads = n_kv * group
     for b in range(n):
         pos, sl = positions[b], slots[b]
+        if qn.shape[0]:
+            ops.rmsnorm_heads(q[b : b + 1], hd, qn, eps)
+            ops.rmsnorm_heads(k[b : b + 1], hd, kn, eps)
         ops.rope(q[b : b + 1], heads, hd, rope_dims, pos, cos, sin, neox)
         ops.rope(k[b : b + 1], n_kv, hd, rope_dims, pos, cos, sin, neox)
         for g in range(n_kv):
@@ -194,21 +212,26 @@ def _attention(q, k, v, kc, vc, slots, positions, cos, sin, rope_dims, neox, gro
     if serial:
         for job in range(n * heads):
             b = job // heads
-            ops.attend_head(q[b : b + 1], kc[slots[b]], vc[slots[b]], positions[b], group, att[b : b + 1], job % heads)
+            ops.attend_head(q[b : b + 1], kc[slots[b]], vc[slots[b]], positions[b], group, att[b : b + 1], job % heads,
+                            scale, window, cap)
     else:
         for job in prange(n * heads):
             b = job // heads
-            ops.attend_head(q[b : b + 1], kc[slots[b]], vc[slots[b]], positions[b], group, att[b : b + 1], job % heads)
+            ops.attend_head(q[b : b + 1], kc[slots[b]], vc[slots[b]], positions[b], group, att[b : b + 1], job % heads,
+                            scale, window, cap)
     if rnd:
         for b in range(n):
             intdot.round_into(att[b], xq[b], dx[b], s4[b], s16[b])
 
 
 @njit(**_JIT)
-def _silu(gate, up, rnd, xq, dx, s4, s16):  # pragma: no cover - compiled
-    # gate, up (n, f): gate <- silu(gate) * up, and, if rnd, each row rounded
+def _glu(gate, up, gelu, rnd, xq, dx, s4, s16):  # pragma: no cover - compiled
+    # gate, up (n, f): gate <- silu(gate) * up (gelu: gelu(gate) * up), and, if rnd, each row rounded
     for b in range(gate.shape[0]):
-        ops.silu_mul_row(gate, up, b)
+        if gelu:
+            ops.gelu_mul_row(gate, up, b)
+        else:
+            ops.silu_mul_row(gate, up, b)
         if rnd:
             intdot.round_into(gate[b], xq[b], dx[b], s4[b], s16[b])
 

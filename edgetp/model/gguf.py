@@ -23,7 +23,8 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from edgetp.model import quant
 
 GGUF_MAGIC = b"GGUF"
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+NEOX_ARCHS = ("qwen2", "qwen3", "gemma2", "gemma3")  # rope on pairs (i, i + d/2), as llama.cpp's LLAMA_ROPE_TYPE_NEOX
 
 
 class GGUFError(Exception):
@@ -49,6 +50,23 @@ class ModelConfig:
     norm_eps: float
     tied: bool              # lm head shares token_embd
     qkv_bias: bool          # qwen2 has q/k/v biases
+    qk_norm: bool = False   # qwen3, gemma3: RMSNorm over each head of q and of k (attn_q_norm, attn_k_norm), before rope
+    # Gemma (2 and 3), as llama.cpp reads it; the defaults are llama's
+    embed_scale: float = 1.0        # token embeddings times this (gemma: sqrt(dim))
+    post_norms: bool = False        # RMSNorm of the attention and FFN outputs before the residual add
+    geglu: bool = False             # gelu_tanh(gate) * up instead of silu(gate) * up
+    attn_scale: float = 0.0         # query scale; 0: 1/sqrt(head_dim)
+    attn_softcap: float = 0.0       # attention scores -> cap * tanh(score / cap) (gemma2); 0: none
+    final_softcap: float = 0.0      # logits -> cap * tanh(logit / cap) (gemma2); 0: none
+    swa_window: int = 0             # sliding-window layers see the keys p with pos - p < swa_window
+    swa_layers: tuple[bool, ...] = ()  # per layer: a sliding-window (local) layer
+    rope_theta_swa: float = 0.0     # rope base of the sliding-window layers
+    rope_scale: float = 1.0         # linear rope scaling: angles times this (1 / rope.scaling.factor)
+    rope_scale_swa: float = 1.0     # the same for the sliding-window layers (gemma3: never scaled)
+
+    def is_local(self, layer: int) -> bool:
+        """Whether layer `layer` attends over a sliding window (with rope_theta_swa)."""
+        return self.swa_window > 0 and bool(self.swa_layers) and self.swa_layers[layer]
 
     @property
     def group_size(self) -> int:
@@ -94,6 +112,7 @@ class ModelFile:
         self.tensors = _map_tensors(self.path, head["tensors"])
         _check_extents(self.path, self.tensors.values(), self.data_offset, self.alignment)
         self.config = _read_config(self.path, self.metadata, self.tensors)
+        _check_layers(self.path, self.config, self.tensors, self.metadata)
         _check_tensor_types(self.path, self.tensors)
 
     @cached_property
@@ -306,9 +325,17 @@ def _read_config(path: Path, metadata: dict[str, Any], tensors: dict) -> ModelCo
     if "token_embd.weight" not in tensors:
         raise GGUFError(f"{path}: tensor 'token_embd.weight' is missing")
     vocab = int(tensors["token_embd.weight"].shape[1])
+    n_layers = int(get(f"{arch}.block_count"))
+    # llama.cpp: freq_scale = 1 / rope.scaling.factor; "linear" (also its default type) is that alone.
+    # (YaRN's other terms are not implemented: such files run without them, as before.)
+    factor = float(metadata.get(f"{arch}.rope.scaling.factor") or 0.0)
+    linear = metadata.get(f"{arch}.rope.scaling.type", "linear") == "linear"
+    rope_scale = 1.0 / factor if factor and linear else 1.0
+    gemma = _gemma(path, arch, metadata, n_layers, dim, n_heads, head_dim) if arch.startswith("gemma") else {}
+    gemma.setdefault("rope_scale_swa", rope_scale)
     return ModelConfig(
         arch=arch,
-        n_layers=int(get(f"{arch}.block_count")),
+        n_layers=n_layers,
         dim=dim,
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
@@ -318,11 +345,87 @@ def _read_config(path: Path, metadata: dict[str, Any], tensors: dict) -> ModelCo
         ctx_train=int(get(f"{arch}.context_length", 2048)),
         rope_theta=float(get(f"{arch}.rope.freq_base", 10000.0)),
         rope_dims=int(get(f"{arch}.rope.dimension_count", head_dim)),
-        rope_neox=arch == "qwen2",
+        rope_neox=arch in NEOX_ARCHS,
         norm_eps=float(get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        tied="output.weight" not in tensors,
+        tied=arch == "gemma2" or "output.weight" not in tensors,  # llama.cpp's gemma2 reads token_embd
         qkv_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm=arch in ("qwen3", "gemma3"),
+        rope_scale=rope_scale,
+        **gemma,
     )
+
+
+def _gemma(path: Path, arch: str, metadata: dict[str, Any], n_layers: int, dim: int, n_heads: int,
+           head_dim: int) -> dict[str, Any]:
+    """Gemma 2 / 3 hyper-parameters as llama.cpp's loader sets them (llama_model_gemma2/3::load_arch_hparams).
+
+    gemma2: sliding window 4096 unless the file says, every 2nd layer global (layer i is local
+    when i % period < period - 1, the period from attention.sliding_window_pattern), the local
+    rope base rope.freq_base_swa (else the global one), attention and final logit soft-caps
+    from the file, else 50 and 30. gemma3: period 6, local rope base 10000 and no rope scaling
+    on the local layers, sliding window only when the file gives one, no attention cap, a final cap only when the file gives one. Both: a
+    query scale of 1/sqrt(dim / heads) for the 27B shapes (46 and 62 layers), else 1/sqrt(head_dim).
+    """
+    def value(key: str, default: Any) -> Any:
+        v = metadata.get(f"{arch}.{key}")
+        return default if v is None else v
+
+    g2 = arch == "gemma2"
+    window = int(value("attention.sliding_window", 4096 if g2 else 0))
+    pattern = value("attention.sliding_window_pattern", 2 if g2 else 6)
+    if isinstance(pattern, list):
+        if len(pattern) != n_layers:
+            raise GGUFError(f"{path}: {arch}.attention.sliding_window_pattern has {len(pattern)} entries "
+                            f"for {n_layers} layers")
+        local = tuple(bool(p) for p in pattern)
+    else:
+        period = int(pattern)
+        local = tuple(period == 0 or i % period < period - 1 for i in range(n_layers))
+    big = n_layers == (46 if g2 else 62)
+    theta = float(value("rope.freq_base", 10000.0))
+    return dict(
+        embed_scale=float(np.sqrt(np.float32(dim))),
+        post_norms=True,
+        geglu=True,
+        attn_scale=float(1.0 / np.sqrt(dim / n_heads if big else head_dim)),
+        attn_softcap=float(value("attn_logit_softcapping", 50.0)) if g2 else 0.0,
+        final_softcap=float(value("final_logit_softcapping", 30.0 if g2 else 0.0)),
+        swa_window=window,
+        swa_layers=local if window > 0 else (),
+        rope_theta_swa=float(value("rope.freq_base_swa", theta if g2 else 10000.0)),
+        **({} if g2 else {"rope_scale_swa": 1.0}),
+    )
+
+
+def _layer_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...] | None]:
+    """The tensors every layer must hold: suffix -> ggml shape, None where any shape goes
+    (the matrices, whose shapes are checked where they are sliced)."""
+    names: dict[str, tuple[int, ...] | None] = dict.fromkeys(
+        ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+         "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"))
+    if cfg.qk_norm:
+        names["attn_q_norm.weight"] = names["attn_k_norm.weight"] = (cfg.head_dim,)
+    if cfg.post_norms:
+        names["post_attention_norm.weight"] = names["post_ffw_norm.weight"] = (cfg.dim,)
+    return names
+
+
+def _check_layers(path: Path, cfg: ModelConfig, tensors: dict, metadata: dict[str, Any]) -> None:
+    """Every tensor the architecture needs is there (at open: no partial load), 1-D ones of their shape.
+
+    A pipeline stage's shard file keeps every name but holds data for its own layers only
+    (edgetp.shard.layers, parallel/shardfile.py): shapes are checked in those."""
+    need = ["output_norm.weight"] + [f"blk.{i}.{s}" for i in range(cfg.n_layers) for s in _layer_tensors(cfg)]
+    for name in need:
+        if name not in tensors:
+            raise GGUFError(f"{path}: tensor {name!r} is missing (architecture {cfg.arch} needs it)")
+    held = metadata.get("edgetp.shard.layers") or (0, cfg.n_layers)
+    for i in range(int(held[0]), int(held[1])):
+        for suffix, shape in _layer_tensors(cfg).items():
+            t = tensors[f"blk.{i}.{suffix}"]
+            if shape is not None and tuple(t.shape) != shape:
+                raise GGUFError(f"{path}: tensor 'blk.{i}.{suffix}' has shape {list(t.shape)}, "
+                                f"expected {list(shape)} (head_dim {cfg.head_dim})")
 
 
 def _check_tensor_types(path: Path, tensors: dict) -> None:

@@ -1,4 +1,4 @@
-"""Forward pass of one shard of a llama-family model (llama, mistral, qwen2).
+"""Forward pass of one shard of a llama-family model (llama, mistral, qwen2, qwen3, gemma2, gemma3).
 
 A shard holds a contiguous range of KV-head groups (with their query heads),
 a range of FFN columns and a range of vocabulary rows; a single node holds
@@ -7,6 +7,11 @@ per-layer sums of partial results go through an injected `reduce`
 callable, which is the identity on a single node and an all-reduce in a
 cluster (Megatron-style: q/k/v/gate/up split by output rows, o/down by
 input columns).
+
+The architectures differ by data, not by code paths: a Layer's optional tensors
+(q/k biases, per-head q/k norms, post-norms) are None where the model has none,
+and ModelConfig says which activation, scales, caps and windows apply
+(gguf._read_config, as llama.cpp reads them).
 """
 
 from __future__ import annotations
@@ -69,7 +74,11 @@ class Layer:
     bk: np.ndarray | None
     bv: np.ndarray | None
     wo: quant.Weight | None            # (dim, heads_l * hd)
+    q_norm: np.ndarray | None          # (hd,) RMSNorm weight of every query head, before rope (qwen3)
+    k_norm: np.ndarray | None          # (hd,) of every key head
     ffn_norm: np.ndarray               # (dim,)
+    attn_post_norm: np.ndarray | None  # (dim,) RMSNorm of the summed attention output (gemma)
+    ffn_post_norm: np.ndarray | None   # (dim,) of the summed FFN output
     w_gate: quant.Weight | None        # (ffn_l, dim)
     w_up: quant.Weight | None          # (ffn_l, dim)
     w_down: quant.Weight | None        # (dim, ffn_l)
@@ -155,7 +164,11 @@ def load_weights(mf: ModelFile, spec: ShardSpec | None = None) -> Weights:
             bk=bias(p + "attn_k.bias", kv),
             bv=bias(p + "attn_v.bias", kv),
             wo=_cols(mf.weight(p + "attn_output.weight"), qh),
+            q_norm=mf.vector(p + "attn_q_norm.weight") if cfg.qk_norm else None,
+            k_norm=mf.vector(p + "attn_k_norm.weight") if cfg.qk_norm else None,
             ffn_norm=mf.vector(p + "ffn_norm.weight"),
+            attn_post_norm=mf.vector(p + "post_attention_norm.weight") if cfg.post_norms else None,
+            ffn_post_norm=mf.vector(p + "post_ffw_norm.weight") if cfg.post_norms else None,
             w_gate=_rows(mf.weight(p + "ffn_gate.weight"), local.ffn_cols),
             w_up=_rows(mf.weight(p + "ffn_up.weight"), local.ffn_cols),
             w_down=_cols(mf.weight(p + "ffn_down.weight"), local.ffn_cols),
@@ -206,7 +219,10 @@ class Shard:
         self.v_cache = [kvcache.kv_cache(self.kv_type, shape) for _ in self.w.layers]
         self.k_bits = [kvcache.kernel_view(c) for c in self.k_cache]
         self.v_bits = [kvcache.kernel_view(c) for c in self.v_cache]
-        self.cos, self.sin = ops.rope_table(self.ctx, cfg.rope_dims, cfg.rope_theta, self.w.rope_freqs)
+        self.cos, self.sin = ops.rope_table(self.ctx, cfg.rope_dims, cfg.rope_theta, self.w.rope_freqs, cfg.rope_scale)
+        if any(cfg.is_local(i) for i in range(cfg.n_layers)):  # sliding-window layers' own rope
+            self.cos_swa, self.sin_swa = ops.rope_table(self.ctx, cfg.rope_dims, cfg.rope_theta_swa, self.w.rope_freqs,
+                                                        cfg.rope_scale_swa)
 
     @property
     def kv_bytes(self) -> int:
@@ -235,10 +251,14 @@ class Shard:
             ops.rmsnorm(x, layer.attn_norm, cfg.norm_eps, h)
             partial = self._attention(i, layer, h, pos, slot)
             self.reduce(partial)
+            if layer.attn_post_norm is not None:
+                ops.rmsnorm(partial, layer.attn_post_norm, cfg.norm_eps, partial)
             x += partial
             ops.rmsnorm(x, layer.ffn_norm, cfg.norm_eps, h)
             partial = self._ffn(layer, h)
             self.reduce(partial)
+            if layer.ffn_post_norm is not None:
+                ops.rmsnorm(partial, layer.ffn_post_norm, cfg.norm_eps, partial)
             x += partial
         if self.w.out_norm is None:
             return x
@@ -286,7 +306,7 @@ class Shard:
         decode.matvec_rows(head, h, out)
         for b in range(B):
             quant.refine_top(head, h[b], out[b], EXACT_TOP)
-        return out
+        return self._softcap(out)
 
     def logits(self, h: np.ndarray) -> np.ndarray:
         """This shard's vocabulary rows of the logits: (n, vocab_l).
@@ -303,7 +323,15 @@ class Shard:
             _apply(head, h, out)
             if h.shape[0] == 1:
                 quant.refine_top(head, h[0], out[0], EXACT_TOP)
-        return out
+        return self._softcap(out)
+
+    def _softcap(self, logits: np.ndarray) -> np.ndarray:
+        """gemma2's final soft-cap, cap * tanh(logit / cap), in f32 steps as llama.cpp (elementwise:
+        each shard caps its own vocabulary rows)."""
+        cap = self.w.cfg.final_softcap
+        if cap > 0.0:
+            logits[:] = np.tanh(logits * np.float32(1.0 / cap)) * np.float32(cap)
+        return logits
 
     def _attention(self, i: int, layer: Layer, h: np.ndarray, pos: int, slot: int) -> np.ndarray:
         cfg = self.w.cfg
@@ -322,16 +350,24 @@ class Shard:
             q += layer.bq
             k += layer.bk
             v += layer.bv
-        ops.rope(q, self.n_heads, hd, cfg.rope_dims, pos, self.cos, self.sin, cfg.rope_neox)
-        ops.rope(k, self.n_kv, hd, cfg.rope_dims, pos, self.cos, self.sin, cfg.rope_neox)
+        if layer.q_norm is not None:
+            ops.rmsnorm_heads(q, hd, layer.q_norm, cfg.norm_eps)
+            ops.rmsnorm_heads(k, hd, layer.k_norm, cfg.norm_eps)
+        local = cfg.is_local(self.w.layer0 + i)  # i: this shard's layer, of a pipeline stage's range
+        cos, sin = (self.cos_swa, self.sin_swa) if local else (self.cos, self.sin)
+        window = cfg.swa_window if local else 0
+        ops.rope(q, self.n_heads, hd, cfg.rope_dims, pos, cos, sin, cfg.rope_neox)
+        ops.rope(k, self.n_kv, hd, cfg.rope_dims, pos, cos, sin, cfg.rope_neox)
         kb, vb = self.k_bits[i][slot], self.v_bits[i][slot]
         kvcache.kv_write_rows(kb, pos, k.reshape(n, self.n_kv, hd))
         kvcache.kv_write_rows(vb, pos, v.reshape(n, self.n_kv, hd))
         att = np.empty_like(q)
         if n == 1:
-            ops.attention(q, kb, vb, pos, cfg.group_size, att, quant.threads() == 1)
+            ops.attention(q, kb, vb, pos, cfg.group_size, att, quant.threads() == 1, cfg.attn_scale, window,
+                          cfg.attn_softcap)
         else:
-            ops.attention_batch(q, self.k_cache[i][slot], self.v_cache[i][slot], pos, cfg.group_size, att)
+            ops.attention_batch(q, self.k_cache[i][slot], self.v_cache[i][slot], pos, cfg.group_size, att,
+                                cfg.attn_scale, window, cfg.attn_softcap)
         _apply(layer.wo, att, partial)
         return partial
 
@@ -345,7 +381,10 @@ class Shard:
         hb = quant.Batch(h)
         _apply(layer.w_gate, hb, gate)
         _apply(layer.w_up, hb, up)
-        ops.silu_mul(gate, up)
+        if self.w.cfg.geglu:
+            ops.gelu_mul(gate, up)
+        else:
+            ops.silu_mul(gate, up)
         _apply(layer.w_down, gate, partial)
         return partial
 
@@ -362,4 +401,7 @@ def _apply(w: quant.Weight, x: np.ndarray | quant.Batch, out: np.ndarray) -> Non
 def embed(mf: ModelFile, token_ids: list[int]) -> np.ndarray:
     """Embedding rows for the given tokens: (n, dim) f32 (only those rows are read)."""
     table = mf.weight("token_embd.weight")
-    return np.stack([quant.dequantize_rows(table, t, t + 1)[0] for t in token_ids]).astype(np.float32)
+    rows = np.stack([quant.dequantize_rows(table, t, t + 1)[0] for t in token_ids]).astype(np.float32)
+    if mf.config.embed_scale != 1.0:  # gemma: times sqrt(dim), in f32 as llama.cpp's ggml_scale
+        rows *= np.float32(mf.config.embed_scale)
+    return rows

@@ -53,12 +53,29 @@ def rmsnorm(x, w, eps, out):  # pragma: no cover - compiled
             out[i, j] = x[i, j] * scale * w[j]
 
 
-def rope_table(n_pos: int, rope_dims: int, theta: float, freq_factors: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin of every position and frequency: (n_pos, rope_dims // 2) each, f32."""
+@njit(**_JIT)
+def rmsnorm_heads(x, head_dim, w, eps):  # pragma: no cover - compiled
+    # x: (n, heads * head_dim) f32, each head's head_dim values RMS-normed in place, times w (head_dim,)
+    # (qwen3's q and k norms); each head's arithmetic is rmsnorm's on a row of head_dim
+    n, width = x.shape
+    for i in range(n):
+        for base in range(0, width, head_dim):
+            ss = 0.0
+            for j in range(head_dim):
+                ss += x[i, base + j] * x[i, base + j]
+            scale = np.float32(1.0 / math.sqrt(ss / head_dim + eps))
+            for j in range(head_dim):
+                x[i, base + j] = x[i, base + j] * scale * w[j]
+
+
+def rope_table(n_pos: int, rope_dims: int, theta: float, freq_factors: np.ndarray | None,
+               scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin of every position and frequency: (n_pos, rope_dims // 2) each, f32; scale: linear
+    rope scaling, every angle times it (llama.cpp's freq_scale)."""
     inv = theta ** (-np.arange(0, rope_dims, 2, dtype=np.float64) / rope_dims)
     if freq_factors is not None:
         inv = inv / freq_factors[: rope_dims // 2].astype(np.float64)
-    ang = np.arange(n_pos, dtype=np.float64)[:, None] * inv[None, :]
+    ang = (np.arange(n_pos, dtype=np.float64) * scale)[:, None] * inv[None, :]
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
@@ -88,22 +105,24 @@ def rope(x, n_heads, head_dim, rope_dims, pos0, cos, sin, neox):  # pragma: no c
 
 
 @njit(parallel=True, **_JIT)
-def attention(q, k_cache, v_cache, pos0, group, out, serial):  # pragma: no cover - compiled
+def attention(q, k_cache, v_cache, pos0, group, out, serial, scale=0.0, window=0, cap=0.0):  # pragma: no cover
     # q: (n, n_heads * hd) roped queries for positions pos0 .. pos0+n-1
     # k_cache, v_cache: (n_kv, ctx, row) kernel views (kernel_view); rows up to pos0+n-1 are filled
     # out: (n, n_heads * hd); query head h reads KV head h // group (causal)
     # serial: one thread, without the parallel launch (each head's arithmetic is the same)
+    # scale: of q.k (0: 1/sqrt(hd)); window > 0: only keys p with pos - p < window (a sliding
+    # window); cap > 0: scores soft-capped to cap * tanh(score / cap) (gemma2)
     jobs = q.shape[0] * k_cache.shape[0] * group
     if serial:
         for job in range(jobs):
-            attend_head(q, k_cache, v_cache, pos0, group, out, job)
+            attend_head(q, k_cache, v_cache, pos0, group, out, job, scale, window, cap)
     else:
         for job in prange(jobs):
-            attend_head(q, k_cache, v_cache, pos0, group, out, job)
+            attend_head(q, k_cache, v_cache, pos0, group, out, job, scale, window, cap)
 
 
 @njit(**_JIT)
-def attend_head(q, k_cache, v_cache, pos0, group, out, job):  # pragma: no cover - compiled
+def attend_head(q, k_cache, v_cache, pos0, group, out, job, scale=0.0, window=0, cap=0.0):  # pragma: no cover
     # one (token, query head) of `attention`. Each score is one chain over d in order, each
     # output value one chain over s in order; four scores run side by side (independent
     # chains, the same bits) rather than one long dependency at a time. A cache that is not
@@ -111,16 +130,17 @@ def attend_head(q, k_cache, v_cache, pos0, group, out, job):  # pragma: no cover
     n_kv = k_cache.shape[0]
     n_heads = n_kv * group
     hd = q.shape[1] // n_heads
-    scale = np.float32(1.0 / math.sqrt(hd))
+    sc = np.float32(1.0 / math.sqrt(hd)) if scale == 0.0 else np.float32(scale)
     t = job // n_heads
     h = job % n_heads
     kv = h // group
-    last = pos0 + t  # attends to 0 .. last
+    last = pos0 + t  # attends to first .. last
+    first = max(0, last - window + 1) if window > 0 else 0
     scores = np.empty(last + 1, dtype=np.float32)
     qh = q[t, h * hd : h * hd + hd]
     kc, vc = k_cache[kv], v_cache[kv]
     scratch = np.empty((4, hd), dtype=np.float32)
-    s0 = 0
+    s0 = first
     while s0 + 4 <= last + 1:  # four scores at a time: four independent chains
         keys = kv_rows(kc, s0, 4, scratch)
         a0 = a1 = a2 = a3 = np.float32(0.0)
@@ -130,35 +150,61 @@ def attend_head(q, k_cache, v_cache, pos0, group, out, job):  # pragma: no cover
             a1 += qd * keys[1, d]
             a2 += qd * keys[2, d]
             a3 += qd * keys[3, d]
-        scores[s0] = a0 * scale
-        scores[s0 + 1] = a1 * scale
-        scores[s0 + 2] = a2 * scale
-        scores[s0 + 3] = a3 * scale
+        scores[s0] = a0 * sc
+        scores[s0 + 1] = a1 * sc
+        scores[s0 + 2] = a2 * sc
+        scores[s0 + 3] = a3 * sc
         s0 += 4
     for s in range(s0, last + 1):
         keys = kv_rows(kc, s, 1, scratch)
         acc = np.float32(0.0)
         for d in range(hd):
             acc += qh[d] * keys[0, d]
-        scores[s] = acc * scale
+        scores[s] = acc * sc
+    if cap > 0.0:
+        softcap(scores[first:], cap)
     top = np.float32(-np.inf)
-    for s in range(last + 1):
+    for s in range(first, last + 1):
         if scores[s] > top:
             top = scores[s]
     total = np.float32(0.0)
-    for s in range(last + 1):
+    for s in range(first, last + 1):
         e = np.float32(math.exp(scores[s] - top))
         scores[s] = e
         total += e
     inv = np.float32(1.0) / total
     o = np.zeros(hd, dtype=np.float32)
-    for s in range(last + 1):
+    for s in range(first, last + 1):
         p = scores[s] * inv
         values = kv_rows(vc, s, 1, scratch)
         for d in range(hd):
             o[d] += p * values[0, d]
     for d in range(hd):
         out[t, h * hd + d] = o[d]
+
+
+@njit(**_JIT)
+def softcap(x, cap):  # pragma: no cover - compiled
+    # x (m,) f32 <- cap * tanh(x / cap) in place, in f32 steps as ggml's scale, tanh, scale
+    inv = np.float32(1.0 / cap)
+    c = np.float32(cap)
+    for i in range(x.shape[0]):
+        x[i] = np.float32(math.tanh(np.float32(x[i] * inv))) * c
+
+
+@njit(parallel=True, **_JIT)
+def gelu_mul(gate, up):  # pragma: no cover - compiled
+    # gate, up: (n, f); gate <- gelu(gate) * up, GELU's tanh form (GeGLU, gemma)
+    for i in prange(gate.shape[0]):
+        gelu_mul_row(gate, up, i)
+
+
+@njit(**_JIT)
+def gelu_mul_row(gate, up, i):  # pragma: no cover - compiled
+    for j in range(gate.shape[1]):
+        g = gate[i, j]
+        inner = np.float32(0.7978845608028654) * (g + np.float32(0.044715) * g * g * g)
+        gate[i, j] = np.float32(0.5) * g * (np.float32(1.0) + np.float32(math.tanh(inner))) * up[i, j]
 
 
 @njit(parallel=True, **_JIT)
@@ -182,11 +228,12 @@ def silu_mul_row(gate, up, i):  # pragma: no cover - compiled
 QBLOCK = 64  # query rows per attention block: a block reads keys only up to its own last row
 
 
-def attention_batch(q, k_cache, v_cache, pos0, group, out):
+def attention_batch(q, k_cache, v_cache, pos0, group, out, scale=0.0, window=0, cap=0.0):
     """Causal attention for a batch of n > 1 tokens through BLAS, in blocks of one KV head
     and QBLOCK query rows.
 
-    Same contract as `attention` (the caches as numpy holds them here); the scalar kernel is right for one token, but a
+    Same contract as `attention` (the caches as numpy holds them here, scale, window and cap
+    too); the scalar kernel is right for one token, but a
     prefill batch is two matrix products per KV head. Row blocks skip the keys
     after their last row: for 256 new tokens, 3/8 of the work. The scale goes on
     q, the causal softmax is one vectorized pass (`_softmax_causal`), and the
@@ -199,27 +246,35 @@ def attention_batch(q, k_cache, v_cache, pos0, group, out):
     hd = q.shape[1] // (n_kv * group)
     qh = q.reshape(n, n_kv, group, hd)
     oh = out.reshape(n, n_kv, group, hd)
-    scale = np.float32(1.0 / math.sqrt(hd))
+    scale = np.float32(1.0 / math.sqrt(hd) if scale == 0.0 else scale)
     for kv, a in ((kv, a) for kv in range(n_kv) for a in range(0, n, QBLOCK)):
         b = min(n, a + QBLOCK)
         m, last = b - a, pos0 + b  # rows a..b-1 attend to keys 0..last-1 at most
         qs = qh[a:b, kv].transpose(1, 0, 2).reshape(group * m, hd) * scale    # rows: head-major
         keys, values = kv_values(k_cache[kv, :last]), kv_values(v_cache[kv, :last])  # f32 for BLAS
         scores = qs @ keys.T                                                   # (group * m, last)
+        if cap > 0.0:
+            scores = np.tanh(scores * np.float32(1.0 / cap)) * np.float32(cap)
         total = np.empty((group * m, 1), np.float32)
-        _softmax_causal(scores, m, last - m, total)
+        _softmax_causal(scores, m, last - m, total, window)
         att = (scores @ values) / total                                        # normalised after PV
         oh[a:b, kv] = att.reshape(group, m, hd).transpose(1, 0, 2)
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc", "nsz"})
-def _softmax_causal(scores, m, base, total):  # pragma: no cover - compiled
+def _softmax_causal(scores, m, base, total, window):  # pragma: no cover - compiled
     # scores: (rows, keys), row r is query r % m of a block whose first query sees keys
-    # 0..base; in place: exp(s - max) over the keys it sees, 0 after them; total: the sums.
+    # 0..base; in place: exp(s - max) over the keys it sees, 0 elsewhere; total: the sums.
+    # window > 0: a row sees only its last `window` keys (itself included).
     # One thread: a block is ~0.1 ms, about what waking numba's workers costs.
+    # (Keys before the window are set to -inf, which exp32 takes to exactly 0: the loops stay
+    # those of plain causal attention, whose fastmath vector code, and so bits, they keep.)
     rows, keys = scores.shape
     for r in range(rows):
         seen = base + r % m + 1
+        if window > 0:
+            for j in range(seen - window):
+                scores[r, j] = -np.inf
         top = scores[r, 0]
         for j in range(1, seen):
             top = max(top, scores[r, j])

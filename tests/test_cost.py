@@ -12,7 +12,7 @@ GIB = 2**30
 SHAPE = ModelShape(n_layers=16, dim=256, n_heads=8, n_kv_heads=4, head_dim=32, ffn=1024, vocab=1000,
                    attn_bpw=1.0, ffn_bpw=1.0, vocab_bpw=1.0, ctx=64)
 LAYER, VOCAB = 983040, 256000
-OH = cost.Overheads(message_s=50e-6, row_cost=0.5)
+OH = cost.Overheads(message_s=50e-6, row_cost=0.5, layer_s=0.0)
 
 
 def test_one_node_costs_its_weights_over_its_speed():
@@ -22,6 +22,8 @@ def test_one_node_costs_its_weights_over_its_speed():
     p4 = cost.predict(plan, {}, 4, OH)  # 4 rows: weights once, each extra row half the first
     assert p4.step_s == pytest.approx((16 * LAYER + VOCAB) / 1e9 * (1 + 0.5 * 3))
     assert p4.tok_s == pytest.approx(4 / p4.step_s)
+    slow = cost.Overheads(message_s=50e-6, row_cost=0.5, layer_s=1e-4)  # 0.1 ms a layer beyond its weights
+    assert cost.predict(plan, {}, 1, slow).step_s == pytest.approx((16 * LAYER + VOCAB) / 1e9 + 16 * 1e-4)
 
 
 def test_tensor_parallelism_pays_two_round_trips_per_layer_and_one_for_the_answers():
@@ -96,6 +98,13 @@ def test_a_worker_left_out_is_told_why_with_the_cheapest_plan_that_has_it():
     found = pipeline.candidates(SHAPE, root, [a], links)
     best = pipeline.choose(SHAPE, root, [a], links, found=found)
     assert [n.node_id for n in best.plan.nodes] == ["r"]
+    # a worker predicted 3% faster alone than the root: not worth a link (pipeline.MARGIN, 5%)
+    fast = NodeSpec("a", 10.3e9, 8 * GIB)
+    near = {"a": cost.LinkCost(1e-6, 1e12)}
+    assert [n.node_id for n in pipeline.choose(SHAPE, root, [fast], near).plan.nodes] == ["r"]
+    faster = NodeSpec("a", 12e9, 8 * GIB)  # 20% faster: it does the work, the root only embeds
+    assert pipeline.choose(SHAPE, root, [faster], near).plan.kind == "single"
+    assert pipeline.choose(SHAPE, root, [faster], near).plan.share("a").layers == (0, 16)
     why = pipeline.left_out(found, best, "a")
     cheapest_with_a = min((c for c in found if "a" in {n.node_id for n in c.plan.nodes}),
                           key=lambda c: c.batch.step_s)

@@ -46,7 +46,7 @@ LINKS = {"loopback": (None, None), "ethernet": ("ethernet", "ethernet"), "wifi":
          "mixed": ("ethernet", "wifi")}
 # (name, layout): node indices per stage, 0 the root; an empty first stage: the root only embeds
 KINDS = {2: [("single", [[0]]), ("tp", [[0, 1]]), ("pp", [[0], [1]])],
-         3: [("tp", [[0, 1, 2]]), ("pp", [[0], [1], [2]]), ("hybrid", [[0, 1], [2]])]}
+         3: [("single", [[0]]), ("tp", [[0, 1, 2]]), ("pp", [[0], [1], [2]]), ("hybrid", [[0, 1], [2]])]}
 RATE_MBIT = {"ethernet": 1000.0, "wifi": 100.0}
 
 
@@ -109,6 +109,7 @@ def run_profile(control: LoopThread, path: Path, name: str, profile: str, args) 
                 runner = control.run(ClusterRunner.connect(mf, addresses, ctx=CTX, threads=1, layout=layout,
                                                            slots=args.streams), timeout=900)
                 try:
+                    decode(runner, prompt, 2, args.limit)  # warm-up: kernels loaded, pages touched
                     d = decode(runner, prompt, args.tokens, args.limit)
                     pred = cost.predict(runner.plan, links_of(runner), 1)
                     agg = batch_tok_s(runner, prompt, args.streams, args.batch_steps, args.limit) \
@@ -150,6 +151,7 @@ def run_too_big(control: LoopThread, path: Path, name: str, args) -> list[list[s
     prompt = prompt_for(path)
     alone = control.run(ClusterRunner.connect(mf, [], ctx=CTX, threads=1, rebalance=False), timeout=900)
     try:
+        decode(alone, prompt, 2, args.limit)
         single = decode(alone, prompt, args.tokens, args.limit).tok_s
     finally:
         alone.close()

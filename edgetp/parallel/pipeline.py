@@ -33,6 +33,7 @@ from edgetp.parallel.plan import DEFAULT_OVERHEAD, ModelShape, NodeSpec, Plan, P
 log = logging.getLogger(__name__)
 
 PARALLEL = ("auto", "tp", "pp")  # what --parallel may force
+MARGIN = 0.05  # a plan on fewer nodes is preferred unless one on more is predicted this much faster
 MAX_WORKERS_ENUMERATED = 6  # beyond this many workers, subsets are not enumerated (tp and pp over all only)
 
 
@@ -165,6 +166,12 @@ def choose(shape: ModelShape, root: NodeSpec, workers: Sequence[NodeSpec], links
     """
     if found is None:
         found = candidates(shape, root, workers, links, parallel=parallel, rows=rows, **kw)
+    if found:
+        # measured speeds are noisy: a plan on fewer nodes (fewer links to depend on) within
+        # MARGIN of the cheapest is taken instead
+        best = min(found, key=_cost)
+        close = [c for c in found if _cost(c)[0] <= _cost(best)[0] * (1 + MARGIN)]
+        return min(close, key=lambda c: (len(c.plan.nodes), _cost(c)))
     if not found:
         everyone = [[root, *workers]] if parallel != "pp" else [[root]] + [[w] for w in workers]
         stage_plan(shape, everyone, epoch=kw.get("epoch", 0), sync=kw.get("sync", "f32"),

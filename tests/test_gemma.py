@@ -36,8 +36,8 @@ from tests.test_cli_errors import ask, assert_one_line_error
 from tests.test_decode_fast import _same
 from tests.test_engine_reference import BOUND, FOX, INT8_VS_CPP, _error, _ours, _spread
 from edgetp.parallel.runner import ClusterRunner
-from tests.test_parallel import GREEDY, _serving, cluster, greedy
-from tests.test_qwen3 import _without
+from tests.test_parallel import greedy
+from tests.test_qwen3 import _without, assert_processes_match, control, float_kernels  # noqa: F401 (fixtures)
 
 SHAPES = {  # arch -> synth_gguf keys beyond the preset
     "gemma2": dict(swa_window=8, attn_softcap=5.0, final_softcap=3.0),
@@ -55,11 +55,6 @@ def gemma(synth_model):
         return synth_model(preset, wt, arch=arch, **(SHAPES[arch] | extra))
 
     return make
-
-
-@pytest.fixture
-def float_kernels(monkeypatch):
-    monkeypatch.setenv("EDGETP_INT8", "0")
 
 
 def _ids(path) -> list[int]:
@@ -159,51 +154,16 @@ def test_the_fused_decode_plan_gives_the_per_op_paths_bits(gemma, arch, wt, int8
 # ---------------------------------------------------------------- tensor parallel, real processes
 
 
-@pytest.fixture(scope="module")
-def workers():
-    """Two `edgetp worker` processes on the float kernels (the exact mode)."""
-    yield from _serving(2, int8=False)
-
-
-@pytest.fixture(scope="module")
-def control():
-    from edgetp.model import quant  # noqa: PLC0415
-    from edgetp.net.loopthread import LoopThread  # noqa: PLC0415
-
-    quant.set_threads(1)  # root, workers and the test share two cores
-    with LoopThread() as lt:
-        yield lt
-    quant.set_threads(None)
-
-
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_two_and_three_processes_with_uneven_weights_give_the_single_nodes_tokens_and_the_exact_logits(
-        arch, workers, control, gemma, float_kernels):
+        arch, float_workers, control, gemma, float_kernels):
     # 6 heads, 3 KV heads, FFN 7 blocks of 32: nothing divides evenly over 2 or 3 nodes
-    path = gemma(arch, "q8_0", preset="tiny-odd", head_dim=32)
-    ids = Tokenizer.from_metadata(gguf.open_model(path).metadata).encode(FOX)
-    expected = greedy(LocalRunner(gguf.open_model(path), 256), ids, 64)
-    exact = reference.exact_logits(path, ids, "f16")
-    for n, weights in ((2, [1, 3]), (3, [3, 1, 2])):
-        runner = cluster(control, path, workers[: n - 1], weights)
-        try:
-            shares = [(s.kv_groups, s.ffn_cols, s.vocab_rows) for s in runner.plan.shares]
-            assert len({s[0] for s in shares}) == n, f"every process must hold a different slice: {shares}"
-            runner.begin(GREEDY)
-            try:
-                got = runner.logits(ids, 0)
-            finally:
-                runner.end()
-            err = _error(got, exact, _spread(exact))
-            assert err.max() <= BOUND["f16"], f"{n} processes, shares {shares}: max error {err.max():.2e}"
-            assert greedy(runner, ids, 64) == expected, f"{n} processes, shares {shares}"
-        finally:
-            runner.close()
+    assert_processes_match(control, gemma(arch, "q8_0", preset="tiny-odd", head_dim=32), float_workers)
 
 
 @pytest.mark.parametrize("layout", [[[0], [1], [2]], [[0, 1], [2]]], ids=["pp-over-three", "hybrid"])
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
-def test_pipeline_stages_give_the_single_nodes_tokens(arch, layout, workers, control, gemma, float_kernels):
+def test_pipeline_stages_give_the_single_nodes_tokens(arch, layout, float_workers, control, gemma, float_kernels):
     # a stage's layers keep their own kind (local or global, by the model's layer index: gemma3's
     # stages, split after layer 4 or earlier, would otherwise take global layer 5 for a local one)
     # and a stage's last post-norm goes on the residual it hands on
@@ -211,7 +171,7 @@ def test_pipeline_stages_give_the_single_nodes_tokens(arch, layout, workers, con
     mf = gguf.open_model(path)
     ids = Tokenizer.from_metadata(mf.metadata).encode(FOX)
     expected = greedy(LocalRunner(mf, 256), ids, 48)
-    runner = control.run(ClusterRunner.connect(mf, workers, ctx=256, weights=[1, 2, 3], layout=layout), timeout=300)
+    runner = control.run(ClusterRunner.connect(mf, float_workers, ctx=256, weights=[1, 2, 3], layout=layout), timeout=300)
     try:
         layers = [(n.node_id, n.stage, n.layers) for n in runner.nodes]
         assert len(runner.plan.stages) == len(layout), layers

@@ -28,7 +28,7 @@ from tests import reference
 from tests.test_cli_errors import ask, assert_one_line_error
 from tests.test_decode_fast import _same
 from tests.test_engine_reference import BOUND, FOX, INT8_VS_CPP, _error, _ours, _spread
-from tests.test_parallel import GREEDY, _serving, cluster, greedy
+from tests.test_parallel import GREEDY, cluster, greedy
 
 # (preset, weight type, overrides): head_dim * heads != dim in each
 QWEN3 = {
@@ -126,12 +126,6 @@ def test_the_fused_decode_plan_applies_the_head_norms_bit_identical_to_the_per_o
 
 
 @pytest.fixture(scope="module")
-def workers():
-    """Two `edgetp worker` processes on the float kernels (the exact mode)."""
-    yield from _serving(2, int8=False)
-
-
-@pytest.fixture(scope="module")
 def control():
     from edgetp.model import quant  # noqa: PLC0415
     from edgetp.net.loopthread import LoopThread  # noqa: PLC0415
@@ -143,9 +137,13 @@ def control():
 
 
 def test_two_and_three_processes_with_uneven_weights_give_the_single_nodes_tokens_and_the_exact_logits(
-        workers, control, synth_model, float_kernels):
+        float_workers, control, synth_model, float_kernels):
     # 6 heads, 3 KV heads, FFN 7 blocks of 32: nothing divides evenly over 2 or 3 nodes
-    path = synth_model("tiny-odd", "q8_0", arch="qwen3", head_dim=32)
+    assert_processes_match(control, synth_model("tiny-odd", "q8_0", arch="qwen3", head_dim=32), float_workers)
+
+
+def assert_processes_match(control, path, workers) -> None:
+    """2 and 3 real processes with uneven weights: the single node's 64 greedy tokens, the float64 logits."""
     ids = Tokenizer.from_metadata(gguf.open_model(path).metadata).encode(FOX)
     expected = greedy(LocalRunner(gguf.open_model(path), 256), ids, 64)
     exact = reference.exact_logits(path, ids, "f16")

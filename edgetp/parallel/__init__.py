@@ -1,1 +1,2 @@
-"""Tensor parallelism: the speed-weighted planner, weight slicing, collectives."""
+"""Tensor and pipeline parallelism: the speed-weighted planner, plan kinds and their cost, weight slicing,
+collectives, the root's runner."""

@@ -22,15 +22,12 @@ keeps the cheapest for the load given.
 from __future__ import annotations
 
 import itertools
-import logging
 import math
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from edgetp.parallel import cost, packing
 from edgetp.parallel.plan import DEFAULT_OVERHEAD, ModelShape, NodeSpec, Plan, PlanError, Share, fmt_bytes
-
-log = logging.getLogger(__name__)
 
 PARALLEL = ("auto", "tp", "pp")  # what --parallel may force
 MARGIN = 0.05  # a plan on fewer nodes is preferred unless one on more is predicted this much faster

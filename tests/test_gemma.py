@@ -34,10 +34,11 @@ from edgetp.model.tokenizer import Tokenizer
 from tests import reference
 from tests.test_cli_errors import ask, assert_one_line_error
 from tests.test_decode_fast import _same
-from tests.test_engine_reference import BOUND, FOX, INT8_VS_CPP, _error, _ours, _spread
+from tests.test_engine_reference import BOUND, FOX, _error, _ours, _spread
 from edgetp.parallel.runner import ClusterRunner
 from tests.test_parallel import greedy
-from tests.test_qwen3 import _without, assert_processes_match, control, float_kernels  # noqa: F401 (fixtures)
+from tests.test_qwen3 import (_without, assert_int8_decode_as_close_as_llamacpp, assert_processes_match,  # noqa: F401
+                              control, float_kernels)  # (fixtures)
 
 SHAPES = {  # arch -> synth_gguf keys beyond the preset
     "gemma2": dict(swa_window=8, attn_softcap=5.0, final_softcap=3.0),
@@ -105,14 +106,7 @@ def test_logits_are_never_further_from_llamacpp_than_llamacpp_is_from_exact(llam
 def test_int8_q4_0_decode_logits_are_as_close_to_exact_as_llamacpps(llama_cpp, gemma, arch, monkeypatch):
     monkeypatch.delenv("EDGETP_INT8", raising=False)
     path = gemma(arch, "q4_0")
-    ids = _ids(path)
-    runner = LocalRunner(gguf.open_model(path), 256, kv_type="f32")
-    ours = np.stack([runner.logits([t], p)[0] for p, t in enumerate(ids)])  # one token at a time: decode kernels
-    exact = reference.exact_logits(path, ids)
-    spread = _spread(exact)
-    mine = _error(ours, exact, spread).mean()
-    cpp = _error(reference.logits(path, ids), exact, spread).mean()
-    assert 1e-4 < mine <= INT8_VS_CPP * cpp, f"mean error {mine:.2e} vs llama.cpp's {cpp:.2e}"
+    assert_int8_decode_as_close_as_llamacpp(path, _ids(path))
 
 
 @pytest.mark.parametrize("kv_type", ["f16", "f32"])

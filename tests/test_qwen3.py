@@ -99,7 +99,12 @@ def test_logits_are_never_further_from_llamacpp_than_llamacpp_is_from_exact(llam
 def test_int8_q4_0_decode_logits_are_as_close_to_exact_as_llamacpps(llama_cpp, qwen3, monkeypatch):
     monkeypatch.delenv("EDGETP_INT8", raising=False)
     path = qwen3("q4_0")
-    ids = _ids(path)
+    assert_int8_decode_as_close_as_llamacpp(path, _ids(path))
+
+
+def assert_int8_decode_as_close_as_llamacpp(path, ids) -> None:
+    """Decoded one token at a time on the integer kernels: on average as close to the float64 math
+    as llama.cpp (INT8_VS_CPP), and not exact (the kernels really rounded)."""
     runner = LocalRunner(gguf.open_model(path), 256, kv_type="f32")
     ours = np.stack([runner.logits([t], p)[0] for p, t in enumerate(ids)])  # one token at a time: decode kernels
     exact = reference.exact_logits(path, ids)

@@ -105,9 +105,7 @@ def _split_layers(shape: ModelShape, groups: Sequence[Sequence[NodeSpec]], overh
             hi = mid
         else:
             lo = mid
-    counts = caps(hi)
-    if min(counts) < 1 or sum(counts) < n:  # every stage takes one layer at least, whatever its speed
-        counts = [max(1, c) for c in counts]
+    counts = caps(hi)  # one layer per stage at least, n in all at least: every memory cap holds one, all hold n
     while sum(counts) > n:  # give back from the stage that would be slowest
         k = max((k for k in range(len(counts)) if counts[k] > 1),
                 key=lambda k: (counts[k] * layer_work + (vocab if k == len(groups) - 1 else 0)) / speed[k])

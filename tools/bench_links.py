@@ -31,11 +31,12 @@ if __package__ in (None, ""):  # run as a script: the repository's root on the p
 
 # first: bench_parallel sets one thread per process before numba loads
 from tools.bench_parallel import GREEDY, ROOT_DIR, SMOLLM2, Procs, decode, ensure_1b, prompt_for, table  # noqa: E402
-from edgetp.model import gguf, quant  # noqa: E402
+from edgetp.model import gguf, isa, quant  # noqa: E402
 from edgetp.model.batch import Row  # noqa: E402
 from edgetp.net.loopthread import LoopThread  # noqa: E402
 from edgetp.parallel import cost, pipeline, profile  # noqa: E402
 from edgetp.parallel.runner import ClusterRunner  # noqa: E402
+from tools.bench_local import cpu_line  # noqa: E402
 from tools.netns import read_line  # noqa: E402
 from tools.relay import PROFILES  # noqa: E402
 
@@ -207,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             for profile in args.profile or list(LINKS):
                 print(f"[bench_links] {name} {profile} ...", file=sys.stderr, flush=True)
                 rows += run_profile(control, path, name, profile, args)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    print(f"# edgetp plan kinds over shaped links\n\n- {time.strftime('%Y-%m-%d %H:%M')}, {cpu}, "
+    print(f"# edgetp plan kinds over shaped links\n\n- {time.strftime('%Y-%m-%d %H:%M')}, {cpu_line()}, "
+          f"kernels {isa.current()}, "
           f"{os.cpu_count()} CPUs, 1 numba thread per process, load average {os.getloadavg()[0]:.2f}; "
           f"{args.tokens} greedy tokens per row; relays on loopback: ethernet 0.3 ms / 1 Gbit, "
           f"wifi 4 +- 1 ms / 100 Mbit, mixed = worker 1 ethernet, worker 2 wifi\n")

@@ -64,6 +64,10 @@ def _view(host, url: str) -> dict:
     return json.loads(out.stdout) if out.returncode == 0 else {}
 
 
+def _states(host, url: str) -> dict[str, str]:
+    return {n["node_id"]: n["state"] for n in _view(host, url).get("nodes", [])}
+
+
 def _until(check, seconds: float, what: str) -> float:
     t0 = time.monotonic()
     while time.monotonic() - t0 < seconds:
@@ -91,8 +95,10 @@ def test_daemons_on_three_hosts_elect_serve_survive_a_worker_and_the_root_and_ig
                 listen=f"{h.address}:7711", data_port=7710, interface=h.address, prefix=h.argv([]))
         # 1. discovery across hosts, then election: node-a leads, node-d (wrong key) is foreign
         _until(lambda: _view(hosts["b"], url["b"]).get("root") == "node-a", 20, "node-b follows node-a")
-        _until(lambda: {n["node_id"]: n["state"] for n in _view(hosts["b"], url["b"]).get("nodes", [])}
-               .get("node-d") == "foreign", 20, "node-d listed as foreign")
+        _until(lambda: _states(hosts["b"], url["b"]).get("node-d") == "foreign", 20, "node-d listed as foreign")
+        # the root plans at the first request over the members it has settled: wait until it counts b and c in
+        _until(lambda: {_states(hosts["a"], url["a"]).get(n) for n in ("node-b", "node-c")} == {"ready"}, 20,
+               "node-a settles node-b and node-c")
         # 2. a generation asked at node-b runs on a, b and c
         answer = _ask(hosts["b"], url["b"])
         assert answer.returncode == 0 and answer.stdout == expected, answer.stderr

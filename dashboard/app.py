@@ -17,7 +17,7 @@ from .screens import MainScreen
 from edgetp.net.httpauth import Credentials
 
 from .source import Asker, AskError, EventSource, HttpAsker, WebSocketSource
-from .state import AskChunk, AskFinished, AskStarted, ClearLog, ConnectionStatus, DashboardState, Notice, apply
+from .state import AskFinished, AskStarted, ClearLog, ConnectionStatus, DashboardState, Notice, apply
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +64,8 @@ class DashboardApp(App[None]):
     async def _ask(self, prompt: str) -> None:
         assert self.asker is not None
         try:
-            async for piece in self.asker.ask(prompt):
-                self.post_message(RecordArrived(AskChunk(piece)))
+            async for chunk in self.asker.ask(prompt):
+                self.post_message(RecordArrived(chunk))
         except (AskError, aiohttp.ClientError, OSError, TimeoutError) as exc:
             self.post_message(RecordArrived(AskFinished(str(exc) or type(exc).__name__)))
             return

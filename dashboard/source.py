@@ -18,7 +18,7 @@ import aiohttp
 from edgetp.net.httpauth import Credentials, ProofError
 from edgetp.events import EventError, from_dict
 
-from .state import ConnectionStatus, Notice
+from .state import AskChunk, ConnectionStatus, Notice
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +30,9 @@ class EventSource(Protocol):
 
 
 class Asker(Protocol):
-    """Ask the cluster; the answer streams back in pieces of text."""
+    """Ask the cluster; the answer streams back in pieces of text, each with the answer's id."""
 
-    def ask(self, prompt: str) -> AsyncIterator[str]: ...
+    def ask(self, prompt: str) -> AsyncIterator[AskChunk]: ...
 
 
 class AskError(Exception):
@@ -118,7 +118,7 @@ class HttpAsker:
         self.url, self.creds = url.rstrip("/"), creds
         self.model, self.max_tokens = model, max_tokens  # model None: whatever the cluster serves
 
-    async def ask(self, prompt: str) -> AsyncIterator[str]:
+    async def ask(self, prompt: str) -> AsyncIterator[AskChunk]:
         body: dict[str, Any] = {"stream": True, "messages": [{"role": "user", "content": prompt}]}
         if self.model is not None:
             body["model"] = self.model
@@ -136,18 +136,19 @@ class HttpAsker:
                 if resp.status != 200:
                     raise AskError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
                 async for raw in resp.content:
-                    text = _sse_delta(raw.decode("utf-8", "replace"))
-                    if text is _DONE:
+                    chunk = _sse_delta(raw.decode("utf-8", "replace"))
+                    if chunk is _DONE:
                         return
-                    if text:
-                        yield text
+                    if chunk is not None:
+                        yield chunk
 
 
 _DONE = object()
 
 
 def _sse_delta(line: str) -> Any:
-    """The content of one SSE `data:` line of a chat completion stream; _DONE at the end."""
+    """The text of one SSE `data:` line of a chat completion stream, as an AskChunk with the answer's id;
+    None when it carries no text, _DONE at the end."""
     line = line.strip()
     if not line.startswith("data:"):
         return None
@@ -162,18 +163,20 @@ def _sse_delta(line: str) -> Any:
         raise AskError(str(chunk["error"].get("message", chunk["error"]) if isinstance(chunk["error"], dict)
                            else chunk["error"]))
     choices = chunk.get("choices") or [{}]
-    return (choices[0].get("delta") or {}).get("content") or None
+    text = (choices[0].get("delta") or {}).get("content")
+    return AskChunk(text, chunk.get("id")) if text else None
 
 
 class ScriptedAsker:
-    """Answers every prompt with the same pieces, `delay` seconds apart; remembers the prompts."""
+    """Answers every prompt with the same pieces, `delay` seconds apart, as answer `request_id`;
+    remembers the prompts."""
 
-    def __init__(self, pieces: Sequence[str], delay: float = 0.0) -> None:
-        self.pieces, self.delay = list(pieces), delay
+    def __init__(self, pieces: Sequence[str], delay: float = 0.0, request_id: str | None = None) -> None:
+        self.pieces, self.delay, self.request_id = list(pieces), delay, request_id
         self.prompts: list[str] = []
 
-    async def ask(self, prompt: str) -> AsyncIterator[str]:
+    async def ask(self, prompt: str) -> AsyncIterator[AskChunk]:
         self.prompts.append(prompt)
         for piece in self.pieces:
             await asyncio.sleep(self.delay)
-            yield piece
+            yield AskChunk(piece, self.request_id)

@@ -39,6 +39,7 @@ class AskStarted:
 @dataclass(frozen=True)
 class AskChunk:
     text: str
+    request_id: str | None = None  # the API's id for the answer (its stream chunks' "id"): its events' request_id
 
 
 @dataclass(frozen=True)
@@ -191,7 +192,8 @@ def apply(state: DashboardState, record: Any) -> DashboardState:
         gen = state.generation
         if gen is None or gen.origin != "dashboard" or gen.finished:
             return state
-        return replace(state, generation=replace(gen, text=gen.text + record.text, tokens=gen.tokens + 1))
+        return replace(state, generation=replace(gen, text=gen.text + record.text, tokens=gen.tokens + 1,
+                                                 request_id=gen.request_id or record.request_id))
     if isinstance(record, AskFinished):
         gen = state.generation
         if gen is not None and gen.origin == "dashboard" and not gen.finished:
@@ -235,9 +237,9 @@ def _request(state: DashboardState, rec: RequestRecord) -> DashboardState:
     state = _request_line(state, rec)
     gen = state.generation
     if rec.state == "started":
-        if gen is not None and gen.origin == "dashboard" and not gen.finished and gen.request_id is None:
-            gen = replace(gen, request_id=rec.request_id)  # the request this dashboard asked
-        elif _free(state, gen) or (gen is not None and gen.request_id == rec.request_id):
+        # a request this dashboard asked is known by the id its answer streams with (AskChunk), never
+        # by being the next to start: under load the next to start may be someone else's
+        if _free(state, gen) or (gen is not None and gen.request_id == rec.request_id):
             gen = Generation(rec.request_id, rec.prompt)
         entry = LogEntry("request", f"request {rec.request_id} started ({rec.prompt_tokens} prompt tokens)")
         return _log(replace(state, generation=gen), entry)

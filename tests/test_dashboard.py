@@ -132,12 +132,20 @@ def test_transfer_progress_replaces_its_previous_log_line_and_clears_when_done()
 
 
 def test_an_answer_asked_here_streams_from_the_asker_not_twice_from_the_events():
-    state = fold([AskStarted("2+2?"), RequestRecord("r9", "started", "<templated>"), AskChunk("4"),
+    state = fold([AskStarted("2+2?"), RequestRecord("r9", "started", "<templated>"), AskChunk("4", "r9"),
                   token(0, text="4", request_id="r9"), AskFinished(),
                   token(1, text="!", request_id="r9")])
     assert state.generation.prompt == "2+2?" and state.generation.text == "4"
     assert state.generation.request_id == "r9" and state.generation.finished
     assert state.token_count == 2  # the charts still see both tokens
+
+
+def test_an_answer_asked_here_is_known_by_its_stream_id_when_another_request_starts_first():
+    state = fold([AskStarted("2+2?"), RequestRecord("r8", "started", "someone else's"),
+                  token(0, text="Sure", request_id="r8"), RequestRecord("r9", "started", "<templated>"),
+                  AskChunk("4", "r9"), token(0, text="4", request_id="r9"), token(1, text=",", request_id="r8")])
+    gen = state.generation
+    assert (gen.origin, gen.request_id, gen.prompt, gen.text, gen.tokens) == ("dashboard", "r9", "2+2?", "4", 1)
 
 
 def test_a_disconnect_is_logged_once_with_its_retry_delay():
@@ -423,9 +431,10 @@ async def test_the_http_asker_yields_the_streamed_deltas():
         seen.update(await request.json())
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for piece in ("Hel", "lo", None):
+        for piece in (None, "Hel", "lo", None):  # a role chunk first, an empty finish chunk last, as OpenAI's
             delta = {"content": piece} if piece else {}
-            await resp.write(f"data: {json.dumps({'choices': [{'delta': delta}]})}\n\n".encode())
+            chunk = {"id": "chatcmpl-7", "choices": [{"delta": delta}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
@@ -439,7 +448,8 @@ async def test_the_http_asker_yields_the_streamed_deltas():
     runner, url = await serve(app)
     bad_runner, bad_url = await serve(bad)
     try:
-        assert [p async for p in HttpAsker(url).ask("hi")] == ["Hel", "lo"]
+        pieces = [p async for p in HttpAsker(url).ask("hi")]
+        assert pieces == [AskChunk("Hel", "chatcmpl-7"), AskChunk("lo", "chatcmpl-7")]
         assert seen["stream"] is True and seen["messages"] == [{"role": "user", "content": "hi"}]
         with pytest.raises(AskError, match="503"):
             [p async for p in HttpAsker(bad_url).ask("hi")]

@@ -11,6 +11,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import TypeVar
 
 from edgetp import client, store
 from edgetp.model import gguf, isa, quant, sampling
@@ -23,6 +24,7 @@ from edgetp.net import auth
 from edgetp.net.httpauth import Credentials
 from edgetp.net.link import LinkClosed
 from edgetp.net.loopthread import LoopThread
+from edgetp.cluster.discovery import DiscoveryError
 from edgetp.config import ConfigError
 from edgetp.parallel import pipeline
 from edgetp.parallel.plan import PlanError
@@ -359,20 +361,25 @@ def serve(args: argparse.Namespace) -> int:
     try:
         daemon.run(opts, on_listening=lambda url: print(f"edgetp serving on {url}", flush=True),
                    notifier=notifier, reload=reload)
-    except (OSError, ExceptionGroup) as exc:  # in a cluster the ports open inside a TaskGroup
-        if (err := _os_error(exc)) is None:
+    except (OSError, ExceptionGroup) as exc:  # in a cluster the ports and the mDNS name open inside a TaskGroup
+        if (taken := _found(exc, DiscoveryError)) is not None:
+            raise WorkerError(f"cannot join the cluster: {taken}; give each node its own --node-id") from None
+        if (err := _found(exc, OSError)) is None:
             raise
         raise WorkerError(f"cannot serve on {settings.host} (HTTP {settings.http_port}, data "
                           f"{settings.data_port}): {err.strerror or err}") from None
     return 0
 
 
-def _os_error(exc: BaseException) -> OSError | None:
-    """The OSError in `exc`, or in the exception group it is, else None."""
-    if isinstance(exc, OSError):
+E = TypeVar("E", bound=BaseException)
+
+
+def _found(exc: BaseException, kind: type[E]) -> E | None:
+    """`exc` if it is a `kind`, else the first `kind` in the exception group it is, else None."""
+    if isinstance(exc, kind):
         return exc
     if isinstance(exc, BaseExceptionGroup):
-        return next((e for e in map(_os_error, exc.exceptions) if e is not None), None)
+        return next((e for e in (_found(x, kind) for x in exc.exceptions) if e is not None), None)
     return None
 
 

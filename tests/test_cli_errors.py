@@ -206,3 +206,19 @@ def test_a_port_in_use_is_refused_in_one_line(cluster, stories_path, tmp_path):
         result = edgetp("serve", "--model", str(stories_path), "--listen", f"127.0.0.1:{port}", *extra,
                         env={"EDGETP_CACHE_DIR": str(tmp_path)})
     assert_one_line_error(result, f"{port}", "in use")
+
+
+def test_a_node_id_already_on_the_network_is_refused_in_one_line(stories_path, tmp_path):
+    from edgetp.serve.spawn import start_daemon, stop  # noqa: PLC0415
+
+    key = tmp_path / "cluster.key"
+    assert edgetp("keygen", str(key)).returncode == 0
+    node_id = f"twin-{os.getpid()}"  # mDNS names are machine-wide: unique to this run
+    first, _ = start_daemon(stories_path, key, node_id)
+    try:
+        result = edgetp("serve", "--model", str(stories_path), "--key", str(key), "--node-id", node_id,
+                        "--listen", "127.0.0.1:0", "--data-port", "0", "--interface", "127.0.0.1",
+                        env={"EDGETP_CACHE_DIR": str(tmp_path)})
+    finally:
+        stop(first)
+    assert_one_line_error(result, repr(node_id), "already on the network", "--node-id")

@@ -239,6 +239,7 @@ async def serve_cluster(opts: ServeOptions, on_listening: Callable[[str], None] 
             engine.between = roles[0].between
             on_roles(roles[0])
             engine.recover = Recovery(engine, bus, loop, lambda: membership.epoch, view=roles[0].view)
+            tg.create_task(roles[0].follow_joins(beat))
             if mf is None:
                 log.info("node %s holds no model: it never leads, and fetches its slice from the root", node_id)
             if on_listening:
@@ -257,6 +258,7 @@ class Roles:
         self.engine, self.membership, self.mf, self.opts = engine, membership, mf, opts
         self.node_id, self.ctx, self.http_port, self.shards = node_id, ctx, http_port, shards
         self.planned = -1  # membership.revision the current runner was planned at
+        self.offered = -1  # membership.revision whose newcomers a running plan was last asked to take in
         self.fetching: dict[str, tuple[int, int]] = {}  # node id -> (done, total) of a slice download
         self.backoff = Backoff()  # data address -> how long it is left out after a failure
 
@@ -284,10 +286,7 @@ class Roles:
                 runner.close()
                 self.engine.runner = None
             return
-        names = {data_address(p.advert): p.node_id for p in self.membership.usable()}
-        self.backoff.forget(set(names))
-        waiting = self.backoff.excluded(time.monotonic())
-        want = sorted(a for a in names if a not in waiting)
+        names, want = self._wanted()
         revision = self.membership.revision
         if runner is not None and not any(link.closed for link in runner.links) and \
                 runner.plan.epoch == self.membership.epoch and set(runner.options["addresses"]) == set(want) \
@@ -296,13 +295,42 @@ class Roles:
         if runner is not None:
             runner.close()
             self.engine.runner = None
-        for address, strike in waiting.items():
+        for address, strike in self.backoff.excluded(time.monotonic()).items():
             log.info("planning without %s for %.0f s more (failed %d time(s): %s)", address,
                      strike.until - time.monotonic(), strike.failures, strike.cause)
         self.engine.runner = await self._connect(want, names)
         self.planned = revision
         self.engine.bus.publish(replan_event(self.engine.runner))
         self.engine.bus.publish(self.view())  # watchers see the new shares and round trips at once
+
+    def _wanted(self) -> tuple[dict[str, str], list[str]]:
+        """The usable members by data address (-> node id), and those of them to plan over (not backing off)."""
+        names = {data_address(p.advert): p.node_id for p in self.membership.usable()}
+        self.backoff.forget(set(names))
+        waiting = self.backoff.excluded(time.monotonic())
+        return names, sorted(a for a in names if a not in waiting)
+
+    async def follow_joins(self, every: float) -> None:
+        """Check every `every` s whether nodes joined while the root serves (see offer_joins)."""
+        while True:
+            await asyncio.sleep(every)
+            self.offer_joins()
+
+    def offer_joins(self) -> None:
+        """Under unbroken load `between` never runs, so a node that joined would wait for a quiet moment.
+        Instead the running plan's next decode step re-plans over the members now (batch.Rebalance),
+        replaying every running sequence. Once per membership revision: a newcomer that cannot be
+        planned with is left to `between`, with its backoff, not retried at every step."""
+        runner, revision = self.engine.runner, self.membership.revision
+        if not isinstance(runner, ClusterRunner) or not self.engine.busy or runner.due is not None \
+                or self.membership.leader != self.node_id or revision in (self.planned, self.offered):
+            return
+        self.offered = revision
+        names, want = self._wanted()
+        joined = sorted(set(want) - set(runner.options["addresses"]))
+        if joined:
+            self.planned = revision  # the re-plan takes them in; if it cannot, `between` sees them missing
+            runner.due = Rebalance(f"{', '.join(names[a] for a in joined)} joined", want)
 
     async def _connect(self, addresses: list[str], names: dict[str, str]) -> ClusterRunner:
         """A runner over every peer that works; each that fails is left out (with a backoff) and logged.

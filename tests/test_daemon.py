@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import threading
 import time
 import urllib.request
 
@@ -107,3 +108,58 @@ def test_daemons_form_a_cluster_serve_through_any_node_and_survive_losing_a_work
     finally:
         for proc, _ in procs.values():
             stop(proc)
+
+
+def test_a_node_that_joins_under_unbroken_load_is_planned_in_at_once_and_every_answer_keeps_its_text(
+        stories_path, tmp_path):
+    """Re-plans between requests never come while streams overlap without a pause; a join must not wait for one.
+
+    Four clients ask back to back with different lengths, so their answers never end together and
+    the root is never idle. node-b joins: the running plan's next decode step re-plans over it
+    (the `rebalance` event says so) and every answer, before, across and after, is the single node's.
+    """
+    from tests.test_daemon_slices import EventLog
+
+    mf = gguf.open_model(stories_path)
+    tok = Tokenizer.from_metadata(mf.metadata)
+    lengths = (150, 113, 137, 91)
+    want = {n: "".join(ev.text for ev in generate(LocalRunner(mf, 256), tok, tok.encode(PROMPT),
+                                                 sampling.SamplingParams(temperature=0), n)) for n in lengths}
+    key = tmp_path / "cluster.key"
+    assert edgetp("keygen", str(key)).returncode == 0
+    procs, answers, done, clients = {}, [], threading.Event(), []
+    log = None
+
+    def client(n: int) -> None:
+        ask = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120)
+        for _ in range(200):  # bounded; `done` ends it long before
+            if done.is_set():
+                return
+            chunks = ask.completions.create(prompt=PROMPT, model="stories260K", max_tokens=n, temperature=0,
+                                            stream=True)
+            answers.append((n, "".join(c.choices[0].text for c in chunks), time.monotonic()))
+
+    try:
+        procs["a"], url = start_daemon(stories_path, key, "node-a", priority=5)
+        log = EventLog(url)
+        clients += [threading.Thread(target=client, args=(n,)) for n in lengths]
+        for t in clients:
+            t.start()
+        wait_for(lambda: len(answers) >= 4, 60, "node-a answers alone")
+        procs["b"], _ = start_daemon(stories_path, key, "node-b")
+        wait_for(lambda: "node-b" in {n["node_id"] for n in view(url)["nodes"] if n.get("ffn_cols")}, 60,
+                 "node-b planned in")
+        joined = time.monotonic()
+        wait_for(lambda: sum(t > joined for *_, t in answers) >= 8, 60, "answers after the re-plan")
+    finally:
+        done.set()
+        for t in clients:
+            t.join(120)
+        if log is not None:
+            log.close()
+        for proc in procs.values():
+            stop(proc)
+    wrong = [(n, text) for n, text, _ in answers if text != want[n]]
+    assert not wrong and len(answers) >= 12, wrong[:2]
+    rebalances = [r for r in log.records if r.get("type") == "cluster" and r.get("event") == "rebalance"]
+    assert any("node-b joined" in r["message"] for r in rebalances), rebalances

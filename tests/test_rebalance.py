@@ -85,3 +85,47 @@ def test_a_link_that_degrades_tenfold_mid_answer_is_planned_around_with_the_same
     assert plans and "take" in plans[0], plans  # the watch's reason, logged with the re-plan
     # measured again: a 20 ms link is worth nothing to a model this small, the root serves alone
     assert current[0].plan.kind == "single" and current[0].plan.nodes[0].node_id == "root", current[0].plan
+
+
+def test_a_newcomer_that_cannot_be_planned_with_leaves_the_answer_running_on_the_nodes_that_served(
+        stories_path, monkeypatch):
+    """A join re-plans over the members at that moment (daemon.Roles.offer_joins); one that refuses
+    its link must not end the running answer: the re-plan falls back to the nodes it had."""
+    import socket  # noqa: PLC0415
+
+    from edgetp.model.batch import Rebalance  # noqa: PLC0415
+
+    monkeypatch.setenv("EDGETP_INT8", "0")
+    quant.set_threads(1)
+    mf = gguf.open_model(stories_path)
+    tok = Tokenizer.from_metadata(mf.metadata)
+    ids = tok.encode("Once upon a time, there was a little girl named Lily. She")
+    want = [ev.token_id for ev in generate(LocalRunner(mf, 256), tok, ids, GREEDY, 40)]
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        gone = f"127.0.0.1:{s.getsockname()[1]}"
+    worker, addr = start_worker()
+    try:
+        with LoopThread() as lt:
+            runner = lt.run(ClusterRunner.connect(mf, [addr], ctx=256, parallel="tp", weights=[1, 1]), timeout=300)
+            current, reasons = [runner], []
+
+            def recover(exc):
+                reasons.append(str(exc))
+                current[0] = lt.run(current[0].recovered(exc), timeout=300)
+                return current[0]
+
+            got = []
+            try:
+                for ev in generate(runner, tok, ids, GREEDY, 40, recover=recover):
+                    got.append(ev.token_id)
+                    if len(got) == 15:
+                        runner.due = Rebalance("node-x joined", [addr, gone])
+            finally:
+                current[0].close()
+    finally:
+        stop(worker)
+    assert got == want
+    assert reasons == ["node-x joined"]
+    assert current[0] is not runner and current[0].options["addresses"] == [addr]
+    assert len(current[0].plan.nodes) == 2

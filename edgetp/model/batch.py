@@ -47,8 +47,12 @@ class RunnerLost(Exception):
 
 
 class Rebalance(RunnerLost):
-    """The runner's plan no longer fits its nodes (parallel/rebalance.py): a new plan should take over,
-    replaying what this one had seen, as after a lost node."""
+    """The runner's plan no longer fits its nodes (parallel/rebalance.py), or nodes joined: a new plan
+    should take over, replaying what this one had seen, as after a lost node."""
+
+    def __init__(self, reason: str, addresses: Sequence[str] | None = None) -> None:
+        super().__init__(reason)
+        self.addresses = None if addresses is None else tuple(addresses)  # the workers to plan over; None: the same
 
 
 @dataclass(frozen=True)

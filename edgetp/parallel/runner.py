@@ -86,7 +86,7 @@ class ClusterRunner:
         # measured speeds can change under us; given ones (--weights) cannot
         self.watch = StepWatch() if self.options.get("weights") is None and self.options.get("rebalance", True) \
             and links else None
-        self.due: str | None = None  # why the next step should re-plan instead (the watch's reason)
+        self.due: Rebalance | None = None  # set: the next decode step re-plans instead (the watch, or joins)
 
     # ------------------------------------------------------------------ set-up (on the loop)
     @classmethod
@@ -182,20 +182,31 @@ class ClusterRunner:
         log.warning("worker %s lost; re-planning over %d node(s), epoch %d", address, len(keep) + 1, epoch)
         return await ClusterRunner.connect(self.mf, [addresses[i] for i in keep], epoch=epoch, **opts)
 
-    async def replanned(self, reason: str, epoch: int | None = None) -> "ClusterRunner":
-        """A new runner over the same nodes, every speed and link measured again and planned afresh."""
+    async def replanned(self, reason: str, epoch: int | None = None,
+                        addresses: Sequence[str] | None = None) -> "ClusterRunner":
+        """A new runner, every speed and link measured again and planned afresh: over `addresses` when given
+        (nodes that joined), else over the same nodes. When the new nodes cannot be planned with, the
+        old ones are: nodes that joined must not end the answers running."""
         self.close()
         opts = dict(self.options)
-        addresses = opts.pop("addresses")
+        had = opts.pop("addresses")
         opts["layout"] = None
         epoch = self.plan.epoch + 1 if epoch is None else epoch
-        log.warning("re-planning over %d node(s), epoch %d: %s", len(addresses) + 1, epoch, reason)
-        return await ClusterRunner.connect(self.mf, addresses, epoch=epoch, **opts)
+        want = had if addresses is None else list(addresses)
+        log.warning("re-planning over %d node(s), epoch %d: %s", len(want) + 1, epoch, reason)
+        try:
+            return await ClusterRunner.connect(self.mf, want, epoch=epoch, **opts)
+        except Exception as exc:  # noqa: BLE001 - whatever the newcomers did, the nodes that served go on
+            if set(want) <= set(had):
+                raise
+            log.warning("cannot plan with %s (%s); planning over the nodes that served",
+                        ", ".join(sorted(set(want) - set(had))), exc)
+            return await ClusterRunner.connect(self.mf, had, epoch=epoch, **opts)
 
     async def recovered(self, exc: RunnerLost, epoch: int | None = None) -> "ClusterRunner":
         """The runner that takes over after exc: re-planned around a lost worker, or afresh (Rebalance)."""
         if isinstance(exc, Rebalance):
-            return await self.replanned(str(exc), epoch)
+            return await self.replanned(str(exc), epoch, exc.addresses)
         return await self.without(exc.link_name, epoch)
 
     # ------------------------------------------------------------------ generation (compute thread)
@@ -242,11 +253,13 @@ class ClusterRunner:
         for r in rows:
             self._check_room(r.pos + 1)
         if self.due is not None:  # before anything is sent: the workers have seen nothing of this step
-            raise Rebalance(self.due)
+            raise self.due
         t0 = time.perf_counter()
         out = self._decode(rows)
         if self.watch is not None:
-            self.due = self.watch.record(len(rows), time.perf_counter() - t0, max(r.pos for r in rows))
+            why = self.watch.record(len(rows), time.perf_counter() - t0, max(r.pos for r in rows))
+            if why is not None and self.due is None:
+                self.due = Rebalance(why)
         return out
 
     def _decode(self, rows: Sequence[Row]) -> list[sampling.Candidates]:

@@ -198,22 +198,29 @@ class CpuQuota:
 
     def __enter__(self) -> "CpuQuota":
         self.kind = self.available() or ""
-        quota = int(self.fraction * self.period)
         name = f"edgetp_bench_{os.getpid()}"
         if self.kind == "v2":
             base = next(b for b in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified"))
                         if (b / "cgroup.controllers").exists() and "cpu" in (b / "cgroup.controllers").read_text())
             self.dir = base / name
             self.dir.mkdir()
-            (self.dir / "cpu.max").write_text(f"{quota} {self.period}")
         elif self.kind == "v1":
             self.dir = Path("/sys/fs/cgroup/cpu") / name
             self.dir.mkdir()
             (self.dir / "cpu.cfs_period_us").write_text(str(self.period))
-            (self.dir / "cpu.cfs_quota_us").write_text(str(quota))
         else:
             raise RuntimeError("no writable cgroup cpu controller")
+        self.set(self.fraction)
         return self
+
+    def set(self, fraction: float) -> None:
+        """Change the quota, members and all, at once (tools/bench_rebalance.py cuts it mid-answer)."""
+        assert self.dir is not None
+        self.fraction, quota = fraction, int(fraction * self.period)
+        if self.kind == "v2":
+            (self.dir / "cpu.max").write_text(f"{quota} {self.period}")
+        else:
+            (self.dir / "cpu.cfs_quota_us").write_text(str(quota))
 
     @property
     def procs(self) -> Path:

@@ -63,28 +63,34 @@ def test_a_link_that_degrades_tenfold_mid_answer_is_planned_around_with_the_same
             runner = lt.run(ClusterRunner.connect(mf, [addr], ctx=256, parallel="auto", layout=[[0], [1]]),
                             timeout=300)
             runner.watch = StepWatch(window=6, factor=1.3, min_gap_s=0.0)
-            current, plans = [runner], []
-
-            def recover(exc):
-                plans.append(str(exc))
-                current[0] = lt.run(current[0].recovered(exc), timeout=300)
-                return current[0]
-
-            got = []
-            try:
-                for ev in generate(runner, tok, ids, GREEDY, 60, recover=recover):
-                    got.append(ev.token_id)
-                    if len(got) == 20:
-                        relay.send_signal(signal.SIGUSR1)
-            finally:
-                current[0].close()
+            got, last, plans = answer(lt, runner, tok, ids, 60, 20, lambda r: relay.send_signal(signal.SIGUSR1))
     finally:
         stop_relay(relay)
         stop(worker)
     assert got == want
     assert plans and "take" in plans[0], plans  # the watch's reason, logged with the re-plan
     # measured again: a 20 ms link is worth nothing to a model this small, the root serves alone
-    assert current[0].plan.kind == "single" and current[0].plan.nodes[0].node_id == "root", current[0].plan
+    assert last.plan.kind == "single" and last.plan.nodes[0].node_id == "root", last.plan
+
+
+def answer(lt: LoopThread, runner: ClusterRunner, tok, ids, n: int, at: int, act):
+    """Greedy ids of an n-token answer, re-planned whenever the runner asks (recorded), `act(runner)`
+    called after token `at`; (ids, the runner at the end, the re-plans' reasons). Closes the runners."""
+    current, reasons, got = [runner], [], []
+
+    def recover(exc):
+        reasons.append(str(exc))
+        current[0] = lt.run(current[0].recovered(exc), timeout=300)
+        return current[0]
+
+    try:
+        for ev in generate(runner, tok, ids, GREEDY, n, recover=recover):
+            got.append(ev.token_id)
+            if len(got) == at:
+                act(runner)
+    finally:
+        current[0].close()
+    return got, current[0], reasons
 
 
 def test_a_newcomer_that_cannot_be_planned_with_leaves_the_answer_running_on_the_nodes_that_served(
@@ -108,24 +114,11 @@ def test_a_newcomer_that_cannot_be_planned_with_leaves_the_answer_running_on_the
     try:
         with LoopThread() as lt:
             runner = lt.run(ClusterRunner.connect(mf, [addr], ctx=256, parallel="tp", weights=[1, 1]), timeout=300)
-            current, reasons = [runner], []
-
-            def recover(exc):
-                reasons.append(str(exc))
-                current[0] = lt.run(current[0].recovered(exc), timeout=300)
-                return current[0]
-
-            got = []
-            try:
-                for ev in generate(runner, tok, ids, GREEDY, 40, recover=recover):
-                    got.append(ev.token_id)
-                    if len(got) == 15:
-                        runner.due = Rebalance("node-x joined", [addr, gone])
-            finally:
-                current[0].close()
+            got, last, reasons = answer(lt, runner, tok, ids, 40, 15,
+                                        lambda r: setattr(r, "due", Rebalance("node-x joined", [addr, gone])))
     finally:
         stop(worker)
     assert got == want
     assert reasons == ["node-x joined"]
-    assert current[0] is not runner and current[0].options["addresses"] == [addr]
-    assert len(current[0].plan.nodes) == 2
+    assert last is not runner and last.options["addresses"] == [addr]
+    assert len(last.plan.nodes) == 2

@@ -19,7 +19,8 @@
 # Knobs: ARM64_QEMU_CPU (qemu's CPU model, default max: it has the dot product extension, and
 # i8mm, which a Pi 5 lacks; cortex-a76 is exactly the Pi 5's core, qemu 7.2 has it and every
 # group passes on it), ARM64_TEST_TIMEOUT (seconds per test group, default 3600), ARM64_CHILD_TIMEOUT (seconds
-# for a test's child process, default the group's), ARM64_MIRROR (Debian mirror).
+# for a test's child process, default the group's), ARM64_MIRROR (Debian mirror), ARM64_GROUPS (the
+# test groups to run, by name: kernels-neon kernels-generic stories parallel families; default all).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
@@ -282,6 +283,10 @@ test_group() {
     local envs=()
     while [ "$1" != "--" ]; do envs+=("$1"); shift; done
     shift
+    if [ -n "${ARM64_GROUPS:-}" ] && [[ " $ARM64_GROUPS " != *" $name "* ]]; then
+        result="not selected (ARM64_GROUPS=$ARM64_GROUPS)"
+        return 0
+    fi
     local log="$LOGS/test-$name.log"
     : > "$log"
     say "== $name: ${envs[*]:-} pytest $* =="
@@ -321,6 +326,11 @@ run_tests() {
         /src/tests/test_engine_reference.py -k "test_generate or stories or paris" || failures=$((failures + 1))
     phase "tensor parallel" test_group parallel "${PI5[@]}" -- /src/tests/test_parallel.py \
         -k "not smollm2 and not tiny" || failures=$((failures + 1))
+    # the KV cache in every type (f16's conversions, q8_0's blocks), several-token rows against
+    # single rows, and the qwen3 / gemma layers on the NEON kernels
+    phase "caches and families" test_group families "${PI5[@]}" -- /src/tests/test_kv_type.py \
+        /src/tests/test_batch_rows.py /src/tests/test_qwen3.py /src/tests/test_gemma.py \
+        || failures=$((failures + 1))
     return "$failures"
 }
 

@@ -172,8 +172,8 @@ def assert_processes_match(control, path, workers) -> None:
 # ---------------------------------------------------------------- bad input
 
 
-def _without(src, dst, drop: str):
-    """A copy of src without the tensor `drop`."""
+def _without(src, dst, drop: str, instead: np.ndarray | None = None):
+    """A copy of src without the tensor `drop`, or with `instead` (same type) in its place."""
     reader = GGUFReader(src)
     writer = GGUFWriter(dst, reader.fields["general.architecture"].contents())
     for name, field in reader.fields.items():
@@ -182,8 +182,9 @@ def _without(src, dst, drop: str):
         writer.add_key_value(name, field.contents(), field.types[0],
                              sub_type=field.types[-1] if len(field.types) > 1 else None)
     for t in reader.tensors:
-        if t.name != drop:
-            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+        if t.name != drop or instead is not None:
+            data = instead if t.name == drop else np.asarray(t.data)
+            writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,0 +1,197 @@
+"""phi3 against independent references: llama.cpp and the float64 math of tests/reference.py.
+
+What phi3 changes from llama (llama.cpp's llama_model_phi3, Hugging Face's modeling_phi3):
+q, k and v are one tensor, blk.N.attn_qkv, whose rows are q's, then k's, then v's; the
+gate and up projections are one tensor, blk.N.ffn_up, of 2 * ffn rows, the gate's first;
+the rope rotates the two halves of each head (NEOX) with LongRoPE's frequency factors,
+rope_factors_long when a sequence's context is beyond rope.scaling.original_context_length
+and rope_factors_short otherwise, and cos and sin times rope.scaling.attn_factor. llama.cpp
+ignores phi3's attention.sliding_window (its loader turns it off), so the files here carry
+one of 8 under a 118-token prompt: were it applied, the logits would move.
+
+Two files per type: "long" (original context 128, so ours at 256 positions and llama.cpp at
+512 both take the long factors) and "short" (original context 4096), each with Phi-3-128k's
+attention factor, sqrt(1 + ln 32 / ln 4096) = 1.19. A shard loads its own heads' rows of q, k
+and v and its own FFN columns' rows of gate and up from the fused tensors, as row views.
+
+Bounds: test_engine_reference's (stated there), as in test_qwen3.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgetp.model import gguf, llama
+from edgetp.model.generate import LocalRunner
+from edgetp.model.tokenizer import Tokenizer
+from tests import reference
+from tests.test_cli_errors import ask, assert_one_line_error
+from tests.test_decode_fast import _same
+from tests.test_engine_reference import BOUND, FOX, _error, _ours, _spread
+from tests.test_parallel import greedy
+from tests.test_qwen3 import (_without, assert_int8_decode_as_close_as_llamacpp, assert_processes_match,  # noqa: F401
+                              control, float_kernels)  # (fixtures)
+
+ATTN_FACTOR = float(np.sqrt(1 + np.log(32) / np.log(4096)))  # Phi-3-mini-128k's: 131072 / 4096 = 32
+FACTORS = {"long": dict(rope_ctx_orig=128, ctx=1024), "short": dict(rope_ctx_orig=4096, ctx=131072)}
+TYPES = {"f32": "tiny-odd", "f16": "tiny-odd", "q8_0": "tiny-odd", "q4_0": "tiny-odd", "q4_1": "tiny-odd",
+         "q4_k": "tiny-k", "q6_k": "tiny-k"}  # tiny-odd: 6 heads of 16, 3 KV heads; tiny-k: 4 of 64, 2 KV
+
+
+@pytest.fixture(scope="module")
+def phi3(synth_model):
+    def make(wt: str = "f32", factors: str = "long", preset: str | None = None):
+        return synth_model(preset or TYPES[wt], wt, arch="phi3", swa_window=8, rope_attn_factor=ATTN_FACTOR,
+                           **FACTORS[factors])
+
+    return make
+
+
+def _ids(path) -> list[int]:
+    ids = reference.tokenize(path, FOX)
+    assert len(ids) > 3 * 8, "the prompt must outrun the sliding window llama.cpp ignores"
+    return ids
+
+
+def test_a_synthetic_phi3_file_reads_as_llamacpps_loader_reads_it(phi3):
+    mf = gguf.open_model(phi3())
+    cfg = mf.config
+    assert (cfg.arch, cfg.rope_neox, cfg.fused_qkv, cfg.fused_gate_up, cfg.swa_window, cfg.rope_ctx_orig) == (
+        "phi3", True, True, True, 0, 128)
+    assert cfg.rope_attn_factor == pytest.approx(ATTN_FACTOR)
+    assert not mf.has("blk.0.attn_q.weight") and not mf.has("blk.0.ffn_gate.weight")
+    # the factors, as llama.cpp's get_rope_factors picks them: long only beyond the original context
+    w = llama.load_weights(mf)
+    long, short = mf.vector("rope_factors_long.weight"), mf.vector("rope_factors_short.weight")
+    assert llama.rope_factors(w, 128) is w.rope_short and np.array_equal(w.rope_short, short)
+    assert llama.rope_factors(w, 129) is w.rope_long and np.array_equal(w.rope_long, long)
+
+
+def test_a_shard_takes_its_heads_and_columns_as_row_views_of_the_fused_tensors(phi3):
+    mf = gguf.open_model(phi3("q8_0"))
+    cfg = mf.config
+    hd, g = cfg.head_dim, cfg.group_size
+    qkv, up = (np.asarray(mf.tensors[f"blk.1.{n}.weight"].data) for n in ("attn_qkv", "ffn_up"))
+    spec = llama.ShardSpec((1, 3), (64, 160), (0, cfg.vocab))
+    layer = llama.load_weights(mf, spec).layers[1]
+    q_rows, kv_rows = (1 * g * hd, 3 * g * hd), (1 * hd, 3 * hd)  # KV heads 1, 2 and their query heads
+    at_k, at_v = cfg.n_heads * hd, (cfg.n_heads + cfg.n_kv_heads) * hd
+    want = {"wq": qkv[q_rows[0]:q_rows[1]], "wk": qkv[at_k + kv_rows[0]:at_k + kv_rows[1]],
+            "wv": qkv[at_v + kv_rows[0]:at_v + kv_rows[1]], "w_gate": up[64:160], "w_up": up[cfg.ffn + 64:cfg.ffn + 160]}
+    for name, rows in want.items():
+        got = getattr(layer, name).data
+        assert np.array_equal(got, rows), name
+        assert np.shares_memory(got, qkv if name in ("wq", "wk", "wv") else up), f"{name} is a copy"
+
+
+@pytest.mark.parametrize("factors", ["long", "short"])
+@pytest.mark.parametrize("wt,kv_type", [(k, "f16") for k in TYPES] + [("f32", "f32"), ("q8_0", "f32")])
+def test_logits_at_every_position_equal_the_exact_float64_math(phi3, wt, kv_type, factors, float_kernels):
+    path = phi3(wt, factors)
+    ids = Tokenizer.from_metadata(gguf.open_model(path).metadata).encode(FOX)
+    exact = reference.exact_logits(path, ids, kv_type)
+    err = _error(_ours(path, ids, kv_type), exact, _spread(exact))
+    assert err.max() <= BOUND[kv_type], f"max error {err.max():.2e} of the spread > {BOUND[kv_type]:.0e}"
+
+
+@pytest.mark.parametrize("factors", ["long", "short"])
+@pytest.mark.parametrize("wt,kv_type", [(k, "f16") for k in TYPES] + [("f32", "f32")])
+def test_logits_are_never_further_from_llamacpp_than_llamacpp_is_from_exact(llama_cpp, phi3, wt, kv_type, factors,
+                                                                            float_kernels):
+    path = phi3(wt, factors)
+    ids = _ids(path)
+    cpp = reference.logits(path, ids, kv_type)
+    exact = reference.exact_logits(path, ids, kv_type)
+    spread = _spread(exact)
+    ours_vs_cpp = _error(_ours(path, ids, kv_type), cpp, spread)
+    cpp_vs_exact = _error(cpp, exact, spread)
+    worst = int(np.argmax(ours_vs_cpp - cpp_vs_exact))
+    assert np.all(ours_vs_cpp <= cpp_vs_exact + BOUND[kv_type]), (
+        f"position {worst}: ours vs llama.cpp {ours_vs_cpp[worst]:.2e} > llama.cpp vs exact "
+        f"{cpp_vs_exact[worst]:.2e} + {BOUND[kv_type]:.0e}")
+
+
+def test_the_other_factor_set_or_no_attention_factor_would_be_far_from_llamacpp(llama_cpp, phi3, float_kernels):
+    # the test above can fail: the short factors, or cos and sin left unscaled, move the logits by a
+    # large part of their spread (measured: 0.6 and 0.35)
+    from dataclasses import replace  # noqa: PLC0415
+
+    path = phi3("f32", "long")
+    ids = _ids(path)
+    cpp = reference.logits(path, ids, "f32")
+    for change in (dict(rope_ctx_orig=100_000), dict(rope_attn_factor=1.0)):
+        mf = gguf.open_model(path)
+        mf.config = replace(mf.config, **change)
+        err = _error(LocalRunner(mf, 256, kv_type="f32").logits(ids, 0), cpp, _spread(cpp))
+        assert err.max() > 100 * BOUND["f32"], change
+
+
+def test_int8_q4_0_decode_logits_are_as_close_to_exact_as_llamacpps(llama_cpp, phi3, monkeypatch):
+    monkeypatch.delenv("EDGETP_INT8", raising=False)
+    path = phi3("q4_0")
+    assert_int8_decode_as_close_as_llamacpp(path, _ids(path))
+
+
+@pytest.mark.parametrize("factors", ["long", "short"])
+@pytest.mark.parametrize("kv_type", ["f16", "f32"])
+def test_greedy_continuation_is_token_identical_to_llamacpp_for_64_tokens(llama_cpp, phi3, kv_type, factors):
+    path = phi3("f32", factors)
+    ids = _ids(path)
+    ours = greedy(LocalRunner(gguf.open_model(path), 256, kv_type=kv_type), ids, 64)
+    assert ours == reference.greedy(path, ids, 64, kv_type)
+
+
+@pytest.mark.parametrize("wt", ["q8_0", "q4_k"])
+def test_the_fused_decode_plan_gives_the_per_op_paths_bits(phi3, wt, int8, kv_type):
+    _same(gguf.open_model(phi3(wt, preset="tiny-k")), kv_type=kv_type)  # heads of 64: a q8_0 cache holds them
+
+
+# ---------------------------------------------------------------- tensor parallel, real processes
+
+
+def test_two_and_three_processes_with_uneven_weights_give_the_single_nodes_tokens_and_the_exact_logits(
+        float_workers, control, phi3, float_kernels):
+    # 6 heads, 3 KV heads, FFN 7 blocks of 32: nothing divides evenly over 2 or 3 nodes
+    assert_processes_match(control, phi3("q8_0"), float_workers)
+
+
+@pytest.mark.parametrize("spec", [llama.ShardSpec((1, 3), (64, 160), (100, 400)),
+                                  llama.ShardSpec((0, 1), (40, 100), (0, 600)),  # FFN splits Q8_0 blocks
+                                  llama.ShardSpec((0, 0), (0, 224), (0, 0), (1, 3))])  # no heads; a stage
+def test_a_phi3_shard_file_holds_its_rows_of_the_fused_tensors_and_runs_as_its_slice(phi3, spec, tmp_path):
+    from edgetp.parallel.shardfile import write_shard  # noqa: PLC0415
+
+    mf = gguf.open_model(phi3("q8_0"))
+    cfg = mf.config
+    hd, g, f = cfg.head_dim, cfg.group_size, cfg.ffn
+    part = gguf.open_model(write_shard(mf, spec, tmp_path / "phi3-slice.gguf"))
+    (a, b), (c, d) = spec.kv_groups, spec.ffn_cols
+    first, last = spec.layer_range(cfg.n_layers)
+    for i in range(first, last):  # the rule written out: q rows of the heads, k rows, v rows; gate rows, up rows
+        qkv, up = (np.asarray(mf.tensors[f"blk.{i}.{n}.weight"].data) for n in ("attn_qkv", "ffn_up"))
+        k0, v0 = cfg.n_heads * hd, (cfg.n_heads + cfg.n_kv_heads) * hd
+        want = np.concatenate([qkv[a * g * hd:b * g * hd], qkv[k0 + a * hd:k0 + b * hd], qkv[v0 + a * hd:v0 + b * hd]])
+        assert np.array_equal(np.asarray(part.tensors[f"blk.{i}.attn_qkv.weight"].data).reshape(want.shape), want)
+        want = np.concatenate([up[c:d], up[f + c:f + d]])
+        assert np.array_equal(np.asarray(part.tensors[f"blk.{i}.ffn_up.weight"].data).reshape(want.shape), want)
+    x = llama.embed(mf, [1, 42, 7, 99, 5, 300, 12, 77, 150, 3])
+    whole = llama.Shard(llama.load_weights(mf, spec), 16)
+    mine = llama.Shard(llama.load_weights(part, spec), 16)
+    assert np.array_equal(mine.forward(x.copy(), 0), whole.forward(x.copy(), 0))
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("tensor,rows", [("blk.1.attn_qkv.weight", 96 + 2 * 48 - 16),  # a KV head's v rows short
+                                         ("blk.0.ffn_up.weight", 224)])                  # up without the gate
+def test_a_fused_tensor_whose_rows_do_not_match_the_heads_is_refused_in_one_line_naming_it(phi3, tensor, rows,
+                                                                                             tmp_path):
+    src = phi3("q8_0")
+    data = np.asarray(gguf.open_model(src).tensors[tensor].data)[:rows]
+    bad = _without(src, tmp_path / "bad-fused.gguf", tensor, instead=np.ascontiguousarray(data))
+    assert_one_line_error(ask(bad), str(bad), repr(tensor), f"[96, {rows}]")
+    with pytest.raises(gguf.GGUFError, match=tensor.replace(".", r"\.")):
+        gguf.open_model(bad)
+

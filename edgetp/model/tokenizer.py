@@ -14,6 +14,8 @@ Two families are implemented:
 
 Special tokens (control, user-defined, unknown) are cut out of the text
 first, longest first; control and unknown ones only when parse_special.
+A model named Phi-3 (general.name) drops the whitespace after most of them,
+as llama.cpp does (it sets their RSTRIP attribute by that name alone).
 """
 
 from __future__ import annotations
@@ -49,12 +51,14 @@ class Attr(IntFlag):
     CONTROL = 1 << 3
     USER_DEFINED = 1 << 4
     BYTE = 1 << 5
+    RSTRIP = 1 << 8  # whitespace after the token is dropped when it is cut out of the text
 
 
 # tokenizer.ggml.token_type values (gguf's TokenType) -> attributes
 _TYPE_TO_ATTR = {1: Attr.NORMAL, 2: Attr.UNKNOWN, 3: Attr.CONTROL, 4: Attr.USER_DEFINED, 5: Attr.UNUSED, 6: Attr.BYTE}
 _SPECIAL = Attr.CONTROL | Attr.USER_DEFINED | Attr.UNKNOWN
 _HIDDEN = Attr.CONTROL | Attr.UNKNOWN  # rendered as nothing unless specials are asked for
+_C_SPACE = " \t\n\v\f\r"  # C's isspace, which llama.cpp's RSTRIP uses
 
 # -- pre-tokenizers (llama.cpp llm_tokenizer_bpe) --------------------------------------------
 # llama.cpp runs the GPT-2 expression through a hand-written matcher that also takes
@@ -162,6 +166,7 @@ class _Vocab:
             self.special[name] = tid
         self._infer_attributes()
         self.eog = self._end_of_generation()
+        self._attributes_by_name(str(meta.get("general.name") or "").lower())
 
     def _mark_control(self, tid: int) -> None:
         self.attrs[tid] |= Attr.CONTROL
@@ -185,6 +190,18 @@ class _Vocab:
         for tid, text in enumerate(self.tokens):
             if self.attrs[tid] & Attr.CONTROL and "unused" in text:
                 self.attrs[tid] |= Attr.UNUSED
+
+    def _attributes_by_name(self, name: str) -> None:
+        """llama.cpp's "set attributes by model/tokenizer name": a Phi-3 drops the whitespace after
+        every special token but <unk>, <s> and <|endoftext|> (HF's tokenizer has rstrip on them)."""
+        if "phi-3" not in name and "phi3" not in name:
+            return
+        for tid in range(len(self.tokens)):
+            if self.attrs[tid] & _SPECIAL or self.tokens[tid] == "</s>":
+                self.attrs[tid] |= Attr.RSTRIP
+        for text in ("<unk>", "<s>", "<|endoftext|>"):
+            if text in self.ids:
+                self.attrs[self.ids[text]] &= ~Attr.RSTRIP
 
     def _end_of_generation(self) -> set[int]:
         sp = self.special
@@ -316,6 +333,7 @@ class Tokenizer:
             needle = self.tokens[tid]
             if not any(isinstance(f, str) and needle in f for f in frags):
                 continue
+            rstrip = bool(self._v.attrs[tid] & Attr.RSTRIP)
             split: list[str | int] = []
             for f in frags:
                 if isinstance(f, int) or needle not in f:
@@ -324,6 +342,8 @@ class Tokenizer:
                 for i, part in enumerate(f.split(needle)):
                     if i:
                         split.append(tid)
+                        if rstrip:
+                            part = part.lstrip(_C_SPACE)
                     if part:
                         split.append(part)
             frags = split

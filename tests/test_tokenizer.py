@@ -353,7 +353,7 @@ def test_smollm2_template_matches_llama_cpp_jinja_formatter(llama_cpp, smollm2: 
 _S, _B = gguf.GGUFValueType.STRING, gguf.GGUFValueType.BOOL
 VARIANTS = {
     **{f"bpe-pre-{pre}": ("smollm2", {"tokenizer.ggml.pre": (pre, _S)})
-       for pre in ("gpt-2", "llama-bpe", "qwen2", "tekken", "default", "starcoder", "dbrx")},
+       for pre in ("gpt-2", "llama-bpe", "qwen2", "tekken", "default", "starcoder", "dbrx", "gpt-4o")},
     "bpe-pre-missing": ("smollm2", {"tokenizer.ggml.pre": (None, _S)}),
     "bpe-llama3-default-bos": ("smollm2", {"tokenizer.ggml.pre": ("llama-bpe", _S),
                                            "tokenizer.ggml.add_bos_token": (None, _B)}),

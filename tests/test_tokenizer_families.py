@@ -10,6 +10,8 @@ a vocabulary we have, with the settings and special tokens that family's GGUF ca
 - qwen3: byte-level BPE (SmolLM2's vocabulary and merges) with the qwen2 pre-tokenizer,
   no BOS added, ChatML's <|im_start|>/<|im_end|>/<|endoftext|> and the added (not
   special, so user-defined) <think>, </think>, <tool_call>, </tool_call>;
+- phi4-mini (architecture phi3 too): byte-level BPE (SmolLM2's) with the gpt-4o (o200k)
+  pre-tokenizer and Phi-4-mini's control tokens, no BOS added;
 - phi3: SentencePiece (stories260K) with Phi-3's control tokens <|endoftext|>, <|user|>,
   <|assistant|>, <|system|>, <|end|>, <|placeholder1|>. llama.cpp drops the whitespace after
   Phi-3's special tokens (but <unk>, <s>, <|endoftext|>) when the model's general.name holds
@@ -132,6 +134,13 @@ PHI3_TEMPLATE = (
     "{% elif message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}")
 
+# Phi-4-mini-instruct's chat template (tokenizer_config.json): no newlines between the turns
+PHI4_MINI_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' and 'tools' in message and message['tools'] is "
+    "not none %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|tool|>' + message['tools'] + '<|/tool|>' + "
+    "'<|end|>' }}{% else %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}")
+
 _C, _U, _N = int(TokenType.CONTROL), int(TokenType.USER_DEFINED), int(TokenType.NORMAL)
 _S, _B = gguf.GGUFValueType.STRING, gguf.GGUFValueType.BOOL
 _ARR, _U32 = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32
@@ -153,6 +162,12 @@ FAMILIES = {
              {"tokenizer.chat_template": (PHI3_TEMPLATE, _S), "general.name": ("Phi3", _S),
               "tokenizer.ggml.eos_token_id": (512, _U32)}),  # <|endoftext|>, the first id past stories260K's 512
 }
+FAMILIES["phi4-mini"] = ("smollm2", {}, [("<|assistant|>", _C), ("<|end|>", _C), ("<|system|>", _C), ("<|user|>", _C),
+                                          ("<|tool|>", _C), ("<|/tool|>", _C)],
+                          {"tokenizer.ggml.pre": ("gpt-4o", _S), "tokenizer.ggml.add_bos_token": (False, _B),
+                           "tokenizer.ggml.bos_token_id": (0, _U32), "tokenizer.ggml.eos_token_id": (0, _U32),
+                           "tokenizer.chat_template": (PHI4_MINI_TEMPLATE, _S),
+                           "general.name": ("Phi 4 Mini Instruct", _S)})
 FAMILIES["phi3-unnamed"] = FAMILIES["phi3"][:3] + (FAMILIES["phi3"][3] | {"general.name": ("Mini 4k Instruct", _S)},)
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
@@ -237,13 +252,13 @@ def test_phi3_drops_the_whitespace_after_its_special_tokens_only_when_named_phi3
 
 
 @pytest.mark.llamacpp
-@pytest.mark.parametrize("family", ["gemma", "qwen3", "phi3"])
+@pytest.mark.parametrize("family", ["gemma", "qwen3", "phi3", "phi4-mini"])
 def test_an_encoded_chat_has_one_bos_where_the_family_wants_one_as_llamacpp_tokenizes_it(families, family):
     tok, llm = families[family]
     text, ids = tok.encode_chat(CHATS[1])
     assert ids == llm.tokenize(text.encode(), add_bos=not tok.starts_with_bos(text), special=True)
     bos_count = ids.count(tok.bos_id)
-    assert bos_count == (0 if family == "qwen3" else 1), ids[:4]
+    assert bos_count == (0 if family in ("qwen3", "phi4-mini") else 1), ids[:4]
 
 
 # ---------------------------------------------------------------- the model cards' formats, by hand
@@ -304,3 +319,12 @@ def test_phi3_renders_system_user_and_the_generation_prompt_as_its_model_card_sh
     # without a generation prompt the template closes with the EOS token, <|endoftext|>
     assert _chat(tok, messages[1:], add_generation_prompt=False) == (
         "<|user|>\nHow to explain Internet for a medieval knight?<|end|>\n<|endoftext|>")
+
+
+def test_phi4_mini_renders_its_turns_without_newlines_as_its_model_card_shows(families):
+    tok = families["phi4-mini"][0]
+    messages = [SYSTEM, {"role": "user", "content": "How to explain Internet for a medieval knight?"}]
+    assert _chat(tok, messages) == ("<|system|>You are a helpful assistant.<|end|>"
+                                    "<|user|>How to explain Internet for a medieval knight?<|end|><|assistant|>")
+    assert _chat(tok, messages[1:], add_generation_prompt=False) == (
+        "<|user|>How to explain Internet for a medieval knight?<|end|><|endoftext|>")

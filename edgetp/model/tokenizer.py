@@ -73,6 +73,12 @@ _TEKKEN = (
     r"|[^\r\n\p{L}\p{N}]?(?:(?=[\p{L}])[^a-z])+(?:(?=[\p{L}])[^A-Z])*"
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# o200k (gpt-4o, Phi-4-mini) as llama.cpp rewrites it: its letter classes become "a letter not a-z/A-Z"
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?(?:(?=[\p{L}])[^a-z])*(?:(?=[\p{L}])[^A-Z])+" + _CONTRACTIONS + "?"
+    r"|[^\r\n\p{L}\p{N}]?(?:(?=[\p{L}])[^a-z])+(?:(?=[\p{L}])[^A-Z])*" + _CONTRACTIONS + "?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
 
 
@@ -95,6 +101,7 @@ _PRE_GROUPS: list[tuple[tuple[str, ...], PreTokenizer]] = [
     (("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "stablelm2", "megrez", "hunyuan", "solar-open"),
      PreTokenizer((_QWEN2,))),
     (("tekken",), PreTokenizer((_TEKKEN,), ignore_merges=True, add_bos=True)),
+    (("gpt-4o",), PreTokenizer((_GPT4O,))),
 ]
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {name: pre for names, pre in _PRE_GROUPS for name in names}
 

@@ -24,14 +24,14 @@ import pytest
 
 from edgetp.model import gguf, llama
 from edgetp.model.generate import LocalRunner
-from edgetp.model.tokenizer import Tokenizer
 from tests import reference
 from tests.test_cli_errors import ask, assert_one_line_error
 from tests.test_decode_fast import _same
-from tests.test_engine_reference import BOUND, FOX, _error, _ours, _spread
+from tests.test_engine_reference import BOUND, FOX, _error, _spread
 from tests.test_parallel import greedy
-from tests.test_qwen3 import (_without, assert_int8_decode_as_close_as_llamacpp, assert_processes_match,  # noqa: F401
-                              control, float_kernels)  # (fixtures)
+from tests.test_qwen3 import (_without, assert_exact_at_every_position, assert_int8_decode_as_close_as_llamacpp,
+                              assert_never_further_from_llamacpp_than_it_is_from_exact, assert_processes_match,
+                              control, float_kernels)  # noqa: F401 (fixtures)
 
 ATTN_FACTOR = float(np.sqrt(1 + np.log(32) / np.log(4096)))  # Phi-3-mini-128k's: 131072 / 4096 = 32
 FACTORS = {"long": dict(rope_ctx_orig=128, ctx=1024), "short": dict(rope_ctx_orig=4096, ctx=131072)}
@@ -88,11 +88,7 @@ def test_a_shard_takes_its_heads_and_columns_as_row_views_of_the_fused_tensors(p
 @pytest.mark.parametrize("factors", ["long", "short"])
 @pytest.mark.parametrize("wt,kv_type", [(k, "f16") for k in TYPES] + [("f32", "f32"), ("q8_0", "f32")])
 def test_logits_at_every_position_equal_the_exact_float64_math(phi3, wt, kv_type, factors, float_kernels):
-    path = phi3(wt, factors)
-    ids = Tokenizer.from_metadata(gguf.open_model(path).metadata).encode(FOX)
-    exact = reference.exact_logits(path, ids, kv_type)
-    err = _error(_ours(path, ids, kv_type), exact, _spread(exact))
-    assert err.max() <= BOUND[kv_type], f"max error {err.max():.2e} of the spread > {BOUND[kv_type]:.0e}"
+    assert_exact_at_every_position(phi3(wt, factors), kv_type)
 
 
 @pytest.mark.parametrize("factors", ["long", "short"])
@@ -100,16 +96,7 @@ def test_logits_at_every_position_equal_the_exact_float64_math(phi3, wt, kv_type
 def test_logits_are_never_further_from_llamacpp_than_llamacpp_is_from_exact(llama_cpp, phi3, wt, kv_type, factors,
                                                                             float_kernels):
     path = phi3(wt, factors)
-    ids = _ids(path)
-    cpp = reference.logits(path, ids, kv_type)
-    exact = reference.exact_logits(path, ids, kv_type)
-    spread = _spread(exact)
-    ours_vs_cpp = _error(_ours(path, ids, kv_type), cpp, spread)
-    cpp_vs_exact = _error(cpp, exact, spread)
-    worst = int(np.argmax(ours_vs_cpp - cpp_vs_exact))
-    assert np.all(ours_vs_cpp <= cpp_vs_exact + BOUND[kv_type]), (
-        f"position {worst}: ours vs llama.cpp {ours_vs_cpp[worst]:.2e} > llama.cpp vs exact "
-        f"{cpp_vs_exact[worst]:.2e} + {BOUND[kv_type]:.0e}")
+    assert_never_further_from_llamacpp_than_it_is_from_exact(path, _ids(path), kv_type)
 
 
 def test_the_other_factor_set_or_no_attention_factor_would_be_far_from_llamacpp(llama_cpp, phi3, float_kernels):

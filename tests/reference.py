@@ -86,6 +86,7 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32", ctx: int = 256) -> 
     dim, nh, n_layers = key("embedding_length"), key("attention.head_count"), key("block_count")
     nkv = key("attention.head_count_kv", nh)
     hd = key("attention.key_length", dim // nh)
+    rd = key("rope.dimension_count", hd)  # the leading dims of each head that rotate (Phi-4-mini: 96 of 128)
     eps = key("attention.layer_norm_rms_epsilon", 1e-5)
     theta = key("rope.freq_base", 10000.0)
     # linear rope scaling: positions divided by rope.scaling.factor (HF's "linear" rope_scaling);
@@ -116,17 +117,19 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32", ctx: int = 256) -> 
     def norm(x, w):
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
-    def rope(v, heads, base, factor):
-        inv = base ** (-np.arange(0, hd, 2) / hd) / (1.0 if factors is None else factors)
+    def rope(v, heads, base, factor):  # the first rd dims of each head rotate, the others pass
+        inv = base ** (-np.arange(0, rd, 2) / rd) / (1.0 if factors is None else factors)
         ang = (np.arange(n) / factor)[:, None] * inv[None, :]
         cos, sin = mscale * np.cos(ang)[:, None, :], mscale * np.sin(ang)[:, None, :]
+        v = v.reshape(n, heads, hd)
+        r, keep = v[..., :rd], v[..., rd:]
         if halves:  # x * cos + rotate_half(x) * sin, the frequencies repeated over both halves
-            v = v.reshape(n, heads, hd)
             c, s = np.concatenate([cos, cos], -1), np.concatenate([sin, sin], -1)
-            return v * c + np.concatenate([-v[..., hd // 2:], v[..., : hd // 2]], -1) * s
-        v = v.reshape(n, heads, hd // 2, 2)
-        a, b = v[..., 0], v[..., 1]
-        return np.stack([a * cos - b * sin, a * sin + b * cos], -1).reshape(n, heads, hd)
+            r = r * c + np.concatenate([-r[..., rd // 2:], r[..., : rd // 2]], -1) * s
+        else:
+            a, b = r.reshape(n, heads, rd // 2, 2)[..., 0], r.reshape(n, heads, rd // 2, 2)[..., 1]
+            r = np.stack([a * cos - b * sin, a * sin + b * cos], -1).reshape(n, heads, rd)
+        return np.concatenate([r, keep], -1)
 
     def linear(h, name):  # h @ W.T (+ b where the file has the bias)
         out = h @ weight(name + ".weight").T

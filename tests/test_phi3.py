@@ -37,13 +37,16 @@ ATTN_FACTOR = float(np.sqrt(1 + np.log(32) / np.log(4096)))  # Phi-3-mini-128k's
 FACTORS = {"long": dict(rope_ctx_orig=128, ctx=1024), "short": dict(rope_ctx_orig=4096, ctx=131072)}
 TYPES = {"f32": "tiny-odd", "f16": "tiny-odd", "q8_0": "tiny-odd", "q4_0": "tiny-odd", "q4_1": "tiny-odd",
          "q4_k": "tiny-k", "q6_k": "tiny-k"}  # tiny-odd: 6 heads of 16, 3 KV heads; tiny-k: 4 of 64, 2 KV
+# Phi-4-mini (architecture phi3 too) in small: 3/4 of each head rotates (96 of 128 there, 48 of 64 here), and the
+# lm head is token_embd
+PHI4_MINI = dict(preset="tiny-k", rope_dims=48, tied=True)
 
 
 @pytest.fixture(scope="module")
 def phi3(synth_model):
-    def make(wt: str = "f32", factors: str = "long", preset: str | None = None):
+    def make(wt: str = "f32", factors: str = "long", preset: str | None = None, **extra):
         return synth_model(preset or TYPES[wt], wt, arch="phi3", swa_window=8, rope_attn_factor=ATTN_FACTOR,
-                           **FACTORS[factors])
+                           **FACTORS[factors], **extra)
 
     return make
 
@@ -114,6 +117,19 @@ def test_the_other_factor_set_or_no_attention_factor_would_be_far_from_llamacpp(
         assert err.max() > 100 * BOUND["f32"], change
 
 
+@pytest.mark.parametrize("kv_type", ["f16", "f32"])
+def test_phi4_minis_partial_rotation_and_tied_head_equal_llamacpp_and_the_exact_math(llama_cpp, phi3, kv_type,
+                                                                                     float_kernels):
+    path = phi3("f32", **PHI4_MINI)
+    cfg = gguf.open_model(path).config
+    assert (cfg.rope_dims, cfg.head_dim, cfg.tied) == (48, 64, True)
+    assert_exact_at_every_position(path, kv_type)
+    ids = _ids(path)
+    assert_never_further_from_llamacpp_than_it_is_from_exact(path, ids, kv_type)
+    assert greedy(LocalRunner(gguf.open_model(path), 256, kv_type=kv_type), ids, 64) == reference.greedy(
+        path, ids, 64, kv_type)
+
+
 def test_int8_q4_0_decode_logits_are_as_close_to_exact_as_llamacpps(llama_cpp, phi3, monkeypatch):
     monkeypatch.delenv("EDGETP_INT8", raising=False)
     path = phi3("q4_0")
@@ -131,7 +147,7 @@ def test_greedy_continuation_is_token_identical_to_llamacpp_for_64_tokens(llama_
 
 @pytest.mark.parametrize("wt", ["q8_0", "q4_k"])
 def test_the_fused_decode_plan_gives_the_per_op_paths_bits(phi3, wt, int8, kv_type):
-    _same(gguf.open_model(phi3(wt, preset="tiny-k")), kv_type=kv_type)  # heads of 64: a q8_0 cache holds them
+    _same(gguf.open_model(phi3(wt, **PHI4_MINI)), kv_type=kv_type)  # heads of 64: a q8_0 cache holds them
 
 
 # ---------------------------------------------------------------- tensor parallel, real processes

@@ -436,7 +436,8 @@ def _qtype(name: str | None, default: QT) -> QT:
 def model_tensors(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn: int, vocab: int,
                   head_dim: int | None = None, weight_type: str = "f32", embd_type: str | None = None,
                   output_type: str | None = None, tied: bool = False,
-                  tensor_types: dict[str, str] | None = None, arch: str = "llama") -> list[TensorSpec]:
+                  tensor_types: dict[str, str] | None = None, arch: str = "llama",
+                  rope_dims: int | None = None) -> list[TensorSpec]:
     """The tensors of a llama-family model, in file order, validated for the chosen types.
 
     tensor_types: per-tensor types over weight_type, as llama.cpp's mixes have them: a key
@@ -466,7 +467,7 @@ def model_tensors(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn
         specs.append(TensorSpec("output.weight", vocab, dim, ot, 1.0 / np.sqrt(dim)))
     fused = arch in FUSED
     if fused:
-        specs += [TensorSpec(name, 0, head_dim // 2, QT.F32, 1.0) for name in ROPE_FACTORS]
+        specs += [TensorSpec(name, 0, (rope_dims or head_dim) // 2, QT.F32, 1.0) for name in ROPE_FACTORS]
     for i in range(n_layers):
         p = f"blk.{i}."
         if fused:
@@ -513,14 +514,15 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
                 swa_pattern: int | None = None, rope_theta_swa: float | None = None,
                 attn_softcap: float | None = None, final_softcap: float | None = None,
                 rope_scale_linear: float | None = None, rope_ctx_orig: int | None = None,
-                rope_attn_factor: float | None = None) -> Path:
+                rope_attn_factor: float | None = None, rope_dims: int | None = None) -> Path:
     """Write a synthetic llama-family GGUF model to `path` (via path.part, then rename).
 
     Gemma keys, written only when given (llama.cpp then uses its defaults): `swa_window`
     (attention.sliding_window), `swa_pattern` (attention.sliding_window_pattern),
     `rope_theta_swa` (rope.freq_base_swa), `attn_softcap` and `final_softcap` (the logit
     soft-caps); `rope_scale_linear`: linear rope scaling by that factor (any arch). gemma2 is always tied: llama.cpp reads its lm head from token_embd.
-    phi3 keys: `rope_ctx_orig` (rope.scaling.original_context_length: longer contexts take the
+    `rope_dims`: the leading dims of each head that rotate (rope.dimension_count; default all,
+    Phi-4-mini rotates 96 of 128). phi3 keys: `rope_ctx_orig` (rope.scaling.original_context_length: longer contexts take the
     long rope factors) and `rope_attn_factor` (rope.scaling.attn_factor); `swa_window` is
     written for phi3 too (its converter does), though llama.cpp ignores it there.
 
@@ -539,7 +541,8 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
     hd = head_dim if head_dim is not None else (dim // n_heads if dim % n_heads == 0 else None)
     specs = model_tensors(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn=ffn,
                           vocab=vocab, head_dim=head_dim, weight_type=weight_type, embd_type=embd_type,
-                          output_type=output_type, tied=tied, tensor_types=tensor_types, arch=arch)
+                          output_type=output_type, tied=tied, tensor_types=tensor_types, arch=arch,
+                          rope_dims=rope_dims)
     assert hd is not None
 
     with gguf_writer(path, arch) as writer:
@@ -553,7 +556,9 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
         writer.add_head_count_kv(n_kv_heads)
         writer.add_rope_freq_base(float(rope_theta))
         writer.add_layer_norm_rms_eps(float(norm_eps))
-        writer.add_rope_dimension_count(hd)
+        if rope_dims is not None and not (0 < rope_dims <= hd and rope_dims % 2 == 0):
+            raise ValueError(f"rope_dims {rope_dims} must be even and within the head size {hd}")
+        writer.add_rope_dimension_count(rope_dims or hd)
         if hd * n_heads != dim:
             writer.add_key_length(hd)
             writer.add_value_length(hd)
@@ -662,6 +667,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rope-scale-linear", type=float, help="linear rope scaling factor (rope.scaling.factor)")
     ap.add_argument("--rope-ctx-orig", type=int, help="original context: longer ones take the long rope factors (phi3)")
     ap.add_argument("--rope-attn-factor", type=float, help="rope's attention factor (rope.scaling.attn_factor)")
+    ap.add_argument("--rope-dims", type=int, help="leading dims of each head that rotate (default: all)")
     tie = ap.add_mutually_exclusive_group()
     tie.add_argument("--tied", dest="tied", action="store_true", default=None, help="no output.weight")
     tie.add_argument("--untied", dest="tied", action="store_false", help="write output.weight")
@@ -682,7 +688,7 @@ def main(argv: list[str] | None = None) -> int:
         kw["name"] = args.preset
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn", "vocab", "ctx",
                 "rope_theta", "norm_eps", "tied", "swa_window", "swa_pattern", "rope_theta_swa",
-                "attn_softcap", "final_softcap", "rope_scale_linear", "rope_ctx_orig", "rope_attn_factor"):
+                "attn_softcap", "final_softcap", "rope_scale_linear", "rope_ctx_orig", "rope_attn_factor", "rope_dims"):
         val = getattr(args, key)
         if val is not None:
             kw[key] = val

@@ -72,6 +72,8 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32", ctx: int = 256) -> 
       rope.scaling.original_context_length, and cos and sin times rope.scaling.attn_factor.
       Hugging Face picks the factors by the sequence's length; llama.cpp (and so this) by the
       context a sequence may fill, `ctx` (the tests run ours with 256 positions).
+    - llama 3.1's rope scaling, as its GGUF stores it (rope_freqs): every inverse frequency divided
+      by its factor.
     """
     from gguf import GGMLQuantizationType, GGUFReader, quants  # noqa: PLC0415
 
@@ -99,11 +101,12 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32", ctx: int = 256) -> 
     theta_local = key("rope.freq_base_swa", theta if gemma2 else 10000.0)
     attn_cap = key("attn_logit_softcapping", 50.0) if gemma2 else 0.0
     final_cap = key("final_logit_softcapping", 30.0 if gemma2 else 0.0) if gemma else 0.0
-    factors = None
-    if "rope_factors_long.weight" in tensors:  # phi3's LongRoPE
+    factors = None  # each inverse frequency divided by its factor: llama 3.1's rope_freqs, else phi3's LongRoPE
+    if "rope_freqs.weight" in tensors:
+        factors = np.asarray(tensors["rope_freqs.weight"].data, np.float64).reshape(-1)
+    elif "rope_factors_long.weight" in tensors:
         long = ctx > key("rope.scaling.original_context_length", key("context_length"))
-        factors = quants.dequantize(np.asarray(tensors[f"rope_factors_{'long' if long else 'short'}.weight"].data),
-                                    GGMLQuantizationType.F32).astype(np.float64).reshape(-1)
+        factors = np.asarray(tensors[f"rope_factors_{'long' if long else 'short'}.weight"].data, np.float64).reshape(-1)
     mscale = key("rope.scaling.attn_factor", 1.0)
     big = gemma and n_layers == (46 if gemma2 else 62)  # gemma's 27B: queries scaled by its width per head
     scale = 1 / np.sqrt(dim / nh) if big else 1 / np.sqrt(hd)

@@ -198,3 +198,22 @@ def test_a_fused_tensor_whose_rows_do_not_match_the_heads_is_refused_in_one_line
     with pytest.raises(gguf.GGUFError, match=tensor.replace(".", r"\.")):
         gguf.open_model(bad)
 
+
+
+def test_rope_factors_of_the_wrong_length_are_refused_in_one_line_naming_them(phi3, tmp_path):
+    src = phi3("q8_0")  # 16 rope dims: 8 factors each
+    short = np.asarray(gguf.open_model(src).tensors["rope_factors_long.weight"].data)[:6].copy()
+    bad = _without(src, tmp_path / "bad-factors.gguf", "rope_factors_long.weight", instead=short)
+    assert_one_line_error(ask(bad), str(bad), "'rope_factors_long.weight'", "[6]", "expected [8]")
+
+
+def test_llama3s_rope_freqs_factors_equal_llamacpp_and_the_exact_math(llama_cpp, synth_model, float_kernels):
+    # the other factor set llama.cpp's get_rope_factors reads (first, where a file has it): llama 3.1's
+    path = synth_model("tiny-headdim", "f32", rope_freqs=True)
+    w = llama.load_weights(gguf.open_model(path))
+    assert w.rope_freqs is not None and w.rope_freqs.max() > 10 and llama.rope_factors(w, 256) is w.rope_freqs
+    ids = _ids(path)
+    assert_exact_at_every_position(path, "f32")
+    assert_never_further_from_llamacpp_than_it_is_from_exact(path, ids, "f32")
+    assert greedy(LocalRunner(gguf.open_model(path), 256, kv_type="f32"), ids, 64) == reference.greedy(
+        path, ids, 64, "f32")

@@ -81,6 +81,8 @@ FUSED = ("phi3",)
 #: phi3's rope frequency factors (rope_dims / 2 each), model-wide: llama.cpp takes the long ones when
 #: a sequence's context exceeds rope.scaling.original_context_length, the short ones otherwise
 ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+#: llama 3.1's rope scaling as its converter stores it: one factor per rotated pair, whatever the context
+ROPE_FREQS = "rope_freqs.weight"
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Real shapes (random weights): for benchmarks.
@@ -437,7 +439,7 @@ def model_tensors(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn
                   head_dim: int | None = None, weight_type: str = "f32", embd_type: str | None = None,
                   output_type: str | None = None, tied: bool = False,
                   tensor_types: dict[str, str] | None = None, arch: str = "llama",
-                  rope_dims: int | None = None) -> list[TensorSpec]:
+                  rope_dims: int | None = None, rope_freqs: bool = False) -> list[TensorSpec]:
     """The tensors of a llama-family model, in file order, validated for the chosen types.
 
     tensor_types: per-tensor types over weight_type, as llama.cpp's mixes have them: a key
@@ -468,6 +470,8 @@ def model_tensors(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn
     fused = arch in FUSED
     if fused:
         specs += [TensorSpec(name, 0, (rope_dims or head_dim) // 2, QT.F32, 1.0) for name in ROPE_FACTORS]
+    if rope_freqs:
+        specs.append(TensorSpec(ROPE_FREQS, 0, (rope_dims or head_dim) // 2, QT.F32, 1.0))
     for i in range(n_layers):
         p = f"blk.{i}."
         if fused:
@@ -514,7 +518,8 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
                 swa_pattern: int | None = None, rope_theta_swa: float | None = None,
                 attn_softcap: float | None = None, final_softcap: float | None = None,
                 rope_scale_linear: float | None = None, rope_ctx_orig: int | None = None,
-                rope_attn_factor: float | None = None, rope_dims: int | None = None) -> Path:
+                rope_attn_factor: float | None = None, rope_dims: int | None = None,
+                rope_freqs: bool = False) -> Path:
     """Write a synthetic llama-family GGUF model to `path` (via path.part, then rename).
 
     Gemma keys, written only when given (llama.cpp then uses its defaults): `swa_window`
@@ -522,7 +527,7 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
     `rope_theta_swa` (rope.freq_base_swa), `attn_softcap` and `final_softcap` (the logit
     soft-caps); `rope_scale_linear`: linear rope scaling by that factor (any arch). gemma2 is always tied: llama.cpp reads its lm head from token_embd.
     `rope_dims`: the leading dims of each head that rotate (rope.dimension_count; default all,
-    Phi-4-mini rotates 96 of 128). phi3 keys: `rope_ctx_orig` (rope.scaling.original_context_length: longer contexts take the
+    Phi-4-mini rotates 96 of 128); `rope_freqs`: llama 3.1's rope_freqs.weight factors. phi3 keys: `rope_ctx_orig` (rope.scaling.original_context_length: longer contexts take the
     long rope factors) and `rope_attn_factor` (rope.scaling.attn_factor); `swa_window` is
     written for phi3 too (its converter does), though llama.cpp ignores it there.
 
@@ -542,7 +547,7 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
     specs = model_tensors(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn=ffn,
                           vocab=vocab, head_dim=head_dim, weight_type=weight_type, embd_type=embd_type,
                           output_type=output_type, tied=tied, tensor_types=tensor_types, arch=arch,
-                          rope_dims=rope_dims)
+                          rope_dims=rope_dims, rope_freqs=rope_freqs)
     assert hd is not None
 
     with gguf_writer(path, arch) as writer:
@@ -605,8 +610,8 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
         writer.write_ti_data_to_file()
         for idx, s in enumerate(specs):
             rng = np.random.default_rng([seed, idx])
-            if s.name in ROPE_FACTORS:
-                data = rope_factors(rng, s.cols, long=s.name == ROPE_FACTORS[0])
+            if s.name in ROPE_FACTORS or s.name == ROPE_FREQS:
+                data = rope_factors(rng, s.cols, long=s.name != ROPE_FACTORS[1])
             elif s.is_norm:
                 data = (1.0 + 0.05 * rng.standard_normal(s.cols)).astype(np.float32)
             else:
@@ -668,6 +673,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rope-ctx-orig", type=int, help="original context: longer ones take the long rope factors (phi3)")
     ap.add_argument("--rope-attn-factor", type=float, help="rope's attention factor (rope.scaling.attn_factor)")
     ap.add_argument("--rope-dims", type=int, help="leading dims of each head that rotate (default: all)")
+    ap.add_argument("--rope-freqs", action="store_true", default=None, help="write llama 3.1's rope_freqs factors")
     tie = ap.add_mutually_exclusive_group()
     tie.add_argument("--tied", dest="tied", action="store_true", default=None, help="no output.weight")
     tie.add_argument("--untied", dest="tied", action="store_false", help="write output.weight")
@@ -688,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
         kw["name"] = args.preset
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn", "vocab", "ctx",
                 "rope_theta", "norm_eps", "tied", "swa_window", "swa_pattern", "rope_theta_swa",
-                "attn_softcap", "final_softcap", "rope_scale_linear", "rope_ctx_orig", "rope_attn_factor", "rope_dims"):
+                "attn_softcap", "final_softcap", "rope_scale_linear", "rope_ctx_orig", "rope_attn_factor", "rope_dims", "rope_freqs"):
         val = getattr(args, key)
         if val is not None:
             kw[key] = val

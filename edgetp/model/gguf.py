@@ -432,6 +432,10 @@ def _check_layers(path: Path, cfg: ModelConfig, tensors: dict, metadata: dict[st
     for name in need:
         if name not in tensors:
             raise GGUFError(f"{path}: tensor {name!r} is missing (architecture {cfg.arch} needs it)")
+    for name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):  # llama.cpp: {n_rot/2}
+        if name in tensors and tuple(tensors[name].shape) != (cfg.rope_dims // 2,):
+            raise GGUFError(f"{path}: tensor {name!r} has shape {list(tensors[name].shape)}, expected "
+                            f"[{cfg.rope_dims // 2}] (one factor per rotated pair of {cfg.rope_dims} rope dims)")
     held = metadata.get("edgetp.shard.layers") or (0, cfg.n_layers)
     shapes = {suffix: (shape, f"head_dim {cfg.head_dim}") for suffix, shape in _layer_tensors(cfg).items()}
     shapes |= _fused_shapes(cfg, metadata)

@@ -432,6 +432,8 @@ def _check_layers(path: Path, cfg: ModelConfig, tensors: dict, metadata: dict[st
     for name in need:
         if name not in tensors:
             raise GGUFError(f"{path}: tensor {name!r} is missing (architecture {cfg.arch} needs it)")
+    if "blk.0.attn_qkv.bias" in tensors:  # no phi3 has one; refused rather than left out of the sums
+        raise GGUFError(f"{path}: tensor 'blk.0.attn_qkv.bias' (a bias on a fused qkv) is not supported")
     for name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):  # llama.cpp: {n_rot/2}
         if name in tensors and tuple(tensors[name].shape) != (cfg.rope_dims // 2,):
             raise GGUFError(f"{path}: tensor {name!r} has shape {list(tensors[name].shape)}, expected "

@@ -217,3 +217,8 @@ def test_llama3s_rope_freqs_factors_equal_llamacpp_and_the_exact_math(llama_cpp,
     assert_never_further_from_llamacpp_than_it_is_from_exact(path, ids, "f32")
     assert greedy(LocalRunner(gguf.open_model(path), 256, kv_type="f32"), ids, 64) == reference.greedy(
         path, ids, 64, "f32")
+
+
+def test_a_bias_on_the_fused_qkv_is_refused_in_one_line_not_left_out(phi3, tmp_path):
+    bad = _without(phi3("q8_0"), tmp_path / "qkv-bias.gguf", "blk.0.attn_qkv.bias", instead=np.ones(192, np.float32))
+    assert_one_line_error(ask(bad), str(bad), "'blk.0.attn_qkv.bias'", "not supported")

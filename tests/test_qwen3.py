@@ -181,7 +181,8 @@ def assert_processes_match(control, path, workers) -> None:
 
 
 def _without(src, dst, drop: str, instead: np.ndarray | None = None):
-    """A copy of src without the tensor `drop`, or with `instead` (same type) in its place."""
+    """A copy of src without the tensor `drop`, or with `instead` (same type) in its place (an f32
+    tensor added where src has none of that name)."""
     reader = GGUFReader(src)
     writer = GGUFWriter(dst, reader.fields["general.architecture"].contents())
     for name, field in reader.fields.items():
@@ -193,6 +194,8 @@ def _without(src, dst, drop: str, instead: np.ndarray | None = None):
         if t.name != drop or instead is not None:
             data = instead if t.name == drop else np.asarray(t.data)
             writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    if instead is not None and drop not in {t.name for t in reader.tensors}:
+        writer.add_tensor(drop, instead)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -46,7 +46,7 @@ def greedy(path, ids: list[int], n: int, kv_type: str = "f32") -> list[int]:
     return out
 
 
-def exact_logits(path, ids: list[int], kv_type: str = "f32") -> np.ndarray:
+def exact_logits(path, ids: list[int], kv_type: str = "f32", ctx: int = 256) -> np.ndarray:
     """The forward pass written out in float64 numpy on gguf-py's dequantized weights.
 
     An independent statement of the llama math (RMSNorm, RoPE on adjacent pairs,
@@ -66,6 +66,14 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32") -> np.ndarray:
       (layer i local when i % period < period - 1; period 2 for gemma2, 6 for gemma3)
       that see keys p with pos - p < window, with their own rope base (gemma3: 10000);
       gemma2 soft-caps the attention scores and the logits, cap * tanh(x / cap).
+    - phi3 (modeling_phi3): one qkv_proj whose outputs are q, then k, then v; one gate_up_proj
+      whose first half is the gate (`gate, up = chunk(2)`); LongRoPE: every inverse frequency
+      divided by its factor, the long ones when the context exceeds
+      rope.scaling.original_context_length, and cos and sin times rope.scaling.attn_factor.
+      Hugging Face picks the factors by the sequence's length; llama.cpp (and so this) by the
+      context a sequence may fill, `ctx` (the tests run ours with 256 positions).
+    - llama 3.1's rope scaling, as its GGUF stores it (rope_freqs): every inverse frequency divided
+      by its factor.
     """
     from gguf import GGMLQuantizationType, GGUFReader, quants  # noqa: PLC0415
 
@@ -80,18 +88,26 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32") -> np.ndarray:
     dim, nh, n_layers = key("embedding_length"), key("attention.head_count"), key("block_count")
     nkv = key("attention.head_count_kv", nh)
     hd = key("attention.key_length", dim // nh)
+    rd = key("rope.dimension_count", hd)  # the leading dims of each head that rotate (Phi-4-mini: 96 of 128)
     eps = key("attention.layer_norm_rms_epsilon", 1e-5)
     theta = key("rope.freq_base", 10000.0)
     # linear rope scaling: positions divided by rope.scaling.factor (HF's "linear" rope_scaling);
     # gemma3's sliding-window layers are never scaled (its local rope has no rope_scaling)
     stretch = key("rope.scaling.factor", 1.0) if key("rope.scaling.type", "linear") == "linear" else 1.0
     gemma, gemma2 = arch in ("gemma2", "gemma3"), arch == "gemma2"
-    halves = arch in ("qwen2", "qwen3", "gemma2", "gemma3")
+    halves = arch in ("qwen2", "qwen3", "gemma2", "gemma3", "phi3")
     window = key("attention.sliding_window", 4096 if gemma2 else 0) if gemma else 0
     period = key("attention.sliding_window_pattern", 2 if gemma2 else 6)
     theta_local = key("rope.freq_base_swa", theta if gemma2 else 10000.0)
     attn_cap = key("attn_logit_softcapping", 50.0) if gemma2 else 0.0
     final_cap = key("final_logit_softcapping", 30.0 if gemma2 else 0.0) if gemma else 0.0
+    factors = None  # each inverse frequency divided by its factor: llama 3.1's rope_freqs, else phi3's LongRoPE
+    if "rope_freqs.weight" in tensors:
+        factors = np.asarray(tensors["rope_freqs.weight"].data, np.float64).reshape(-1)
+    elif "rope_factors_long.weight" in tensors:
+        long = ctx > key("rope.scaling.original_context_length", key("context_length"))
+        factors = np.asarray(tensors[f"rope_factors_{'long' if long else 'short'}.weight"].data, np.float64).reshape(-1)
+    mscale = key("rope.scaling.attn_factor", 1.0)
     big = gemma and n_layers == (46 if gemma2 else 62)  # gemma's 27B: queries scaled by its width per head
     scale = 1 / np.sqrt(dim / nh) if big else 1 / np.sqrt(hd)
     n = len(ids)
@@ -104,20 +120,34 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32") -> np.ndarray:
     def norm(x, w):
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
-    def rope(v, heads, base, factor):
-        ang = (np.arange(n) / factor)[:, None] * base ** (-np.arange(0, hd, 2) / hd)[None, :]
-        cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    def rope(v, heads, base, factor):  # the first rd dims of each head rotate, the others pass
+        inv = base ** (-np.arange(0, rd, 2) / rd) / (1.0 if factors is None else factors)
+        ang = (np.arange(n) / factor)[:, None] * inv[None, :]
+        cos, sin = mscale * np.cos(ang)[:, None, :], mscale * np.sin(ang)[:, None, :]
+        v = v.reshape(n, heads, hd)
+        r, keep = v[..., :rd], v[..., rd:]
         if halves:  # x * cos + rotate_half(x) * sin, the frequencies repeated over both halves
-            v = v.reshape(n, heads, hd)
             c, s = np.concatenate([cos, cos], -1), np.concatenate([sin, sin], -1)
-            return v * c + np.concatenate([-v[..., hd // 2:], v[..., : hd // 2]], -1) * s
-        v = v.reshape(n, heads, hd // 2, 2)
-        a, b = v[..., 0], v[..., 1]
-        return np.stack([a * cos - b * sin, a * sin + b * cos], -1).reshape(n, heads, hd)
+            r = r * c + np.concatenate([-r[..., rd // 2:], r[..., : rd // 2]], -1) * s
+        else:
+            a, b = r.reshape(n, heads, rd // 2, 2)[..., 0], r.reshape(n, heads, rd // 2, 2)[..., 1]
+            r = np.stack([a * cos - b * sin, a * sin + b * cos], -1).reshape(n, heads, rd)
+        return np.concatenate([r, keep], -1)
 
     def linear(h, name):  # h @ W.T (+ b where the file has the bias)
         out = h @ weight(name + ".weight").T
         return out + weight(name + ".bias") if name + ".bias" in tensors else out
+
+    def qkv(h, p):  # q, k, v; phi3: one projection whose outputs are q, then k, then v
+        if p + "attn_qkv.weight" not in tensors:
+            return linear(h, p + "attn_q"), linear(h, p + "attn_k"), linear(h, p + "attn_v")
+        out = linear(h, p + "attn_qkv")
+        return out[:, : nh * hd], out[:, nh * hd: (nh + nkv) * hd], out[:, (nh + nkv) * hd:]
+
+    def gate_up(h, p):  # phi3: one projection, the gate's outputs first
+        if p + "ffn_gate.weight" not in tensors:
+            return np.split(h @ weight(p + "ffn_up.weight").T, 2, axis=1)
+        return h @ weight(p + "ffn_gate.weight").T, h @ weight(p + "ffn_up.weight").T
 
     def head_norm(v, heads, name):  # qwen3, gemma3: RMSNorm of each head's hd values
         v = v.reshape(n, heads, hd)
@@ -147,9 +177,10 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32") -> np.ndarray:
             seen &= pos[:, None] - pos[None, :] < window  # ... and only the last `window` of them
         mask = np.where(seen, 0.0, -np.inf)
         h = norm(x, weight(p + "attn_norm.weight"))
-        q = rope(head_norm(linear(h, p + "attn_q"), nh, p + "attn_q_norm.weight"), nh, base, factor)
-        k = rope(head_norm(linear(h, p + "attn_k"), nkv, p + "attn_k_norm.weight"), nkv, base, factor)
-        v = linear(h, p + "attn_v").reshape(n, nkv, hd)
+        q, k, v = qkv(h, p)
+        q = rope(head_norm(q, nh, p + "attn_q_norm.weight"), nh, base, factor)
+        k = rope(head_norm(k, nkv, p + "attn_k_norm.weight"), nkv, base, factor)
+        v = v.reshape(n, nkv, hd)
         if kv_type == "f16":
             k, v = (c.astype(np.float32).astype(np.float16).astype(np.float64) for c in (k, v))
         if kv_type == "q8_0":
@@ -163,7 +194,7 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32") -> np.ndarray:
             att[:, head] = (s / s.sum(1, keepdims=True)) @ v[:, kv]
         x = x + post_norm(att.reshape(n, -1) @ weight(p + "attn_output.weight").T, p + "post_attention_norm.weight")
         h = norm(x, weight(p + "ffn_norm.weight"))
-        gate, up = h @ weight(p + "ffn_gate.weight").T, h @ weight(p + "ffn_up.weight").T
+        gate, up = gate_up(h, p)
         x = x + post_norm((act(gate) * up) @ weight(p + "ffn_down.weight").T, p + "post_ffw_norm.weight")
     head = weight("output.weight") if "output.weight" in tensors and not gemma2 else embd
     return cap(norm(x, weight("output_norm.weight")) @ head.T, final_cap)

@@ -313,17 +313,18 @@ def test_long_mixed_prompt_ids_equal_llama_cpp(reference: dict, model: tuple[str
 @pytest.mark.llamacpp
 def test_every_token_piece_equals_llama_cpp(llama_cpp, reference: dict, model: tuple[str, Tokenizer]) -> None:
     name, tok = model
-    vocab = llama_cpp.llama_model_get_vocab(reference[name].model)
-    buf = ctypes.create_string_buffer(1024)
-
-    def piece(t: int, special: bool) -> bytes:  # llama_token_to_piece with room for long pieces
-        n = llama_cpp.llama_token_to_piece(vocab, t, buf, len(buf), 0, special)
-        assert n >= 0
-        return buf.raw[:n]
-
     for special in (False, True):
-        mismatched = [t for t in range(tok.vocab_size) if tok.token_bytes(t, special=special) != piece(t, special)]
+        mismatched = [t for t in range(tok.vocab_size)
+                      if tok.token_bytes(t, special=special) != llama_piece(llama_cpp, reference[name], t, special)]
         assert mismatched == []
+
+
+def llama_piece(llama_cpp, llm, t: int, special: bool) -> bytes:
+    """llama.cpp's llama_token_to_piece of token t, with room for long pieces."""
+    buf = ctypes.create_string_buffer(1024)
+    n = llama_cpp.llama_token_to_piece(llama_cpp.llama_model_get_vocab(llm.model), t, buf, len(buf), 0, special)
+    assert n >= 0
+    return buf.raw[:n]
 
 
 @pytest.mark.llamacpp
@@ -352,7 +353,7 @@ def test_smollm2_template_matches_llama_cpp_jinja_formatter(llama_cpp, smollm2: 
 _S, _B = gguf.GGUFValueType.STRING, gguf.GGUFValueType.BOOL
 VARIANTS = {
     **{f"bpe-pre-{pre}": ("smollm2", {"tokenizer.ggml.pre": (pre, _S)})
-       for pre in ("gpt-2", "llama-bpe", "qwen2", "tekken", "default", "starcoder", "dbrx")},
+       for pre in ("gpt-2", "llama-bpe", "qwen2", "tekken", "default", "starcoder", "dbrx", "gpt-4o")},
     "bpe-pre-missing": ("smollm2", {"tokenizer.ggml.pre": (None, _S)}),
     "bpe-llama3-default-bos": ("smollm2", {"tokenizer.ggml.pre": ("llama-bpe", _S),
                                            "tokenizer.ggml.add_bos_token": (None, _B)}),

@@ -261,8 +261,9 @@ def test_llama_cpp_loads_synthetic_model(llama_cpp, synth_models, wtype):
 def test_every_architecture_the_writer_knows_holds_its_own_tensors_and_loads_in_llama_cpp(
         llama_cpp, tmp_path, arch, wtype):
     preset = TYPE_CASES[wtype][0]
+    head_dim = None if arch in synth_gguf.FUSED else 32 if preset == "tiny-odd" else 128  # phi3: heads * head_dim = dim
     path = synth_gguf.write_preset(tmp_path / f"{arch}-{wtype}.gguf", preset, weight_type=wtype, arch=arch,
-                                   head_dim=32 if preset == "tiny-odd" else 128)
+                                   head_dim=head_dim)
     reader = gguf.GGUFReader(path)
     assert _fields(reader)["general.architecture"] == arch
     # every tensor is one gguf-py lists for this architecture (its MODEL_TENSORS table)

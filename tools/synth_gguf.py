@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write synthetic llama-family GGUF models with random weights (llama, qwen3, gemma2, gemma3).
+"""Write synthetic llama-family GGUF models with random weights (llama, qwen3, gemma2, gemma3, phi3).
 
 For tests and benchmarks: any shape, any of the common tensor types, a
 synthetic SentencePiece-style vocabulary, and the metadata llama.cpp needs to
@@ -16,6 +16,7 @@ per-element Python loops, so the 1B preset in Q8_0 takes seconds, not minutes.
         --kv-heads 3 --ffn 224 --vocab 600 --type q4_0
     python tools/synth_gguf.py OUT.gguf --preset tiny-headdim --arch qwen3
     python tools/synth_gguf.py OUT.gguf --preset tiny-headdim --arch gemma2 --swa-window 8
+    python tools/synth_gguf.py OUT.gguf --preset tiny-odd --head-dim 16 --arch phi3 --rope-ctx-orig 128
 
 Library use: ``write_model(path, dim=..., ...)`` or
 ``write_preset(path, "tiny-odd", weight_type="q8_0")``.
@@ -64,6 +65,7 @@ TYPES: dict[str, tuple[QT, LlamaFileType]] = {
 #: with its width ("head": head_dim, "dim"). qwen3: an RMSNorm for every head of q and of k;
 #: gemma2: norms of the attention and FFN outputs; gemma3: both. (Gemma's norm weights are
 #: stored as 1 + w, as llama.cpp's converter writes them: random values around 1 here too.)
+#: phi3 has none, but fuses tensors (FUSED) and carries rope factors (ROPE_FACTORS).
 _QK = (("attn_q_norm.weight", "head"), ("attn_k_norm.weight", "head"))
 _POST = (("post_attention_norm.weight", "dim"), ("post_ffw_norm.weight", "dim"))
 ARCHS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -71,7 +73,16 @@ ARCHS: dict[str, tuple[tuple[str, str], ...]] = {
     "qwen3": _QK,
     "gemma2": _POST,
     "gemma3": _QK + _POST,
+    "phi3": (),
 }
+#: phi3's fused tensors, as llama.cpp's converter writes them: attn_qkv holds the rows of q, then k,
+#: then v; ffn_up holds 2 * ffn rows, the gate's then up's (there is no attn_q/k/v nor ffn_gate)
+FUSED = ("phi3",)
+#: phi3's rope frequency factors (rope_dims / 2 each), model-wide: llama.cpp takes the long ones when
+#: a sequence's context exceeds rope.scaling.original_context_length, the short ones otherwise
+ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+#: llama 3.1's rope scaling as its converter stores it: one factor per rotated pair, whatever the context
+ROPE_FREQS = "rope_freqs.weight"
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Real shapes (random weights): for benchmarks.
@@ -427,7 +438,8 @@ def _qtype(name: str | None, default: QT) -> QT:
 def model_tensors(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn: int, vocab: int,
                   head_dim: int | None = None, weight_type: str = "f32", embd_type: str | None = None,
                   output_type: str | None = None, tied: bool = False,
-                  tensor_types: dict[str, str] | None = None, arch: str = "llama") -> list[TensorSpec]:
+                  tensor_types: dict[str, str] | None = None, arch: str = "llama",
+                  rope_dims: int | None = None, rope_freqs: bool = False) -> list[TensorSpec]:
     """The tensors of a llama-family model, in file order, validated for the chosen types.
 
     tensor_types: per-tensor types over weight_type, as llama.cpp's mixes have them: a key
@@ -444,6 +456,9 @@ def model_tensors(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn
         raise ValueError(f"head_dim {head_dim} must be even (rotary embedding)")
     if arch not in ARCHS:
         raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join(ARCHS)}")
+    if arch in FUSED and head_dim * n_heads != dim:
+        raise ValueError(f"{arch} needs head_dim * n_heads == dim (llama.cpp reads attn_output as "
+                         f"dim x dim), got {head_dim} * {n_heads} != {dim}")
     wt = _qtype(weight_type, QT.F32)
     et = _qtype(embd_type, wt)
     ot = _qtype(output_type, wt)
@@ -452,17 +467,26 @@ def model_tensors(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn
              TensorSpec("output_norm.weight", 0, dim, QT.F32, 1.0)]
     if not tied:
         specs.append(TensorSpec("output.weight", vocab, dim, ot, 1.0 / np.sqrt(dim)))
+    fused = arch in FUSED
+    if fused:
+        specs += [TensorSpec(name, 0, (rope_dims or head_dim) // 2, QT.F32, 1.0) for name in ROPE_FACTORS]
+    if rope_freqs:
+        specs.append(TensorSpec(ROPE_FREQS, 0, (rope_dims or head_dim) // 2, QT.F32, 1.0))
     for i in range(n_layers):
         p = f"blk.{i}."
+        if fused:
+            attn = [TensorSpec(p + "attn_qkv.weight", q_out + 2 * kv_out, dim, wt, 1.0 / np.sqrt(dim))]
+            ffn_in = [TensorSpec(p + "ffn_up.weight", 2 * ffn, dim, wt, 1.0 / np.sqrt(dim))]
+        else:
+            attn = [TensorSpec(p + f"attn_{x}.weight", rows, dim, wt, 1.0 / np.sqrt(dim))
+                    for x, rows in (("q", q_out), ("k", kv_out), ("v", kv_out))]
+            ffn_in = [TensorSpec(p + f"ffn_{x}.weight", ffn, dim, wt, 1.0 / np.sqrt(dim)) for x in ("gate", "up")]
         specs += [
             TensorSpec(p + "attn_norm.weight", 0, dim, QT.F32, 1.0),
-            TensorSpec(p + "attn_q.weight", q_out, dim, wt, 1.0 / np.sqrt(dim)),
-            TensorSpec(p + "attn_k.weight", kv_out, dim, wt, 1.0 / np.sqrt(dim)),
-            TensorSpec(p + "attn_v.weight", kv_out, dim, wt, 1.0 / np.sqrt(dim)),
+            *attn,
             TensorSpec(p + "attn_output.weight", dim, q_out, wt, 1.0 / np.sqrt(q_out)),
             TensorSpec(p + "ffn_norm.weight", 0, dim, QT.F32, 1.0),
-            TensorSpec(p + "ffn_gate.weight", ffn, dim, wt, 1.0 / np.sqrt(dim)),
-            TensorSpec(p + "ffn_up.weight", ffn, dim, wt, 1.0 / np.sqrt(dim)),
+            *ffn_in,
             TensorSpec(p + "ffn_down.weight", dim, ffn, wt, 1.0 / np.sqrt(ffn)),
         ]
         specs += [TensorSpec(p + suffix, 0, head_dim if width == "head" else dim, QT.F32, 1.0)
@@ -493,13 +517,19 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
                 tensor_types: dict[str, str] | None = None, swa_window: int | None = None,
                 swa_pattern: int | None = None, rope_theta_swa: float | None = None,
                 attn_softcap: float | None = None, final_softcap: float | None = None,
-                rope_scale_linear: float | None = None) -> Path:
+                rope_scale_linear: float | None = None, rope_ctx_orig: int | None = None,
+                rope_attn_factor: float | None = None, rope_dims: int | None = None,
+                rope_freqs: bool = False) -> Path:
     """Write a synthetic llama-family GGUF model to `path` (via path.part, then rename).
 
     Gemma keys, written only when given (llama.cpp then uses its defaults): `swa_window`
     (attention.sliding_window), `swa_pattern` (attention.sliding_window_pattern),
     `rope_theta_swa` (rope.freq_base_swa), `attn_softcap` and `final_softcap` (the logit
     soft-caps); `rope_scale_linear`: linear rope scaling by that factor (any arch). gemma2 is always tied: llama.cpp reads its lm head from token_embd.
+    `rope_dims`: the leading dims of each head that rotate (rope.dimension_count; default all,
+    Phi-4-mini rotates 96 of 128); `rope_freqs`: llama 3.1's rope_freqs.weight factors. phi3 keys: `rope_ctx_orig` (rope.scaling.original_context_length: longer contexts take the
+    long rope factors) and `rope_attn_factor` (rope.scaling.attn_factor); `swa_window` is
+    written for phi3 too (its converter does), though llama.cpp ignores it there.
 
     Norm weights are F32; token_embd uses `embd_type` and output.weight
     `output_type` (both default to `weight_type`); output.weight is omitted
@@ -516,7 +546,8 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
     hd = head_dim if head_dim is not None else (dim // n_heads if dim % n_heads == 0 else None)
     specs = model_tensors(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn=ffn,
                           vocab=vocab, head_dim=head_dim, weight_type=weight_type, embd_type=embd_type,
-                          output_type=output_type, tied=tied, tensor_types=tensor_types, arch=arch)
+                          output_type=output_type, tied=tied, tensor_types=tensor_types, arch=arch,
+                          rope_dims=rope_dims, rope_freqs=rope_freqs)
     assert hd is not None
 
     with gguf_writer(path, arch) as writer:
@@ -530,7 +561,9 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
         writer.add_head_count_kv(n_kv_heads)
         writer.add_rope_freq_base(float(rope_theta))
         writer.add_layer_norm_rms_eps(float(norm_eps))
-        writer.add_rope_dimension_count(hd)
+        if rope_dims is not None and not (0 < rope_dims <= hd and rope_dims % 2 == 0):
+            raise ValueError(f"rope_dims {rope_dims} must be even and within the head size {hd}")
+        writer.add_rope_dimension_count(rope_dims or hd)
         if hd * n_heads != dim:
             writer.add_key_length(hd)
             writer.add_value_length(hd)
@@ -547,6 +580,10 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
         if rope_scale_linear is not None:
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(float(rope_scale_linear))
+        if rope_ctx_orig is not None:
+            writer.add_rope_scaling_orig_ctx_len(int(rope_ctx_orig))
+        if rope_attn_factor is not None:
+            writer.add_rope_scaling_attn_factors(float(rope_attn_factor))
         writer.add_file_type(int(TYPES[wt_key][1]))
         writer.add_vocab_size(vocab)
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -573,7 +610,9 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
         writer.write_ti_data_to_file()
         for idx, s in enumerate(specs):
             rng = np.random.default_rng([seed, idx])
-            if s.is_norm:
+            if s.name in ROPE_FACTORS or s.name == ROPE_FREQS:
+                data = rope_factors(rng, s.cols, long=s.name != ROPE_FACTORS[1])
+            elif s.is_norm:
                 data = (1.0 + 0.05 * rng.standard_normal(s.cols)).astype(np.float32)
             else:
                 data = random_tensor(rng, s.rows, s.cols, s.qtype, s.std)
@@ -584,6 +623,14 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
                 progress(s.name)
             del data
     return path
+
+
+def rope_factors(rng: np.random.Generator, n: int, long: bool) -> np.ndarray:
+    """Rope frequency factors shaped like Phi-3's: ~1 for the fast frequencies, rising towards the
+    slow ones (the long set to ~40, the short set to ~1.5), each angle divided by its factor."""
+    rise = np.linspace(0.0, 1.0, n) ** 2
+    top = 40.0 if long else 0.5
+    return (1.0 + top * rise * rng.uniform(0.8, 1.2, n)).astype(np.float32)
 
 
 def write_preset(path: str | os.PathLike[str], preset: str, **overrides: Any) -> Path:
@@ -623,6 +670,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attn-softcap", type=float, help="attention logit soft-cap (gemma2)")
     ap.add_argument("--final-softcap", type=float, help="final logit soft-cap (gemma2)")
     ap.add_argument("--rope-scale-linear", type=float, help="linear rope scaling factor (rope.scaling.factor)")
+    ap.add_argument("--rope-ctx-orig", type=int, help="original context: longer ones take the long rope factors (phi3)")
+    ap.add_argument("--rope-attn-factor", type=float, help="rope's attention factor (rope.scaling.attn_factor)")
+    ap.add_argument("--rope-dims", type=int, help="leading dims of each head that rotate (default: all)")
+    ap.add_argument("--rope-freqs", action="store_true", default=None, help="write llama 3.1's rope_freqs factors")
     tie = ap.add_mutually_exclusive_group()
     tie.add_argument("--tied", dest="tied", action="store_true", default=None, help="no output.weight")
     tie.add_argument("--untied", dest="tied", action="store_false", help="write output.weight")
@@ -643,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
         kw["name"] = args.preset
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn", "vocab", "ctx",
                 "rope_theta", "norm_eps", "tied", "swa_window", "swa_pattern", "rope_theta_swa",
-                "attn_softcap", "final_softcap", "rope_scale_linear"):
+                "attn_softcap", "final_softcap", "rope_scale_linear", "rope_ctx_orig", "rope_attn_factor", "rope_dims", "rope_freqs"):
         val = getattr(args, key)
         if val is not None:
             kw[key] = val

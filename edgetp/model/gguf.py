@@ -23,8 +23,8 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from edgetp.model import quant
 
 GGUF_MAGIC = b"GGUF"
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
-NEOX_ARCHS = ("qwen2", "qwen3", "gemma2", "gemma3")  # rope on pairs (i, i + d/2), as llama.cpp's LLAMA_ROPE_TYPE_NEOX
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+NEOX_ARCHS = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3")  # rope on pairs (i, i + d/2), as llama.cpp's LLAMA_ROPE_TYPE_NEOX
 
 
 class GGUFError(Exception):
@@ -63,6 +63,11 @@ class ModelConfig:
     rope_theta_swa: float = 0.0     # rope base of the sliding-window layers
     rope_scale: float = 1.0         # linear rope scaling: angles times this (1 / rope.scaling.factor)
     rope_scale_swa: float = 1.0     # the same for the sliding-window layers (gemma3: never scaled)
+    # phi3, as llama.cpp reads it; the defaults are llama's
+    fused_qkv: bool = False         # blk.N.attn_qkv holds the rows of q | k | v (no attn_q/k/v)
+    fused_gate_up: bool = False     # blk.N.ffn_up holds 2 * ffn rows: the gate's, then up's (no ffn_gate)
+    rope_attn_factor: float = 1.0   # rope's cos and sin times this (rope.scaling.attn_factor)
+    rope_ctx_orig: int = 0          # longer contexts take rope_factors_long (rope.scaling.original_context_length)
 
     def is_local(self, layer: int) -> bool:
         """Whether layer `layer` attends over a sliding window (with rope_theta_swa)."""
@@ -331,6 +336,8 @@ def _read_config(path: Path, metadata: dict[str, Any], tensors: dict) -> ModelCo
     factor = float(metadata.get(f"{arch}.rope.scaling.factor") or 0.0)
     linear = metadata.get(f"{arch}.rope.scaling.type", "linear") == "linear"
     rope_scale = 1.0 / factor if factor and linear else 1.0
+    ctx_train = int(get(f"{arch}.context_length", 2048))
+    fused_qkv = "blk.0.attn_qkv.weight" in tensors  # llama.cpp: attn_qkv where the file has it, else q, k, v
     gemma = _gemma(path, arch, metadata, n_layers, dim, n_heads, head_dim) if arch.startswith("gemma") else {}
     gemma.setdefault("rope_scale_swa", rope_scale)
     return ModelConfig(
@@ -342,7 +349,7 @@ def _read_config(path: Path, metadata: dict[str, Any], tensors: dict) -> ModelCo
         head_dim=head_dim,
         ffn=int(get(f"{arch}.feed_forward_length")),
         vocab=vocab,
-        ctx_train=int(get(f"{arch}.context_length", 2048)),
+        ctx_train=ctx_train,
         rope_theta=float(get(f"{arch}.rope.freq_base", 10000.0)),
         rope_dims=int(get(f"{arch}.rope.dimension_count", head_dim)),
         rope_neox=arch in NEOX_ARCHS,
@@ -351,6 +358,11 @@ def _read_config(path: Path, metadata: dict[str, Any], tensors: dict) -> ModelCo
         qkv_bias="blk.0.attn_q.bias" in tensors,
         qk_norm=arch in ("qwen3", "gemma3"),
         rope_scale=rope_scale,
+        fused_qkv=fused_qkv,
+        fused_gate_up=arch == "phi3",
+        # llama.cpp: yarn_attn_factor *= rope.scaling.attn_factor, on every architecture
+        rope_attn_factor=float(metadata.get(f"{arch}.rope.scaling.attn_factor") or 1.0),
+        rope_ctx_orig=int(metadata.get(f"{arch}.rope.scaling.original_context_length") or ctx_train),
         **gemma,
     )
 
@@ -400,9 +412,10 @@ def _gemma(path: Path, arch: str, metadata: dict[str, Any], n_layers: int, dim: 
 def _layer_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...] | None]:
     """The tensors every layer must hold: suffix -> ggml shape, None where any shape goes
     (the matrices, whose shapes are checked where they are sliced)."""
+    qkv = ("attn_qkv.weight",) if cfg.fused_qkv else ("attn_q.weight", "attn_k.weight", "attn_v.weight")
+    gate = () if cfg.fused_gate_up else ("ffn_gate.weight",)
     names: dict[str, tuple[int, ...] | None] = dict.fromkeys(
-        ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
-         "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"))
+        ("attn_norm.weight", *qkv, "attn_output.weight", "ffn_norm.weight", *gate, "ffn_up.weight", "ffn_down.weight"))
     if cfg.qk_norm:
         names["attn_q_norm.weight"] = names["attn_k_norm.weight"] = (cfg.head_dim,)
     if cfg.post_norms:
@@ -419,13 +432,37 @@ def _check_layers(path: Path, cfg: ModelConfig, tensors: dict, metadata: dict[st
     for name in need:
         if name not in tensors:
             raise GGUFError(f"{path}: tensor {name!r} is missing (architecture {cfg.arch} needs it)")
+    if "blk.0.attn_qkv.bias" in tensors:  # no phi3 has one; refused rather than left out of the sums
+        raise GGUFError(f"{path}: tensor 'blk.0.attn_qkv.bias' (a bias on a fused qkv) is not supported")
+    for name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):  # llama.cpp: {n_rot/2}
+        if name in tensors and tuple(tensors[name].shape) != (cfg.rope_dims // 2,):
+            raise GGUFError(f"{path}: tensor {name!r} has shape {list(tensors[name].shape)}, expected "
+                            f"[{cfg.rope_dims // 2}] (one factor per rotated pair of {cfg.rope_dims} rope dims)")
     held = metadata.get("edgetp.shard.layers") or (0, cfg.n_layers)
+    shapes = {suffix: (shape, f"head_dim {cfg.head_dim}") for suffix, shape in _layer_tensors(cfg).items()}
+    shapes |= _fused_shapes(cfg, metadata)
     for i in range(int(held[0]), int(held[1])):
-        for suffix, shape in _layer_tensors(cfg).items():
+        for suffix, (shape, why) in shapes.items():
             t = tensors[f"blk.{i}.{suffix}"]
             if shape is not None and tuple(t.shape) != shape:
                 raise GGUFError(f"{path}: tensor 'blk.{i}.{suffix}' has shape {list(t.shape)}, "
-                                f"expected {list(shape)} (head_dim {cfg.head_dim})")
+                                f"expected {list(shape)} ({why})")
+
+
+def _fused_shapes(cfg: ModelConfig, metadata: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """phi3's fused tensors: suffix -> (ggml shape, what its rows are), for the KV groups and FFN
+    columns the file holds (all of them, or a shard file's): a wrong row count would slice into the
+    wrong heads."""
+    a, b = metadata.get("edgetp.shard.kv_groups") or (0, cfg.n_kv_heads)
+    c, d = metadata.get("edgetp.shard.ffn_cols") or (0, cfg.ffn)
+    n_kv, hd, g = int(b) - int(a), cfg.head_dim, cfg.group_size
+    shapes = {}
+    if cfg.fused_qkv:
+        shapes["attn_qkv.weight"] = ((cfg.dim, n_kv * (g + 2) * hd),
+                                     f"the rows of q | k | v: {n_kv * g} heads and twice {n_kv} KV heads of {hd}")
+    if cfg.fused_gate_up:
+        shapes["ffn_up.weight"] = ((cfg.dim, 2 * (int(d) - int(c))), f"the rows of gate | up: twice {int(d) - int(c)}")
+    return shapes
 
 
 def _check_tensor_types(path: Path, tensors: dict) -> None:

@@ -1,4 +1,4 @@
-"""Forward pass of one shard of a llama-family model (llama, mistral, qwen2, qwen3, gemma2, gemma3).
+"""Forward pass of one shard of a llama-family model (llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3).
 
 A shard holds a contiguous range of KV-head groups (with their query heads),
 a range of FFN columns and a range of vocabulary rows; a single node holds
@@ -11,7 +11,8 @@ input columns).
 The architectures differ by data, not by code paths: a Layer's optional tensors
 (q/k biases, per-head q/k norms, post-norms) are None where the model has none,
 and ModelConfig says which activation, scales, caps and windows apply
-(gguf._read_config, as llama.cpp reads them).
+(gguf._read_config, as llama.cpp reads them). phi3's fused tensors are cut into
+q, k, v and gate, up row views at load: the forward pass never sees them.
 """
 
 from __future__ import annotations
@@ -93,6 +94,8 @@ class Weights:
     lm_head: quant.Weight | None       # (vocab_l, dim)
     rope_freqs: np.ndarray | None      # llama-3 rope scaling factors, (rope_dims/2,)
     layer0: int = 0                    # the model's index of layers[0]
+    rope_long: np.ndarray | None = None   # phi3's factors for contexts beyond rope_ctx_orig, (rope_dims/2,)
+    rope_short: np.ndarray | None = None  # and for the others
 
     @property
     def nbytes(self) -> int:
@@ -102,8 +105,18 @@ class Weights:
         return sum(w.nbytes for w in mats + [self.lm_head] if w is not None)
 
 
-def _rows(w: quant.Weight, r: Range) -> quant.Weight | None:
-    return None if r[0] == r[1] else quant.slice_rows(w, *r)
+def _rows(w: quant.Weight, r: Range, skip: int = 0) -> quant.Weight | None:
+    """Rows r of w, after its first `skip` rows (a part of a fused tensor); a view."""
+    return None if r[0] == r[1] else quant.slice_rows(w, r[0] + skip, r[1] + skip)
+
+
+def rope_factors(w: Weights, ctx: int) -> np.ndarray | None:
+    """The frequency factors of a shard whose sequences hold `ctx` positions, as llama.cpp's
+    get_rope_factors: rope_freqs where the file has it (llama 3); else phi3's long factors when
+    ctx is beyond the original training context (n_ctx_seq > n_ctx_orig_yarn), its short ones otherwise."""
+    if w.rope_freqs is not None:
+        return w.rope_freqs
+    return w.rope_long if ctx > w.cfg.rope_ctx_orig else w.rope_short
 
 
 def _cols(w: quant.Weight, r: Range) -> quant.Weight | None:
@@ -148,6 +161,13 @@ def load_weights(mf: ModelFile, spec: ShardSpec | None = None) -> Weights:
     hd, g = cfg.head_dim, cfg.group_size
     kv = (local.kv_groups[0] * hd, local.kv_groups[1] * hd)
     qh = (kv[0] * g, kv[1] * g)
+    # fused tensors (phi3) hold the KV groups and FFN columns of the file: all, or a shard file's
+    held_kv = cfg.n_kv_heads if stored is None else spec.kv_groups[1] - spec.kv_groups[0]
+    held_ffn = cfg.ffn if stored is None else spec.ffn_cols[1] - spec.ffn_cols[0]
+    k_at, v_at = held_kv * g * hd, held_kv * (g + 1) * hd  # first rows of k and of v in attn_qkv
+
+    def vector(name: str) -> np.ndarray | None:
+        return mf.vector(name) if mf.has(name) else None
 
     def bias(name: str, r: Range) -> np.ndarray | None:
         return mf.vector(name)[r[0]:r[1]].copy() if mf.has(name) else None
@@ -155,11 +175,17 @@ def load_weights(mf: ModelFile, spec: ShardSpec | None = None) -> Weights:
     layers = []
     for i in range(first, last):
         p = f"blk.{i}."
+        if cfg.fused_qkv:
+            qkv = mf.weight(p + "attn_qkv.weight")
+            wq, wk, wv = _rows(qkv, qh), _rows(qkv, kv, k_at), _rows(qkv, kv, v_at)
+        else:
+            wq, wk, wv = (_rows(mf.weight(p + f"attn_{x}.weight"), r) for x, r in (("q", qh), ("k", kv), ("v", kv)))
+        up = mf.weight(p + "ffn_up.weight")  # phi3: gate | up
         layers.append(Layer(
             attn_norm=mf.vector(p + "attn_norm.weight"),
-            wq=_rows(mf.weight(p + "attn_q.weight"), qh),
-            wk=_rows(mf.weight(p + "attn_k.weight"), kv),
-            wv=_rows(mf.weight(p + "attn_v.weight"), kv),
+            wq=wq,
+            wk=wk,
+            wv=wv,
             bq=bias(p + "attn_q.bias", qh),
             bk=bias(p + "attn_k.bias", kv),
             bv=bias(p + "attn_v.bias", kv),
@@ -169,8 +195,8 @@ def load_weights(mf: ModelFile, spec: ShardSpec | None = None) -> Weights:
             ffn_norm=mf.vector(p + "ffn_norm.weight"),
             attn_post_norm=mf.vector(p + "post_attention_norm.weight") if cfg.post_norms else None,
             ffn_post_norm=mf.vector(p + "post_ffw_norm.weight") if cfg.post_norms else None,
-            w_gate=_rows(mf.weight(p + "ffn_gate.weight"), local.ffn_cols),
-            w_up=_rows(mf.weight(p + "ffn_up.weight"), local.ffn_cols),
+            w_gate=_rows(up if cfg.fused_gate_up else mf.weight(p + "ffn_gate.weight"), local.ffn_cols),
+            w_up=_rows(up, local.ffn_cols, held_ffn if cfg.fused_gate_up else 0),
             w_down=_cols(mf.weight(p + "ffn_down.weight"), local.ffn_cols),
         ))
     head = mf.weight("token_embd.weight" if cfg.tied else "output.weight")
@@ -181,7 +207,9 @@ def load_weights(mf: ModelFile, spec: ShardSpec | None = None) -> Weights:
         out_norm=mf.vector("output_norm.weight") if last == cfg.n_layers else None,
         layer0=first,
         lm_head=_rows(head, local.vocab_rows),
-        rope_freqs=mf.vector("rope_freqs.weight") if mf.has("rope_freqs.weight") else None,
+        rope_freqs=vector("rope_freqs.weight"),
+        rope_long=vector("rope_factors_long.weight"),
+        rope_short=vector("rope_factors_short.weight"),
     )
 
 
@@ -219,10 +247,11 @@ class Shard:
         self.v_cache = [kvcache.kv_cache(self.kv_type, shape) for _ in self.w.layers]
         self.k_bits = [kvcache.kernel_view(c) for c in self.k_cache]
         self.v_bits = [kvcache.kernel_view(c) for c in self.v_cache]
-        self.cos, self.sin = ops.rope_table(self.ctx, cfg.rope_dims, cfg.rope_theta, self.w.rope_freqs, cfg.rope_scale)
+        freqs, mscale = rope_factors(self.w, self.ctx), cfg.rope_attn_factor
+        self.cos, self.sin = ops.rope_table(self.ctx, cfg.rope_dims, cfg.rope_theta, freqs, cfg.rope_scale, mscale)
         if any(cfg.is_local(i) for i in range(cfg.n_layers)):  # sliding-window layers' own rope
-            self.cos_swa, self.sin_swa = ops.rope_table(self.ctx, cfg.rope_dims, cfg.rope_theta_swa, self.w.rope_freqs,
-                                                        cfg.rope_scale_swa)
+            self.cos_swa, self.sin_swa = ops.rope_table(self.ctx, cfg.rope_dims, cfg.rope_theta_swa, freqs,
+                                                        cfg.rope_scale_swa, mscale)
 
     @property
     def kv_bytes(self) -> int:

@@ -69,14 +69,15 @@ def rmsnorm_heads(x, head_dim, w, eps):  # pragma: no cover - compiled
 
 
 def rope_table(n_pos: int, rope_dims: int, theta: float, freq_factors: np.ndarray | None,
-               scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+               scale: float = 1.0, mscale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin of every position and frequency: (n_pos, rope_dims // 2) each, f32; scale: linear
-    rope scaling, every angle times it (llama.cpp's freq_scale)."""
+    rope scaling, every angle times it (llama.cpp's freq_scale); mscale: cos and sin times it, so
+    the rotated values of q and k are too (llama.cpp's attn_factor)."""
     inv = theta ** (-np.arange(0, rope_dims, 2, dtype=np.float64) / rope_dims)
     if freq_factors is not None:
         inv = inv / freq_factors[: rope_dims // 2].astype(np.float64)
     ang = (np.arange(n_pos, dtype=np.float64) * scale)[:, None] * inv[None, :]
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    return (np.cos(ang) * mscale).astype(np.float32), (np.sin(ang) * mscale).astype(np.float32)
 
 
 @njit(**_JIT)

@@ -14,6 +14,8 @@ Two families are implemented:
 
 Special tokens (control, user-defined, unknown) are cut out of the text
 first, longest first; control and unknown ones only when parse_special.
+A model named Phi-3 (general.name) drops the whitespace after most of them,
+as llama.cpp does (it sets their RSTRIP attribute by that name alone).
 """
 
 from __future__ import annotations
@@ -49,12 +51,14 @@ class Attr(IntFlag):
     CONTROL = 1 << 3
     USER_DEFINED = 1 << 4
     BYTE = 1 << 5
+    RSTRIP = 1 << 8  # whitespace after the token is dropped when it is cut out of the text
 
 
 # tokenizer.ggml.token_type values (gguf's TokenType) -> attributes
 _TYPE_TO_ATTR = {1: Attr.NORMAL, 2: Attr.UNKNOWN, 3: Attr.CONTROL, 4: Attr.USER_DEFINED, 5: Attr.UNUSED, 6: Attr.BYTE}
 _SPECIAL = Attr.CONTROL | Attr.USER_DEFINED | Attr.UNKNOWN
 _HIDDEN = Attr.CONTROL | Attr.UNKNOWN  # rendered as nothing unless specials are asked for
+_C_SPACE = " \t\n\v\f\r"  # C's isspace, which llama.cpp's RSTRIP uses
 
 # -- pre-tokenizers (llama.cpp llm_tokenizer_bpe) --------------------------------------------
 # llama.cpp runs the GPT-2 expression through a hand-written matcher that also takes
@@ -68,6 +72,12 @@ _TEKKEN = (
     r"[^\r\n\p{L}\p{N}]?(?:(?=[\p{L}])[^a-z])*(?:(?=[\p{L}])[^A-Z])+"
     r"|[^\r\n\p{L}\p{N}]?(?:(?=[\p{L}])[^a-z])+(?:(?=[\p{L}])[^A-Z])*"
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# o200k (gpt-4o, Phi-4-mini) as llama.cpp rewrites it: its letter classes become "a letter not a-z/A-Z"
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?(?:(?=[\p{L}])[^a-z])*(?:(?=[\p{L}])[^A-Z])+" + _CONTRACTIONS + "?"
+    r"|[^\r\n\p{L}\p{N}]?(?:(?=[\p{L}])[^a-z])+(?:(?=[\p{L}])[^A-Z])*" + _CONTRACTIONS + "?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
 
@@ -91,6 +101,7 @@ _PRE_GROUPS: list[tuple[tuple[str, ...], PreTokenizer]] = [
     (("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "stablelm2", "megrez", "hunyuan", "solar-open"),
      PreTokenizer((_QWEN2,))),
     (("tekken",), PreTokenizer((_TEKKEN,), ignore_merges=True, add_bos=True)),
+    (("gpt-4o",), PreTokenizer((_GPT4O,))),
 ]
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {name: pre for names, pre in _PRE_GROUPS for name in names}
 
@@ -162,6 +173,7 @@ class _Vocab:
             self.special[name] = tid
         self._infer_attributes()
         self.eog = self._end_of_generation()
+        self._attributes_by_name(str(meta.get("general.name") or "").lower())
 
     def _mark_control(self, tid: int) -> None:
         self.attrs[tid] |= Attr.CONTROL
@@ -185,6 +197,18 @@ class _Vocab:
         for tid, text in enumerate(self.tokens):
             if self.attrs[tid] & Attr.CONTROL and "unused" in text:
                 self.attrs[tid] |= Attr.UNUSED
+
+    def _attributes_by_name(self, name: str) -> None:
+        """llama.cpp's "set attributes by model/tokenizer name": a Phi-3 drops the whitespace after
+        every special token but <unk>, <s> and <|endoftext|> (HF's tokenizer has rstrip on them)."""
+        if "phi-3" not in name and "phi3" not in name:
+            return
+        for tid in range(len(self.tokens)):
+            if self.attrs[tid] & _SPECIAL or self.tokens[tid] == "</s>":
+                self.attrs[tid] |= Attr.RSTRIP
+        for text in ("<unk>", "<s>", "<|endoftext|>"):
+            if text in self.ids:
+                self.attrs[self.ids[text]] &= ~Attr.RSTRIP
 
     def _end_of_generation(self) -> set[int]:
         sp = self.special
@@ -316,6 +340,7 @@ class Tokenizer:
             needle = self.tokens[tid]
             if not any(isinstance(f, str) and needle in f for f in frags):
                 continue
+            rstrip = bool(self._v.attrs[tid] & Attr.RSTRIP)
             split: list[str | int] = []
             for f in frags:
                 if isinstance(f, int) or needle not in f:
@@ -324,6 +349,8 @@ class Tokenizer:
                 for i, part in enumerate(f.split(needle)):
                     if i:
                         split.append(tid)
+                        if rstrip:
+                            part = part.lstrip(_C_SPACE)
                     if part:
                         split.append(part)
             frags = split

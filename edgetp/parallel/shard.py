@@ -45,7 +45,7 @@ def model_shape(mf: ModelFile, ctx: int, slots: int = 1, kv_type: str = "f16") -
         vocab=cfg.vocab,
         ffn_block=ffn_block,
         vocab_block=32,
-        attn_bpw=_bpw(mf, "blk.0.attn_q.weight"),
+        attn_bpw=_bpw(mf, "blk.0.attn_qkv.weight" if cfg.fused_qkv else "blk.0.attn_q.weight"),
         ffn_bpw=_bpw(mf, "blk.0.ffn_up.weight"),
         vocab_bpw=_bpw(mf, head),
         kv_bytes_per_head_pos=2 * row_bytes,  # K and V

@@ -8,6 +8,8 @@ name but cut to the spec, by the same table `llama.load_weights` slices by:
     attn_output.weight         cols   query heads
     ffn_gate, ffn_up           rows   FFN columns
     ffn_down                   cols   FFN columns
+    attn_qkv (phi3)            parts  the rows of q, k and v above, one after the other
+    ffn_up (phi3: gate | up)   parts  the gate's rows of the FFN columns, then up's
     output.weight              rows   vocabulary rows
     token_embd.weight          rows   vocabulary rows when tied (it is the lm head), else none (the root embeds)
     anything else              whole  (norms, rope_freqs)
@@ -27,13 +29,14 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT, GGUFValueType, GGUFWriter
 
 from edgetp.model import quant
 from edgetp.model.gguf import ModelFile, gguf_writer
-from edgetp.model.llama import SHARD_KEYS, Range, ShardSpec
+from edgetp.model.llama import SHARD_KEYS, ShardSpec
 from edgetp.store.slices import durable_replace
 
 _BLK = re.compile(r"blk\.\d+\.(.+)")
@@ -57,8 +60,9 @@ def check_spec(mf: ModelFile, spec: ShardSpec) -> None:
     spec.layer_range(cfg.n_layers)
 
 
-def slice_plan(mf: ModelFile, spec: ShardSpec) -> dict[str, tuple[str, Range]]:
-    """name -> ("rows" | "cols" | "whole", range) for every tensor of the source, in file order."""
+def slice_plan(mf: ModelFile, spec: ShardSpec) -> dict[str, tuple[str, Any]]:
+    """name -> ("rows" | "cols" | "whole", range) or ("parts", row ranges) for every tensor of the
+    source, in file order."""
     cfg = mf.config
     hd, g = cfg.head_dim, cfg.group_size
     kv = (spec.kv_groups[0] * hd, spec.kv_groups[1] * hd)
@@ -71,8 +75,14 @@ def slice_plan(mf: ModelFile, spec: ShardSpec) -> dict[str, tuple[str, Range]]:
         "ffn_gate.weight": ("rows", spec.ffn_cols), "ffn_up.weight": ("rows", spec.ffn_cols),
         "ffn_down.weight": ("cols", spec.ffn_cols),
     }
+    if cfg.fused_qkv:  # q | k | v rows: a shard file holds its own heads' rows of each, in that order
+        at_k, at_v = cfg.n_heads * hd, (cfg.n_heads + cfg.n_kv_heads) * hd
+        per_layer["attn_qkv.weight"] = ("parts", (qh, (kv[0] + at_k, kv[1] + at_k), (kv[0] + at_v, kv[1] + at_v)))
+    if cfg.fused_gate_up:  # gate | up rows
+        (a, b), f = spec.ffn_cols, cfg.ffn
+        per_layer["ffn_up.weight"] = ("parts", ((a, b), (a + f, b + f)))
     first, last = spec.layer_range(cfg.n_layers)
-    plan: dict[str, tuple[str, Range]] = {}
+    plan: dict[str, tuple[str, Any]] = {}
     for name in mf.tensors:
         m = _BLK.fullmatch(name)
         if m and not first <= int(name.split(".")[1]) < last:
@@ -88,11 +98,14 @@ def slice_plan(mf: ModelFile, spec: ShardSpec) -> dict[str, tuple[str, Range]]:
     return plan
 
 
-def _cut(mf: ModelFile, name: str, how: str, r: Range) -> tuple[np.ndarray, int]:
+def _cut(mf: ModelFile, name: str, how: str, r: Any) -> tuple[np.ndarray, int]:
     """(array to store, GGML type) of one tensor's slice."""
     t = mf.tensors[name]
     if how == "whole":
         return np.asarray(t.data), int(t.tensor_type)
+    if how == "parts":
+        w = mf.weight(name)
+        return np.concatenate([w.data[a:b] for a, b in r]), w.qtype
     if len(t.shape) == 1:  # a bias: a vector of f32/f16 values
         return np.asarray(t.data)[r[0]:r[1]], int(t.tensor_type)
     w = mf.weight(name)
@@ -108,8 +121,12 @@ def _cut(mf: ModelFile, name: str, how: str, r: Range) -> tuple[np.ndarray, int]
     return part.data, part.qtype
 
 
-def _table_entry(mf: ModelFile, name: str, how: str, r: Range) -> tuple[tuple[int, ...], np.dtype, int, int]:
-    """(shape, dtype, nbytes, GGML type) of what _cut will give, without copying a column slice."""
+def _table_entry(mf: ModelFile, name: str, how: str, r: Any) -> tuple[tuple[int, ...], np.dtype, int, int]:
+    """(shape, dtype, nbytes, GGML type) of what _cut will give, without copying a column slice or parts."""
+    if how == "parts":
+        w = mf.weight(name)
+        rows = sum(b - a for a, b in r)
+        return (rows, *w.data.shape[1:]), w.data.dtype, rows * w.data[:1].nbytes, w.qtype
     if how == "cols" and r[0] != r[1]:
         w = mf.weight(name)
         bs = quant.block_size(w.qtype)

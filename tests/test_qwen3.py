@@ -174,12 +174,18 @@ def assert_processes_match(control, path, workers) -> None:
 
 def _without(src, dst, drop: str):
     """A copy of src without the tensor `drop`."""
+    return _rewrite(src, dst, drop)
+
+
+def _rewrite(src, dst, drop: str | None = None, meta: dict | None = None, arch: str | None = None):
+    """A copy of src without the tensor `drop`, with the metadata values `meta` (of the keys' own
+    types) and the architecture `arch`, where given."""
     reader = GGUFReader(src)
-    writer = GGUFWriter(dst, reader.fields["general.architecture"].contents())
+    writer = GGUFWriter(dst, arch or reader.fields["general.architecture"].contents())
     for name, field in reader.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
-        writer.add_key_value(name, field.contents(), field.types[0],
+        writer.add_key_value(name, (meta or {}).get(name, field.contents()), field.types[0],
                              sub_type=field.types[-1] if len(field.types) > 1 else None)
     for t in reader.tensors:
         if t.name != drop:

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Write synthetic llama-family GGUF models with random weights (llama, qwen3, gemma2, gemma3).
+"""Write synthetic llama-family GGUF models with random weights (llama, qwen3, gemma2, gemma3,
+and the mixtures of experts qwen3moe and mixtral).
 
 For tests and benchmarks: any shape, any of the common tensor types, a
 synthetic SentencePiece-style vocabulary, and the metadata llama.cpp needs to
@@ -16,6 +17,7 @@ per-element Python loops, so the 1B preset in Q8_0 takes seconds, not minutes.
         --kv-heads 3 --ffn 224 --vocab 600 --type q4_0
     python tools/synth_gguf.py OUT.gguf --preset tiny-headdim --arch qwen3
     python tools/synth_gguf.py OUT.gguf --preset tiny-headdim --arch gemma2 --swa-window 8
+    python tools/synth_gguf.py OUT.gguf --preset tiny-odd --arch qwen3moe --experts 8 --experts-used 2
 
 Library use: ``write_model(path, dim=..., ...)`` or
 ``write_preset(path, "tiny-odd", weight_type="q8_0")``.
@@ -71,7 +73,11 @@ ARCHS: dict[str, tuple[tuple[str, str], ...]] = {
     "qwen3": _QK,
     "gemma2": _POST,
     "gemma3": _QK + _POST,
+    "qwen3moe": _QK,  # qwen3's attention, a mixture of experts for the FFN
+    "mixtral": (),    # llama with a mixture of experts, written as general.architecture "llama"
 }
+MOE_ARCHS = ("qwen3moe", "mixtral")  # need --experts and --experts-used
+FILE_ARCH = {"mixtral": "llama"}     # general.architecture where it is not the name here
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Real shapes (random weights): for benchmarks.
@@ -397,6 +403,7 @@ class TensorSpec:
     cols: int  # numpy cols = ggml ne[0] (input features)
     qtype: QT
     std: float  # intended std (norms: 1-D ones + noise)
+    experts: int = 0  # a 3-D expert tensor: this many (rows, cols) matrices, ggml [cols, rows, experts]
 
     @property
     def is_norm(self) -> bool:
@@ -406,13 +413,15 @@ class TensorSpec:
         """(numpy shape as passed to add_tensor_info, numpy dtype, nbytes)."""
         if self.is_norm:
             return (self.cols,), np.dtype(np.float32), self.cols * 4
+        lead = (self.experts,) if self.experts else ()
+        n = self.rows * max(self.experts, 1)
         if self.qtype == QT.F32:
-            return (self.rows, self.cols), np.dtype(np.float32), self.rows * self.cols * 4
+            return lead + (self.rows, self.cols), np.dtype(np.float32), n * self.cols * 4
         if self.qtype == QT.F16:
-            return (self.rows, self.cols), np.dtype(np.float16), self.rows * self.cols * 2
+            return lead + (self.rows, self.cols), np.dtype(np.float16), n * self.cols * 2
         block, type_size = gguf.GGML_QUANT_SIZES[self.qtype]
         row_bytes = self.cols // block * type_size
-        return (self.rows, row_bytes), np.dtype(np.uint8), self.rows * row_bytes
+        return lead + (self.rows, row_bytes), np.dtype(np.uint8), n * row_bytes
 
 
 def _qtype(name: str | None, default: QT) -> QT:
@@ -427,12 +436,16 @@ def _qtype(name: str | None, default: QT) -> QT:
 def model_tensors(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn: int, vocab: int,
                   head_dim: int | None = None, weight_type: str = "f32", embd_type: str | None = None,
                   output_type: str | None = None, tied: bool = False,
-                  tensor_types: dict[str, str] | None = None, arch: str = "llama") -> list[TensorSpec]:
+                  tensor_types: dict[str, str] | None = None, arch: str = "llama", n_experts: int = 0,
+                  ) -> list[TensorSpec]:
     """The tensors of a llama-family model, in file order, validated for the chosen types.
 
     tensor_types: per-tensor types over weight_type, as llama.cpp's mixes have them: a key
     names a tensor by a dot-bounded part of its name ("attn_v" in every layer, "blk.1.attn_k"
     in one, "output.weight"); the longest matching key wins. Norms stay F32.
+    n_experts: a mixture's layers hold a router ffn_gate_inp (F32, as llama.cpp's quantizer
+    leaves it) and n_experts matrices of width ffn in each of ffn_gate_exps, ffn_up_exps and
+    ffn_down_exps instead of ffn_gate, ffn_up and ffn_down.
     """
     if head_dim is None:
         if dim % n_heads:
@@ -461,10 +474,20 @@ def model_tensors(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn
             TensorSpec(p + "attn_v.weight", kv_out, dim, wt, 1.0 / np.sqrt(dim)),
             TensorSpec(p + "attn_output.weight", dim, q_out, wt, 1.0 / np.sqrt(q_out)),
             TensorSpec(p + "ffn_norm.weight", 0, dim, QT.F32, 1.0),
-            TensorSpec(p + "ffn_gate.weight", ffn, dim, wt, 1.0 / np.sqrt(dim)),
-            TensorSpec(p + "ffn_up.weight", ffn, dim, wt, 1.0 / np.sqrt(dim)),
-            TensorSpec(p + "ffn_down.weight", dim, ffn, wt, 1.0 / np.sqrt(ffn)),
         ]
+        if n_experts:
+            specs += [
+                TensorSpec(p + "ffn_gate_inp.weight", n_experts, dim, QT.F32, 1.0 / np.sqrt(dim)),
+                TensorSpec(p + "ffn_gate_exps.weight", ffn, dim, wt, 1.0 / np.sqrt(dim), n_experts),
+                TensorSpec(p + "ffn_down_exps.weight", dim, ffn, wt, 1.0 / np.sqrt(ffn), n_experts),
+                TensorSpec(p + "ffn_up_exps.weight", ffn, dim, wt, 1.0 / np.sqrt(dim), n_experts),
+            ]
+        else:
+            specs += [
+                TensorSpec(p + "ffn_gate.weight", ffn, dim, wt, 1.0 / np.sqrt(dim)),
+                TensorSpec(p + "ffn_up.weight", ffn, dim, wt, 1.0 / np.sqrt(dim)),
+                TensorSpec(p + "ffn_down.weight", dim, ffn, wt, 1.0 / np.sqrt(ffn)),
+            ]
         specs += [TensorSpec(p + suffix, 0, head_dim if width == "head" else dim, QT.F32, 1.0)
                   for suffix, width in ARCHS[arch]]
     for s in specs:
@@ -493,13 +516,15 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
                 tensor_types: dict[str, str] | None = None, swa_window: int | None = None,
                 swa_pattern: int | None = None, rope_theta_swa: float | None = None,
                 attn_softcap: float | None = None, final_softcap: float | None = None,
-                rope_scale_linear: float | None = None) -> Path:
+                rope_scale_linear: float | None = None, n_experts: int = 0, n_experts_used: int = 0) -> Path:
     """Write a synthetic llama-family GGUF model to `path` (via path.part, then rename).
 
     Gemma keys, written only when given (llama.cpp then uses its defaults): `swa_window`
     (attention.sliding_window), `swa_pattern` (attention.sliding_window_pattern),
     `rope_theta_swa` (rope.freq_base_swa), `attn_softcap` and `final_softcap` (the logit
     soft-caps); `rope_scale_linear`: linear rope scaling by that factor (any arch). gemma2 is always tied: llama.cpp reads its lm head from token_embd.
+    qwen3moe and mixtral need `n_experts` and `n_experts_used` (expert_count, expert_used_count);
+    `ffn` is then the width of one expert (qwen3moe also writes it as expert_feed_forward_length).
 
     Norm weights are F32; token_embd uses `embd_type` and output.weight
     `output_type` (both default to `weight_type`); output.weight is omitted
@@ -510,16 +535,20 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
     """
     path = Path(path)
     tied = tied or arch == "gemma2"
+    if (arch in MOE_ARCHS) != bool(n_experts) or (n_experts and not 1 <= n_experts_used <= n_experts):
+        raise ValueError(f"{', '.join(MOE_ARCHS)} and only they need experts, 1 <= experts used <= experts: "
+                         f"arch {arch}, {n_experts} experts, {n_experts_used} used")
     wt_key = weight_type.lower()
     if wt_key not in TYPES:
         raise ValueError(f"unknown weight_type {weight_type!r}; choose from {', '.join(TYPES)}")
     hd = head_dim if head_dim is not None else (dim // n_heads if dim % n_heads == 0 else None)
     specs = model_tensors(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn=ffn,
                           vocab=vocab, head_dim=head_dim, weight_type=weight_type, embd_type=embd_type,
-                          output_type=output_type, tied=tied, tensor_types=tensor_types, arch=arch)
+                          output_type=output_type, tied=tied, tensor_types=tensor_types, arch=arch,
+                          n_experts=n_experts)
     assert hd is not None
 
-    with gguf_writer(path, arch) as writer:
+    with gguf_writer(path, FILE_ARCH.get(arch, arch)) as writer:
         writer.add_name(name)
         writer.add_type("model")
         writer.add_context_length(ctx)
@@ -547,6 +576,11 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
         if rope_scale_linear is not None:
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(float(rope_scale_linear))
+        if n_experts:
+            writer.add_expert_count(n_experts)
+            writer.add_expert_used_count(n_experts_used)
+            if arch == "qwen3moe":
+                writer.add_expert_feed_forward_length(ffn)
         writer.add_file_type(int(TYPES[wt_key][1]))
         writer.add_vocab_size(vocab)
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -576,9 +610,12 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
             if s.is_norm:
                 data = (1.0 + 0.05 * rng.standard_normal(s.cols)).astype(np.float32)
             else:
-                data = random_tensor(rng, s.rows, s.cols, s.qtype, s.std)
+                n = max(s.experts, 1)
+                data = random_tensor(rng, s.rows * n, s.cols, s.qtype, s.std)
                 if check:
                     check_tensor(s.name, data, s.qtype, s.std)
+                if s.experts:
+                    data = data.reshape(s.experts, s.rows, -1)
             writer.write_tensor_data(data)
             if progress is not None:
                 progress(s.name)
@@ -623,6 +660,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attn-softcap", type=float, help="attention logit soft-cap (gemma2)")
     ap.add_argument("--final-softcap", type=float, help="final logit soft-cap (gemma2)")
     ap.add_argument("--rope-scale-linear", type=float, help="linear rope scaling factor (rope.scaling.factor)")
+    ap.add_argument("--experts", dest="n_experts", type=int, help="experts per layer (qwen3moe, mixtral)")
+    ap.add_argument("--experts-used", dest="n_experts_used", type=int, help="experts per token (top-k)")
     tie = ap.add_mutually_exclusive_group()
     tie.add_argument("--tied", dest="tied", action="store_true", default=None, help="no output.weight")
     tie.add_argument("--untied", dest="tied", action="store_false", help="write output.weight")
@@ -643,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
         kw["name"] = args.preset
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn", "vocab", "ctx",
                 "rope_theta", "norm_eps", "tied", "swa_window", "swa_pattern", "rope_theta_swa",
-                "attn_softcap", "final_softcap", "rope_scale_linear"):
+                "attn_softcap", "final_softcap", "rope_scale_linear", "n_experts", "n_experts_used"):
         val = getattr(args, key)
         if val is not None:
             kw[key] = val

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numba import njit, prange
 
-from edgetp.model import intdot, kvcache, ops, quant
+from edgetp.model import intdot, kvcache, moe, ops, quant
 
 if TYPE_CHECKING:
     from edgetp.model.llama import Layer, Shard
@@ -76,13 +76,16 @@ class _LayerPlan:
     def __init__(self, shard: Shard, layer: Layer, h: np.ndarray, r: dict[str, intdot.Rounded], int8: bool) -> None:
         hd = shard.w.cfg.head_dim
         self.layer = layer
-        self.qkv = self.o = self.gate_up = self.down = None
+        self.qkv = self.o = self.gate_up = self.down = self.moe = None
         if shard.n_kv:
             self.qkv = _Matvecs([layer.wq, layer.wk, layer.wv], h, r["h"], int8)
             self.q, self.k, self.v = self.qkv.views
             self.att = np.empty((h.shape[0], shard.n_heads * hd), np.float32)
             self.o = _Matvecs([layer.wo], self.att, r["att"], int8)
-        if shard.n_ffn:
+        if shard.n_ffn and layer.moe is not None:  # experts: moe.ffn, a token at a time
+            self.moe = layer.moe
+            self.moe_out = np.empty((h.shape[0], shard.w.cfg.dim), np.float32)
+        elif shard.n_ffn:
             self.gate_up = _Matvecs([layer.w_gate, layer.w_up], h, r["h"], int8)
             self.gate, self.up = self.gate_up.views
             self.down = _Matvecs([layer.w_down], self.gate_up.out[:, : shard.n_ffn], r["gate"], int8)
@@ -145,7 +148,12 @@ class Plan:
                 partial = p.o.out[:n]
             s.reduce(partial)
             post = _NO_NORM if layer.attn_post_norm is None else layer.attn_post_norm
-            if p.gate_up is None:
+            if p.moe is not None:  # each row alone, so that it gets the bits of a token alone
+                _add_norm(x, partial, post, layer.ffn_norm, eps, h, True, False, *rh)
+                for b in range(n):
+                    moe.ffn(p.moe, h[b : b + 1], p.moe_out[b : b + 1], cfg.geglu, s.expert_hits[i])
+                partial = p.moe_out[:n]
+            elif p.gate_up is None:
                 _add_norm(x, partial, post, layer.ffn_norm, eps, h, True, False, *rh)
                 partial = zeros
                 partial.fill(0.0)

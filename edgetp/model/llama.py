@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from edgetp.model import decode, kvcache, ops, quant
+from edgetp.model import decode, kvcache, moe, ops, quant
 from edgetp.model.gguf import ModelConfig, ModelFile
 
 Range = tuple[int, int]
@@ -82,6 +82,7 @@ class Layer:
     w_gate: quant.Weight | None        # (ffn_l, dim)
     w_up: quant.Weight | None          # (ffn_l, dim)
     w_down: quant.Weight | None        # (dim, ffn_l)
+    moe: moe.Experts | None = None     # a mixture of experts instead of w_gate/w_up/w_down (ffn_l of each expert)
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,8 @@ class Weights:
         """Bytes of this shard's matrices (what its matvecs stream per token)."""
         mats = [w for layer in self.layers for w in (layer.wq, layer.wk, layer.wv, layer.wo,
                                                      layer.w_gate, layer.w_up, layer.w_down)]
-        return sum(w.nbytes for w in mats + [self.lm_head] if w is not None)
+        experts = sum(layer.moe.nbytes for layer in self.layers if layer.moe is not None)
+        return experts + sum(w.nbytes for w in mats + [self.lm_head] if w is not None)
 
 
 def _rows(w: quant.Weight, r: Range) -> quant.Weight | None:
@@ -152,6 +154,9 @@ def load_weights(mf: ModelFile, spec: ShardSpec | None = None) -> Weights:
     def bias(name: str, r: Range) -> np.ndarray | None:
         return mf.vector(name)[r[0]:r[1]].copy() if mf.has(name) else None
 
+    def dense(name: str, cut: Callable[[quant.Weight, Range], quant.Weight | None]) -> quant.Weight | None:
+        return None if cfg.n_experts else cut(mf.weight(name), local.ffn_cols)
+
     layers = []
     for i in range(first, last):
         p = f"blk.{i}."
@@ -169,9 +174,10 @@ def load_weights(mf: ModelFile, spec: ShardSpec | None = None) -> Weights:
             ffn_norm=mf.vector(p + "ffn_norm.weight"),
             attn_post_norm=mf.vector(p + "post_attention_norm.weight") if cfg.post_norms else None,
             ffn_post_norm=mf.vector(p + "post_ffw_norm.weight") if cfg.post_norms else None,
-            w_gate=_rows(mf.weight(p + "ffn_gate.weight"), local.ffn_cols),
-            w_up=_rows(mf.weight(p + "ffn_up.weight"), local.ffn_cols),
-            w_down=_cols(mf.weight(p + "ffn_down.weight"), local.ffn_cols),
+            w_gate=dense(p + "ffn_gate.weight", _rows),
+            w_up=dense(p + "ffn_up.weight", _rows),
+            w_down=dense(p + "ffn_down.weight", _cols),
+            moe=_experts(mf, p, local.ffn_cols) if cfg.n_experts else None,
         ))
     head = mf.weight("token_embd.weight" if cfg.tied else "output.weight")
     return Weights(
@@ -183,6 +189,17 @@ def load_weights(mf: ModelFile, spec: ShardSpec | None = None) -> Weights:
         lm_head=_rows(head, local.vocab_rows),
         rope_freqs=mf.vector("rope_freqs.weight") if mf.has("rope_freqs.weight") else None,
     )
+
+
+def _experts(mf: ModelFile, p: str, cols: Range) -> moe.Experts:
+    """Layer p's router, whole, and columns `cols` of each of its experts, sliced as a dense FFN."""
+    cfg = mf.config
+    return moe.Experts(
+        router=mf.weight(p + "ffn_gate_inp.weight"),
+        gate=tuple(_rows(w, cols) for w in mf.experts(p + "ffn_gate_exps.weight")),
+        up=tuple(_rows(w, cols) for w in mf.experts(p + "ffn_up_exps.weight")),
+        down=tuple(_cols(w, cols) for w in mf.experts(p + "ffn_down_exps.weight")),
+        used=cfg.n_experts_used, norm=cfg.expert_norm, scale=cfg.expert_scale)
 
 
 def _no_reduce(partial: np.ndarray) -> None:
@@ -212,6 +229,8 @@ class Shard:
         self.n_kv = spec.kv_groups[1] - spec.kv_groups[0]
         self.n_heads = self.n_kv * cfg.group_size
         self.n_ffn = spec.ffn_cols[1] - spec.ffn_cols[0]
+        # per layer and expert: the tokens routed to it (a mixture's layers; zeros elsewhere)
+        self.expert_hits = np.zeros((len(self.w.layers), cfg.n_experts), np.int64)
         if self.slots < 1:
             raise ValueError(f"a shard needs at least one KV slot, got {self.slots}")
         shape = (self.slots, self.n_kv, self.ctx, cfg.head_dim)
@@ -255,7 +274,7 @@ class Shard:
                 ops.rmsnorm(partial, layer.attn_post_norm, cfg.norm_eps, partial)
             x += partial
             ops.rmsnorm(x, layer.ffn_norm, cfg.norm_eps, h)
-            partial = self._ffn(layer, h)
+            partial = self._ffn(i, layer, h)
             self.reduce(partial)
             if layer.ffn_post_norm is not None:
                 ops.rmsnorm(partial, layer.ffn_post_norm, cfg.norm_eps, partial)
@@ -371,10 +390,13 @@ class Shard:
         _apply(layer.wo, att, partial)
         return partial
 
-    def _ffn(self, layer: Layer, h: np.ndarray) -> np.ndarray:
+    def _ffn(self, i: int, layer: Layer, h: np.ndarray) -> np.ndarray:
         n = h.shape[0]
         partial = np.zeros((n, self.w.cfg.dim), np.float32)
         if self.n_ffn == 0:
+            return partial
+        if layer.moe is not None:
+            moe.ffn(layer.moe, h, partial, self.w.cfg.geglu, self.expert_hits[i])
             return partial
         gate = np.empty((n, self.n_ffn), np.float32)
         up = np.empty((n, self.n_ffn), np.float32)
@@ -389,13 +411,7 @@ class Shard:
         return partial
 
 
-def _apply(w: quant.Weight, x: np.ndarray | quant.Batch, out: np.ndarray) -> None:
-    """out = x @ w.T for (n, cols) x: matvec when decoding, matmul for batches."""
-    batch = x if isinstance(x, quant.Batch) else quant.Batch(x)
-    if batch.shape[0] == 1:
-        quant.matvec(w, batch, out[0])
-    else:
-        quant.matmul(w, batch, out)
+_apply = quant.apply
 
 
 def embed(mf: ModelFile, token_ids: list[int]) -> np.ndarray:

@@ -8,6 +8,8 @@ name but cut to the spec, by the same table `llama.load_weights` slices by:
     attn_output.weight         cols   query heads
     ffn_gate, ffn_up           rows   FFN columns
     ffn_down                   cols   FFN columns
+    ffn_gate_exps, ffn_up_exps rows   FFN columns of every expert (a mixture: 3-D, one matrix per expert)
+    ffn_down_exps              cols   FFN columns of every expert
     output.weight              rows   vocabulary rows
     token_embd.weight          rows   vocabulary rows when tied (it is the lm head), else none (the root embeds)
     anything else              whole  (norms, rope_freqs)
@@ -70,6 +72,8 @@ def slice_plan(mf: ModelFile, spec: ShardSpec) -> dict[str, tuple[str, Range]]:
         "attn_output.weight": ("cols", qh),
         "ffn_gate.weight": ("rows", spec.ffn_cols), "ffn_up.weight": ("rows", spec.ffn_cols),
         "ffn_down.weight": ("cols", spec.ffn_cols),
+        "ffn_gate_exps.weight": ("rows", spec.ffn_cols), "ffn_up_exps.weight": ("rows", spec.ffn_cols),
+        "ffn_down_exps.weight": ("cols", spec.ffn_cols),
     }
     first, last = spec.layer_range(cfg.n_layers)
     plan: dict[str, tuple[str, Range]] = {}
@@ -95,7 +99,13 @@ def _cut(mf: ModelFile, name: str, how: str, r: Range) -> tuple[np.ndarray, int]
         return np.asarray(t.data), int(t.tensor_type)
     if len(t.shape) == 1:  # a bias: a vector of f32/f16 values
         return np.asarray(t.data)[r[0]:r[1]], int(t.tensor_type)
-    w = mf.weight(name)
+    if len(t.shape) == 3:  # a mixture's experts: each cut as a matrix, stacked again
+        parts = [_cut_weight(w, how, r) for w in mf.experts(name)]
+        return np.stack([data for data, _ in parts]), parts[0][1]
+    return _cut_weight(mf.weight(name), how, r)
+
+
+def _cut_weight(w: quant.Weight, how: str, r: Range) -> tuple[np.ndarray, int]:
     if how == "rows":
         return w.data[r[0]:r[1]], w.qtype
     if r[0] == r[1]:
@@ -109,7 +119,12 @@ def _cut(mf: ModelFile, name: str, how: str, r: Range) -> tuple[np.ndarray, int]
 
 
 def _table_entry(mf: ModelFile, name: str, how: str, r: Range) -> tuple[tuple[int, ...], np.dtype, int, int]:
-    """(shape, dtype, nbytes, GGML type) of what _cut will give, without copying a column slice."""
+    """(shape, dtype, nbytes, GGML type) of what _cut will give, without copying a column slice
+    (of a mixture's experts: one expert's)."""
+    if len(mf.tensors[name].shape) == 3 and how != "whole":
+        experts = mf.experts(name)
+        data, qtype = _cut_weight(experts[0], how, r)
+        return (len(experts),) + data.shape, data.dtype, data.nbytes * len(experts), qtype
     if how == "cols" and r[0] != r[1]:
         w = mf.weight(name)
         bs = quant.block_size(w.qtype)

@@ -1,0 +1,174 @@
+"""Mixtures of experts (qwen3moe, and mixtral as llama with experts) against independent
+references: llama.cpp and the float64 math of tests/reference.py.
+
+llama.cpp's build_moe_ffn, for both: the router's softmax over the experts, the
+expert_used_count most probable, their probabilities divided by their sum, the
+weighted SwiGLU outputs of those experts added in order. qwen3moe has qwen3's
+attention (per-head q/k norms, NEOX rope) and reads the experts' width from
+expert_feed_forward_length; mixtral is general.architecture "llama" with
+llama.expert_count. The models are synthetic (tools/synth_gguf.py --arch
+qwen3moe|mixtral --experts N --experts-used K): 8 experts top-2 and 16 top-4.
+
+The bounds are test_engine_reference's (stated there): float kernels within
+EXACT / KV16 of the float64 logits' spread at every position; never further from
+llama.cpp than llama.cpp is from the float64 math, plus that bound; the integer
+kernels on Q4_0 and Q8_0 as close to the float64 math on average as llama.cpp
+(INT8_VS_CPP); 64 greedy tokens equal to llama.cpp's on F32 weights. Tensor
+parallelism over real processes, float kernels: the single node's 64 tokens and
+the float64 logits, on 3 nodes for 8 and 16 experts and 4 query heads (3 divides
+none of them).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgetp.model import gguf, llama
+from edgetp.model.generate import LocalRunner
+from edgetp.model.tokenizer import Tokenizer
+from tests import reference
+from tests.test_cli_errors import ask, assert_one_line_error
+from tests.test_decode_fast import _same
+from tests.test_engine_reference import BOUND, FOX, _error, _ours, _spread
+from tests.test_qwen3 import (_rewrite, _without, assert_int8_decode_as_close_as_llamacpp,  # noqa: F401
+                              assert_processes_match, control, float_kernels)  # (fixtures)
+
+# arch -> synth_gguf keys: qwen3moe 8 experts top-2 on 4 heads of 32 (width 128, 2 KV heads), experts
+# 7 blocks of 32 wide; mixtral 16 experts top-4 on tiny-odd (6 heads of 16 on 96, experts 224 wide)
+MOE = {
+    "qwen3moe": ("tiny-headdim", dict(n_experts=8, n_experts_used=2, n_heads=4, ffn=224)),
+    "mixtral": ("tiny-odd", dict(n_experts=16, n_experts_used=4)),
+}
+TYPES = ["f32", "f16", "q8_0", "q4_0", "q4_k"]
+
+
+@pytest.fixture(scope="module")
+def moe(synth_model):
+    def make(arch: str, wt: str = "f32"):
+        preset, extra = MOE[arch]
+        if wt.endswith("_k"):  # K-quants need widths of 256
+            preset, extra = "tiny-k", extra | dict(ffn=256, n_heads=4, head_dim=64)
+        return synth_model(preset, wt, arch=arch, **extra)
+
+    return make
+
+
+def _ids(path) -> list[int]:
+    ids = reference.tokenize(path, FOX)
+    assert len(ids) >= 32
+    return ids
+
+
+def test_the_files_read_as_llamacpps_loader_reads_them(moe):
+    q = gguf.open_model(moe("qwen3moe")).config
+    assert (q.arch, q.n_experts, q.n_experts_used, q.ffn, q.qk_norm, q.rope_neox, q.expert_norm) == (
+        "qwen3moe", 8, 2, 224, True, True, True)
+    m = gguf.open_model(moe("mixtral")).config
+    assert (m.arch, m.n_experts, m.n_experts_used, m.ffn, m.qk_norm, m.rope_neox, m.expert_norm) == (
+        "llama", 16, 4, 224, False, False, True)
+    w = llama.load_weights(gguf.open_model(moe("mixtral")))
+    e = w.layers[0].moe
+    assert w.layers[0].w_gate is None and len(e.gate) == 16 and e.router.rows == 16
+    assert {(g.rows, g.cols, d.rows, d.cols) for g, d in zip(e.gate, e.down)} == {(224, 96, 96, 224)}
+
+
+@pytest.mark.parametrize("kind,kv_type", [(k, "f16") for k in TYPES] + [("f32", "f32")])
+@pytest.mark.parametrize("arch", list(MOE))
+def test_logits_at_every_position_equal_the_exact_float64_math(moe, arch, kind, kv_type, float_kernels):
+    path = moe(arch, kind)
+    ids = Tokenizer.from_metadata(gguf.open_model(path).metadata).encode(FOX)
+    exact = reference.exact_logits(path, ids, kv_type)
+    err = _error(_ours(path, ids, kv_type), exact, _spread(exact))
+    assert err.max() <= BOUND[kv_type], f"max error {err.max():.2e} of the spread > {BOUND[kv_type]:.0e}"
+
+
+@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("arch", list(MOE))
+def test_logits_are_never_further_from_llamacpp_than_llamacpp_is_from_exact(llama_cpp, moe, arch, kind,
+                                                                            float_kernels):
+    path = moe(arch, kind)
+    ids = _ids(path)
+    cpp = reference.logits(path, ids, "f16")
+    exact = reference.exact_logits(path, ids, "f16")
+    spread = _spread(exact)
+    ours_vs_cpp = _error(_ours(path, ids, "f16"), cpp, spread)
+    cpp_vs_exact = _error(cpp, exact, spread)
+    worst = int(np.argmax(ours_vs_cpp - cpp_vs_exact))
+    assert np.all(ours_vs_cpp <= cpp_vs_exact + BOUND["f16"]), (
+        f"position {worst}: ours vs llama.cpp {ours_vs_cpp[worst]:.2e} > llama.cpp vs exact "
+        f"{cpp_vs_exact[worst]:.2e} + {BOUND['f16']:.0e}")
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("arch", list(MOE))
+def test_int8_decode_logits_are_as_close_to_exact_as_llamacpps(llama_cpp, moe, arch, kind, monkeypatch):
+    monkeypatch.delenv("EDGETP_INT8", raising=False)
+    path = moe(arch, kind)
+    assert_int8_decode_as_close_as_llamacpp(path, _ids(path))
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "f32"])
+@pytest.mark.parametrize("arch", list(MOE))
+def test_greedy_continuation_is_token_identical_to_llamacpp_for_64_tokens(llama_cpp, moe, arch, kv_type):
+    path = moe(arch)
+    ids = _ids(path)
+    ours = LocalRunner(gguf.open_model(path), 256, kv_type=kv_type)
+    from tests.test_parallel import greedy  # noqa: PLC0415
+
+    assert greedy(ours, ids, 64) == reference.greedy(path, ids, 64, kv_type)
+
+
+@pytest.mark.parametrize("arch", list(MOE))
+def test_the_fused_decode_plan_runs_the_experts_bit_identical_to_the_per_op_path(moe, arch, int8):
+    shard = _same(gguf.open_model(moe(arch, "q8_0")))
+    hits = shard.expert_hits
+    used = gguf.open_model(moe(arch)).config.n_experts_used
+    assert np.all(hits.sum(axis=1) == hits[0].sum()) and hits[0].sum() % used == 0  # k experts per token, every layer
+
+
+def test_several_rows_in_one_step_each_get_the_bits_of_their_token_alone(moe, int8):
+    mf = gguf.open_model(moe("mixtral", "q4_0"))
+    w = llama.load_weights(mf)
+    prompts = [[5, 9, 17, 3], [40, 2, 8], [77]]
+    together = llama.Shard(w, ctx=32, slots=3)
+    for s, p in enumerate(prompts):
+        together.forward(llama.embed(mf, p), 0, slot=s)
+    x = llama.embed(mf, [11, 12, 13])
+    rows = together.forward_rows(x.copy(), [0, 1, 2], [len(p) for p in prompts])
+    for s, p in enumerate(prompts):
+        alone = llama.Shard(w, ctx=32)
+        alone.forward(llama.embed(mf, p), 0)
+        assert np.array_equal(alone.forward(x[s : s + 1].copy(), len(p)), rows[s : s + 1]), f"row {s}"
+
+
+# ---------------------------------------------------------------- tensor parallel, real processes
+
+
+@pytest.mark.parametrize("arch", list(MOE))
+def test_two_and_three_processes_splitting_every_experts_columns_give_the_single_nodes_tokens_and_exact_logits(
+        float_workers, control, moe, arch, float_kernels):
+    assert_processes_match(control, moe(arch, "q8_0"), float_workers)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_an_expert_count_the_router_does_not_have_is_refused_in_one_line_naming_the_tensor(moe, tmp_path):
+    bad = _rewrite(moe("qwen3moe"), tmp_path / "count.gguf", meta={"qwen3moe.expert_count": 6})
+    assert_one_line_error(ask(bad), str(bad), "'blk.0.ffn_gate_inp.weight' has shape [128, 8], expected [128, 6]")
+
+
+def test_more_experts_per_token_than_experts_is_refused_in_one_line_naming_the_router(moe, tmp_path):
+    bad = _rewrite(moe("mixtral"), tmp_path / "topk.gguf", meta={"llama.expert_used_count": 17})
+    assert_one_line_error(ask(bad), str(bad), "expert_used_count 17", "'blk.0.ffn_gate_inp.weight'")
+
+
+def test_a_mixtral_file_without_an_expert_tensor_is_refused_in_one_line_naming_it(moe, tmp_path):
+    bad = _without(moe("mixtral"), tmp_path / "no-up.gguf", "blk.2.ffn_up_exps.weight")
+    assert_one_line_error(ask(bad), str(bad), "'blk.2.ffn_up_exps.weight' is missing")
+
+
+def test_an_unsupported_architecture_is_named_with_the_list_including_the_mixtures(moe, tmp_path):
+    bad = _rewrite(moe("qwen3moe"), tmp_path / "arch.gguf", arch="deepseek2")
+    assert_one_line_error(ask(bad), str(bad), "unsupported architecture 'deepseek2'", "qwen3moe", "llama")

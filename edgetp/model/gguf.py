@@ -470,6 +470,10 @@ def _check_layers(path: Path, cfg: ModelConfig, tensors: dict, metadata: dict[st
     held = metadata.get("edgetp.shard.layers") or (0, cfg.n_layers)
     cols = metadata.get("edgetp.shard.ffn_cols")  # a shard file's experts hold these columns only
     shapes = _layer_tensors(cfg if cols is None else dataclasses.replace(cfg, ffn=int(cols[1]) - int(cols[0])))
+    experts = metadata.get("edgetp.shard.experts")  # ... of these experts only
+    if experts is not None and cfg.n_experts:
+        n = int(experts[1]) - int(experts[0])
+        shapes = {k: v if "_exps." not in k else v[:2] + (n,) for k, v in shapes.items()}
     for i in range(int(held[0]), int(held[1])):
         for suffix, shape in shapes.items():
             t = tensors[f"blk.{i}.{suffix}"]

@@ -39,7 +39,7 @@ class ShardMismatch(ValueError):
 
 # metadata of a shard file: the spec it holds, its source, the source's vocabulary size
 SHARD_KEYS = {k: f"edgetp.shard.{k}" for k in ("kv_groups", "ffn_cols", "vocab_rows", "vocab", "source_fingerprint",
-                                                 "layers")}
+                                                 "layers", "experts")}
 EXACT_TOP = 64  # logits recomputed exactly per decoded token and shard (Shard.logits)
 
 
@@ -51,6 +51,7 @@ class ShardSpec:
     ffn_cols: Range    # FFN columns [start, stop)
     vocab_rows: Range  # lm-head rows [start, stop)
     layers: Range | None = None  # a pipeline stage's layers [start, stop); None: every layer
+    experts: Range | None = None  # a mixture's experts [start, stop) whose ffn_cols this shard holds; None: all
 
     @classmethod
     def full(cls, cfg: ModelConfig) -> "ShardSpec":
@@ -61,6 +62,13 @@ class ShardSpec:
         a, b = self.layers if self.layers is not None else (0, n_layers)
         if not 0 <= a <= b <= n_layers:
             raise ValueError(f"layers {a}:{b} is not a range within 0:{n_layers}")
+        return a, b
+
+    def expert_range(self, n_experts: int) -> Range:
+        """The experts this shard holds; ValueError unless they lie within the model's."""
+        a, b = self.experts if self.experts is not None else (0, n_experts)
+        if not 0 <= a <= b <= n_experts:
+            raise ValueError(f"experts {a}:{b} is not a range within 0:{n_experts}")
         return a, b
 
 
@@ -127,8 +135,9 @@ def stored_spec(mf: ModelFile) -> ShardSpec | None:
     if SHARD_KEYS["kv_groups"] not in meta:
         return None
     ranges = (tuple(int(v) for v in meta[SHARD_KEYS[k]]) for k in ("kv_groups", "ffn_cols", "vocab_rows"))
-    layers = tuple(int(v) for v in meta[SHARD_KEYS["layers"]]) if SHARD_KEYS["layers"] in meta else None
-    return ShardSpec(*ranges, layers)
+    layers, experts = (tuple(int(v) for v in meta[SHARD_KEYS[k]]) if SHARD_KEYS[k] in meta else None
+                       for k in ("layers", "experts"))
+    return ShardSpec(*ranges, layers, experts)
 
 
 def load_weights(mf: ModelFile, spec: ShardSpec | None = None) -> Weights:
@@ -145,7 +154,8 @@ def load_weights(mf: ModelFile, spec: ShardSpec | None = None) -> Weights:
         if spec != stored:
             raise ShardMismatch(f"{mf.path} holds the shard {stored}, not {spec}")
         cfg = replace(cfg, vocab=int(mf.metadata[SHARD_KEYS["vocab"]]))
-        local = ShardSpec(*((0, b - a) for a, b in (spec.kv_groups, spec.ffn_cols, spec.vocab_rows)), spec.layers)
+        local = ShardSpec(*((0, b - a) for a, b in (spec.kv_groups, spec.ffn_cols, spec.vocab_rows)), spec.layers,
+                          spec.experts)
     first, last = spec.layer_range(cfg.n_layers)
     hd, g = cfg.head_dim, cfg.group_size
     kv = (local.kv_groups[0] * hd, local.kv_groups[1] * hd)
@@ -177,7 +187,8 @@ def load_weights(mf: ModelFile, spec: ShardSpec | None = None) -> Weights:
             w_gate=dense(p + "ffn_gate.weight", _rows),
             w_up=dense(p + "ffn_up.weight", _rows),
             w_down=dense(p + "ffn_down.weight", _cols),
-            moe=_experts(mf, p, local.ffn_cols) if cfg.n_experts else None,
+            moe=_experts(mf, p, local.ffn_cols, spec.expert_range(cfg.n_experts), stored is not None)
+            if cfg.n_experts else None,
         ))
     head = mf.weight("token_embd.weight" if cfg.tied else "output.weight")
     return Weights(
@@ -191,14 +202,20 @@ def load_weights(mf: ModelFile, spec: ShardSpec | None = None) -> Weights:
     )
 
 
-def _experts(mf: ModelFile, p: str, cols: Range) -> moe.Experts:
-    """Layer p's router, whole, and columns `cols` of each of its experts, sliced as a dense FFN."""
+def _experts(mf: ModelFile, p: str, cols: Range, held: Range, stored: bool) -> moe.Experts:
+    """Layer p's router, whole, and columns `cols` of each expert in `held`, sliced as a dense FFN
+    (None for the other experts). A shard file stores the held experts only, from its index 0."""
     cfg = mf.config
+
+    def cut(name: str, how: Callable[[quant.Weight, Range], quant.Weight | None]) -> tuple[quant.Weight | None, ...]:
+        mats = mf.experts(p + name)
+        first = held[0] if stored else 0
+        return tuple(how(mats[x - first], cols) if held[0] <= x < held[1] else None for x in range(cfg.n_experts))
+
     return moe.Experts(
         router=mf.weight(p + "ffn_gate_inp.weight"),
-        gate=tuple(_rows(w, cols) for w in mf.experts(p + "ffn_gate_exps.weight")),
-        up=tuple(_rows(w, cols) for w in mf.experts(p + "ffn_up_exps.weight")),
-        down=tuple(_cols(w, cols) for w in mf.experts(p + "ffn_down_exps.weight")),
+        gate=cut("ffn_gate_exps.weight", _rows), up=cut("ffn_up_exps.weight", _rows),
+        down=cut("ffn_down_exps.weight", _cols),
         used=cfg.n_experts_used, norm=cfg.expert_norm, scale=cfg.expert_scale)
 
 
@@ -228,7 +245,8 @@ class Shard:
         cfg, spec = self.w.cfg, self.w.spec
         self.n_kv = spec.kv_groups[1] - spec.kv_groups[0]
         self.n_heads = self.n_kv * cfg.group_size
-        self.n_ffn = spec.ffn_cols[1] - spec.ffn_cols[0]
+        held = spec.expert_range(cfg.n_experts)
+        self.n_ffn = spec.ffn_cols[1] - spec.ffn_cols[0] if held[0] < held[1] or not cfg.n_experts else 0
         # per layer and expert: the tokens routed to it (a mixture's layers; zeros elsewhere)
         self.expert_hits = np.zeros((len(self.w.layers), cfg.n_experts), np.int64)
         if self.slots < 1:

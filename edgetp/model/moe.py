@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 from edgetp.model import ops, quant
 
@@ -49,20 +50,52 @@ def route(e: Experts, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The experts of each row of h (n, dim) and their weights: ((n, k) int64, largest first; (n, k) f32).
 
     Chosen by the exact router logits (ties to the lower index), so every shard agrees; the
-    weights are the f32 softmax probabilities of those experts, then normalised and scaled."""
+    weights are the softmax probabilities of those experts (f32 exps, their sum in f64 as
+    ggml's soft_max), then normalised and scaled."""
     n = h.shape[0]
     logits = np.empty((n, e.router.rows), np.float32)
     for b in range(n):
         quant.exact_matvec(e.router, np.ascontiguousarray(h[b]), logits[b])
-    ids = np.argsort(-logits, axis=1, kind="stable")[:, : e.used].astype(np.int64)
-    z = np.exp(logits - logits.max(axis=1, keepdims=True))
-    p = z / z.sum(axis=1, dtype=np.float32, keepdims=True)
-    w = np.take_along_axis(p, ids, axis=1).astype(np.float32)
-    if e.norm:
-        w /= np.maximum(w.sum(axis=1, dtype=np.float32, keepdims=True), NORM_FLOOR)
-    if e.scale:
-        w *= np.float32(e.scale)
+    ids = np.empty((n, e.used), np.int64)
+    w = np.empty((n, e.used), np.float32)
+    _pick(logits, e.norm, np.float32(e.scale), ids, w)
     return ids, w
+
+
+@njit(cache=True, nogil=True)
+def _pick(logits, norm, scale, ids, w):  # pragma: no cover - compiled
+    # logits (n, E) f32 -> ids (n, k) the k largest of each row, largest first (ties: lower index),
+    # w (n, k) their softmax probabilities, divided by their sum (at least NORM_FLOOR) if norm,
+    # times scale unless it is 0
+    n, n_exp = logits.shape
+    k = ids.shape[1]
+    taken = np.zeros(n_exp, np.bool_)
+    for b in range(n):
+        row = logits[b]
+        top = row.max()
+        total = 0.0
+        for x in range(n_exp):
+            total += np.float64(np.exp(np.float32(row[x] - top)))
+        inv = np.float32(1.0 / total)
+        taken[:] = False
+        for j in range(k):
+            best = -1
+            for x in range(n_exp):
+                if not taken[x] and (best < 0 or row[x] > row[best]):
+                    best = x
+            taken[best] = True
+            ids[b, j] = best
+            w[b, j] = np.exp(np.float32(row[best] - top)) * inv
+        if norm:
+            s = np.float32(0.0)
+            for j in range(k):
+                s += w[b, j]
+            s = max(s, NORM_FLOOR)
+            for j in range(k):
+                w[b, j] = w[b, j] / s
+        if scale != 0:
+            for j in range(k):
+                w[b, j] *= scale
 
 
 def ffn(e: Experts, h: np.ndarray, out: np.ndarray, geglu: bool, hits: np.ndarray | None = None) -> None:

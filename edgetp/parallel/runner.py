@@ -152,7 +152,8 @@ class ClusterRunner:
                                                           "ffn_cols": list(spec.ffn_cols),
                                                           "vocab_rows": list(spec.vocab_rows),
                                                           "reduce": info.node_id in group}
-                                | ({"layers": list(spec.layers)} if spec.layers is not None else {}))
+                                | ({"layers": list(spec.layers)} if spec.layers is not None else {})
+                                | ({"experts": list(spec.experts)} if spec.experts is not None else {}))
             weights_root = await asyncio.to_thread(llama.load_weights, mf, spec_for(plan, node_id))
             shard = llama.Shard(weights_root, ctx, slots=slots, kv_type=kv_type)
             for n, link in enumerate(links, start=1):

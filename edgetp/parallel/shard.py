@@ -53,10 +53,13 @@ def model_shape(mf: ModelFile, ctx: int, slots: int = 1, kv_type: str = "f16") -
         kv_bytes_per_head_pos=2 * row_bytes,  # K and V
         ctx=ctx,
         slots=slots,
+        n_experts=cfg.n_experts,
+        experts_used=cfg.n_experts_used,
     )
 
 
 def spec_for(plan: Plan, node_id: str) -> ShardSpec:
     share = plan.share(node_id)
     layers = None if share.layers is None else tuple(share.layers)
-    return ShardSpec(tuple(share.kv_groups), tuple(share.ffn_cols), tuple(share.vocab_rows), layers)
+    experts = None if share.experts is None else tuple(share.experts)
+    return ShardSpec(tuple(share.kv_groups), tuple(share.ffn_cols), tuple(share.vocab_rows), layers, experts)

@@ -172,3 +172,29 @@ def test_a_mixtral_file_without_an_expert_tensor_is_refused_in_one_line_naming_i
 def test_an_unsupported_architecture_is_named_with_the_list_including_the_mixtures(moe, tmp_path):
     bad = _rewrite(moe("qwen3moe"), tmp_path / "arch.gguf", arch="deepseek2")
     assert_one_line_error(ask(bad), str(bad), "unsupported architecture 'deepseek2'", "qwen3moe", "llama")
+
+
+# ---------------------------------------------------------------- expert placement
+
+
+def test_whole_experts_placed_by_speed_give_the_tokens_of_column_splitting_and_of_one_node(
+        float_workers, control, moe, float_kernels):
+    from edgetp.parallel.runner import ClusterRunner  # noqa: PLC0415
+    from tests.test_parallel import greedy  # noqa: PLC0415
+
+    path = moe("mixtral", "q8_0")  # 16 experts top-4 over 3 processes of speeds 3 : 1 : 2
+    ids = _ids(path)
+    expected = greedy(LocalRunner(gguf.open_model(path), 256), ids, 64)
+    for mode in ("place", "columns"):
+        runner = control.run(ClusterRunner.connect(gguf.open_model(path), float_workers, ctx=256, weights=[3, 1, 2],
+                                                   experts=mode), timeout=300)
+        try:
+            held = [s.experts for s in runner.plan.shares]
+            if mode == "place":
+                sizes = [b - a for a, b in held]
+                assert sum(sizes) == 16 and sizes[1] < sizes[2] < sizes[0], f"experts by speed: {held}"
+            else:
+                assert held == [None] * 3
+            assert greedy(runner, ids, 64) == expected, f"{mode}: {held}"
+        finally:
+            runner.close()

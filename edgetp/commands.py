@@ -123,7 +123,8 @@ def ask(args: argparse.Namespace) -> int:
                     share = shares.get(n.node_id)
                     what = "idle (left out of the plan)" if share is None else \
                         f"kv {share.kv_groups} ffn {share.ffn_cols} vocab {share.vocab_rows}" \
-                        + (f" layers {share.layers}" if share.layers else "")
+                        + (f" layers {share.layers}" if share.layers else "") \
+                        + (f" experts {share.experts}" if share.experts else "")
                     print(f"node {n.node_id:<14} {n.address:<21} {speed:<12} rtt {n.rtt_ms:6.3f} ms  {link}{n.mode:<8} "
                           f"{what}", file=sys.stderr)
             return _stream(runner, tok, ids, params, args, ctx, t0, recover)
@@ -197,7 +198,23 @@ def status(args: argparse.Namespace) -> int:
               f"{n['speed'] / 1e9:>6.2f} GB/s {n['mem_free'] / 1e9:>6.1f} GB {span(n.get('layers') or (0, 0)):>7} "
               f"{span(n['kv_groups']):>9} "
               f"{span(n['ffn_cols']):>11} {span(n['vocab_rows']):>13} {rtt:>15} {link:>12}")
+    for line in expert_lines(view["nodes"]):
+        print(line)
     return 0
+
+
+def expert_lines(nodes: list[dict]) -> list[str]:
+    """A mixture's experts per node: which it computes (whole, or its columns of each) and the
+    tokens routed to each so far (all layers summed); nothing for a dense model."""
+    out = []
+    for n in nodes:
+        if n.get("experts") is None:
+            continue
+        a, b = n["experts"]
+        hits = " ".join(f"{a + i}:{h}" for i, h in enumerate(n.get("expert_hits") or ()))
+        whole = "whole" if tuple(n["ffn_cols"]) == (0, max(m["ffn_cols"][1] for m in nodes)) else "columns"
+        out.append(f"experts {n['node_id']:<16} {a}-{b} ({whole})  hits {hits or '-'}")
+    return out
 
 
 def slots_line(slots: dict | None) -> str | None:

@@ -90,12 +90,16 @@ class ServeOptions:
 def cluster_view(runner: ClusterRunner, model: str) -> events.ClusterView:
     nodes = []
     shares = {s.node_id: s for s in runner.plan.shares}
-    n_layers = runner.plan.shape.n_layers
+    n_layers, n_experts = runner.plan.shape.n_layers, runner.plan.shape.n_experts
+    hits = runner.shard.expert_hits.sum(axis=0)  # every node routes alike: the root's counts are everyone's
     for info in runner.nodes:
         share = shares.get(info.node_id)  # None: left out of the plan
         spans = {} if share is None else dict(kv_groups=tuple(share.kv_groups), ffn_cols=tuple(share.ffn_cols),
                                               vocab_rows=tuple(share.vocab_rows), stage=info.stage,
                                               layers=tuple(share.layers or (0, n_layers)))
+        if share is not None and n_experts:
+            a, b = share.experts or (0, n_experts)
+            spans |= dict(experts=(a, b), expert_hits=tuple(int(h) for h in hits[a:b]))
         nodes.append(events.NodeView(
             node_id=info.node_id, address=info.address, role="root" if info.address == "local" else "worker",
             state="ready" if share is not None else "idle", speed=info.speed, mem_free=info.mem_free,
@@ -113,7 +117,8 @@ def replan_event(runner: ClusterRunner) -> events.ClusterEvent:
         runner.plan.epoch,
         {"nodes": {s.node_id: {"kv_groups": list(s.kv_groups), "ffn_cols": list(s.ffn_cols),
                                "vocab_rows": list(s.vocab_rows)}
-                   | ({"layers": list(s.layers)} if s.layers else {}) for s in runner.plan.shares},
+                   | ({"layers": list(s.layers)} if s.layers else {})
+                   | ({"experts": list(s.experts)} if s.experts else {}) for s in runner.plan.shares},
          "plan": pipeline.describe(runner.plan)})
 
 

@@ -196,5 +196,23 @@ def test_whole_experts_placed_by_speed_give_the_tokens_of_column_splitting_and_o
             else:
                 assert held == [None] * 3
             assert greedy(runner, ids, 64) == expected, f"{mode}: {held}"
+            assert_status_shows_experts_and_hits(runner, len(ids) + 63)
         finally:
             runner.close()
+
+
+def assert_status_shows_experts_and_hits(runner, tokens: int) -> None:
+    """`edgetp status`'s view: each node's experts (placed: its range; columns: all) and their hits,
+    which add up to every token's 4 experts in each of the 3 layers."""
+    from edgetp.commands import expert_lines  # noqa: PLC0415
+    from edgetp.daemon import cluster_view  # noqa: PLC0415
+    from edgetp.events import to_dict  # noqa: PLC0415
+
+    view = cluster_view(runner, "mixtral")
+    for node, share in zip(view.nodes, runner.plan.shares):
+        assert node.experts == (share.experts or (0, 16)) and len(node.expert_hits) == node.experts[1] - node.experts[0]
+    placed = runner.plan.shares[0].experts is not None
+    total = sum(sum(n.expert_hits) for n in view.nodes) if placed else sum(view.nodes[0].expert_hits)
+    assert total == tokens * 4 * 3
+    lines = expert_lines(to_dict(view)["nodes"])
+    assert len(lines) == 3 and all(("whole" if placed else "columns") in line for line in lines)

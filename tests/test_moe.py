@@ -35,10 +35,11 @@ from tests.test_qwen3 import (_rewrite, _without, assert_int8_decode_as_close_as
                               assert_processes_match, control, float_kernels)  # (fixtures)
 
 # arch -> synth_gguf keys: qwen3moe 8 experts top-2 on 4 heads of 32 (width 128, 2 KV heads), experts
-# 7 blocks of 32 wide; mixtral 16 experts top-4 on tiny-odd (6 heads of 16 on 96, experts 224 wide)
+# 7 blocks of 32 wide; mixtral 16 experts top-4 on tiny-odd's width 96 with 4 heads of 16 (2 KV heads),
+# experts 224 wide. 3 processes divide none of those counts.
 MOE = {
     "qwen3moe": ("tiny-headdim", dict(n_experts=8, n_experts_used=2, n_heads=4, ffn=224)),
-    "mixtral": ("tiny-odd", dict(n_experts=16, n_experts_used=4)),
+    "mixtral": ("tiny-odd", dict(n_experts=16, n_experts_used=4, n_heads=4, n_kv_heads=2)),
 }
 TYPES = ["f32", "f16", "q8_0", "q4_0", "q4_k"]
 

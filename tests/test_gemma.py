@@ -37,7 +37,8 @@ from tests.test_decode_fast import _same
 from tests.test_engine_reference import BOUND, FOX, _error, _ours, _spread
 from edgetp.parallel.runner import ClusterRunner
 from tests.test_parallel import greedy
-from tests.test_qwen3 import (_without, assert_int8_decode_as_close_as_llamacpp, assert_processes_match,  # noqa: F401
+from tests.test_qwen3 import (_without, assert_int8_decode_as_close_as_llamacpp,  # noqa: F401
+                              assert_no_further_from_llamacpp_than_it_is_from_exact, assert_processes_match,
                               control, float_kernels)  # (fixtures)
 
 SHAPES = {  # arch -> synth_gguf keys beyond the preset
@@ -90,16 +91,7 @@ def test_logits_at_every_position_equal_the_exact_float64_math(gemma, arch, wt, 
 def test_logits_are_never_further_from_llamacpp_than_llamacpp_is_from_exact(llama_cpp, gemma, arch, wt,
                                                                             float_kernels):
     path = gemma(arch, wt)
-    ids = _ids(path)
-    cpp = reference.logits(path, ids, "f16")
-    exact = reference.exact_logits(path, ids, "f16")
-    spread = _spread(exact)
-    ours_vs_cpp = _error(_ours(path, ids, "f16"), cpp, spread)
-    cpp_vs_exact = _error(cpp, exact, spread)
-    worst = int(np.argmax(ours_vs_cpp - cpp_vs_exact))
-    assert np.all(ours_vs_cpp <= cpp_vs_exact + BOUND["f16"]), (
-        f"position {worst}: ours vs llama.cpp {ours_vs_cpp[worst]:.2e} > llama.cpp vs exact "
-        f"{cpp_vs_exact[worst]:.2e} + {BOUND['f16']:.0e}")
+    assert_no_further_from_llamacpp_than_it_is_from_exact(path, _ids(path), "f16")
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])

@@ -31,8 +31,9 @@ from tests import reference
 from tests.test_cli_errors import ask, assert_one_line_error
 from tests.test_decode_fast import _same
 from tests.test_engine_reference import BOUND, FOX, _error, _ours, _spread
-from tests.test_qwen3 import (_rewrite, _without, assert_int8_decode_as_close_as_llamacpp,  # noqa: F401
-                              assert_processes_match, control, float_kernels)  # (fixtures)
+from tests.test_qwen3 import (_ids, _rewrite, _without, assert_int8_decode_as_close_as_llamacpp,  # noqa: F401
+                              assert_no_further_from_llamacpp_than_it_is_from_exact, assert_processes_match,
+                              control, float_kernels)  # (fixtures)
 
 # arch -> synth_gguf keys: qwen3moe 8 experts top-2 on 4 heads of 32 (width 128, 2 KV heads), experts
 # 7 blocks of 32 wide; mixtral 16 experts top-4 on tiny-odd's width 96 with 4 heads of 16 (2 KV heads),
@@ -53,12 +54,6 @@ def moe(synth_model):
         return synth_model(preset, wt, arch=arch, **extra)
 
     return make
-
-
-def _ids(path) -> list[int]:
-    ids = reference.tokenize(path, FOX)
-    assert len(ids) >= 32
-    return ids
 
 
 def test_the_files_read_as_llamacpps_loader_reads_them(moe):
@@ -89,16 +84,7 @@ def test_logits_at_every_position_equal_the_exact_float64_math(moe, arch, kind, 
 def test_logits_are_never_further_from_llamacpp_than_llamacpp_is_from_exact(llama_cpp, moe, arch, kind,
                                                                             float_kernels):
     path = moe(arch, kind)
-    ids = _ids(path)
-    cpp = reference.logits(path, ids, "f16")
-    exact = reference.exact_logits(path, ids, "f16")
-    spread = _spread(exact)
-    ours_vs_cpp = _error(_ours(path, ids, "f16"), cpp, spread)
-    cpp_vs_exact = _error(cpp, exact, spread)
-    worst = int(np.argmax(ours_vs_cpp - cpp_vs_exact))
-    assert np.all(ours_vs_cpp <= cpp_vs_exact + BOUND["f16"]), (
-        f"position {worst}: ours vs llama.cpp {ours_vs_cpp[worst]:.2e} > llama.cpp vs exact "
-        f"{cpp_vs_exact[worst]:.2e} + {BOUND['f16']:.0e}")
+    assert_no_further_from_llamacpp_than_it_is_from_exact(path, _ids(path), "f16")
 
 
 @pytest.mark.parametrize("kind", ["q4_0", "q8_0"])

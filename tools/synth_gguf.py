@@ -87,6 +87,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                          head_dim=128, ctx=8192, rope_theta=500000.0, norm_eps=1e-5, tied=True),
     "tinyllama-1.1b": dict(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn=5632, vocab=32000,
                            ctx=2048, rope_theta=10000.0, norm_eps=1e-5, tied=False),
+    # A small mixture, 16 experts top-4 (0.5B in all, 0.16B read per token): qwen3moe's layout.
+    "qwen3moe-16x4": dict(dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, head_dim=64, ffn=1024, vocab=32000,
+                          ctx=4096, rope_theta=1e6, norm_eps=1e-6, tied=False, arch="qwen3moe", n_experts=16,
+                          n_experts_used=4),
     "smollm2-135m": dict(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn=1536, vocab=49152,
                          ctx=8192, rope_theta=100000.0, norm_eps=1e-5, tied=True),
     # Tiny shapes for tests.

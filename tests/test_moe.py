@@ -203,3 +203,53 @@ def assert_status_shows_experts_and_hits(runner, tokens: int) -> None:
     assert total == tokens * 4 * 3
     lines = expert_lines(to_dict(view)["nodes"])
     assert len(lines) == 3 and all(("whole" if placed else "columns") in line for line in lines)
+
+
+ISA_CHILD = """
+import sys
+import numpy as np
+from edgetp.model import gguf, isa, llama, moe
+from edgetp.model.generate import LocalRunner
+assert isa.current() == "generic", isa.current()
+mf = gguf.open_model(sys.argv[1])
+ids = [int(t) for t in sys.argv[2].split(",")]
+runner = LocalRunner(mf, 256, kv_type="f32")
+logits = np.stack([runner.logits([t], p)[0] for p, t in enumerate(ids)])  # one token at a time: decode kernels
+h = np.random.default_rng(7).standard_normal((64, mf.config.dim)).astype(np.float32)
+routes = moe.route(llama.load_weights(mf).layers[0].moe, h)[0]
+np.savez(sys.argv[3], logits=logits, routes=routes)
+"""
+
+
+def test_the_generic_isa_routes_as_avx2_does_and_decodes_as_close_to_exact_as_llamacpp(llama_cpp, moe, tmp_path,
+                                                                                      monkeypatch):
+    # h after an all-reduce is the same bits on every node, and the router's exact kernel makes its
+    # choice the same on every ISA: a mixed cluster routes alike. (Whole logits are not bit-equal
+    # across ISAs, for dense models either: the float steps between the integer kernels differ.)
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from tests.conftest import REPO  # noqa: PLC0415
+    from tests.test_engine_reference import INT8_VS_CPP  # noqa: PLC0415
+
+    monkeypatch.delenv("EDGETP_INT8", raising=False)
+    path = moe("mixtral", "q4_0")
+    ids = _ids(path)
+    env = dict(os.environ, EDGETP_ISA="generic", EDGETP_INT8="1", PYTHONPATH=str(REPO))
+    env.pop("NUMBA_CPU_NAME", None)
+    env.pop("NUMBA_CPU_FEATURES", None)
+    res = subprocess.run([sys.executable, "-c", ISA_CHILD, str(path), ",".join(map(str, ids)), str(tmp_path / "g.npz")],
+                         env=env, cwd=REPO, capture_output=True, text=True, timeout=1800)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = np.load(tmp_path / "g.npz")
+    mf = gguf.open_model(path)
+    h = np.random.default_rng(7).standard_normal((64, mf.config.dim)).astype(np.float32)
+    from edgetp.model import moe as mixture  # noqa: PLC0415
+
+    assert np.array_equal(got["routes"], mixture.route(llama.load_weights(mf).layers[0].moe, h)[0])
+    exact = reference.exact_logits(path, ids)
+    spread = _spread(exact)
+    mine = _error(got["logits"], exact, spread).mean()
+    cpp = _error(reference.logits(path, ids), exact, spread).mean()
+    assert 1e-4 < mine <= INT8_VS_CPP * cpp, f"generic ISA: mean error {mine:.2e} vs llama.cpp's {cpp:.2e}"

@@ -38,8 +38,8 @@ from tests.test_engine_reference import BOUND, FOX, _error, _ours, _spread
 from edgetp.parallel.runner import ClusterRunner
 from tests.test_parallel import greedy
 from tests.test_qwen3 import (_without, assert_int8_decode_as_close_as_llamacpp,  # noqa: F401
-                              assert_no_further_from_llamacpp_than_it_is_from_exact, assert_processes_match,
-                              control, float_kernels)  # (fixtures)
+                              assert_exact_at_every_position, assert_no_further_from_llamacpp_than_it_is_from_exact,
+                              assert_processes_match, control, float_kernels)  # (fixtures)
 
 SHAPES = {  # arch -> synth_gguf keys beyond the preset
     "gemma2": dict(swa_window=8, attn_softcap=5.0, final_softcap=3.0),
@@ -79,11 +79,7 @@ def test_the_files_read_as_llamacpps_loader_reads_them(gemma):
 @pytest.mark.parametrize("wt", TYPES)
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_logits_at_every_position_equal_the_exact_float64_math(gemma, arch, wt, kv_type, float_kernels):
-    path = gemma(arch, wt)
-    ids = Tokenizer.from_metadata(gguf.open_model(path).metadata).encode(FOX)
-    exact = reference.exact_logits(path, ids, kv_type)
-    err = _error(_ours(path, ids, kv_type), exact, _spread(exact))
-    assert err.max() <= BOUND[kv_type], f"max error {err.max():.2e} of the spread > {BOUND[kv_type]:.0e}"
+    assert_exact_at_every_position(gemma(arch, wt), kv_type)
 
 
 @pytest.mark.parametrize("wt", TYPES)

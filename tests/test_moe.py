@@ -26,14 +26,13 @@ import pytest
 
 from edgetp.model import gguf, llama
 from edgetp.model.generate import LocalRunner
-from edgetp.model.tokenizer import Tokenizer
 from tests import reference
 from tests.test_cli_errors import ask, assert_one_line_error
 from tests.test_decode_fast import _same
-from tests.test_engine_reference import BOUND, FOX, _error, _ours, _spread
+from tests.test_engine_reference import _error, _spread
 from tests.test_qwen3 import (_ids, _rewrite, _without, assert_int8_decode_as_close_as_llamacpp,  # noqa: F401
-                              assert_no_further_from_llamacpp_than_it_is_from_exact, assert_processes_match,
-                              control, float_kernels)  # (fixtures)
+                              assert_exact_at_every_position, assert_no_further_from_llamacpp_than_it_is_from_exact,
+                              assert_processes_match, control, float_kernels)  # (fixtures)
 
 # arch -> synth_gguf keys: qwen3moe 8 experts top-2 on 4 heads of 32 (width 128, 2 KV heads), experts
 # 7 blocks of 32 wide; mixtral 16 experts top-4 on tiny-odd's width 96 with 4 heads of 16 (2 KV heads),
@@ -72,11 +71,7 @@ def test_the_files_read_as_llamacpps_loader_reads_them(moe):
 @pytest.mark.parametrize("kind,kv_type", [(k, "f16") for k in TYPES] + [("f32", "f32")])
 @pytest.mark.parametrize("arch", list(MOE))
 def test_logits_at_every_position_equal_the_exact_float64_math(moe, arch, kind, kv_type, float_kernels):
-    path = moe(arch, kind)
-    ids = Tokenizer.from_metadata(gguf.open_model(path).metadata).encode(FOX)
-    exact = reference.exact_logits(path, ids, kv_type)
-    err = _error(_ours(path, ids, kv_type), exact, _spread(exact))
-    assert err.max() <= BOUND[kv_type], f"max error {err.max():.2e} of the spread > {BOUND[kv_type]:.0e}"
+    assert_exact_at_every_position(moe(arch, kind), kv_type)
 
 
 @pytest.mark.parametrize("kind", TYPES)

@@ -73,7 +73,11 @@ def test_a_synthetic_qwen3_file_reads_as_llamacpp_reads_it(qwen3):
 
 @pytest.mark.parametrize("kind,kv_type", [(k, "f16") for k in QWEN3] + [("f32", "f32"), ("q8_0", "f32")])
 def test_logits_at_every_position_equal_the_exact_float64_math(qwen3, kind, kv_type, float_kernels):
-    path = qwen3(kind)
+    assert_exact_at_every_position(qwen3(kind), kv_type)
+
+
+def assert_exact_at_every_position(path, kv_type) -> None:
+    """The float kernels' logits of FOX within BOUND[kv_type] of the float64 math's spread, at every position."""
     ids = Tokenizer.from_metadata(gguf.open_model(path).metadata).encode(FOX)
     exact = reference.exact_logits(path, ids, kv_type)
     err = _error(_ours(path, ids, kv_type), exact, _spread(exact))

@@ -106,7 +106,8 @@ def ask(args: argparse.Namespace) -> int:
         return _stream(runner, tok, ids, params, args, ctx, t0)
     with LoopThread() as lt:
         runner = lt.run(ClusterRunner.connect(mf, args.workers, ctx=ctx, weights=args.weights, sync=args.sync,
-                                              key=key, threads=args.threads, parallel=args.parallel))
+                                              key=key, threads=args.threads, parallel=args.parallel,
+                                              experts=args.experts))
         current = [runner]  # the runner in use: a recovery replaces it
 
         def recover(exc: RunnerLost) -> ClusterRunner:
@@ -341,7 +342,7 @@ def serve(args: argparse.Namespace) -> int:
 
     flags = {name: getattr(args, name) for name in ("model", "key_file", "data_port", "node_id", "priority",
                                                     "no_root", "interfaces", "peers", "threads", "sync", "ctx", "slots", "kv_type",
-                                                    "parallel")}
+                                                    "parallel", "experts")}
     if args.listen is not None:
         flags["host"], flags["http_port"] = args.listen
     flags = {k: v for k, v in flags.items() if v is not None}
@@ -359,7 +360,7 @@ def serve(args: argparse.Namespace) -> int:
         model_path=path, model_name=path.stem if str(settings.model).endswith(".gguf") else settings.model,
         host=settings.host, port=settings.http_port, workers=tuple(args.workers),
         weights=tuple(args.weights) if args.weights else None, sync=settings.sync, ctx=settings.ctx,
-        slots=settings.slots, kv_type=settings.kv_type, parallel=settings.parallel, threads=settings.threads, key=key, queue_size=args.queue, index_dir=Path(settings.cache_dir) / "index",
+        slots=settings.slots, kv_type=settings.kv_type, parallel=settings.parallel, experts=settings.experts, threads=settings.threads, key=key, queue_size=args.queue, index_dir=Path(settings.cache_dir) / "index",
         cluster=key is not None and not args.workers, data_port=settings.data_port,
         node_id=settings.node_id if settings.node_id_given
         else config.persistent_node_id(config.state_dir(os.environ, Path(settings.cache_dir))),

@@ -69,6 +69,7 @@ class ServeOptions:
     slots: int = 4                  # sequences decoded at once (the planner may give fewer)
     kv_type: str = "f16"            # what every node's KV caches hold: "f16", "f32" or "q8_0"
     parallel: str = "auto"          # plan kind: "auto", "tp" or "pp" (parallel/pipeline.py)
+    experts: str = "auto"           # a mixture's experts: "auto", "columns" or "place" (parallel/experts.py)
     threads: int | None = None
     key: bytes | None = None
     queue_size: int = 8
@@ -170,7 +171,7 @@ async def serve(opts: ServeOptions, on_listening: Callable[[str], None] | None =
     if opts.workers:
         runner = await ClusterRunner.connect(mf, list(opts.workers), ctx=ctx, weights=opts.weights, sync=opts.sync,
                                              key=opts.key, threads=opts.threads, slots=opts.slots, kv_type=opts.kv_type,
-                                             parallel=opts.parallel)
+                                             parallel=opts.parallel, experts=opts.experts)
     else:
         runner = await asyncio.to_thread(LocalRunner, mf, ctx, opts.slots, opts.kv_type)
     engine = Engine(runner, tok, opts.model_name, queue_size=opts.queue_size, bus=bus)
@@ -321,7 +322,7 @@ class Roles:
                         self.mf, addresses, ctx=self.ctx, sync=self.opts.sync, key=self.opts.key,
                         threads=self.opts.threads, epoch=self.membership.epoch, node_id=self.node_id,
                         fetch_port=self.http_port, on_progress=self._progress, slots=self.opts.slots,
-                        kv_type=self.opts.kv_type, parallel=self.opts.parallel)
+                        kv_type=self.opts.kv_type, parallel=self.opts.parallel, experts=self.opts.experts)
                 except Exception as exc:  # noqa: BLE001 - whatever a peer did, plan without it
                     if not addresses:
                         raise

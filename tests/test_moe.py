@@ -248,3 +248,15 @@ def test_the_generic_isa_routes_as_avx2_does_and_decodes_as_close_to_exact_as_ll
     mine = _error(got["logits"], exact, spread).mean()
     cpp = _error(reference.logits(path, ids), exact, spread).mean()
     assert 1e-4 < mine <= INT8_VS_CPP * cpp, f"generic ISA: mean error {mine:.2e} vs llama.cpp's {cpp:.2e}"
+
+
+def test_edgetp_ask_places_whole_experts_when_told_and_names_them_in_its_stats(float_workers, moe):
+    from tests.test_cli_errors import edgetp  # noqa: PLC0415
+
+    res = edgetp("ask", "--local", "--model", str(moe("mixtral", "q8_0")), "--workers", ",".join(float_workers),
+                 "--weights", "3,1,2", "--experts", "place", "--stats", "--max-tokens", "4", "hello", timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    nodes = [line for line in res.stderr.splitlines() if line.startswith("node ")]
+    assert len(nodes) == 3 and all(" experts (" in line for line in nodes), res.stderr[-2000:]
+    bad = edgetp("ask", "--local", "--model", str(moe("mixtral")), "--experts", "rows", "hello")
+    assert bad.returncode != 0 and "--experts" in bad.stderr and "Traceback" not in bad.stderr

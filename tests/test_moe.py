@@ -260,3 +260,22 @@ def test_edgetp_ask_places_whole_experts_when_told_and_names_them_in_its_stats(f
     assert len(nodes) == 3 and all(" experts (" in line for line in nodes), res.stderr[-2000:]
     bad = edgetp("ask", "--local", "--model", str(moe("mixtral")), "--experts", "rows", "hello")
     assert bad.returncode != 0 and "--experts" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_hybrid_plan_places_experts_inside_its_tensor_parallel_stage_and_gives_one_nodes_tokens(
+        float_workers, control, moe, float_kernels):
+    from edgetp.parallel.runner import ClusterRunner  # noqa: PLC0415
+    from tests.test_parallel import greedy  # noqa: PLC0415
+
+    path = moe("qwen3moe", "q8_0")
+    ids = _ids(path)
+    expected = greedy(LocalRunner(gguf.open_model(path), 256), ids, 64)
+    runner = control.run(ClusterRunner.connect(gguf.open_model(path), float_workers, ctx=256, weights=[2, 1, 1],
+                                               layout=[[0, 1], [2]], experts="place"), timeout=300)
+    try:
+        first, second = runner.plan.stages
+        assert [x.experts for x in second] == [None], "a stage of one node keeps its whole FFN"
+        assert sorted(x.experts for x in first)[0][0] == 0 and sum(b - a for a, b in (x.experts for x in first)) == 8
+        assert greedy(runner, ids, 64) == expected, [(x.layers, x.experts) for x in runner.plan.shares]
+    finally:
+        runner.close()

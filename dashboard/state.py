@@ -316,7 +316,8 @@ def _cluster(state: DashboardState, ev: ClusterEvent) -> DashboardState:
         shares = ev.detail.get("nodes") or {}
         nodes = state.nodes
         for node_id, share in shares.items() if isinstance(shares, dict) else ():
-            nodes = _update(nodes, str(node_id), **_fields(share, ("kv_groups", "ffn_cols", "vocab_rows", "layers")))
+            fields = _fields(share, ("kv_groups", "ffn_cols", "vocab_rows", "layers", "experts"))
+            nodes = _update(nodes, str(node_id), **({"experts": None} | fields))  # no experts named: columns of all
         plan = ev.detail.get("plan")
         state = replace(state, nodes=nodes, plan=str(plan) if plan is not None else state.plan)
     elif ev.event == "transfer" and ev.node_id is not None:
@@ -371,7 +372,7 @@ def _fields(detail: Any, names: tuple[str, ...]) -> dict[str, Any]:
             continue
         value = detail[name]
         try:
-            if name in ("kv_groups", "ffn_cols", "vocab_rows", "layers"):
+            if name in ("kv_groups", "ffn_cols", "vocab_rows", "layers", "experts"):
                 a, b = value
                 out[name] = (int(a), int(b))
             elif name in ("speed",):

@@ -109,9 +109,11 @@ class NodesTable(StateView):
         totals = [max((getattr(n, f)[1] for n in nodes), default=0) for f in ("kv_groups", "ffn_cols", "vocab_rows")]
         table = Table(box=box.SIMPLE_HEAD, expand=True, pad_edge=False, show_edge=False)
         staged = len({n.layers for n in nodes if n.layers is not None}) > 1  # a pipeline: show each stage's layers
+        mixture = any(n.experts is not None for n in nodes)  # a mixture of experts: who computes which, how often hit
         for name, justify in (("node", "left"), ("address", "left"), ("role", "left"), ("speed", "right"),
                               *((("stage", "right"),) if staged else ()),
-                              ("attn", "right"), ("FFN cols", "right"), ("vocab", "right"),
+                              ("attn", "right"), ("FFN cols", "right"), *((("experts", "right"),) if mixture else ()),
+                              ("vocab", "right"),
                               ("free", "right"), ("RTT/p90", "right"), ("Mbit/s", "right"), ("state", "left")):
             table.add_column(name, justify=justify, no_wrap=True, overflow="ellipsis")  # type: ignore[arg-type]
         for n in nodes:
@@ -121,10 +123,17 @@ class NodesTable(StateView):
                           f"{fmt_bytes(n.speed)}/s" if n.speed else "-",
                           *((_stage(n),) if staged else ()),
                           _share(n.kv_groups, totals[0]), _share(n.ffn_cols, totals[1]),
-                          _share(n.vocab_rows, totals[2]), fmt_bytes(n.mem_free) if n.mem_free else "-",
+                          *((_experts(n),) if mixture else ()), _share(n.vocab_rows, totals[2]), fmt_bytes(n.mem_free) if n.mem_free else "-",
                           _rtt(n), "-" if not n.mbps else f"{n.mbps:.0f}", _node_state(n),
                           style="dim" if lost else None)
         return table
+
+
+def _experts(n: NodeView) -> str:
+    """The experts a node computes and the tokens routed to them so far, e.g. "4–9 · 312 hits"."""
+    if n.experts is None or n.experts[1] <= n.experts[0]:
+        return "-"
+    return f"{n.experts[0]}–{n.experts[1]} · {sum(n.expert_hits)} hits"
 
 
 def _stage(n: NodeView) -> str:

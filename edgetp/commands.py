@@ -108,7 +108,8 @@ def ask(args: argparse.Namespace) -> int:
         return _stream(runner, tok, ids, params, args, ctx, t0)
     with LoopThread() as lt:
         runner = lt.run(ClusterRunner.connect(mf, args.workers, ctx=ctx, weights=args.weights, sync=args.sync,
-                                              key=key, threads=args.threads, parallel=args.parallel))
+                                              key=key, threads=args.threads, parallel=args.parallel,
+                                              experts=args.experts))
         current = [runner]  # the runner in use: a recovery replaces it
 
         def recover(exc: RunnerLost) -> ClusterRunner:
@@ -125,7 +126,8 @@ def ask(args: argparse.Namespace) -> int:
                     share = shares.get(n.node_id)
                     what = "idle (left out of the plan)" if share is None else \
                         f"kv {share.kv_groups} ffn {share.ffn_cols} vocab {share.vocab_rows}" \
-                        + (f" layers {share.layers}" if share.layers else "")
+                        + (f" layers {share.layers}" if share.layers else "") \
+                        + (f" experts {share.experts}" if share.experts else "")
                     print(f"node {n.node_id:<14} {n.address:<21} {speed:<12} rtt {n.rtt_ms:6.3f} ms  {link}{n.mode:<8} "
                           f"{what}", file=sys.stderr)
             return _stream(runner, tok, ids, params, args, ctx, t0, recover)
@@ -199,7 +201,23 @@ def status(args: argparse.Namespace) -> int:
               f"{n['speed'] / 1e9:>6.2f} GB/s {n['mem_free'] / 1e9:>6.1f} GB {span(n.get('layers') or (0, 0)):>7} "
               f"{span(n['kv_groups']):>9} "
               f"{span(n['ffn_cols']):>11} {span(n['vocab_rows']):>13} {rtt:>15} {link:>12}")
+    for line in expert_lines(view["nodes"]):
+        print(line)
     return 0
+
+
+def expert_lines(nodes: list[dict]) -> list[str]:
+    """A mixture's experts per node: which it computes (whole, or its columns of each) and the
+    tokens routed to each so far (all layers summed); nothing for a dense model."""
+    out = []
+    for n in nodes:
+        if n.get("experts") is None:
+            continue
+        a, b = n["experts"]
+        hits = " ".join(f"{a + i}:{h}" for i, h in enumerate(n.get("expert_hits") or ()))
+        whole = "whole" if tuple(n["ffn_cols"]) == (0, max(m["ffn_cols"][1] for m in nodes)) else "columns"
+        out.append(f"experts {n['node_id']:<16} {a}-{b} ({whole})  hits {hits or '-'}")
+    return out
 
 
 def slots_line(slots: dict | None) -> str | None:
@@ -326,7 +344,7 @@ def serve(args: argparse.Namespace) -> int:
 
     flags = {name: getattr(args, name) for name in ("model", "key_file", "data_port", "node_id", "priority",
                                                     "no_root", "interfaces", "peers", "threads", "sync", "ctx", "slots", "kv_type",
-                                                    "parallel")}
+                                                    "parallel", "experts")}
     if args.listen is not None:
         flags["host"], flags["http_port"] = args.listen
     flags = {k: v for k, v in flags.items() if v is not None}
@@ -344,7 +362,7 @@ def serve(args: argparse.Namespace) -> int:
         model_path=path, model_name=path.stem if str(settings.model).endswith(".gguf") else settings.model,
         host=settings.host, port=settings.http_port, workers=tuple(args.workers),
         weights=tuple(args.weights) if args.weights else None, sync=settings.sync, ctx=settings.ctx,
-        slots=settings.slots, kv_type=settings.kv_type, parallel=settings.parallel, threads=settings.threads, key=key, queue_size=args.queue, index_dir=Path(settings.cache_dir) / "index",
+        slots=settings.slots, kv_type=settings.kv_type, parallel=settings.parallel, experts=settings.experts, threads=settings.threads, key=key, queue_size=args.queue, index_dir=Path(settings.cache_dir) / "index",
         cluster=key is not None and not args.workers, data_port=settings.data_port,
         node_id=settings.node_id if settings.node_id_given
         else config.persistent_node_id(config.state_dir(os.environ, Path(settings.cache_dir))),

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from edgetp.events import NODE_ID_RE
+from edgetp.parallel.experts import MODES as EXPERT_MODES
 from edgetp.parallel.pipeline import PARALLEL
 
 DEFAULT_CONFIG_PATH = Path("/etc/edgetp/edgetp.toml")
@@ -115,6 +116,8 @@ class Settings:
     kv_type: str = "f16"                    # KV cache values: "f16" (llama.cpp's default, half of f32), "f32" or "q8_0"
     parallel: str = "auto"                  # plan kind: "auto" (the cost model picks over measured links), "tp"
                                             # (every node splits every layer) or "pp" (a pipeline of single-node stages)
+    experts: str = "auto"                   # a mixture of experts: "auto" (the cost model picks), "columns" (every
+                                            # node its columns of every expert) or "place" (whole experts per node)
     api_tokens: tuple[str, ...] = ()        # bearer tokens the OpenAI API accepts; () means none needed
     max_memory_mb: int | None = None        # use at most this much memory for edgetp (runtime included); None: no cap
     slice_cache_mb: int = 4096              # model slices kept on disk (cache_dir/shards), least recently used out first
@@ -231,6 +234,12 @@ def _parallel(value: Any) -> str:
     return value
 
 
+def _experts(value: Any) -> str:
+    if value not in EXPERT_MODES:
+        raise ValueError(f"expected one of {', '.join(EXPERT_MODES)}, got {value!r}")
+    return value
+
+
 def _tokens(value: Any) -> tuple[str, ...]:
     tokens = _strings(value)
     for t in tokens:
@@ -254,7 +263,8 @@ CHECKS: dict[str, Callable[[Any], Any]] = {
     "data_port": _port, "http_port": _port, "interfaces": _strings,
     "priority": _int, "no_root": _bool, "threads": _threads,
     "cache_dir": _path_or_none, "node_id": _node_id, "peers": _peers,
-    "sync": _sync, "ctx": _positive, "slots": _positive, "kv_type": _kv_type, "parallel": _parallel, "api_tokens": _tokens,
+    "sync": _sync, "ctx": _positive, "slots": _positive, "kv_type": _kv_type, "parallel": _parallel, "experts": _experts,
+    "api_tokens": _tokens,
     "max_memory_mb": _threads, "slice_cache_mb": _positive,
     "heartbeat_s": _seconds, "heartbeat_timeout_s": _seconds, "settle_s": _seconds,
 }
@@ -345,7 +355,7 @@ def read_flags(overrides: Mapping[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"{flag}: unknown setting {key!r} (known: {', '.join(KEYS)})")
         if value is None:
             continue  # not given on the command line
-        if isinstance(value, str) and key not in ("model", "host", "node_id", "sync", "kv_type", "parallel", "key_file",
+        if isinstance(value, str) and key not in ("model", "host", "node_id", "sync", "kv_type", "parallel", "experts", "key_file",
                                                                  "cache_dir"):
             try:
                 value = _from_env(key, value)

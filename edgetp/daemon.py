@@ -69,6 +69,7 @@ class ServeOptions:
     slots: int = 4                  # sequences decoded at once (the planner may give fewer)
     kv_type: str = "f16"            # what every node's KV caches hold: "f16", "f32" or "q8_0"
     parallel: str = "auto"          # plan kind: "auto", "tp" or "pp" (parallel/pipeline.py)
+    experts: str = "auto"           # a mixture's experts: "auto", "columns" or "place" (parallel/experts.py)
     threads: int | None = None
     key: bytes | None = None
     queue_size: int = 8
@@ -90,12 +91,16 @@ class ServeOptions:
 def cluster_view(runner: ClusterRunner, model: str) -> events.ClusterView:
     nodes = []
     shares = {s.node_id: s for s in runner.plan.shares}
-    n_layers = runner.plan.shape.n_layers
+    n_layers, n_experts = runner.plan.shape.n_layers, runner.plan.shape.n_experts
+    hits = runner.shard.expert_hits.sum(axis=0)  # every node routes alike: the root's counts are everyone's
     for info in runner.nodes:
         share = shares.get(info.node_id)  # None: left out of the plan
         spans = {} if share is None else dict(kv_groups=tuple(share.kv_groups), ffn_cols=tuple(share.ffn_cols),
                                               vocab_rows=tuple(share.vocab_rows), stage=info.stage,
                                               layers=tuple(share.layers or (0, n_layers)))
+        if share is not None and n_experts:
+            a, b = share.experts or (0, n_experts)
+            spans |= dict(experts=(a, b), expert_hits=tuple(int(h) for h in hits[a:b]))
         nodes.append(events.NodeView(
             node_id=info.node_id, address=info.address, role="root" if info.address == "local" else "worker",
             state="ready" if share is not None else "idle", speed=info.speed, mem_free=info.mem_free,
@@ -113,7 +118,8 @@ def replan_event(runner: ClusterRunner) -> events.ClusterEvent:
         runner.plan.epoch,
         {"nodes": {s.node_id: {"kv_groups": list(s.kv_groups), "ffn_cols": list(s.ffn_cols),
                                "vocab_rows": list(s.vocab_rows)}
-                   | ({"layers": list(s.layers)} if s.layers else {}) for s in runner.plan.shares},
+                   | ({"layers": list(s.layers)} if s.layers else {})
+                   | ({"experts": list(s.experts)} if s.experts else {}) for s in runner.plan.shares},
          "plan": pipeline.describe(runner.plan)})
 
 
@@ -165,7 +171,7 @@ async def serve(opts: ServeOptions, on_listening: Callable[[str], None] | None =
     if opts.workers:
         runner = await ClusterRunner.connect(mf, list(opts.workers), ctx=ctx, weights=opts.weights, sync=opts.sync,
                                              key=opts.key, threads=opts.threads, slots=opts.slots, kv_type=opts.kv_type,
-                                             parallel=opts.parallel)
+                                             parallel=opts.parallel, experts=opts.experts)
     else:
         runner = await asyncio.to_thread(LocalRunner, mf, ctx, opts.slots, opts.kv_type)
     engine = Engine(runner, tok, opts.model_name, queue_size=opts.queue_size, bus=bus)
@@ -344,7 +350,7 @@ class Roles:
                         self.mf, addresses, ctx=self.ctx, sync=self.opts.sync, key=self.opts.key,
                         threads=self.opts.threads, epoch=self.membership.epoch, node_id=self.node_id,
                         fetch_port=self.http_port, on_progress=self._progress, slots=self.opts.slots,
-                        kv_type=self.opts.kv_type, parallel=self.opts.parallel)
+                        kv_type=self.opts.kv_type, parallel=self.opts.parallel, experts=self.opts.experts)
                 except Exception as exc:  # noqa: BLE001 - whatever a peer did, plan without it
                     if not addresses:
                         raise

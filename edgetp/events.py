@@ -111,6 +111,8 @@ class NodeView:
     mbps: float | None = None                # the root's link to it: measured throughput, Mbit/s
     stage: int | None = None                 # its pipeline stage (0: the root's), None: in no plan
     layers: tuple[int, int] | None = None    # the layers its stage runs
+    experts: tuple[int, int] | None = None   # a mixture's experts it computes (whole, or its columns of them)
+    expert_hits: tuple[int, ...] = ()        # tokens routed to each of those experts so far, all layers summed
 
 
 @dataclass(frozen=True)
@@ -187,7 +189,9 @@ def _node(d: dict[str, Any]) -> NodeView:
                     None if d.get("transfer") is None else _pair(d["transfer"]),
                     _opt_float(d.get("rtt_p90_ms")), _opt_float(d.get("mbps")),
                     None if d.get("stage") is None else int(d["stage"]),
-                    None if d.get("layers") is None else _pair(d["layers"]))
+                    None if d.get("layers") is None else _pair(d["layers"]),
+                    None if d.get("experts") is None else _pair(d["experts"]),
+                    tuple(int(h) for h in d.get("expert_hits", ())))
 
 
 def _opt_float(v: Any) -> float | None:

@@ -57,7 +57,7 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32", ctx: int = 256) -> 
 
     Per architecture, as Hugging Face's modeling files define it, with the
     hyper-parameters llama.cpp takes from the GGUF keys (or its defaults):
-    - qwen2 adds q/k/v biases; qwen2, qwen3 and gemma rotate the two halves of each
+    - qwen2 adds q/k/v biases; qwen2, qwen3(moe) and gemma rotate the two halves of each
       head (`rotate_half`) instead of adjacent pairs;
     - qwen3 and gemma3 RMS-norm each head of q and of k (over head_dim) before the rotation;
     - gemma2/gemma3 (modeling_gemma2/3): embeddings times sqrt(dim); the attention and MLP
@@ -74,6 +74,11 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32", ctx: int = 256) -> 
       context a sequence may fill, `ctx` (the tests run ours with 256 positions).
     - llama 3.1's rope scaling, as its GGUF stores it (rope_freqs): every inverse frequency divided
       by its factor.
+    - mixtures of experts (modeling_mixtral, modeling_qwen3_moe; mixtral is llama with
+      expert_count, qwen3moe is qwen3's attention): per token, the softmax of the router
+      (ffn_gate_inp) over the experts, the expert_used_count most probable, their
+      probabilities divided by their sum (mixtral always, Qwen3-MoE's norm_topk_prob),
+      the output the sum of those experts' SwiGLU FFNs (ffn_*_exps[e]) times them.
     """
     from gguf import GGMLQuantizationType, GGUFReader, quants  # noqa: PLC0415
 
@@ -95,7 +100,7 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32", ctx: int = 256) -> 
     # gemma3's sliding-window layers are never scaled (its local rope has no rope_scaling)
     stretch = key("rope.scaling.factor", 1.0) if key("rope.scaling.type", "linear") == "linear" else 1.0
     gemma, gemma2 = arch in ("gemma2", "gemma3"), arch == "gemma2"
-    halves = arch in ("qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+    halves = arch in ("qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3")
     window = key("attention.sliding_window", 4096 if gemma2 else 0) if gemma else 0
     period = key("attention.sliding_window_pattern", 2 if gemma2 else 6)
     theta_local = key("rope.freq_base_swa", theta if gemma2 else 10000.0)
@@ -164,6 +169,19 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32", ctx: int = 256) -> 
             return 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate ** 3)))
         return gate / (1 + np.exp(-gate))  # silu
 
+    def experts(h, p):  # (n, dim) -> the mixture's output (n, dim)
+        logits = h @ weight(p + "ffn_gate_inp.weight").T
+        probs = np.exp(logits - logits.max(1, keepdims=True))
+        probs /= probs.sum(1, keepdims=True)
+        gate, up, down = (weight(p + f"ffn_{w}_exps.weight") for w in ("gate", "up", "down"))
+        out = np.zeros_like(h)
+        for t in range(n):
+            top = np.argsort(-probs[t])[: key("expert_used_count")]
+            for e in top:
+                ffn = (act(gate[e] @ h[t]) * (up[e] @ h[t])) @ down[e].T
+                out[t] += probs[t, e] / probs[t, top].sum() * ffn
+        return out
+
     embd = weight("token_embd.weight")
     x = embd[ids] * (np.sqrt(dim) if gemma else 1.0)
     pos = np.arange(n)
@@ -194,6 +212,9 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32", ctx: int = 256) -> 
             att[:, head] = (s / s.sum(1, keepdims=True)) @ v[:, kv]
         x = x + post_norm(att.reshape(n, -1) @ weight(p + "attn_output.weight").T, p + "post_attention_norm.weight")
         h = norm(x, weight(p + "ffn_norm.weight"))
+        if p + "ffn_gate_inp.weight" in tensors:
+            x = x + experts(h, p)
+            continue
         gate, up = gate_up(h, p)
         x = x + post_norm((act(gate) * up) @ weight(p + "ffn_down.weight").T, p + "post_ffw_norm.weight")
     head = weight("output.weight") if "output.weight" in tensors and not gemma2 else embd

@@ -27,8 +27,8 @@ from edgetp.model.generate import LocalRunner
 from edgetp.model.tokenizer import Tokenizer
 from edgetp.serve.api import make_app, serving
 from edgetp.serve.root import Engine
-from edgetp.events import (ClusterEvent, ClusterView, LinkBytes, RequestRecord, SlotsView, StepRecord, TokenRecord,
-                           to_dict)
+from edgetp.events import (ClusterEvent, ClusterView, LinkBytes, NodeView, RequestRecord, SlotsView, StepRecord,
+                           TokenRecord, to_dict)
 
 SIZE = (140, 44)
 
@@ -273,6 +273,25 @@ async def test_nodes_appear_as_the_cluster_forms():
         for name in ("pi5-a", "pi5-b", "opi-c", "192.168.1.23:7070", "loading"):
             assert name in table
         assert "50%" in table  # 72.5 of 145 MB
+
+
+async def test_a_mixtures_nodes_show_the_experts_they_compute_and_how_often_those_were_hit():
+    nodes = (NodeView("root", "local", "root", "ready", 2e9, 10**9, (0, 1), (0, 224), (0, 300), experts=(0, 5),
+                      expert_hits=(3, 0, 4, 1, 2)),
+             NodeView("w1", "10.0.0.2:7070", "worker", "ready", 1e9, 10**9, (1, 3), (0, 224), (300, 600),
+                      experts=(5, 8), expert_hits=(6, 0, 0)))
+    placed = ClusterView(1, "root", "m", nodes)
+    columns = ClusterEvent("replan", "columns", None, 1, {"nodes": {"root": {"kv_groups": [0, 1], "ffn_cols": [0, 96]},
+                                                                    "w1": {"kv_groups": [1, 3], "ffn_cols": [96, 224]}}})
+    app = DashboardApp(ScriptedSource([placed], hold=True))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, 1)
+        rows = text_of(app.main.query_one(NodesTable)).splitlines()
+        assert "experts" in rows[0]
+        assert "0–5 · 10 hits" in next(r for r in rows if "root" in r)
+        assert "5–8 · 6 hits" in next(r for r in rows if "w1" in r)
+    state = fold([placed, columns])
+    assert all(n.experts is None for n in state.nodes)  # a column split names no experts: the column goes
 
 
 async def test_a_lost_node_shows_as_lost():

@@ -245,3 +245,39 @@ def test_a_shard_is_not_sliced_again(shard_files, tmp_path):
 def test_no_part_file_is_left_after_writing(shard_files):
     _, sf = shard_files("tiny", TINY_SPECS[1])
     assert sorted(p.name for p in sf.path.parent.iterdir() if p.name.endswith(".part")) == []
+
+
+MOE_SPECS = [
+    llama.ShardSpec((0, 1), (0, 96), (0, 200)),       # block-aligned: every expert's blocks copied
+    llama.ShardSpec((1, 3), (40, 100), (200, 600)),   # splits Q8_0 blocks: ffn_down_exps as f32
+    llama.ShardSpec((0, 3), (0, 0), (0, 600)),        # no expert columns at all
+    llama.ShardSpec((0, 1), (0, 224), (0, 600), None, (3, 6)),  # whole experts 3, 4, 5 (expert placement)
+    llama.ShardSpec((0, 1), (32, 96), (0, 600), None, (7, 8)),  # columns of the last expert only
+    llama.ShardSpec((1, 2), (0, 224), (0, 0), None, (2, 2)),    # no expert
+]
+
+
+@pytest.mark.parametrize("spec", MOE_SPECS)
+def test_a_mixtures_shard_file_holds_each_experts_columns_and_computes_bit_identical_outputs(synth_model, tmp_path,
+                                                                                           spec):
+    mf = gguf.ModelFile(synth_model("tiny-odd", "q8_0", arch="mixtral", n_experts=8, n_experts_used=2))
+    sf = gguf.ModelFile(write_shard(mf, spec, tmp_path / shard_name(mf.fingerprint, spec)))
+    a, b = spec.ffn_cols
+    e0, e1 = spec.experts or (0, 8)
+    for name in (f"blk.{i}.ffn_{w}_exps.weight" for i in range(3) for w in ("gate", "up", "down")):
+        src, got = mf.tensors[name], sf.tensors[name]
+        if a == b or e0 == e1:
+            assert got.n_bytes == 0, name
+            continue
+        want = dequantize(np.asarray(src.data), src.tensor_type)[e0:e1]  # (experts, rows, cols), gguf-py's values
+        want = want[:, :, a:b] if "down" in name else want[:, a:b]
+        assert np.array_equal(dequantize(np.asarray(got.data), got.tensor_type).reshape(want.shape), want), name
+    assert sf.tensors["blk.0.ffn_gate_inp.weight"].n_bytes == mf.tensors["blk.0.ffn_gate_inp.weight"].n_bytes
+    outs = []
+    for source in (mf, sf):
+        shard = llama.Shard(llama.load_weights(source, spec), ctx=8)
+        h = shard.forward(llama.embed(mf, [1, 17, 42]), 0)
+        h2 = shard.forward(llama.embed(mf, [5]), 3)
+        outs.append((h, shard.logits(h), h2, shard.logits(h2)))
+    for x, y in zip(*outs):
+        assert x.shape == y.shape and x.view(np.uint32).tobytes() == y.view(np.uint32).tobytes()

@@ -265,3 +265,15 @@ async def test_a_smollm2_slice_travels_in_megabyte_chunks_and_computes_what_the_
     finally:
         await ts.close()
     assert_same_outputs(outputs(gguf.ModelFile(path), mf, spec), outputs(mf, mf, spec))
+
+
+async def test_a_worker_fetches_just_its_whole_experts_of_a_mixture(synth_model, tmp_path):
+    moe = gguf.ModelFile(synth_model("tiny-odd", "q8_0", arch="mixtral", n_experts=8, n_experts_used=2))
+    spec = llama.ShardSpec((0, 1), (0, 224), (0, 600), None, (2, 5))  # experts 2, 3 and 4, every column
+    ts, r = await start_root(moe, tmp_path / "root-cache", chunk=64 * 1024)
+    try:
+        path = await fetch_shard(r.url, spec, KEY, tmp_path / "worker", node_id="w1")
+    finally:
+        await ts.close()
+    assert "experts2-5" in path.name and path.stat().st_size < moe.path.stat().st_size / 2
+    assert_same_outputs(outputs(gguf.ModelFile(path), moe, spec), outputs(moe, moe, spec))

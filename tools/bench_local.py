@@ -29,6 +29,8 @@ Models (``--models``, comma separated; a path to any .gguf file also works):
 * ``llama1b-q8_0``   synthetic Llama-3.2-1B shape, Q8_0 (random weights)
 * ``llama1b-q4_0``   synthetic Llama-3.2-1B shape, Q4_0 (random weights)
 * ``llama1b-q4_k_m`` the 1B shape written in F16, quantized to Q4_K_M by llama.cpp
+* ``moe16x4-q8_0``   synthetic mixture of experts, qwen3moe with 16 experts top-4 (0.5B), Q8_0
+* ``moe16x4-q4_0``   the same in Q4_0
 
 Derived files are written once into ``<edgetp cache>/bench/`` (``$EDGETP_CACHE_DIR/bench``
 or ``~/.cache/edgetp/bench``; ``--cache-dir`` overrides) and reused afterwards.
@@ -91,6 +93,10 @@ BUILTIN = {
     "llama1b-f16": ModelSpec("llama1b-f16", "Llama-3.2-1B-shape F16 (synthetic)", "llama-3.2-1b", "f16"),
     "llama1b-q4_k_m": ModelSpec("llama1b-q4_k_m", "Llama-3.2-1B-shape Q4_K_M (llama.cpp)", llama_ftype="Q4_K_M",
                                 source="llama1b-f16"),
+    "moe16x4-q8_0": ModelSpec("moe16x4-q8_0", "Qwen3-MoE-shape 16 experts top-4 0.5B Q8_0 (synthetic)",
+                              "qwen3moe-16x4", "q8_0"),
+    "moe16x4-q4_0": ModelSpec("moe16x4-q4_0", "Qwen3-MoE-shape 16 experts top-4 0.5B Q4_0 (synthetic)",
+                              "qwen3moe-16x4", "q4_0"),
 }
 DEFAULT_MODELS = ("smollm2", "smollm2-q4_k_m", "llama1b-q8_0", "llama1b-q4_0", "llama1b-q4_k_m")
 
@@ -282,13 +288,19 @@ def resolve_model(spec: ModelSpec, cache: Path, log) -> Path:
 
 def bytes_per_token(path: Path) -> int:
     """Weight bytes one decoded token reads: every 2-D weight but the embedding table,
-    of which one row is read (unless it doubles as the output head)."""
+    of which one row is read (unless it doubles as the output head); of a mixture's
+    expert tensors, the expert_used_count of expert_count experts a token goes through."""
     from gguf import GGUFReader
-    tensors = {t.name: t for t in GGUFReader(str(path)).tensors if len(t.shape) >= 2 and t.shape[1] > 1}
-    total = sum(int(t.n_bytes) for name, t in tensors.items() if name != "token_embd.weight")
+    reader = GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+    used, count = (reader.fields.get(f"{arch}.{k}") for k in ("expert_used_count", "expert_count"))
+    share = used.contents() / count.contents() if used is not None and count is not None else 1.0
+    tensors = {t.name: t for t in reader.tensors if len(t.shape) >= 2 and t.shape[1] > 1}
+    total = sum(int(t.n_bytes) * (share if "_exps." in name else 1) for name, t in tensors.items()
+                if name != "token_embd.weight")
     if "output.weight" not in tensors and "token_embd.weight" in tensors:
         total += int(tensors["token_embd.weight"].n_bytes)  # tied: the embeddings are the head
-    return total
+    return round(total)
 
 
 def llama_cpp_for(isa_name: str, best: str, cache: Path, log) -> Path | None:

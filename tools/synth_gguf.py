@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Write synthetic llama-family GGUF models with random weights (llama, qwen3, gemma2, gemma3, phi3).
+"""Write synthetic llama-family GGUF models with random weights (llama, qwen3, gemma2, gemma3, phi3,
+and the mixtures of experts qwen3moe and mixtral).
 
 For tests and benchmarks: any shape, any of the common tensor types, a
 synthetic SentencePiece-style vocabulary, and the metadata llama.cpp needs to
@@ -17,6 +18,7 @@ per-element Python loops, so the 1B preset in Q8_0 takes seconds, not minutes.
     python tools/synth_gguf.py OUT.gguf --preset tiny-headdim --arch qwen3
     python tools/synth_gguf.py OUT.gguf --preset tiny-headdim --arch gemma2 --swa-window 8
     python tools/synth_gguf.py OUT.gguf --preset tiny-odd --head-dim 16 --arch phi3 --rope-ctx-orig 128
+    python tools/synth_gguf.py OUT.gguf --preset tiny-odd --arch qwen3moe --experts 8 --experts-used 2
 
 Library use: ``write_model(path, dim=..., ...)`` or
 ``write_preset(path, "tiny-odd", weight_type="q8_0")``.
@@ -74,7 +76,11 @@ ARCHS: dict[str, tuple[tuple[str, str], ...]] = {
     "gemma2": _POST,
     "gemma3": _QK + _POST,
     "phi3": (),
+    "qwen3moe": _QK,  # qwen3's attention, a mixture of experts for the FFN
+    "mixtral": (),    # llama with a mixture of experts, written as general.architecture "llama"
 }
+MOE_ARCHS = ("qwen3moe", "mixtral")  # need --experts and --experts-used
+FILE_ARCH = {"mixtral": "llama"}     # general.architecture where it is not the name here
 #: phi3's fused tensors, as llama.cpp's converter writes them: attn_qkv holds the rows of q, then k,
 #: then v; ffn_up holds 2 * ffn rows, the gate's then up's (there is no attn_q/k/v nor ffn_gate)
 FUSED = ("phi3",)
@@ -92,6 +98,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                          head_dim=128, ctx=8192, rope_theta=500000.0, norm_eps=1e-5, tied=True),
     "tinyllama-1.1b": dict(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn=5632, vocab=32000,
                            ctx=2048, rope_theta=10000.0, norm_eps=1e-5, tied=False),
+    # A small mixture, 16 experts top-4 (0.5B in all, 0.16B read per token): qwen3moe's layout.
+    "qwen3moe-16x4": dict(dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, head_dim=64, ffn=1024, vocab=32000,
+                          ctx=4096, rope_theta=1e6, norm_eps=1e-6, tied=False, arch="qwen3moe", n_experts=16,
+                          n_experts_used=4),
     "smollm2-135m": dict(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn=1536, vocab=49152,
                          ctx=8192, rope_theta=100000.0, norm_eps=1e-5, tied=True),
     # Tiny shapes for tests.
@@ -408,6 +418,7 @@ class TensorSpec:
     cols: int  # numpy cols = ggml ne[0] (input features)
     qtype: QT
     std: float  # intended std (norms: 1-D ones + noise)
+    experts: int = 0  # a 3-D expert tensor: this many (rows, cols) matrices, ggml [cols, rows, experts]
 
     @property
     def is_norm(self) -> bool:
@@ -417,13 +428,15 @@ class TensorSpec:
         """(numpy shape as passed to add_tensor_info, numpy dtype, nbytes)."""
         if self.is_norm:
             return (self.cols,), np.dtype(np.float32), self.cols * 4
+        lead = (self.experts,) if self.experts else ()
+        n = self.rows * max(self.experts, 1)
         if self.qtype == QT.F32:
-            return (self.rows, self.cols), np.dtype(np.float32), self.rows * self.cols * 4
+            return lead + (self.rows, self.cols), np.dtype(np.float32), n * self.cols * 4
         if self.qtype == QT.F16:
-            return (self.rows, self.cols), np.dtype(np.float16), self.rows * self.cols * 2
+            return lead + (self.rows, self.cols), np.dtype(np.float16), n * self.cols * 2
         block, type_size = gguf.GGML_QUANT_SIZES[self.qtype]
         row_bytes = self.cols // block * type_size
-        return (self.rows, row_bytes), np.dtype(np.uint8), self.rows * row_bytes
+        return lead + (self.rows, row_bytes), np.dtype(np.uint8), n * row_bytes
 
 
 def _qtype(name: str | None, default: QT) -> QT:
@@ -439,12 +452,15 @@ def model_tensors(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn
                   head_dim: int | None = None, weight_type: str = "f32", embd_type: str | None = None,
                   output_type: str | None = None, tied: bool = False,
                   tensor_types: dict[str, str] | None = None, arch: str = "llama",
-                  rope_dims: int | None = None, rope_freqs: bool = False) -> list[TensorSpec]:
+                  rope_dims: int | None = None, rope_freqs: bool = False, n_experts: int = 0) -> list[TensorSpec]:
     """The tensors of a llama-family model, in file order, validated for the chosen types.
 
     tensor_types: per-tensor types over weight_type, as llama.cpp's mixes have them: a key
     names a tensor by a dot-bounded part of its name ("attn_v" in every layer, "blk.1.attn_k"
     in one, "output.weight"); the longest matching key wins. Norms stay F32.
+    n_experts: a mixture's layers hold a router ffn_gate_inp (F32, as llama.cpp's quantizer
+    leaves it) and n_experts matrices of width ffn in each of ffn_gate_exps, ffn_up_exps and
+    ffn_down_exps instead of ffn_gate, ffn_up and ffn_down.
     """
     if head_dim is None:
         if dim % n_heads:
@@ -486,9 +502,16 @@ def model_tensors(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn
             *attn,
             TensorSpec(p + "attn_output.weight", dim, q_out, wt, 1.0 / np.sqrt(q_out)),
             TensorSpec(p + "ffn_norm.weight", 0, dim, QT.F32, 1.0),
-            *ffn_in,
-            TensorSpec(p + "ffn_down.weight", dim, ffn, wt, 1.0 / np.sqrt(ffn)),
         ]
+        if n_experts:
+            specs += [
+                TensorSpec(p + "ffn_gate_inp.weight", n_experts, dim, QT.F32, 1.0 / np.sqrt(dim)),
+                TensorSpec(p + "ffn_gate_exps.weight", ffn, dim, wt, 1.0 / np.sqrt(dim), n_experts),
+                TensorSpec(p + "ffn_down_exps.weight", dim, ffn, wt, 1.0 / np.sqrt(ffn), n_experts),
+                TensorSpec(p + "ffn_up_exps.weight", ffn, dim, wt, 1.0 / np.sqrt(dim), n_experts),
+            ]
+        else:
+            specs += [*ffn_in, TensorSpec(p + "ffn_down.weight", dim, ffn, wt, 1.0 / np.sqrt(ffn))]
         specs += [TensorSpec(p + suffix, 0, head_dim if width == "head" else dim, QT.F32, 1.0)
                   for suffix, width in ARCHS[arch]]
     for s in specs:
@@ -519,7 +542,7 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
                 attn_softcap: float | None = None, final_softcap: float | None = None,
                 rope_scale_linear: float | None = None, rope_ctx_orig: int | None = None,
                 rope_attn_factor: float | None = None, rope_dims: int | None = None,
-                rope_freqs: bool = False) -> Path:
+                rope_freqs: bool = False, n_experts: int = 0, n_experts_used: int = 0) -> Path:
     """Write a synthetic llama-family GGUF model to `path` (via path.part, then rename).
 
     Gemma keys, written only when given (llama.cpp then uses its defaults): `swa_window`
@@ -530,6 +553,8 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
     Phi-4-mini rotates 96 of 128); `rope_freqs`: llama 3.1's rope_freqs.weight factors. phi3 keys: `rope_ctx_orig` (rope.scaling.original_context_length: longer contexts take the
     long rope factors) and `rope_attn_factor` (rope.scaling.attn_factor); `swa_window` is
     written for phi3 too (its converter does), though llama.cpp ignores it there.
+    qwen3moe and mixtral need `n_experts` and `n_experts_used` (expert_count, expert_used_count);
+    `ffn` is then the width of one expert (qwen3moe also writes it as expert_feed_forward_length).
 
     Norm weights are F32; token_embd uses `embd_type` and output.weight
     `output_type` (both default to `weight_type`); output.weight is omitted
@@ -540,6 +565,9 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
     """
     path = Path(path)
     tied = tied or arch == "gemma2"
+    if (arch in MOE_ARCHS) != bool(n_experts) or (n_experts and not 1 <= n_experts_used <= n_experts):
+        raise ValueError(f"{', '.join(MOE_ARCHS)} and only they need experts, 1 <= experts used <= experts: "
+                         f"arch {arch}, {n_experts} experts, {n_experts_used} used")
     wt_key = weight_type.lower()
     if wt_key not in TYPES:
         raise ValueError(f"unknown weight_type {weight_type!r}; choose from {', '.join(TYPES)}")
@@ -547,10 +575,10 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
     specs = model_tensors(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn=ffn,
                           vocab=vocab, head_dim=head_dim, weight_type=weight_type, embd_type=embd_type,
                           output_type=output_type, tied=tied, tensor_types=tensor_types, arch=arch,
-                          rope_dims=rope_dims, rope_freqs=rope_freqs)
+                          rope_dims=rope_dims, rope_freqs=rope_freqs, n_experts=n_experts)
     assert hd is not None
 
-    with gguf_writer(path, arch) as writer:
+    with gguf_writer(path, FILE_ARCH.get(arch, arch)) as writer:
         writer.add_name(name)
         writer.add_type("model")
         writer.add_context_length(ctx)
@@ -584,6 +612,11 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
             writer.add_rope_scaling_orig_ctx_len(int(rope_ctx_orig))
         if rope_attn_factor is not None:
             writer.add_rope_scaling_attn_factors(float(rope_attn_factor))
+        if n_experts:
+            writer.add_expert_count(n_experts)
+            writer.add_expert_used_count(n_experts_used)
+            if arch == "qwen3moe":
+                writer.add_expert_feed_forward_length(ffn)
         writer.add_file_type(int(TYPES[wt_key][1]))
         writer.add_vocab_size(vocab)
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -615,9 +648,12 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
             elif s.is_norm:
                 data = (1.0 + 0.05 * rng.standard_normal(s.cols)).astype(np.float32)
             else:
-                data = random_tensor(rng, s.rows, s.cols, s.qtype, s.std)
+                n = max(s.experts, 1)
+                data = random_tensor(rng, s.rows * n, s.cols, s.qtype, s.std)
                 if check:
                     check_tensor(s.name, data, s.qtype, s.std)
+                if s.experts:
+                    data = data.reshape(s.experts, s.rows, -1)
             writer.write_tensor_data(data)
             if progress is not None:
                 progress(s.name)
@@ -674,6 +710,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rope-attn-factor", type=float, help="rope's attention factor (rope.scaling.attn_factor)")
     ap.add_argument("--rope-dims", type=int, help="leading dims of each head that rotate (default: all)")
     ap.add_argument("--rope-freqs", action="store_true", default=None, help="write llama 3.1's rope_freqs factors")
+    ap.add_argument("--experts", dest="n_experts", type=int, help="experts per layer (qwen3moe, mixtral)")
+    ap.add_argument("--experts-used", dest="n_experts_used", type=int, help="experts per token (top-k)")
     tie = ap.add_mutually_exclusive_group()
     tie.add_argument("--tied", dest="tied", action="store_true", default=None, help="no output.weight")
     tie.add_argument("--untied", dest="tied", action="store_false", help="write output.weight")
@@ -694,7 +732,8 @@ def main(argv: list[str] | None = None) -> int:
         kw["name"] = args.preset
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn", "vocab", "ctx",
                 "rope_theta", "norm_eps", "tied", "swa_window", "swa_pattern", "rope_theta_swa",
-                "attn_softcap", "final_softcap", "rope_scale_linear", "rope_ctx_orig", "rope_attn_factor", "rope_dims", "rope_freqs"):
+                "attn_softcap", "final_softcap", "rope_scale_linear", "rope_ctx_orig", "rope_attn_factor", "rope_dims",
+                "rope_freqs", "n_experts", "n_experts_used"):
         val = getattr(args, key)
         if val is not None:
             kw[key] = val

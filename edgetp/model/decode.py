@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numba import njit, prange
 
-from edgetp.model import intdot, kvcache, ops, quant
+from edgetp.model import intdot, kvcache, moe, ops, quant
 
 if TYPE_CHECKING:
     from edgetp.model.llama import Layer, Shard
@@ -76,16 +76,61 @@ class _LayerPlan:
     def __init__(self, shard: Shard, layer: Layer, h: np.ndarray, r: dict[str, intdot.Rounded], int8: bool) -> None:
         hd = shard.w.cfg.head_dim
         self.layer = layer
-        self.qkv = self.o = self.gate_up = self.down = None
+        self.qkv = self.o = self.gate_up = self.down = self.moe = None
         if shard.n_kv:
             self.qkv = _Matvecs([layer.wq, layer.wk, layer.wv], h, r["h"], int8)
             self.q, self.k, self.v = self.qkv.views
             self.att = np.empty((h.shape[0], shard.n_heads * hd), np.float32)
             self.o = _Matvecs([layer.wo], self.att, r["att"], int8)
-        if shard.n_ffn:
+        if shard.n_ffn and layer.moe is not None:  # a mixture: its experts, a token at a time
+            self.moe = _Experts(layer.moe, h.shape[0], shard.w.cfg.dim, int8)
+        elif shard.n_ffn:
             self.gate_up = _Matvecs([layer.w_gate, layer.w_up], h, r["h"], int8)
             self.gate, self.up = self.gate_up.views
             self.down = _Matvecs([layer.w_down], self.gate_up.out[:, : shard.n_ffn], r["gate"], int8)
+
+
+class _Experts:
+    """moe.ffn for one token at a time, each held expert's gate/up and down bound once to their
+    kernels and buffers, as _LayerPlan binds a dense FFN's: the per-op path's bits for the token."""
+
+    def __init__(self, e: moe.Experts, rows: int, dim: int, int8: bool) -> None:
+        self.e = e
+        width = next(w.rows for w in e.gate if w is not None)
+        self.x = np.empty((1, dim), np.float32)       # the token being run
+        self.rx = intdot.Rounded.rows(1, dim)
+        self.rg = intdot.Rounded.rows(1, max(width, 32))
+        self.gate_up: dict[int, _Matvecs] = {}
+        self.down: dict[int, _Matvecs] = {}
+        for x, (gate, up, down) in enumerate(zip(e.gate, e.up, e.down)):
+            if gate is not None:
+                self.gate_up[x] = _Matvecs([gate, up], self.x, self.rx, int8)
+                self.down[x] = _Matvecs([down], self.gate_up[x].out[:, :width], self.rg, int8)
+        self.rounds = any(m.rounds for m in self.gate_up.values())
+        self.parts = np.zeros((e.used, dim), np.float32)  # the token's j-th expert, weighted
+        self.out = np.empty((rows, dim), np.float32)
+
+    def __call__(self, h: np.ndarray, geglu: bool, hits: np.ndarray, serial: bool) -> np.ndarray:
+        """self.out[:n] = this shard's part of the experts' output for each row of h (n, dim)."""
+        for b in range(h.shape[0]):
+            self.x[0] = h[b]
+            if self.rounds:
+                intdot.round_into(self.x[0], *self.rx.row(0))
+            ids, w = moe.route(self.e, self.x)
+            np.add.at(hits, ids[0], 1)
+            self.parts.fill(0.0)
+            for j, x in enumerate(ids[0].tolist()):
+                if x in self.gate_up:
+                    gu, down = self.gate_up[x], self.down[x]
+                    gu(1, serial)
+                    gate, up = gu.views
+                    _glu(gate[:1], up[:1], geglu, down.rounds, *self.rg)
+                    down(1, serial)
+                    np.multiply(down.out[0], w[0, j], out=self.parts[j])
+            self.out[b] = self.parts[0]
+            for j in range(1, self.e.used):
+                self.out[b] += self.parts[j]
+        return self.out[: h.shape[0]]
 
 
 class Plan:
@@ -145,7 +190,10 @@ class Plan:
                 partial = p.o.out[:n]
             s.reduce(partial)
             post = _NO_NORM if layer.attn_post_norm is None else layer.attn_post_norm
-            if p.gate_up is None:
+            if p.moe is not None:  # each row alone, so that it gets the bits of a token alone
+                _add_norm(x, partial, post, layer.ffn_norm, eps, h, True, False, *rh)
+                partial = p.moe(h, cfg.geglu, s.expert_hits[i], serial)
+            elif p.gate_up is None:
                 _add_norm(x, partial, post, layer.ffn_norm, eps, h, True, False, *rh)
                 partial = zeros
                 partial.fill(0.0)

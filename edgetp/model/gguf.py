@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import dataclasses
 from dataclasses import dataclass
 from contextlib import contextmanager
 from functools import cached_property
@@ -23,8 +24,9 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from edgetp.model import quant
 
 GGUF_MAGIC = b"GGUF"
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
-NEOX_ARCHS = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3")  # rope on pairs (i, i + d/2), as llama.cpp's LLAMA_ROPE_TYPE_NEOX
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3")
+# rope on pairs (i, i + d/2), as llama.cpp's LLAMA_ROPE_TYPE_NEOX
+NEOX_ARCHS = ("qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3")
 
 
 class GGUFError(Exception):
@@ -68,6 +70,12 @@ class ModelConfig:
     fused_gate_up: bool = False     # blk.N.ffn_up holds 2 * ffn rows: the gate's, then up's (no ffn_gate)
     rope_attn_factor: float = 1.0   # rope's cos and sin times this (rope.scaling.attn_factor)
     rope_ctx_orig: int = 0          # longer contexts take rope_factors_long (rope.scaling.original_context_length)
+    # Mixture of experts (mixtral: llama with llama.expert_count; qwen3moe), as llama.cpp's build_moe_ffn;
+    # then `ffn` is the width of one expert
+    n_experts: int = 0              # experts per layer (ffn_gate_inp rows); 0: a dense FFN
+    n_experts_used: int = 0         # experts each token goes through (top-k of the router's softmax)
+    expert_norm: bool = False       # the k chosen probabilities divided by their sum (mixtral, qwen3moe)
+    expert_scale: float = 0.0       # then times this (expert_weights_scale; 0: not scaled)
 
     def is_local(self, layer: int) -> bool:
         """Whether layer `layer` attends over a sliding window (with rope_theta_swa)."""
@@ -127,6 +135,15 @@ class ModelFile:
 
     def has(self, name: str) -> bool:
         return name in self.tensors
+
+    def experts(self, name: str) -> tuple[quant.Weight, ...]:
+        """A 3-D expert tensor (ggml [cols, rows, experts]) as one zero-copy Weight per expert."""
+        t = self._tensor(name)
+        if len(t.shape) != 3:
+            raise GGUFError(f"{self.path}: tensor {name!r} has shape {list(t.shape)}, expected 3 dimensions")
+        cols, rows, n = (int(d) for d in t.shape)
+        data = np.asarray(t.data).view(np.uint8).reshape(n, rows, quant.row_bytes(int(t.tensor_type), cols))
+        return tuple(quant.Weight(int(t.tensor_type), rows, cols, data[e]) for e in range(n))
 
     def weight(self, name: str) -> quant.Weight:
         """A 2-D weight, as a zero-copy view of the mapped file."""
@@ -340,6 +357,8 @@ def _read_config(path: Path, metadata: dict[str, Any], tensors: dict) -> ModelCo
     fused_qkv = "blk.0.attn_qkv.weight" in tensors  # llama.cpp: attn_qkv where the file has it, else q, k, v
     gemma = _gemma(path, arch, metadata, n_layers, dim, n_heads, head_dim) if arch.startswith("gemma") else {}
     gemma.setdefault("rope_scale_swa", rope_scale)
+    moe = _moe(path, arch, metadata) if arch == "qwen3moe" or metadata.get(f"{arch}.expert_count") else {}
+    ffn = moe.pop("ffn", None) or int(get(f"{arch}.feed_forward_length"))
     return ModelConfig(
         arch=arch,
         n_layers=n_layers,
@@ -347,7 +366,7 @@ def _read_config(path: Path, metadata: dict[str, Any], tensors: dict) -> ModelCo
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
-        ffn=int(get(f"{arch}.feed_forward_length")),
+        ffn=ffn,
         vocab=vocab,
         ctx_train=ctx_train,
         rope_theta=float(get(f"{arch}.rope.freq_base", 10000.0)),
@@ -356,7 +375,7 @@ def _read_config(path: Path, metadata: dict[str, Any], tensors: dict) -> ModelCo
         norm_eps=float(get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         tied=arch == "gemma2" or "output.weight" not in tensors,  # llama.cpp's gemma2 reads token_embd
         qkv_bias="blk.0.attn_q.bias" in tensors,
-        qk_norm=arch in ("qwen3", "gemma3"),
+        qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
         rope_scale=rope_scale,
         fused_qkv=fused_qkv,
         fused_gate_up=arch == "phi3",
@@ -364,7 +383,31 @@ def _read_config(path: Path, metadata: dict[str, Any], tensors: dict) -> ModelCo
         rope_attn_factor=float(metadata.get(f"{arch}.rope.scaling.attn_factor") or 1.0),
         rope_ctx_orig=int(metadata.get(f"{arch}.rope.scaling.original_context_length") or ctx_train),
         **gemma,
+        **moe,
     )
+
+
+def _moe(path: Path, arch: str, metadata: dict[str, Any]) -> dict[str, Any]:
+    """Mixture-of-experts hyper-parameters as llama.cpp's loader reads them: expert_count and
+    expert_used_count (both required), the experts' width from expert_feed_forward_length (qwen3moe;
+    else feed_forward_length / expert_used_count there, and feed_forward_length itself for llama's
+    mixtral), the chosen weights renormalised (both archs pass norm_w), expert_weights_scale if given."""
+    def need(key: str) -> int:
+        value = metadata.get(f"{arch}.{key}")
+        if value is None:
+            raise GGUFError(f"{path}: metadata key {arch}.{key!r} is missing (a mixture-of-experts model needs it)")
+        return int(value)
+
+    n, used = need("expert_count"), need("expert_used_count")
+    if not 1 <= used <= n:
+        raise GGUFError(f"{path}: {arch}.expert_used_count {used} is not within 1..{n}, the experts of each "
+                        f"router ('blk.0.ffn_gate_inp.weight' and on, {arch}.expert_count)")
+    ffn = metadata.get(f"{arch}.expert_feed_forward_length")
+    if ffn is None and arch == "qwen3moe":
+        ffn = need("feed_forward_length") // used
+    return dict(n_experts=n, n_experts_used=used, expert_norm=True,
+                expert_scale=float(metadata.get(f"{arch}.expert_weights_scale") or 0.0),
+                **({"ffn": int(ffn)} if ffn else {}))
 
 
 def _gemma(path: Path, arch: str, metadata: dict[str, Any], n_layers: int, dim: int, n_heads: int,
@@ -420,6 +463,12 @@ def _layer_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...] | None]:
         names["attn_q_norm.weight"] = names["attn_k_norm.weight"] = (cfg.head_dim,)
     if cfg.post_norms:
         names["post_attention_norm.weight"] = names["post_ffw_norm.weight"] = (cfg.dim,)
+    if cfg.n_experts:  # a router and 3-D expert tensors instead of the dense FFN
+        for dense in ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"):
+            del names[dense]
+        names["ffn_gate_inp.weight"] = (cfg.dim, cfg.n_experts)
+        names["ffn_gate_exps.weight"] = names["ffn_up_exps.weight"] = (cfg.dim, cfg.ffn, cfg.n_experts)
+        names["ffn_down_exps.weight"] = (cfg.ffn, cfg.dim, cfg.n_experts)
     return names
 
 
@@ -439,7 +488,14 @@ def _check_layers(path: Path, cfg: ModelConfig, tensors: dict, metadata: dict[st
             raise GGUFError(f"{path}: tensor {name!r} has shape {list(tensors[name].shape)}, expected "
                             f"[{cfg.rope_dims // 2}] (one factor per rotated pair of {cfg.rope_dims} rope dims)")
     held = metadata.get("edgetp.shard.layers") or (0, cfg.n_layers)
-    shapes = {suffix: (shape, f"head_dim {cfg.head_dim}") for suffix, shape in _layer_tensors(cfg).items()}
+    cols = metadata.get("edgetp.shard.ffn_cols")  # a shard file's experts hold these columns only
+    layer_cfg = cfg if cols is None else dataclasses.replace(cfg, ffn=int(cols[1]) - int(cols[0]))
+    why = f"head_dim {cfg.head_dim}" + (f", {cfg.n_experts} experts of {layer_cfg.ffn}" if cfg.n_experts else "")
+    shapes = {suffix: (shape, why) for suffix, shape in _layer_tensors(layer_cfg).items()}
+    experts = metadata.get("edgetp.shard.experts")  # ... of these experts only
+    if experts is not None and cfg.n_experts:
+        n = int(experts[1]) - int(experts[0])
+        shapes = {k: (v[:2] + (n,) if "_exps." in k else v, w) for k, (v, w) in shapes.items()}
     shapes |= _fused_shapes(cfg, metadata)
     for i in range(int(held[0]), int(held[1])):
         for suffix, (shape, why) in shapes.items():

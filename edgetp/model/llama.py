@@ -23,7 +23,7 @@ from typing import Callable
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from edgetp.model import decode, kvcache, ops, quant
+from edgetp.model import decode, kvcache, moe, ops, quant
 from edgetp.model.gguf import ModelConfig, ModelFile
 
 Range = tuple[int, int]
@@ -40,7 +40,7 @@ class ShardMismatch(ValueError):
 
 # metadata of a shard file: the spec it holds, its source, the source's vocabulary size
 SHARD_KEYS = {k: f"edgetp.shard.{k}" for k in ("kv_groups", "ffn_cols", "vocab_rows", "vocab", "source_fingerprint",
-                                                 "layers")}
+                                                 "layers", "experts")}
 EXACT_TOP = 64  # logits recomputed exactly per decoded token and shard (Shard.logits)
 
 
@@ -52,6 +52,7 @@ class ShardSpec:
     ffn_cols: Range    # FFN columns [start, stop)
     vocab_rows: Range  # lm-head rows [start, stop)
     layers: Range | None = None  # a pipeline stage's layers [start, stop); None: every layer
+    experts: Range | None = None  # a mixture's experts [start, stop) whose ffn_cols this shard holds; None: all
 
     @classmethod
     def full(cls, cfg: ModelConfig) -> "ShardSpec":
@@ -62,6 +63,13 @@ class ShardSpec:
         a, b = self.layers if self.layers is not None else (0, n_layers)
         if not 0 <= a <= b <= n_layers:
             raise ValueError(f"layers {a}:{b} is not a range within 0:{n_layers}")
+        return a, b
+
+    def expert_range(self, n_experts: int) -> Range:
+        """The experts this shard holds; ValueError unless they lie within the model's."""
+        a, b = self.experts if self.experts is not None else (0, n_experts)
+        if not 0 <= a <= b <= n_experts:
+            raise ValueError(f"experts {a}:{b} is not a range within 0:{n_experts}")
         return a, b
 
 
@@ -83,6 +91,7 @@ class Layer:
     w_gate: quant.Weight | None        # (ffn_l, dim)
     w_up: quant.Weight | None          # (ffn_l, dim)
     w_down: quant.Weight | None        # (dim, ffn_l)
+    moe: moe.Experts | None = None     # a mixture of experts instead of w_gate/w_up/w_down (ffn_l of each expert)
 
 
 @dataclass(frozen=True)
@@ -102,7 +111,8 @@ class Weights:
         """Bytes of this shard's matrices (what its matvecs stream per token)."""
         mats = [w for layer in self.layers for w in (layer.wq, layer.wk, layer.wv, layer.wo,
                                                      layer.w_gate, layer.w_up, layer.w_down)]
-        return sum(w.nbytes for w in mats + [self.lm_head] if w is not None)
+        experts = sum(layer.moe.nbytes for layer in self.layers if layer.moe is not None)
+        return experts + sum(w.nbytes for w in mats + [self.lm_head] if w is not None)
 
 
 def _rows(w: quant.Weight, r: Range, skip: int = 0) -> quant.Weight | None:
@@ -138,8 +148,9 @@ def stored_spec(mf: ModelFile) -> ShardSpec | None:
     if SHARD_KEYS["kv_groups"] not in meta:
         return None
     ranges = (tuple(int(v) for v in meta[SHARD_KEYS[k]]) for k in ("kv_groups", "ffn_cols", "vocab_rows"))
-    layers = tuple(int(v) for v in meta[SHARD_KEYS["layers"]]) if SHARD_KEYS["layers"] in meta else None
-    return ShardSpec(*ranges, layers)
+    layers, experts = (tuple(int(v) for v in meta[SHARD_KEYS[k]]) if SHARD_KEYS[k] in meta else None
+                       for k in ("layers", "experts"))
+    return ShardSpec(*ranges, layers, experts)
 
 
 def load_weights(mf: ModelFile, spec: ShardSpec | None = None) -> Weights:
@@ -156,7 +167,8 @@ def load_weights(mf: ModelFile, spec: ShardSpec | None = None) -> Weights:
         if spec != stored:
             raise ShardMismatch(f"{mf.path} holds the shard {stored}, not {spec}")
         cfg = replace(cfg, vocab=int(mf.metadata[SHARD_KEYS["vocab"]]))
-        local = ShardSpec(*((0, b - a) for a, b in (spec.kv_groups, spec.ffn_cols, spec.vocab_rows)), spec.layers)
+        local = ShardSpec(*((0, b - a) for a, b in (spec.kv_groups, spec.ffn_cols, spec.vocab_rows)), spec.layers,
+                          spec.experts)
     first, last = spec.layer_range(cfg.n_layers)
     hd, g = cfg.head_dim, cfg.group_size
     kv = (local.kv_groups[0] * hd, local.kv_groups[1] * hd)
@@ -172,6 +184,9 @@ def load_weights(mf: ModelFile, spec: ShardSpec | None = None) -> Weights:
     def bias(name: str, r: Range) -> np.ndarray | None:
         return mf.vector(name)[r[0]:r[1]].copy() if mf.has(name) else None
 
+    def dense(name: str, cut: Callable[[quant.Weight, Range], quant.Weight | None]) -> quant.Weight | None:
+        return None if cfg.n_experts else cut(mf.weight(name), local.ffn_cols)
+
     layers = []
     for i in range(first, last):
         p = f"blk.{i}."
@@ -180,7 +195,11 @@ def load_weights(mf: ModelFile, spec: ShardSpec | None = None) -> Weights:
             wq, wk, wv = _rows(qkv, qh), _rows(qkv, kv, k_at), _rows(qkv, kv, v_at)
         else:
             wq, wk, wv = (_rows(mf.weight(p + f"attn_{x}.weight"), r) for x, r in (("q", qh), ("k", kv), ("v", kv)))
-        up = mf.weight(p + "ffn_up.weight")  # phi3: gate | up
+        if cfg.fused_gate_up:  # phi3: ffn_up holds gate | up
+            up = mf.weight(p + "ffn_up.weight")
+            w_gate, w_up = _rows(up, local.ffn_cols), _rows(up, local.ffn_cols, held_ffn)
+        else:
+            w_gate, w_up = dense(p + "ffn_gate.weight", _rows), dense(p + "ffn_up.weight", _rows)
         layers.append(Layer(
             attn_norm=mf.vector(p + "attn_norm.weight"),
             wq=wq,
@@ -195,9 +214,11 @@ def load_weights(mf: ModelFile, spec: ShardSpec | None = None) -> Weights:
             ffn_norm=mf.vector(p + "ffn_norm.weight"),
             attn_post_norm=mf.vector(p + "post_attention_norm.weight") if cfg.post_norms else None,
             ffn_post_norm=mf.vector(p + "post_ffw_norm.weight") if cfg.post_norms else None,
-            w_gate=_rows(up if cfg.fused_gate_up else mf.weight(p + "ffn_gate.weight"), local.ffn_cols),
-            w_up=_rows(up, local.ffn_cols, held_ffn if cfg.fused_gate_up else 0),
-            w_down=_cols(mf.weight(p + "ffn_down.weight"), local.ffn_cols),
+            w_gate=w_gate,
+            w_up=w_up,
+            w_down=dense(p + "ffn_down.weight", _cols),
+            moe=_experts(mf, p, local.ffn_cols, spec.expert_range(cfg.n_experts), stored is not None)
+            if cfg.n_experts else None,
         ))
     head = mf.weight("token_embd.weight" if cfg.tied else "output.weight")
     return Weights(
@@ -211,6 +232,23 @@ def load_weights(mf: ModelFile, spec: ShardSpec | None = None) -> Weights:
         rope_long=vector("rope_factors_long.weight"),
         rope_short=vector("rope_factors_short.weight"),
     )
+
+
+def _experts(mf: ModelFile, p: str, cols: Range, held: Range, stored: bool) -> moe.Experts:
+    """Layer p's router, whole, and columns `cols` of each expert in `held`, sliced as a dense FFN
+    (None for the other experts). A shard file stores the held experts only, from its index 0."""
+    cfg = mf.config
+
+    def cut(name: str, how: Callable[[quant.Weight, Range], quant.Weight | None]) -> tuple[quant.Weight | None, ...]:
+        mats = mf.experts(p + name)
+        first = held[0] if stored else 0
+        return tuple(how(mats[x - first], cols) if held[0] <= x < held[1] else None for x in range(cfg.n_experts))
+
+    return moe.Experts(
+        router=mf.weight(p + "ffn_gate_inp.weight"),
+        gate=cut("ffn_gate_exps.weight", _rows), up=cut("ffn_up_exps.weight", _rows),
+        down=cut("ffn_down_exps.weight", _cols),
+        used=cfg.n_experts_used, norm=cfg.expert_norm, scale=cfg.expert_scale)
 
 
 def _no_reduce(partial: np.ndarray) -> None:
@@ -239,7 +277,10 @@ class Shard:
         cfg, spec = self.w.cfg, self.w.spec
         self.n_kv = spec.kv_groups[1] - spec.kv_groups[0]
         self.n_heads = self.n_kv * cfg.group_size
-        self.n_ffn = spec.ffn_cols[1] - spec.ffn_cols[0]
+        held = spec.expert_range(cfg.n_experts)
+        self.n_ffn = spec.ffn_cols[1] - spec.ffn_cols[0] if held[0] < held[1] or not cfg.n_experts else 0
+        # per layer and expert: the tokens routed to it (a mixture's layers; zeros elsewhere)
+        self.expert_hits = np.zeros((len(self.w.layers), cfg.n_experts), np.int64)
         if self.slots < 1:
             raise ValueError(f"a shard needs at least one KV slot, got {self.slots}")
         shape = (self.slots, self.n_kv, self.ctx, cfg.head_dim)
@@ -284,7 +325,7 @@ class Shard:
                 ops.rmsnorm(partial, layer.attn_post_norm, cfg.norm_eps, partial)
             x += partial
             ops.rmsnorm(x, layer.ffn_norm, cfg.norm_eps, h)
-            partial = self._ffn(layer, h)
+            partial = self._ffn(i, layer, h)
             self.reduce(partial)
             if layer.ffn_post_norm is not None:
                 ops.rmsnorm(partial, layer.ffn_post_norm, cfg.norm_eps, partial)
@@ -400,10 +441,13 @@ class Shard:
         _apply(layer.wo, att, partial)
         return partial
 
-    def _ffn(self, layer: Layer, h: np.ndarray) -> np.ndarray:
+    def _ffn(self, i: int, layer: Layer, h: np.ndarray) -> np.ndarray:
         n = h.shape[0]
         partial = np.zeros((n, self.w.cfg.dim), np.float32)
         if self.n_ffn == 0:
+            return partial
+        if layer.moe is not None:
+            moe.ffn(layer.moe, h, partial, self.w.cfg.geglu, self.expert_hits[i])
             return partial
         gate = np.empty((n, self.n_ffn), np.float32)
         up = np.empty((n, self.n_ffn), np.float32)
@@ -418,13 +462,7 @@ class Shard:
         return partial
 
 
-def _apply(w: quant.Weight, x: np.ndarray | quant.Batch, out: np.ndarray) -> None:
-    """out = x @ w.T for (n, cols) x: matvec when decoding, matmul for batches."""
-    batch = x if isinstance(x, quant.Batch) else quant.Batch(x)
-    if batch.shape[0] == 1:
-        quant.matvec(w, batch, out[0])
-    else:
-        quant.matmul(w, batch, out)
+_apply = quant.apply
 
 
 def embed(mf: ModelFile, token_ids: list[int]) -> np.ndarray:

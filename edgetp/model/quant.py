@@ -278,6 +278,22 @@ def refine_top(w: Weight, x: np.ndarray, out: np.ndarray, k: int) -> None:
     out[rows] = exact
 
 
+def exact_matvec(w: Weight, x: np.ndarray, out: np.ndarray) -> None:
+    """out (rows,) = W @ x, every row by refine_top's exact dots: the same bits on every CPU
+    (for small products that several nodes must agree on, such as a mixture's router)."""
+    check_io(w, x, out, None)
+    D.exact_dots(int(w.qtype), w.data, np.arange(w.rows, dtype=np.int64), x, _TAB16, _TABBF, out)
+
+
+def apply(w: Weight, x: np.ndarray | Batch, out: np.ndarray) -> None:
+    """out = x @ w.T for (n, cols) x: matvec when decoding, matmul for batches."""
+    batch = x if isinstance(x, Batch) else Batch(x)
+    if batch.shape[0] == 1:
+        matvec(w, batch, out[0])
+    else:
+        matmul(w, batch, out)
+
+
 _SCRATCH_BYTES = 2 << 20  # f32 tile of W decoded per step (sgemm is fastest from ~128 rows)
 _pool: ThreadPoolExecutor | None = None  # prefill workers, created on first threaded matmul
 _pool_size = 0

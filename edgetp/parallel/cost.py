@@ -8,7 +8,9 @@ each worker and a few per-message constants. A step carries `rows` tokens
                          for b rows: weights are read once per step, each
                          extra row costs row_cost of the first; layer_s is
                          what a layer costs beyond its weights (norms, rope,
-                         attention, the interpreter between kernels)
+                         attention, the interpreter between kernels); a mixture's
+                         layers add expert_s per expert run on the busiest node
+                         (parallel/experts.py)
     sync of stage k      a stage of several nodes all-reduces twice per layer
                          through the root: 2 * L_k * max over its workers of
                          (rtt + 2 * b * dim * sync_bytes / throughput + message),
@@ -29,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from edgetp.parallel.plan import Plan
+from edgetp.parallel.plan import Plan, _placed, expected_max
 
 SYNC_BYTES = {"f32": 4.0, "q8_0": 34 / 32}  # bytes per value of an all-reduce payload
 HIDDEN_BYTES = 4.0  # the residual stream crosses a stage boundary as f32
@@ -52,6 +54,10 @@ class Overheads:
     # a layer beyond its weight reads: SmolLM2 Q4_1 on one core of the AMD EPYC here decoded a token
     # in 12.1 ms where its weights over the profiled speed took 9.4 ms, 90 us for each of 30 layers
     layer_s: float = 90e-6
+    # one expert's run in a mixture's layer beyond its weight reads (its two kernel calls, the GLU,
+    # the weighted add): 25 to 36 us measured on one core of the same AMD EPYC (decode._Experts on
+    # 8 to 16 experts of 224 x 96 Q8_0, whose bytes take well under a microsecond), route aside
+    expert_s: float = 30e-6
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,15 @@ def working_stages(plan: Plan) -> list[int]:
     return [k for k, st in enumerate(plan.stages) if st[0].layers != (0, 0)]
 
 
+def _expert_runs(plan: Plan, stage) -> float:
+    """Experts the busiest node of a stage runs per layer and token: every node all k of them when
+    the stage splits columns, the most it holds of a token's k when it places whole experts."""
+    k = plan.shape.experts_used
+    if not plan.shape.n_experts or not _placed(stage):
+        return float(k)
+    return expected_max([x.experts[1] - x.experts[0] for x in stage], [1.0] * len(stage), k)
+
+
 def predict(plan: Plan, links: Mapping[str, LinkCost], rows: int = 1, oh: Overheads = Overheads(),
             root: str | None = None) -> Prediction:
     """The predicted time of one step of `rows` rows under `plan`; links by worker node id.
@@ -94,7 +109,7 @@ def predict(plan: Plan, links: Mapping[str, LinkCost], rows: int = 1, oh: Overhe
     for k, stage in enumerate(plan.stages):
         far = [links[x.node_id] for x in stage if x.node_id != root]
         n_layers = (stage[0].layers[1] - stage[0].layers[0]) if stage[0].layers else s.n_layers
-        c = (plan.stage_makespan(k) + n_layers * oh.layer_s) * stretch
+        c = (plan.stage_makespan(k) + n_layers * (oh.layer_s + _expert_runs(plan, stage) * oh.expert_s)) * stretch
         if root in (x.node_id for x in stage):
             per = [lk.rtt_s + 2 * b * s.dim * SYNC_BYTES[plan.sync] / lk.bytes_per_s + oh.message_s for lk in far]
             y = 2 * n_layers * max(per, default=0.0)

@@ -6,6 +6,10 @@ Units of work, each counted in weight bytes over all layers:
                 q, k, v rows (head_dim * (q_per_kv + 2) rows of dim) and the
                 matching o-proj columns (dim x q_per_kv * head_dim)
     FFN block   ffn_block columns of the FFN: gate and up rows, down columns
+                (of a mixture: those columns of every expert, all in memory, the
+                experts_used of n_experts read per token)
+    expert      a mixture's whole expert, every column (parallel/experts.py places
+                experts instead of splitting columns where the cost model says so)
     vocab block vocab_block rows of the output (lm-head) matrix; the last
                 block may be short when vocab is not a multiple of it
 
@@ -19,9 +23,12 @@ How the units are packed (make_plan, equal_plan) lives in packing.py.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Sequence
+
+import numpy as np
 
 SYNC_TYPES = ("f32", "q8_0")
 # What a node's memory grows by when it loads a share, beyond the share's weights and KV cache.
@@ -85,6 +92,8 @@ class ModelShape:
     kv_bytes_per_head_pos: int = 0  # K and V of one KV head, one position, one layer; 0 = f32
     ctx: int = 2048
     slots: int = 1                  # sequences with a KV cache of ctx positions each
+    n_experts: int = 0              # a mixture's experts per layer (0: a dense FFN)
+    experts_used: int = 0           # experts per token
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -92,7 +101,7 @@ class ModelShape:
             if f.name.endswith("_bpw"):
                 _pos_float(f.name, value)
             else:
-                _int(f.name, value, 0 if f.name in ("kv_bytes_per_head_pos", "vocab") else 1)
+                _int(f.name, value, 0 if f.name in ("kv_bytes_per_head_pos", "vocab", "n_experts", "experts_used") else 1)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
         if self.ffn % self.ffn_block:
@@ -125,6 +134,16 @@ class ModelShape:
         return round(self.n_layers * 3 * self.dim * self.ffn_block * self.ffn_bpw)
 
     @property
+    def ffn_active(self) -> float:
+        """The part of the FFN's bytes a token reads: experts_used / n_experts of a mixture, else all."""
+        return self.experts_used / self.n_experts if self.n_experts else 1.0
+
+    @property
+    def expert_bytes(self) -> float:
+        """One whole expert, every column, all layers."""
+        return self.n_ffn_blocks * self.ffn_block_bytes / max(self.n_experts, 1)
+
+    @property
     def vocab_row_bytes(self) -> int:
         return round(self.dim * self.vocab_bpw)
 
@@ -145,6 +164,9 @@ class ModelShape:
         c0, c1 = share.ffn_cols
         r0, r1 = share.vocab_rows
         layered = (g1 - g0) * self.group_bytes + (c1 - c0) // self.ffn_block * self.ffn_block_bytes
+        if share.experts is not None:  # whole experts: their part of the columns' bytes
+            layered -= (c1 - c0) // self.ffn_block * self.ffn_block_bytes
+            layered += round((share.experts[1] - share.experts[0]) * self.expert_bytes)
         return round(layered * self.layer_fraction(share)) + (r1 - r0) * self.vocab_row_bytes
 
     def share_memory(self, share: Share, overhead_bytes: int) -> int:
@@ -176,6 +198,7 @@ class Share:
     ffn_cols: Range
     vocab_rows: Range
     layers: Range | None = None
+    experts: Range | None = None  # a mixture's whole experts (ffn_cols then every column); None: columns of all
 
 
 def _check_tiling(what: str, ranges: list[Any], total: int, block: int, last_short: bool) -> None:
@@ -224,7 +247,12 @@ class Plan:
         for k, st in enumerate(stages):
             where = "" if len(stages) == 1 else f" of stage {k}"
             _check_tiling("kv_groups" + where, [x.kv_groups for x in st], s.n_kv_heads, 1, False)
-            _check_tiling("ffn_cols" + where, [x.ffn_cols for x in st], s.ffn, s.ffn_block, False)
+            if _placed(st):  # whole experts: each holds every column of its range of them
+                _check_tiling("experts" + where, [x.experts for x in st], s.n_experts, 1, False)
+                if any(x.ffn_cols != (0, s.ffn) for x in st):
+                    raise ValueError(f"shares placing whole experts{where} must hold every FFN column")
+            else:
+                _check_tiling("ffn_cols" + where, [x.ffn_cols for x in st], s.ffn, s.ffn_block, False)
             vocab = s.vocab if k == len(stages) - 1 else 0  # the last stage ends the token
             _check_tiling("vocab_rows" + where, [x.vocab_rows for x in st], vocab, s.vocab_block, True)
 
@@ -287,8 +315,42 @@ class Plan:
         s, speed = self.shape, {n.node_id: n.speed for n in self.nodes}
         stage = self.stages[k]
         total = 0.0
-        for unit, part in ((s.group_bytes, lambda x: x.kv_groups[1] - x.kv_groups[0]),
-                           (s.ffn_block_bytes / s.ffn_block, lambda x: x.ffn_cols[1] - x.ffn_cols[0])):
-            total += max(part(sh) * unit * s.layer_fraction(sh) / speed[sh.node_id] for sh in stage)
+        total += max((sh.kv_groups[1] - sh.kv_groups[0]) * s.group_bytes * s.layer_fraction(sh) / speed[sh.node_id]
+                     for sh in stage)
+        if _placed(stage):  # each token waits for the node holding the most of its experts
+            per_hit = [s.expert_bytes * s.layer_fraction(sh) / speed[sh.node_id] for sh in stage]
+            total += expected_max([sh.experts[1] - sh.experts[0] for sh in stage], per_hit, s.experts_used)
+        else:
+            unit = s.ffn_block_bytes / s.ffn_block * s.ffn_active
+            total += max((sh.ffn_cols[1] - sh.ffn_cols[0]) * unit * s.layer_fraction(sh) / speed[sh.node_id]
+                         for sh in stage)
         total += max((sh.vocab_rows[1] - sh.vocab_rows[0]) * s.vocab_row_bytes / speed[sh.node_id] for sh in stage)
         return total
+
+
+def _placed(stage: Sequence[Share]) -> bool:
+    """Whether a stage places whole experts (else it splits every expert's columns)."""
+    return any(x.experts is not None for x in stage)
+
+
+EXACT_SUBSETS = 5000  # routings enumerated exactly up to this many; sampled (fixed seed) beyond
+SAMPLED = 4096
+
+
+def expected_max(counts: Sequence[int], per_hit: Sequence[float], used: int) -> float:
+    """E[max_i hits_i * per_hit_i] when a token picks `used` distinct experts uniformly among
+    sum(counts), node i holding the next counts[i] of them in order: the time a token waits for
+    the slowest node under expert placement (per_hit = one expert's time on each node).
+
+    Pure: every routing enumerated when there are at most EXACT_SUBSETS, else SAMPLED routings
+    of a generator with a fixed seed, so the same inputs give the same number."""
+    n = int(sum(counts))
+    owner = np.repeat(np.arange(len(counts)), counts)
+    if math.comb(n, used) <= EXACT_SUBSETS:
+        picks = np.array(list(itertools.combinations(range(n), used)), np.int64).reshape(-1, used)
+    else:
+        picks = np.argsort(np.random.default_rng(0).random((SAMPLED, n)), axis=1)[:, :used]
+    hits = np.zeros((picks.shape[0], len(counts)))
+    for j in range(used):
+        np.add.at(hits, (np.arange(picks.shape[0]), owner[picks[:, j]]), 1.0)
+    return float((hits * np.asarray(per_hit, np.float64)).max(axis=1).mean())

@@ -28,6 +28,7 @@ from edgetp.model.gguf import ModelFile
 from edgetp.net.frames import Frame, FrameType
 from edgetp.net.link import BLOCKING, Counters, Link, LinkClosed, choose_mode, event_loop_hop, forced_mode
 from edgetp.parallel import cost, packing, pipeline, plan as planner
+from edgetp.parallel import experts as expert_plan
 from edgetp.parallel.rebalance import StepWatch
 from edgetp.parallel.collective import Hot, RootReduce, candidates_from, candidates_rows_from
 from edgetp.parallel.shard import model_shape, spec_for
@@ -96,7 +97,7 @@ class ClusterRunner:
                       node_id: str = ROOT_ID, fetch_port: int | None = None,
                       on_progress: Progress | None = None, slots: int = 1, kv_type: str = "f16",
                       parallel: str = "tp", layout: Sequence[Sequence[int]] | None = None,
-                      rebalance: bool = True) -> "ClusterRunner":
+                      rebalance: bool = True, experts: str = "auto") -> "ClusterRunner":
         """Link to every worker, profile, plan and load.
 
         `parallel` is the plan kind: "tp" (tensor parallelism over every node), "pp" (a pipeline,
@@ -109,7 +110,9 @@ class ClusterRunner:
 
         With `fetch_port` (our HTTP port, serving serve/weights.py) a worker
         without our model fetches its slice from us; `on_progress(node_id,
-        done, total)` hears how far each such download got.
+        done, total)` hears how far each such download got. `experts` (a mixture of experts):
+        "columns" splits every expert's columns, "place" places whole experts, "auto" lets the
+        cost model choose (parallel/experts.py).
         """
         options_slots = slots  # what was asked for: a re-plan asks again
         if weights is not None and len(weights) != len(addresses) + 1:
@@ -139,9 +142,11 @@ class ClusterRunner:
             nodes = [planner.NodeSpec(i.node_id, s, i.mem_free) for i, s in zip(infos, speeds)]
             costs = {i.node_id: cost.LinkCost(i.rtt_ms / 1e3, max(i.mbps, 1e-3) * 1e6 / 8) for i in infos[1:]}
             plan, slots = _plan(mf, ctx, slots, nodes, epoch, sync, kv_type, parallel, costs, layout)
+            plan = expert_plan.choose(plan, costs, slots, experts)
             log.info("plan (epoch %d, %s sync, %d slots): %s", plan.epoch, plan.sync, slots,
                      "; ".join(f"{s.node_id} kv{s.kv_groups} ffn{s.ffn_cols} vocab{s.vocab_rows}"
-                               + (f" layers{s.layers}" if s.layers else "") for s in plan.shares))
+                               + (f" layers{s.layers}" if s.layers else "")
+                               + (f" experts{s.experts}" if s.experts else "") for s in plan.shares))
             links, infos = _arrange(plan, links, infos)
             header = {"model": model_ref or str(mf.path), "fingerprint": mf.fingerprint, "ctx": ctx,
                       "sync": sync, "slots": slots, "kv_type": kv_type} | ({"fetch_port": fetch_port} if fetch_port else {})
@@ -152,7 +157,8 @@ class ClusterRunner:
                                                           "ffn_cols": list(spec.ffn_cols),
                                                           "vocab_rows": list(spec.vocab_rows),
                                                           "reduce": info.node_id in group}
-                                | ({"layers": list(spec.layers)} if spec.layers is not None else {}))
+                                | ({"layers": list(spec.layers)} if spec.layers is not None else {})
+                                | ({"experts": list(spec.experts)} if spec.experts is not None else {}))
             weights_root = await asyncio.to_thread(llama.load_weights, mf, spec_for(plan, node_id))
             shard = llama.Shard(weights_root, ctx, slots=slots, kv_type=kv_type)
             for n, link in enumerate(links, start=1):
@@ -166,7 +172,7 @@ class ClusterRunner:
         options = dict(ctx=ctx, weights=weights, sync=sync, key=key, threads=threads,
                        model_ref=model_ref, addresses=list(addresses), node_id=node_id, fetch_port=fetch_port,
                        on_progress=on_progress, slots=options_slots, kv_type=kv_type, parallel=parallel,
-                       layout=layout, rebalance=rebalance)
+                       layout=layout, rebalance=rebalance, experts=experts)
         return cls(mf, ctx, plan, links, shard, infos, asyncio.get_running_loop(), options)
 
     async def without(self, address: str, epoch: int | None = None) -> "ClusterRunner":

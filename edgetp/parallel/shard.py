@@ -32,7 +32,9 @@ def model_shape(mf: ModelFile, ctx: int, slots: int = 1, kv_type: str = "f16") -
     row_bytes = kvcache.kv_row_bytes(kv_type, cfg.head_dim)  # one head's values at one position, as llama.Shard holds them
     head = "token_embd.weight" if cfg.tied else "output.weight"
     # FFN columns are the input columns of ffn_down: a unit must not split its quant blocks.
-    ffn_block = max(32, _block(mf, "blk.0.ffn_down.weight"))
+    # A mixture's column holds that column of every expert (all of them in memory).
+    exps = "_exps" if cfg.n_experts else ""
+    ffn_block = max(32, _block(mf, f"blk.0.ffn_down{exps}.weight"))
     if cfg.ffn % ffn_block:
         ffn_block = 32 if cfg.ffn % 32 == 0 else 1
     return ModelShape(
@@ -46,15 +48,18 @@ def model_shape(mf: ModelFile, ctx: int, slots: int = 1, kv_type: str = "f16") -
         ffn_block=ffn_block,
         vocab_block=32,
         attn_bpw=_bpw(mf, "blk.0.attn_qkv.weight" if cfg.fused_qkv else "blk.0.attn_q.weight"),
-        ffn_bpw=_bpw(mf, "blk.0.ffn_up.weight"),
+        ffn_bpw=_bpw(mf, f"blk.0.ffn_up{exps}.weight") * max(cfg.n_experts, 1),
         vocab_bpw=_bpw(mf, head),
         kv_bytes_per_head_pos=2 * row_bytes,  # K and V
         ctx=ctx,
         slots=slots,
+        n_experts=cfg.n_experts,
+        experts_used=cfg.n_experts_used,
     )
 
 
 def spec_for(plan: Plan, node_id: str) -> ShardSpec:
     share = plan.share(node_id)
     layers = None if share.layers is None else tuple(share.layers)
-    return ShardSpec(tuple(share.kv_groups), tuple(share.ffn_cols), tuple(share.vocab_rows), layers)
+    experts = None if share.experts is None else tuple(share.experts)
+    return ShardSpec(tuple(share.kv_groups), tuple(share.ffn_cols), tuple(share.vocab_rows), layers, experts)

@@ -10,6 +10,9 @@ name but cut to the spec, by the same table `llama.load_weights` slices by:
     ffn_down                   cols   FFN columns
     attn_qkv (phi3)            parts  the rows of q, k and v above, one after the other
     ffn_up (phi3: gate | up)   parts  the gate's rows of the FFN columns, then up's
+    ffn_gate_exps, ffn_up_exps rows   FFN columns of every expert (a mixture: 3-D, one matrix per expert)
+    ffn_down_exps              cols   FFN columns of every expert
+                                      (of the spec's experts only, when it names them)
     output.weight              rows   vocabulary rows
     token_embd.weight          rows   vocabulary rows when tied (it is the lm head), else none (the root embeds)
     anything else              whole  (norms, rope_freqs)
@@ -46,7 +49,8 @@ def shard_name(fingerprint: str, spec: ShardSpec) -> str:
     """File name of a shard in a cache: source model and spec, nothing else."""
     (a, b), (c, d), (e, f) = spec.kv_groups, spec.ffn_cols, spec.vocab_rows
     layers = "" if spec.layers is None else f"-layers{spec.layers[0]}-{spec.layers[1]}"
-    return f"{fingerprint[:16]}-kv{a}-{b}-ffn{c}-{d}-vocab{e}-{f}{layers}.gguf"
+    experts = "" if spec.experts is None else f"-experts{spec.experts[0]}-{spec.experts[1]}"
+    return f"{fingerprint[:16]}-kv{a}-{b}-ffn{c}-{d}-vocab{e}-{f}{layers}{experts}.gguf"
 
 
 def check_spec(mf: ModelFile, spec: ShardSpec) -> None:
@@ -58,6 +62,7 @@ def check_spec(mf: ModelFile, spec: ShardSpec) -> None:
         if not 0 <= start <= stop <= limit:
             raise ValueError(f"{what} {start}:{stop} is not a range within 0:{limit}")
     spec.layer_range(cfg.n_layers)
+    spec.expert_range(cfg.n_experts)
 
 
 def slice_plan(mf: ModelFile, spec: ShardSpec) -> dict[str, tuple[str, Any]]:
@@ -74,6 +79,8 @@ def slice_plan(mf: ModelFile, spec: ShardSpec) -> dict[str, tuple[str, Any]]:
         "attn_output.weight": ("cols", qh),
         "ffn_gate.weight": ("rows", spec.ffn_cols), "ffn_up.weight": ("rows", spec.ffn_cols),
         "ffn_down.weight": ("cols", spec.ffn_cols),
+        "ffn_gate_exps.weight": ("rows", spec.ffn_cols), "ffn_up_exps.weight": ("rows", spec.ffn_cols),
+        "ffn_down_exps.weight": ("cols", spec.ffn_cols),
     }
     if cfg.fused_qkv:  # q | k | v rows: a shard file holds its own heads' rows of each, in that order
         at_k, at_v = cfg.n_heads * hd, (cfg.n_heads + cfg.n_kv_heads) * hd
@@ -98,7 +105,7 @@ def slice_plan(mf: ModelFile, spec: ShardSpec) -> dict[str, tuple[str, Any]]:
     return plan
 
 
-def _cut(mf: ModelFile, name: str, how: str, r: Any) -> tuple[np.ndarray, int]:
+def _cut(mf: ModelFile, name: str, how: str, r: Any, spec: ShardSpec) -> tuple[np.ndarray, int]:
     """(array to store, GGML type) of one tensor's slice."""
     t = mf.tensors[name]
     if how == "whole":
@@ -108,7 +115,20 @@ def _cut(mf: ModelFile, name: str, how: str, r: Any) -> tuple[np.ndarray, int]:
         return np.concatenate([w.data[a:b] for a, b in r]), w.qtype
     if len(t.shape) == 1:  # a bias: a vector of f32/f16 values
         return np.asarray(t.data)[r[0]:r[1]], int(t.tensor_type)
-    w = mf.weight(name)
+    if len(t.shape) == 3:  # a mixture's experts: each held one cut as a matrix, stacked again
+        one, qtype = _cut_weight(mf.experts(name)[0], how, r)
+        parts = [_cut_weight(w, how, r)[0] for w in _held(mf, name, spec)]
+        return (np.stack(parts) if parts else np.empty((0,) + one.shape, one.dtype)), qtype
+    return _cut_weight(mf.weight(name), how, r)
+
+
+def _held(mf: ModelFile, name: str, spec: ShardSpec) -> tuple[quant.Weight, ...]:
+    """The matrices of the experts the spec holds, of a 3-D expert tensor."""
+    a, b = spec.expert_range(mf.config.n_experts)
+    return mf.experts(name)[a:b]
+
+
+def _cut_weight(w: quant.Weight, how: str, r: Range) -> tuple[np.ndarray, int]:
     if how == "rows":
         return w.data[r[0]:r[1]], w.qtype
     if r[0] == r[1]:
@@ -121,19 +141,25 @@ def _cut(mf: ModelFile, name: str, how: str, r: Any) -> tuple[np.ndarray, int]:
     return part.data, part.qtype
 
 
-def _table_entry(mf: ModelFile, name: str, how: str, r: Any) -> tuple[tuple[int, ...], np.dtype, int, int]:
-    """(shape, dtype, nbytes, GGML type) of what _cut will give, without copying a column slice or parts."""
+def _table_entry(mf: ModelFile, name: str, how: str, r: Any,
+                 spec: ShardSpec) -> tuple[tuple[int, ...], np.dtype, int, int]:
+    """(shape, dtype, nbytes, GGML type) of what _cut will give, without copying a column slice or parts
+    (of a mixture's experts: one expert's)."""
     if how == "parts":
         w = mf.weight(name)
         rows = sum(b - a for a, b in r)
         return (rows, *w.data.shape[1:]), w.data.dtype, rows * w.data[:1].nbytes, w.qtype
+    if len(mf.tensors[name].shape) == 3 and how != "whole":
+        n = len(_held(mf, name, spec))
+        data, qtype = _cut_weight(mf.experts(name)[0], how, r)
+        return (n,) + data.shape, data.dtype, data.nbytes * n, qtype
     if how == "cols" and r[0] != r[1]:
         w = mf.weight(name)
         bs = quant.block_size(w.qtype)
         qtype = w.qtype if r[0] % bs == 0 and r[1] % bs == 0 else int(QT.F32)
         rb = quant.row_bytes(qtype, r[1] - r[0])
         return (w.rows, rb), np.dtype(np.uint8), w.rows * rb, qtype
-    data, qtype = _cut(mf, name, how, r)  # views, no copy
+    data, qtype = _cut(mf, name, how, r, spec)  # views, no copy
     return data.shape, data.dtype, data.nbytes, qtype
 
 
@@ -166,6 +192,8 @@ def _add_shard_keys(mf: ModelFile, spec: ShardSpec, writer: GGUFWriter) -> None:
     writer.add_key_value(SHARD_KEYS["vocab_rows"], list(spec.vocab_rows), arr, sub_type=u64)
     if spec.layers is not None:
         writer.add_key_value(SHARD_KEYS["layers"], list(spec.layers), arr, sub_type=u64)
+    if spec.experts is not None:
+        writer.add_key_value(SHARD_KEYS["experts"], list(spec.experts), arr, sub_type=u64)
     writer.add_key_value(SHARD_KEYS["vocab"], mf.config.vocab, u64)
     writer.add_key_value(SHARD_KEYS["source_fingerprint"], mf.fingerprint, GGUFValueType.STRING)
 
@@ -185,11 +213,11 @@ def write_shard(mf: ModelFile, spec: ShardSpec, path: str | os.PathLike[str]) ->
         _copy_metadata(mf, writer)
         _add_shard_keys(mf, spec, writer)
         for name, (how, r) in plan.items():  # the tensor table first: shapes only
-            shape, dtype, nbytes, qtype = _table_entry(mf, name, how, r)
+            shape, dtype, nbytes, qtype = _table_entry(mf, name, how, r, spec)
             writer.add_tensor_info(name, shape, dtype, nbytes, raw_dtype=QT(qtype))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for name, (how, r) in plan.items():  # then the bytes, one sliced tensor in memory at a time
-            writer.write_tensor_data(np.ascontiguousarray(_cut(mf, name, how, r)[0]))
+            writer.write_tensor_data(np.ascontiguousarray(_cut(mf, name, how, r, spec)[0]))
     return path

@@ -64,8 +64,9 @@ class ShardRefused(DownloadError):
 def spec_query(spec: ShardSpec, node_id: str | None = None) -> str:
     q = f"kv={spec.kv_groups[0]},{spec.kv_groups[1]}&ffn={spec.ffn_cols[0]},{spec.ffn_cols[1]}" \
         f"&vocab={spec.vocab_rows[0]},{spec.vocab_rows[1]}"
-    if spec.layers is not None:
-        q += f"&layers={spec.layers[0]},{spec.layers[1]}"
+    for name, r in (("layers", spec.layers), ("experts", spec.experts)):
+        if r is not None:
+            q += f"&{name}={r[0]},{r[1]}"
     if node_id is not None:
         if not _NODE.fullmatch(node_id):
             raise ValueError(f"node id {node_id!r} must be 1-128 of A-Z a-z 0-9 . _ : -")
@@ -81,13 +82,13 @@ def parse_spec(query: Mapping[str, str]) -> ShardSpec:
         if not m:
             raise ValueError(f"query parameter {name!r} must be START,STOP")
         ranges.append((int(m[1]), int(m[2])))
-    layers = None
-    if "layers" in query:  # a pipeline stage's layers
-        m = re.fullmatch(r"(\d{1,9}),(\d{1,9})", query["layers"])
+    optional: list[tuple[int, int] | None] = []
+    for name in ("layers", "experts"):  # a pipeline stage's layers, a mixture's experts
+        m = re.fullmatch(r"(\d{1,9}),(\d{1,9})", query.get(name, "0,0"))
         if not m:
-            raise ValueError("query parameter 'layers' must be START,STOP")
-        layers = (int(m[1]), int(m[2]))
-    return ShardSpec(*ranges, layers)
+            raise ValueError(f"query parameter {name!r} must be START,STOP")
+        optional.append((int(m[1]), int(m[2])) if name in query else None)
+    return ShardSpec(*ranges, *optional)
 
 
 # --------------------------------------------------------------------------- root side

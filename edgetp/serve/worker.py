@@ -256,9 +256,9 @@ class _Session:
     async def _load(self, h: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         self.shard = None
-        layers = h.get("layers")
+        layers, experts = h.get("layers"), h.get("experts")
         spec = llama.ShardSpec(tuple(h["kv_groups"]), tuple(h["ffn_cols"]), tuple(h["vocab_rows"]),
-                               None if layers is None else tuple(layers))
+                               None if layers is None else tuple(layers), None if experts is None else tuple(experts))
         kv_type = h.get("kv_type", "f16")
         if kv_type not in kvcache.KV_TYPES:
             raise ValueError(f"LOAD: kv_type must be one of {', '.join(kvcache.KV_TYPES)}, got {kv_type!r}")

@@ -1,0 +1,128 @@
+"""A mixture-of-experts FFN (mixtral, qwen3moe) as llama.cpp's build_moe_ffn computes it.
+
+Per token, with h the normed hidden state (dim,):
+    r = W_router @ h                      router logits, (n_experts,)
+    p = softmax(r)
+    e_1..e_k = the k experts of largest p, largest first
+    w_j = p[e_j]; if normalised: w_j /= max(sum_j w_j, 2^-14); if scaled: w_j *= scale
+    out = sum_j w_j * down_e_j(act(gate_e_j @ h) * (up_e_j @ h)), added in the order j = 1..k
+
+Each expert is an ordinary quantized matrix (quant.Weight), so its products run on the
+kernels every other weight runs on (the integer decode and prefill kernels of each ISA).
+
+A shard holds, like a dense FFN, a range of every expert's columns (ShardSpec.ffn_cols):
+its out is its columns' part of the sum, and the shards' parts add up in the layer's
+reduce. The router is replicated and computed by the exact kernel (quant.exact_matvec:
+float64 sums in column order, the same bits on every CPU), so that every shard, whatever
+its CPU, picks the same experts for a token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit
+
+from edgetp.model import ops, quant
+
+NORM_FLOOR = np.float32(6.103515625e-5)  # llama.cpp clamps the sum of the chosen weights at f16's smallest normal
+
+
+@dataclass(frozen=True)
+class Experts:
+    """One layer's experts as a shard holds them."""
+
+    router: quant.Weight                   # (n_experts, dim), whole on every shard
+    gate: tuple[quant.Weight | None, ...]  # per expert (ffn_l, dim); None: no columns here
+    up: tuple[quant.Weight | None, ...]    # per expert (ffn_l, dim)
+    down: tuple[quant.Weight | None, ...]  # per expert (dim, ffn_l)
+    used: int                              # k: experts per token
+    norm: bool                             # chosen weights divided by their sum
+    scale: float = 0.0                     # then times this; 0: not scaled
+
+    @property
+    def nbytes(self) -> int:
+        return self.router.nbytes + sum(w.nbytes for w in self.gate + self.up + self.down if w is not None)
+
+
+def route(e: Experts, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The experts of each row of h (n, dim) and their weights: ((n, k) int64, largest first; (n, k) f32).
+
+    Chosen by the exact router logits (ties to the lower index), so every shard agrees; the
+    weights are the softmax probabilities of those experts (f32 exps, their sum in f64 as
+    ggml's soft_max), then normalised and scaled."""
+    n = h.shape[0]
+    logits = np.empty((n, e.router.rows), np.float32)
+    for b in range(n):
+        quant.exact_matvec(e.router, np.ascontiguousarray(h[b]), logits[b])
+    ids = np.empty((n, e.used), np.int64)
+    w = np.empty((n, e.used), np.float32)
+    _pick(logits, e.norm, np.float32(e.scale), ids, w)
+    return ids, w
+
+
+@njit(cache=True, nogil=True)
+def _pick(logits, norm, scale, ids, w):  # pragma: no cover - compiled
+    # logits (n, E) f32 -> ids (n, k) the k largest of each row, largest first (ties: lower index),
+    # w (n, k) their softmax probabilities, divided by their sum (at least NORM_FLOOR) if norm,
+    # times scale unless it is 0
+    n, n_exp = logits.shape
+    k = ids.shape[1]
+    taken = np.zeros(n_exp, np.bool_)
+    for b in range(n):
+        row = logits[b]
+        top = row.max()
+        total = 0.0
+        for x in range(n_exp):
+            total += np.float64(np.exp(np.float32(row[x] - top)))
+        inv = np.float32(1.0 / total)
+        taken[:] = False
+        for j in range(k):
+            best = -1
+            for x in range(n_exp):
+                if not taken[x] and (best < 0 or row[x] > row[best]):
+                    best = x
+            taken[best] = True
+            ids[b, j] = best
+            w[b, j] = np.exp(np.float32(row[best] - top)) * inv
+        if norm:
+            s = np.float32(0.0)
+            for j in range(k):
+                s += w[b, j]
+            s = max(s, NORM_FLOOR)
+            for j in range(k):
+                w[b, j] = w[b, j] / s
+        if scale != 0:
+            for j in range(k):
+                w[b, j] *= scale
+
+
+def ffn(e: Experts, h: np.ndarray, out: np.ndarray, geglu: bool, hits: np.ndarray | None = None) -> None:
+    """out (n, dim) = this shard's part of the experts' output for each row of h (n, dim).
+
+    Each expert runs once on the rows routed to it (a matvec for one row, a matmul for
+    more); a row's k weighted outputs are then added in routing order, as llama.cpp adds
+    them. hits (n_experts,), if given, counts each expert once per row routed to it."""
+    ids, w = route(e, h)
+    if hits is not None:
+        np.add.at(hits, ids.reshape(-1), 1)
+    n, dim = h.shape
+    parts = np.zeros((e.used, n, dim), np.float32)  # parts[j, b]: row b's j-th expert, weighted
+    for x in np.unique(ids).tolist():
+        gate, up, down = e.gate[x], e.up[x], e.down[x]
+        if gate is None:
+            continue
+        rows, slots = np.nonzero(ids == x)
+        hx = quant.Batch(np.ascontiguousarray(h[rows]))
+        g = np.empty((rows.shape[0], gate.rows), np.float32)
+        u = np.empty_like(g)
+        quant.apply(gate, hx, g)
+        quant.apply(up, hx, u)
+        (ops.gelu_mul if geglu else ops.silu_mul)(g, u)
+        y = np.empty((rows.shape[0], dim), np.float32)
+        quant.apply(down, g, y)
+        parts[slots, rows] = y * w[rows, slots][:, None]
+    out[:] = parts[0]
+    for j in range(1, e.used):
+        out += parts[j]

@@ -31,6 +31,8 @@ Models (``--models``, comma separated; a path to any .gguf file also works):
 * ``llama1b-q4_k_m`` the 1B shape written in F16, quantized to Q4_K_M by llama.cpp
 * ``moe16x4-q8_0``   synthetic mixture of experts, qwen3moe with 16 experts top-4 (0.5B), Q8_0
 * ``moe16x4-q4_0``   the same in Q4_0
+* ``qwen3-1.7b-q4_0``, ``gemma3-1b-q4_0``, ``phi3-1b-q4_0``  the other families, synthetic, Q4_0: Qwen3-1.7B's
+                     and Gemma-3-1B's shapes, and phi3 at the Llama-3.2-1B shape (its smallest model is 3.8B)
 
 Derived files are written once into ``<edgetp cache>/bench/`` (``$EDGETP_CACHE_DIR/bench``
 or ``~/.cache/edgetp/bench``; ``--cache-dir`` overrides) and reused afterwards.
@@ -98,7 +100,11 @@ BUILTIN = {
     "moe16x4-q4_0": ModelSpec("moe16x4-q4_0", "Qwen3-MoE-shape 16 experts top-4 0.5B Q4_0 (synthetic)",
                               "qwen3moe-16x4", "q4_0"),
 }
+BUILTIN |= {f"{preset}-q4_0": ModelSpec(f"{preset}-q4_0", f"{label} Q4_0 (synthetic)", preset, "q4_0")
+            for preset, label in (("qwen3-1.7b", "Qwen3-1.7B-shape"), ("gemma3-1b", "Gemma-3-1B-shape"),
+                                  ("phi3-1b", "phi3 at the Llama-3.2-1B shape"))}
 DEFAULT_MODELS = ("smollm2", "smollm2-q4_k_m", "llama1b-q8_0", "llama1b-q4_0", "llama1b-q4_k_m")
+FAMILY_MODELS = ("qwen3-1.7b-q4_0", "gemma3-1b-q4_0", "phi3-1b-q4_0", "moe16x4-q8_0", "moe16x4-q4_0")
 
 
 # --------------------------------------------------------------------------- workers (subprocess side)
@@ -484,9 +490,9 @@ def machine_meta(threads: list[int], isas: list[str], bandwidth: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="SmolLM2 only, 1 thread, best ISA (smoke run)")
-    ap.add_argument("--models", default=",".join(DEFAULT_MODELS),
+    ap.add_argument("--models", default=",".join(DEFAULT_MODELS + FAMILY_MODELS),
                     help=f"comma-separated: {', '.join(BUILTIN)} or paths to .gguf files (default: "
-                         f"{', '.join(DEFAULT_MODELS)})")
+                         f"{', '.join(DEFAULT_MODELS + FAMILY_MODELS)})")
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
     ap.add_argument("--isas", default=None, help="comma-separated ISAs (default: every one this CPU runs)")
     ap.add_argument("--engines", default="edgetp,llama.cpp", help="subset of edgetp,llama.cpp")

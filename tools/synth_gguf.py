@@ -102,6 +102,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen3moe-16x4": dict(dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, head_dim=64, ffn=1024, vocab=32000,
                           ctx=4096, rope_theta=1e6, norm_eps=1e-6, tied=False, arch="qwen3moe", n_experts=16,
                           n_experts_used=4),
+    # The other families at their own small shapes (phi3's smallest is 3.8B: the llama 1B shape instead).
+    "qwen3-1.7b": dict(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, ffn=6144, vocab=151936,
+                       ctx=40960, rope_theta=1e6, norm_eps=1e-6, tied=True, arch="qwen3"),
+    "gemma3-1b": dict(dim=1152, n_layers=26, n_heads=4, n_kv_heads=1, head_dim=256, ffn=6912, vocab=262144,
+                      ctx=32768, rope_theta=1e6, norm_eps=1e-6, tied=True, arch="gemma3", swa_window=512,
+                      rope_theta_swa=10000.0),
+    "phi3-1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64, ffn=8192, vocab=32064,
+                    ctx=4096, rope_theta=10000.0, norm_eps=1e-5, tied=False, arch="phi3", rope_ctx_orig=4096,
+                    name="synthetic-1b"),  # llama.cpp wants Phi-3's special tokens of a model named phi3
     "smollm2-135m": dict(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn=1536, vocab=49152,
                          ctx=8192, rope_theta=100000.0, norm_eps=1e-5, tied=True),
     # Tiny shapes for tests.

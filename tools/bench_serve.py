@@ -119,10 +119,10 @@ def wait_until(check: Callable[[], Any], seconds: float, what: str) -> Any:
 
 
 def start_setup(setup: str, model: Path, key: Path, args: argparse.Namespace, flags: set[str],
-                daemons: list[Daemon]) -> Daemon:
+                daemons: list[Daemon], ctx: int = CTX) -> Daemon:
     """Start the setup's daemons (appended to `daemons` as they start, so the caller stops every one);
     return the root once it serves."""
-    extra = ["--ctx", str(CTX)]
+    extra = ["--ctx", str(ctx)]
     want = max(args.clients)
     if "--slots" in flags:
         extra += ["--slots", str(args.slots or want)]
@@ -175,8 +175,9 @@ def prompt_ids(level: int, client: int) -> list[int]:
     return [FIRST_ID + (seed + 104729 * k * (client + 3)) % ID_SPAN for k in range(PROMPT_TOKENS)]
 
 
-async def one_stream(client: Any, model: str, ids: list[int], max_tokens: int) -> Stream:
-    s = Stream(time.perf_counter())
+async def one_stream(client: Any, model: str, ids: list[int], max_tokens: int, s: Stream | None = None) -> Stream:
+    """One streamed completion; its arrivals go into `s` (a new Stream unless given) as they come."""
+    s = s or Stream(time.perf_counter())
     try:
         stream = await client.completions.create(model=model, prompt=ids, max_tokens=max_tokens, temperature=0,
                                                  stream=True, stream_options={"include_usage": True})

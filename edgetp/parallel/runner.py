@@ -383,6 +383,11 @@ class ClusterRunner:
     def counters(self) -> dict[str, Counters]:
         return {link.name: link.counters.snapshot() for link in self.links}
 
+    @property
+    def rounds(self) -> int:
+        """All-reduce rounds this runner has run (none without workers in the root's stage)."""
+        return self.shard.reduce.rounds if isinstance(self.shard.reduce, RootReduce) else 0
+
     def _on_loop(self, coro, link: Link) -> None:
         try:
             asyncio.run_coroutine_threadsafe(coro, self.loop).result()

@@ -40,8 +40,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tools.bench_local import BUILTIN, ModelSpec, bench_dir, cpu_line, resolve_model  # noqa: E402
-from tools.bench_serve import (FIRST_ID, ID_SPAN, PROMPT_TOKENS, SETUPS, Daemon, Stream, child_env, commit,  # noqa: E402
-                               get_json, ms, one_stream, pct, plan_line, prompt_ids, serve_flags, start_setup)
+from tools.bench_serve import (FIRST_ID, ID_SPAN, PROMPT_TOKENS, Daemon, Stream, add_daemon_args, child_env,  # noqa: E402
+                               commit, get_json, ms, one_stream, pct, plan_line, prompt_ids, serve_flags, setups_of,
+                               start_setup)
 
 WARM_TOKENS = 8      # tokens each running stream has streamed before the long prompt is sent
 STREAM_TOKENS = 128  # tokens each running stream asks for
@@ -143,14 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--setups", default="two", help="comma-separated: one, two")
     ap.add_argument("--streams", type=int, default=3, help="running streams (3)")
     ap.add_argument("--long", type=int, default=1000, help="token ids in the long prompt (1000)")
-    ap.add_argument("--threads", type=int, default=1, help="numba threads per daemon (1)")
     ap.add_argument("--limit", type=float, default=600.0, help="seconds a scenario may take (600)")
-    ap.add_argument("--start-timeout", type=float, default=180.0, help="seconds a daemon may take to start")
-    ap.add_argument("--cache-dir", default=None, help="where derived models live (default <edgetp cache>/bench)")
+    add_daemon_args(ap)
     args = ap.parse_args(argv)
-    setups = [s.strip() for s in args.setups.split(",") if s.strip()]
-    if not setups or any(s not in SETUPS for s in setups):
-        ap.error(f"--setups takes {', '.join(SETUPS)}")
+    setups = setups_of(ap, args.setups)
     if args.streams < 1 or args.long < 2:
         ap.error("--streams must be at least 1 and --long at least 2")
     flags = serve_flags()

@@ -5,7 +5,8 @@
     python tools/bench_mixed.py --models llama1b-q4_0 --setups one,two --streams 4 --long 1000
 
 Real `edgetp serve` daemons on loopback, as tools/bench_serve.py starts them (``one``: one
-daemon; ``two``: the self-formed 2-node cluster). ``--streams`` clients stream completions;
+daemon; ``two``: the self-formed 2-node cluster, tensor-parallel unless ``--parallel`` says
+otherwise). ``--streams`` clients stream completions;
 once each has streamed a few tokens, one more client sends a prompt of ``--long`` token ids.
 The engine reads it in prefill chunks between (or, mixed, inside) the running streams' decode
 steps. Reported, over the window from that request being sent to its first token:
@@ -123,7 +124,8 @@ def run_setup(setup: str, spec: ModelSpec, path: Path, args: argparse.Namespace,
             key = Path(tmp) / "cluster.key"
             subprocess.run([sys.executable, "-m", "edgetp", "keygen", str(key)], check=True, capture_output=True,
                            timeout=60, env=os.environ | child_env(), cwd=ROOT)
-            root = start_setup(setup, path, key, ns, flags, daemons, ctx)
+            root = start_setup(setup, path, key, ns, flags, daemons, ctx,
+                               ["--parallel", args.parallel] if setup == "two" else [])
             model = get_json(root.url, "/v1/models")["data"][0]["id"]
             warm = asyncio.run(scenario(root.url, model, args.streams, args.long, args.limit, seed=1))
             if warm.error:
@@ -144,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--setups", default="two", help="comma-separated: one, two")
     ap.add_argument("--streams", type=int, default=3, help="running streams (3)")
     ap.add_argument("--long", type=int, default=1000, help="token ids in the long prompt (1000)")
+    ap.add_argument("--parallel", default="tp", choices=("tp", "pp", "auto"),
+                    help="plan kind of the 2-node cluster (tp: both nodes split every layer, so every step pays "
+                         "its all-reduces)")
     ap.add_argument("--limit", type=float, default=600.0, help="seconds a scenario may take (600)")
     add_daemon_args(ap)
     args = ap.parse_args(argv)

@@ -119,10 +119,10 @@ def wait_until(check: Callable[[], Any], seconds: float, what: str) -> Any:
 
 
 def start_setup(setup: str, model: Path, key: Path, args: argparse.Namespace, flags: set[str],
-                daemons: list[Daemon], ctx: int = CTX) -> Daemon:
-    """Start the setup's daemons (appended to `daemons` as they start, so the caller stops every one);
-    return the root once it serves."""
-    extra = ["--ctx", str(ctx)]
+                daemons: list[Daemon], ctx: int = CTX, more: Sequence[str] = ()) -> Daemon:
+    """Start the setup's daemons (appended to `daemons` as they start, so the caller stops every one),
+    with `more` serve options; return the root once it serves."""
+    extra = ["--ctx", str(ctx), *more]
     want = max(args.clients)
     if "--slots" in flags:
         extra += ["--slots", str(args.slots or want)]

@@ -87,7 +87,7 @@ class ClusterRunner:
         # measured speeds can change under us; given ones (--weights) cannot
         self.watch = StepWatch() if self.options.get("weights") is None and self.options.get("rebalance", True) \
             and links else None
-        self.due: Rebalance | None = None  # set: the next decode step re-plans instead (the watch, or joins)
+        self.due: Rebalance | None = None  # set: the next step with decode rows re-plans instead (the watch, or joins)
 
     # ------------------------------------------------------------------ set-up (on the loop)
     @classmethod

@@ -223,6 +223,7 @@ def test_mixed_steps_across_three_processes_are_the_bits_of_separate_steps(worke
     assert len(rounds_separate) == (2 + 4 + 3) * per_pass and len(rounds.rows) == (2 + 2 + 3) * per_pass
     assert rounds.rows[2 * per_pass:3 * per_pass] == [2 + 128] * per_pass  # rows and chunk in one reduce
     assert rounds.rows[3 * per_pass:4 * per_pass] == [2 + 1] * per_pass
+    assert rounds.reduce.rounds == len(rounds_separate) + len(rounds.rows)  # what /metrics reports
 
 
 # --------------------------------------------------------------------------- pipelines

@@ -12,6 +12,11 @@ test_batching.py and test_parallel.py.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -24,7 +29,7 @@ from edgetp.serve.spawn import start_worker, stop
 from tests.test_batch_rows import MIXED, Recorder, _bits
 from tools import synth_gguf
 
-SLOTS = 6
+REPO = Path(__file__).resolve().parent.parent
 GREEDY = sampling.SamplingParams(temperature=0)
 SAMPLED = sampling.SamplingParams(temperature=0.8, top_k=20, repeat_penalty=1.3, seed=5)
 
@@ -287,3 +292,27 @@ def test_the_scheduler_through_a_pipeline_mixes_steps_and_gives_each_sequence_it
             runner.close()
     assert [got[id(s)] for s in seqs] == want
     assert ("decode", "prefill") in kinds  # the long prompt's chunks rode with decode rows
+
+
+# --------------------------------------------------------------------------- the generic ISA
+
+GENERIC_CHILD = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import test_mixed_step as t
+from edgetp.model import gguf, isa
+assert isa.current() == "generic", isa.current()
+for kv_type in ("f16", "q8_0"):
+    t._check_mixed(gguf.open_model(sys.argv[2]), kv_type=kv_type, chunk_lengths=(1, 9))
+print("mixed equals separate")
+"""
+
+
+def test_a_mixed_pass_is_the_bits_of_the_two_passes_on_the_generic_isa(mixed_path):
+    env = dict(os.environ, EDGETP_ISA="generic", EDGETP_INT8="1", PYTHONPATH=str(REPO))
+    env.pop("NUMBA_CPU_NAME", None)
+    env.pop("NUMBA_CPU_FEATURES", None)
+    res = subprocess.run([sys.executable, "-c", GENERIC_CHILD, str(REPO / "tests"), str(mixed_path)], env=env,
+                         cwd=REPO, capture_output=True, text=True, timeout=1800)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "mixed equals separate" in res.stdout

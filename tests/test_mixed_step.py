@@ -95,6 +95,13 @@ def test_mixed_type_mixed_pass_is_the_bits_of_the_two_passes(mixed_path, threads
     _check_mixed(gguf.open_model(mixed_path), kv_type=kv_type)
 
 
+def test_a_phi3_mixed_pass_is_the_bits_of_the_two_passes(synth_model, int8):
+    # fused q|k|v and gate|up cut into row views per shard: the mixed pass reads them as each pass alone does
+    path = synth_model("tiny-k", "q4_0", arch="phi3", rope_ctx_orig=128, ctx=1024)
+    _check_mixed(gguf.open_model(path), chunk_lengths=(1, 9))
+    _check_mixed(gguf.open_model(path), llama.ShardSpec((1, 2), (256, 512), (0, 320)), chunk_lengths=(5,))
+
+
 @pytest.mark.parametrize("spec", [((1, 2), (256, 512), (0, 320), None), ((0, 0), (0, 96), (320, 640), None),
                                   ((0, 2), (0, 0), (0, 0), None), ((0, 2), (0, 512), (0, 0), (0, 1))],
                          ids=["half", "no-attention", "no-ffn", "first-stage"])

@@ -62,7 +62,8 @@ class RequestRecord:
 @dataclass(frozen=True)
 class StepRecord:
     """One step of the root's engine: a decode step (one token for each of `batch` sequences)
-    or one prefill chunk (`batch` prompt tokens of one sequence)."""
+    or one prefill chunk (`batch` prompt tokens of one sequence). A step that carries both in one
+    pass is one record of each, both with the pass's wall time."""
 
     kind: str                    # "decode" | "prefill"
     batch: int

@@ -72,6 +72,7 @@ async def test_the_root_shows_its_slots_in_the_view_the_event_snapshot_and_metri
     m = await scrape(url)
     assert (m[("edgetp_slots_total", ())], m[("edgetp_slots_active", ())], m[("edgetp_queue_depth", ())]) == (SLOTS, 0, 0)
     assert m[("edgetp_batch_size", ())] == 0 and m[("edgetp_prefix_cache_hits_total", ())] == 0
+    assert m[("edgetp_allreduce_rounds", ())] == 0  # one node: no all-reduce (a cluster's: test_mixed_step.py)
 
 
 async def test_a_node_that_forwards_to_another_root_shows_no_slots(start):

@@ -119,10 +119,10 @@ def wait_until(check: Callable[[], Any], seconds: float, what: str) -> Any:
 
 
 def start_setup(setup: str, model: Path, key: Path, args: argparse.Namespace, flags: set[str],
-                daemons: list[Daemon]) -> Daemon:
-    """Start the setup's daemons (appended to `daemons` as they start, so the caller stops every one);
-    return the root once it serves."""
-    extra = ["--ctx", str(CTX)]
+                daemons: list[Daemon], ctx: int = CTX, more: Sequence[str] = ()) -> Daemon:
+    """Start the setup's daemons (appended to `daemons` as they start, so the caller stops every one),
+    with `more` serve options; return the root once it serves."""
+    extra = ["--ctx", str(ctx), *more]
     want = max(args.clients)
     if "--slots" in flags:
         extra += ["--slots", str(args.slots or want)]
@@ -175,8 +175,9 @@ def prompt_ids(level: int, client: int) -> list[int]:
     return [FIRST_ID + (seed + 104729 * k * (client + 3)) % ID_SPAN for k in range(PROMPT_TOKENS)]
 
 
-async def one_stream(client: Any, model: str, ids: list[int], max_tokens: int) -> Stream:
-    s = Stream(time.perf_counter())
+async def one_stream(client: Any, model: str, ids: list[int], max_tokens: int, s: Stream | None = None) -> Stream:
+    """One streamed completion; its arrivals go into `s` (a new Stream unless given) as they come."""
+    s = s or Stream(time.perf_counter())
     try:
         stream = await client.completions.create(model=model, prompt=ids, max_tokens=max_tokens, temperature=0,
                                                  stream=True, stream_options={"include_usage": True})
@@ -327,6 +328,21 @@ def run_setup(setup: str, spec: ModelSpec, path: Path, args: argparse.Namespace,
     return table(title, rows, args.max_tokens) + f"\n\n{plan}"
 
 
+def add_daemon_args(ap: argparse.ArgumentParser) -> None:
+    """The options of how daemons start, shared with tools/bench_mixed.py."""
+    ap.add_argument("--threads", type=int, default=1, help="numba threads per daemon (1)")
+    ap.add_argument("--start-timeout", type=float, default=180.0, help="seconds a daemon may take to start")
+    ap.add_argument("--cache-dir", default=None, help="where derived models live (default <edgetp cache>/bench)")
+
+
+def setups_of(ap: argparse.ArgumentParser, text: str) -> list[str]:
+    """--setups parsed, or the parser's error."""
+    setups = [s.strip() for s in text.split(",") if s.strip()]
+    if not setups or any(s not in SETUPS for s in setups):
+        ap.error(f"--setups takes {', '.join(SETUPS)}")
+    return setups
+
+
 def parse_clients(text: str) -> list[int]:
     counts = sorted({int(x) for x in text.split(",") if x.strip()})
     if not counts or counts[0] < 1 or counts[-1] > 256:
@@ -342,17 +358,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=parse_clients, default=parse_clients("1,2,4,8,16"),
                     help="comma-separated concurrent client counts (1 is always run, as the baseline)")
     ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help=f"tokens asked per stream ({MAX_TOKENS})")
-    ap.add_argument("--threads", type=int, default=1, help="numba threads per daemon (1)")
     ap.add_argument("--slots", type=int, default=0, help="--slots for the daemons (default: the most clients); "
                                                          "ignored by a daemon without slots")
     ap.add_argument("--limit", type=float, default=900.0, help="seconds one level may take before it counts as "
                                                                 "failed (900)")
-    ap.add_argument("--start-timeout", type=float, default=180.0, help="seconds a daemon may take to start")
-    ap.add_argument("--cache-dir", default=None, help="where derived models live (default <edgetp cache>/bench)")
+    add_daemon_args(ap)
     args = ap.parse_args(argv)
-    setups = [s.strip() for s in args.setups.split(",") if s.strip()]
-    if not setups or any(s not in SETUPS for s in setups):
-        ap.error(f"--setups takes {', '.join(SETUPS)}")
+    setups = setups_of(ap, args.setups)
     if not 1 <= args.max_tokens <= CTX - PROMPT_TOKENS:
         ap.error(f"--max-tokens must lie in 1..{CTX - PROMPT_TOKENS}")
 

@@ -1,12 +1,16 @@
 """Continuous batching: several sequences on one runner, one token of each per decode step.
 
 A `Scheduler` holds up to `runner.slots` sequences, each in a slot of the KV
-cache. Every `step()` runs
-  1. one decode step: the pending token of every sequence that is decoding,
-     in one `runner.decode` call (in a cluster its all-reduces carry the
-     whole batch, so the round trips are paid once for all of them);
+cache. Every `step()` runs, in one pass through the runner,
+  1. the decode rows: the pending token of every sequence that is decoding
+     (in a cluster its all-reduces carry the whole batch, so the round trips
+     are paid once for all of them);
   2. one prefill chunk of the oldest sequence still reading its prompt, so
      a long prompt is read between the tokens of the streams already running.
+A step with both is one `runner.mixed` call: each all-reduce carries the
+decode rows and the chunk's rows together (`Shard.forward_mixed`), so the
+chunk adds no round trip of its own. A step with one kind only calls
+`runner.decode` or `runner.prefill`.
 Sequences join (`admit`) and leave (`drop`, or on finishing) between steps,
 each with its own sampling parameters, stop strings and `max_tokens`.
 
@@ -74,6 +78,18 @@ class Row:
     token: int
     history: Sequence[int]     # every token of the sequence so far, this one included (penalties)
     params: SamplingParams
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One prefill chunk: ids fed at pos.. of slot; with params (the prompt's last chunk), how to
+    pick the token after them."""
+
+    slot: int
+    pos: int
+    ids: Sequence[int]
+    history: Sequence[int] | None = None  # every token of the sequence so far (penalties); None: no candidates
+    params: SamplingParams | None = None
 
 
 def chunks(start: int, end: int, size: int = PREFILL_CHUNK) -> Iterator[tuple[int, int]]:
@@ -236,36 +252,48 @@ class Scheduler:
     # ---------------------------------------------------------------- one step
 
     def step(self) -> list[tuple[Seq, TokenEvent]]:
-        """One decode step for every decoding sequence, then one prefill chunk; the tokens they answered.
+        """One pass: a decode row of every decoding sequence and one prefill chunk; the tokens they answered.
 
         Finished sequences leave. Raises what the runner raises (RunnerLost only when no recovery is left).
+        `last` says what ran: a mixed pass is one ("decode", rows, ms) and one ("prefill", tokens, ms)
+        with the same ms, the wall time of the whole pass.
         """
-        out: list[tuple[Seq, TokenEvent]] = []
         self.last = []
         decoding = [s for s in self.seqs if s.pending is not None]
-        if decoding:
-            rows = [Row(s.slot, s.fed, s.pending, s.history, s.params) for s in decoding]
-            t0 = time.perf_counter()
-            cands = self._run(lambda r: r.decode(rows))
+        rows = [Row(s.slot, s.fed, s.pending, s.history, s.params) for s in decoding]
+        filling = next((s for s in self.seqs if s.pending is None and not s.done), None)
+        chunk = None
+        if filling is not None:
+            a, b = next(chunks(filling.fed, len(filling.prompt), self.chunk))
+            last = b == len(filling.prompt)
+            chunk = Chunk(filling.slot, a, list(filling.prompt[a:b]), filling.history if last else None,
+                          filling.params if last else None)
+        if not rows and chunk is None:
+            return []
+        t0 = time.perf_counter()
+        if not rows:
+            cands, cand = [], self._run(lambda r: r.prefill(chunk.slot, chunk.ids, chunk.pos, chunk.history,
+                                                            chunk.params))
+        elif chunk is None:
+            cands, cand = self._run(lambda r: r.decode(rows)), None
+        else:
+            cands, cand = self._run(lambda r: r.mixed(rows, chunk))
+        ms = (time.perf_counter() - t0) * 1000
+        out: list[tuple[Seq, TokenEvent]] = []
+        if rows:
             self.batch = len(rows)
-            self.last.append(("decode", len(rows), (time.perf_counter() - t0) * 1000))
+            self.last.append(("decode", len(rows), ms))
             for s, c in zip(decoding, cands):
                 self.cache.fed(s.slot, s.fed, [s.pending], False)
                 s.fed += 1
                 out.append((s, self._answer(s, c)))
-        filling = next((s for s in self.seqs if s.pending is None and not s.done), None)
-        if filling is not None:
+        if chunk is not None:
             s = filling
-            a, b = next(chunks(s.fed, len(s.prompt), self.chunk))
-            last = b == len(s.prompt)
-            ids = list(s.prompt[a:b])
-            t0 = time.perf_counter()
-            c = self._run(lambda r: r.prefill(s.slot, ids, a, s.history if last else None, s.params if last else None))
-            self.last.append(("prefill", len(ids), (time.perf_counter() - t0) * 1000))
-            self.cache.fed(s.slot, a, ids, b - a == self.chunk)
-            s.fed = b
-            if last:
-                out.append((s, self._answer(s, c)))
+            self.last.append(("prefill", len(chunk.ids), ms))
+            self.cache.fed(s.slot, chunk.pos, chunk.ids, len(chunk.ids) == self.chunk)
+            s.fed = chunk.pos + len(chunk.ids)
+            if chunk.params is not None:
+                out.append((s, self._answer(s, cand)))
         for s, ev in out:
             if ev.finish_reason is not None:
                 self.drop(s)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numba import njit, prange
 
-from edgetp.model import intdot, kvcache, moe, ops, quant
+from edgetp.model import intdot, kvcache, moe, ops, passes, quant
 
 if TYPE_CHECKING:
     from edgetp.model.llama import Layer, Shard
@@ -158,6 +158,10 @@ class Plan:
 
     def forward_rows(self, x: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """x (n, dim), n <= rows: row b at positions[b] of KV slot slots[b] (int64 arrays, distinct slots)."""
+        return passes.run(self.steps(x, slots, positions), self.shard.reduce)
+
+    def steps(self, x: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> passes.Steps:
+        """forward_rows one half-layer at a time (passes.py): yields each partial for the caller to sum."""
         s, cfg = self.shard, self.shard.w.cfg
         n = x.shape[0]
         quant.use_threads()
@@ -188,7 +192,7 @@ class Plan:
                            cfg.swa_window if local else 0, cfg.attn_softcap, p.att[:n], serial, p.o.rounds, *ra)
                 p.o(n, serial)
                 partial = p.o.out[:n]
-            s.reduce(partial)
+            yield partial
             post = _NO_NORM if layer.attn_post_norm is None else layer.attn_post_norm
             if p.moe is not None:  # each row alone, so that it gets the bits of a token alone
                 _add_norm(x, partial, post, layer.ffn_norm, eps, h, True, False, *rh)
@@ -203,7 +207,7 @@ class Plan:
                 _glu(p.gate[:n], p.up[:n], cfg.geglu, p.down.rounds, *rg)
                 p.down(n, serial)
                 partial = p.down.out[:n]
-            s.reduce(partial)
+            yield partial
             post = _NO_NORM if layer.ffn_post_norm is None else layer.ffn_post_norm
         if s.w.out_norm is None:  # a pipeline stage before the last: the residual goes on
             if self.layers and post.shape[0]:

@@ -15,8 +15,8 @@ from typing import Callable, Iterator, Protocol, Sequence
 import numpy as np
 
 from edgetp.model import llama, sampling
-from edgetp.model.batch import (PREFILL_CHUNK, ContextError, Row, RunnerLost, Scheduler, Seq, TokenEvent,  # noqa: F401
-                                chunks)
+from edgetp.model.batch import (PREFILL_CHUNK, Chunk, ContextError, Row, RunnerLost, Scheduler, Seq,  # noqa: F401
+                                TokenEvent, chunks)
 from edgetp.model.gguf import ModelFile
 from edgetp.model.sampling import Candidates, SamplingParams
 from edgetp.model.tokenizer import Tokenizer
@@ -38,6 +38,10 @@ class Runner(Protocol):
 
     def decode(self, rows: Sequence[Row]) -> list[Candidates]:
         """Feed one token of each row's slot at its position; the candidates for each row's next token."""
+
+    def mixed(self, rows: Sequence[Row], chunk: Chunk) -> tuple[list[Candidates], Candidates | None]:
+        """decode(rows) and prefill of chunk in one pass (each all-reduce carries both), each computed
+        as alone: decode's candidates, and prefill's (None without chunk.params)."""
 
     def logits(self, ids: Sequence[int], pos: int) -> np.ndarray:
         """Feed ids at positions pos.. of slot 0, return the full logits of every position: (n, vocab)."""
@@ -68,6 +72,16 @@ class LocalRunner:
     def decode(self, rows):
         h = self.shard.forward_rows(llama.embed(self.mf, [r.token for r in rows]), [r.slot for r in rows],
                                     [r.pos for r in rows])
+        return self._rows(h, rows)
+
+    def mixed(self, rows, chunk):
+        x = llama.embed(self.mf, [r.token for r in rows] + list(chunk.ids))
+        h = self.shard.forward_mixed(x, [r.slot for r in rows], [r.pos for r in rows], chunk.pos, chunk.slot)
+        last = None if chunk.params is None else \
+            sampling.candidates(self.shard.logits(h[-1:])[0], 0, chunk.history, chunk.params)
+        return self._rows(h[:len(rows)], rows), last
+
+    def _rows(self, h, rows):
         logits = self.shard.logits_rows(h)
         return [sampling.candidates(logits[i], 0, r.history, r.params) for i, r in enumerate(rows)]
 

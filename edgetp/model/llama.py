@@ -23,7 +23,7 @@ from typing import Callable
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from edgetp.model import decode, kvcache, moe, ops, quant
+from edgetp.model import decode, kvcache, moe, ops, passes, quant
 from edgetp.model.gguf import ModelConfig, ModelFile
 
 Range = tuple[int, int]
@@ -305,6 +305,10 @@ class Shard:
         Returns x after the final norm, (n, dim); a pipeline stage before the last
         returns the residual stream x itself, for the next stage.
         """
+        return passes.run(self.forward_steps(x, pos, slot), self.reduce)
+
+    def forward_steps(self, x: np.ndarray, pos: int, slot: int = 0) -> passes.Steps:
+        """forward one half-layer at a time (passes.py): yields each partial for the caller to sum."""
         n = x.shape[0]
         if not 0 <= slot < self.slots:
             raise ValueError(f"KV slot {slot} does not exist: this shard holds slots 0 to {self.slots - 1}")
@@ -314,19 +318,19 @@ class Shard:
             int8 = quant.int8_decode()
             if int8 not in self._plans:
                 self._plans[int8] = decode.Plan(self, int8)
-            return self._plans[int8].forward(x, pos, slot)
+            return (yield from self._plans[int8].steps(x, np.array([slot], np.int64), np.array([pos], np.int64)))
         cfg = self.w.cfg
         h = np.empty_like(x)
         for i, layer in enumerate(self.w.layers):
             ops.rmsnorm(x, layer.attn_norm, cfg.norm_eps, h)
             partial = self._attention(i, layer, h, pos, slot)
-            self.reduce(partial)
+            yield partial
             if layer.attn_post_norm is not None:
                 ops.rmsnorm(partial, layer.attn_post_norm, cfg.norm_eps, partial)
             x += partial
             ops.rmsnorm(x, layer.ffn_norm, cfg.norm_eps, h)
             partial = self._ffn(i, layer, h)
-            self.reduce(partial)
+            yield partial
             if layer.ffn_post_norm is not None:
                 ops.rmsnorm(partial, layer.ffn_post_norm, cfg.norm_eps, partial)
             x += partial
@@ -346,6 +350,10 @@ class Shard:
         kernels run row by row. reduce gets one (B, dim) partial per half-layer. A pipeline
         stage before the last returns the residual stream, as forward does.
         """
+        return passes.run(self.rows_steps(x, slots, positions), self.reduce)
+
+    def rows_steps(self, x: np.ndarray, slots, positions) -> passes.Steps:
+        """forward_rows one half-layer at a time (passes.py): yields each partial for the caller to sum."""
         B = x.shape[0]
         sl, ps = np.asarray(slots, np.int64).reshape(-1), np.asarray(positions, np.int64).reshape(-1)
         if x.ndim != 2 or x.shape[1] != self.w.cfg.dim or x.dtype != np.float32 or not x.flags.c_contiguous:
@@ -360,7 +368,25 @@ class Shard:
         int8 = quant.int8_decode()
         if int8 not in self._row_plans:
             self._row_plans[int8] = decode.Plan(self, int8, self.slots)
-        return self._row_plans[int8].forward_rows(x, sl, ps)
+        return (yield from self._row_plans[int8].steps(x, sl, ps))
+
+    def forward_mixed(self, x: np.ndarray, slots, positions, pos: int, slot: int) -> np.ndarray:
+        """One step of decode rows and a prefill chunk in one pass: x (B + n, dim), its first B rows
+        forward_rows's (slots, positions), the other n a chunk at pos.. of KV slot `slot` (not one
+        of `slots`), in place. Returns (B + n, dim): forward_rows's rows, then forward's.
+
+        Each half-layer's partials of both go through reduce as one (B + n, dim) array (in a
+        cluster one round trip, not two); everything else is computed as the two calls alone
+        compute it, so every row and cache entry is their bits.
+        """
+        B = len(slots)
+        if not 0 < B < x.shape[0]:
+            raise ValueError(f"a mixed step needs decode rows and chunk rows: {B} rows of {x.shape[0]} are decode rows")
+        if slot in list(slots):
+            raise ValueError(f"KV slot {slot} cannot take a prefill chunk and a decode row in one step")
+        rows, chunk = passes.together([self.rows_steps(x[:B], slots, positions),
+                                       self.forward_steps(x[B:], pos, slot)], self.reduce)
+        return np.concatenate([rows, chunk])
 
     def logits_rows(self, h: np.ndarray) -> np.ndarray:
         """logits for B decoded tokens at once, h (B, dim): row b the bits of logits(h[b:b+1])[0]

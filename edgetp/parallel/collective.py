@@ -78,8 +78,10 @@ class RootReduce:
     def __init__(self, workers: Sequence[Hot], sync: str) -> None:
         self.workers = list(workers)
         self.sync = sync
+        self.rounds = 0  # all-reduces run so far (one round trip to every worker each)
 
     def __call__(self, partial: np.ndarray) -> None:
+        self.rounds += 1
         for w in self.workers:
             partial += decode_sync(w.recv(FrameType.PARTIAL), partial.shape, self.sync)
         wire = encode_sync(partial, self.sync)

@@ -5,8 +5,9 @@ worker, measures round trips and speeds, plans, and has each node map its
 shard. After that the generation loop calls `begin/run/end` from its own
 thread, exactly as it would a LocalRunner: the root embeds the tokens,
 broadcasts them, runs its own shard with the all-reduce, and merges the
-sampling candidates every node sends. A STEP is a prefill chunk of one slot
-or a decode step of several (one row per sequence); either way every
+sampling candidates every node sends. A STEP is a decode step of several
+slots (one row per sequence), a prefill chunk of one slot, or both at once
+(a mixed step: the decode rows, then the chunk's rows); either way every
 all-reduce carries all of its rows.
 """
 
@@ -22,7 +23,7 @@ import numpy as np
 
 from edgetp.parallel import profile
 from edgetp.model import llama, sampling
-from edgetp.model.batch import Rebalance, Row, RunnerLost, chunks
+from edgetp.model.batch import Chunk, Rebalance, Row, RunnerLost, chunks
 from edgetp.model.generate import feed
 from edgetp.model.gguf import ModelFile
 from edgetp.net.frames import Frame, FrameType
@@ -87,7 +88,7 @@ class ClusterRunner:
         # measured speeds can change under us; given ones (--weights) cannot
         self.watch = StepWatch() if self.options.get("weights") is None and self.options.get("rebalance", True) \
             and links else None
-        self.due: Rebalance | None = None  # set: the next decode step re-plans instead (the watch, or joins)
+        self.due: Rebalance | None = None  # set: the next step with decode rows re-plans instead (the watch, or joins)
 
     # ------------------------------------------------------------------ set-up (on the loop)
     @classmethod
@@ -234,21 +235,7 @@ class ClusterRunner:
 
     def prefill(self, slot, ids, pos, history, params):
         """One chunk of one slot; with params, the merged candidates for the token after it."""
-        self._check_room(pos + len(ids))
-        x = llama.embed(self.mf, list(ids))
-        header = {"slot": slot, "pos": pos, "ids": [int(t) for t in ids],
-                  "want": "none" if params is None else "candidates"}
-        if params is not None:
-            header["params"] = asdict(params)
-        h = self._stages(header, x, lambda: self.shard.forward(x, pos, slot=slot))
-        if params is None:
-            return None
-        parts = [] if h is None else [sampling.candidates(self.shard.logits(h[-1:])[0], self.offset, history, params)]
-        try:
-            parts += [candidates_from(hot.recv(FrameType.LOGITS)) for hot in self.answering]
-        except LinkClosed as exc:
-            raise _lost(exc) from None
-        return sampling.merge(parts)
+        return self._step([], Chunk(slot, pos, list(ids), history, params))[1]
 
     def decode(self, rows: Sequence[Row]) -> list[sampling.Candidates]:
         """One token of each row's sequence; every node with vocabulary rows answers candidates for each row.
@@ -256,45 +243,103 @@ class ClusterRunner:
         Through a pipeline the rows go as micro-batches, one per stage: a later stage works on one
         while the stages before it work on the next.
         """
-        for r in rows:
-            self._check_room(r.pos + 1)
-        if self.due is not None:  # before anything is sent: the workers have seen nothing of this step
-            raise self.due
+        self._due()
         t0 = time.perf_counter()
-        out = self._decode(rows)
-        if self.watch is not None:
+        out = self._step(rows, None)[0]
+        if self.watch is not None:  # pure decode steps only: a chunk's tokens would look like a slowdown
             why = self.watch.record(len(rows), time.perf_counter() - t0, max(r.pos for r in rows))
             if why is not None and self.due is None:
                 self.due = Rebalance(why)
         return out
 
-    def _decode(self, rows: Sequence[Row]) -> list[sampling.Candidates]:
-        m = max(1, min(len(rows), len(self.chain) + 1)) if self.chain else 1
-        batches = [list(rows[i * len(rows) // m:(i + 1) * len(rows) // m]) for i in range(m)]
+    def mixed(self, rows: Sequence[Row], chunk: Chunk) -> tuple[list[sampling.Candidates], sampling.Candidates | None]:
+        """decode(rows) and prefill(chunk) in one pass: one STEP to each worker carrying both, one
+        all-reduce per half-layer over both, one LOGITS answer (the rows' candidates, then the chunk's
+        when it ends its prompt). Through a pipeline the chunk rides with the first micro-batch."""
+        self._due()
+        return self._step(rows, chunk)
+
+    def _due(self) -> None:
+        if self.due is not None:  # before anything is sent: the workers have seen nothing of this step
+            raise self.due
+
+    def _step(self, rows: Sequence[Row], chunk: Chunk | None) -> tuple[list[sampling.Candidates],
+                                                                         sampling.Candidates | None]:
+        """rows and chunk through every stage; the merged candidates of each row, and of the chunk's
+        last token when it asks for them (chunk.params)."""
         out: list[sampling.Candidates] = []
-        sent = []
-        for batch in batches:  # every micro-batch through the root's stage, then on to the chain
-            x = llama.embed(self.mf, [r.token for r in batch])
-            header = {"rows": [[r.slot, r.pos, int(r.token)] for r in batch], "params": [asdict(r.params) for r in batch]}
-            slots, positions = [r.slot for r in batch], [r.pos for r in batch]
-            h = self._forward(header, x, lambda: self.shard.forward_rows(x, slots, positions))
-            if self.chain:
-                self._send(self.chain[0], header, h)
-            sent.append((batch, header, h))
-        for k in range(1, len(self.chain)):  # each later stage gets each micro-batch as the one before hands it on
-            for batch, header, _ in sent:
-                self._send(self.chain[k], header, self._hidden(self.chain[k - 1], len(batch)))
-        for batch, _, h in sent:
-            own = []
-            if not self.chain:
-                logits = self.shard.logits_rows(h)
+        last = None
+        for batch, c, h in self._pass(rows, chunk, "none" if chunk is None or chunk.params is None else "candidates"):
+            wants = [r.params for r in batch] + ([c.params] if c is not None and c.params is not None else [])
+            if not wants:
+                continue  # a prefill chunk before its prompt's last: nobody answers
+            own: list[sampling.Candidates] = []
+            if h is not None:
+                B = len(batch)
+                logits = self.shard.logits_rows(h[:B])
                 own = [sampling.candidates(logits[i], self.offset, r.history, r.params) for i, r in enumerate(batch)]
+                if len(wants) > B:
+                    own.append(sampling.candidates(self.shard.logits(h[-1:])[0], self.offset, c.history, c.params))
             try:
-                theirs = [candidates_rows_from(hot.recv(FrameType.LOGITS), len(batch)) for hot in self.answering]
+                if batch:
+                    theirs = [candidates_rows_from(hot.recv(FrameType.LOGITS), len(wants)) for hot in self.answering]
+                else:
+                    theirs = [[candidates_from(hot.recv(FrameType.LOGITS))] for hot in self.answering]
             except LinkClosed as exc:
                 raise _lost(exc) from None
-            out += [sampling.merge(([own[i]] if own else []) + [t[i] for t in theirs]) for i in range(len(batch))]
-        return out
+            merged = [sampling.merge(([own[i]] if own else []) + [t[i] for t in theirs]) for i in range(len(wants))]
+            out += merged[:len(batch)]
+            if len(wants) > len(batch):
+                last = merged[-1]
+        return out, last
+
+    def _pass(self, rows: Sequence[Row], chunk: Chunk | None, want: str) -> list[tuple[list[Row], Chunk | None,
+                                                                                      np.ndarray | None]]:
+        """Send rows and chunk through every stage: (rows, chunk, final hidden states or None) per
+        micro-batch. The final hidden states are the root's own (B + n, dim) when its stage is the last;
+        else the last stage's worker answers for the step.
+
+        Through a pipeline the rows go as micro-batches, one per stage (the chunk with the first): a
+        later stage works on one while the stages before it work on the next.
+        """
+        for r in rows:
+            self._check_room(r.pos + 1)
+        if chunk is not None:
+            self._check_room(chunk.pos + len(chunk.ids))
+        m = max(1, min(len(rows), len(self.chain) + 1)) if self.chain else 1
+        batches = [list(rows[i * len(rows) // m:(i + 1) * len(rows) // m]) for i in range(m)]
+        sent = []
+        for k, batch in enumerate(batches):  # every micro-batch through the root's stage, then on to the chain
+            c = chunk if k == 0 else None
+            header, x, own = self._step_of(batch, c, want)
+            h = self._forward(header, x, own)
+            if self.chain:
+                self._send(self.chain[0], header, h)
+            sent.append((batch, c, header, h))
+        for k in range(1, len(self.chain)):  # each later stage gets each micro-batch as the one before hands it on
+            for _, _, header, h in sent:
+                self._send(self.chain[k], header, self._hidden(self.chain[k - 1], h.shape[0]))
+        return [(batch, c, None if self.chain else h) for batch, c, _, h in sent]
+
+    def _step_of(self, batch: list[Row], c: Chunk | None, want: str) -> tuple[dict, np.ndarray,
+                                                                               Callable[[], np.ndarray]]:
+        """A micro-batch's STEP header, its embeddings (rows first, then the chunk's) and the root's own
+        pass over them."""
+        header: dict = {}
+        x = llama.embed(self.mf, [r.token for r in batch] + ([] if c is None else list(c.ids)))
+        slots, positions = [r.slot for r in batch], [r.pos for r in batch]
+        params = [asdict(r.params) for r in batch]
+        if batch:
+            header |= {"rows": [[r.slot, r.pos, int(r.token)] for r in batch], "params": params}
+        if c is None:
+            return header, x, lambda: self.shard.forward_rows(x, slots, positions)
+        header |= {"slot": c.slot, "pos": c.pos, "ids": [int(t) for t in c.ids], "want": want}
+        if want == "candidates":
+            chunk_params = asdict(c.params)
+            header["params"] = params + [chunk_params] if batch else chunk_params
+        if not batch:
+            return header, x, lambda: self.shard.forward(x, c.pos, slot=c.slot)
+        return header, x, lambda: self.shard.forward_mixed(x, slots, positions, c.pos, c.slot)
 
     def run(self, ids, pos, history, params):
         """ids at pos.. of slot 0 in aligned chunks; the candidates for the next token."""
@@ -304,11 +349,7 @@ class ClusterRunner:
         """Full logits of every position of slot 0, gathered from every node's rows (tests, Q8_0 checks)."""
         out = []
         for a, b in chunks(pos, pos + len(ids)):
-            chunk = list(ids[a - pos:b - pos])
-            self._check_room(b)
-            x = llama.embed(self.mf, chunk)
-            h = self._stages({"slot": 0, "pos": a, "ids": chunk, "want": "logits"}, x,
-                             lambda: self.shard.forward(x, a))
+            [(_, _, h)] = self._pass([], Chunk(0, a, list(ids[a - pos:b - pos])), "logits")
             rows = [] if h is None else [self.shard.logits(h)]
             try:
                 rows += [np.array(hot.recv(FrameType.LOGITS).array()) for hot in self.answering]
@@ -331,17 +372,6 @@ class ClusterRunner:
         except LinkClosed as exc:
             raise _lost(exc) from None
 
-    def _stages(self, header: dict, x: np.ndarray, own: Callable[[], np.ndarray]) -> np.ndarray | None:
-        """The root's stage, then each later stage in turn; the final hidden states when the root's
-        stage is the last, else None (the last stage's worker answers for the step)."""
-        h = self._forward(header, x, own)
-        for k, hot in enumerate(self.chain):
-            self._send(hot, header, h)
-            if k == len(self.chain) - 1:
-                return None
-            h = self._hidden(hot, x.shape[0])
-        return h
-
     def _send(self, hot: Hot, header: dict, h: np.ndarray) -> None:
         try:
             hot.send(FrameType.STEP, header, h)
@@ -358,6 +388,11 @@ class ClusterRunner:
 
     def counters(self) -> dict[str, Counters]:
         return {link.name: link.counters.snapshot() for link in self.links}
+
+    @property
+    def rounds(self) -> int:
+        """All-reduce rounds this runner has run (none without workers in the root's stage)."""
+        return self.shard.reduce.rounds if isinstance(self.shard.reduce, RootReduce) else 0
 
     def _on_loop(self, coro, link: Link) -> None:
         try:

@@ -512,6 +512,9 @@ class Metrics:
                                    registry=r)
         self.cached_tokens = Counter("edgetp_prefix_cached_tokens", "Prompt tokens taken from the prefix cache",
                                      registry=r)
+        self.rounds = Gauge("edgetp_allreduce_rounds", "All-reduce rounds run by the root's current runner "
+                            "(from 0 again after a re-plan)", registry=r)
+        self.rounds.set_function(lambda: getattr(engine.runner, "rounds", 0))
         self.replans = Counter("edgetp_replans", "Re-plans of the cluster", registry=r)
         self.elections = Counter("edgetp_elections", "Root elections", registry=r)
         self._started: dict[str, float] = {}

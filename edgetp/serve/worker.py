@@ -5,7 +5,7 @@ Session with a root, over one link:
     HELLO/auth  ->  PING/PONG*  ->  PROFILE -> READY{speed, mem}
     LOAD{model, fingerprint, spec, ctx, sync[, fetch_port]}  -> PROGRESS{done, total}* -> READY{rss, ...}
     RESET{params, mode}  -> hot loop on a compute thread:
-        STEP{pos, ids, want} + x  ->  [PARTIAL -> REDUCED] x 2 per layer  ->  LOGITS
+        STEP{rows and/or slot, pos, ids, want} + x  ->  [PARTIAL -> REDUCED] x 2 per layer  ->  LOGITS
         (a pipeline stage of its own: no PARTIAL, and HIDDEN instead of LOGITS before the last stage)
         STEP{end}  -> back to asyncio
     (close)  -> shard dropped, next root may connect
@@ -369,12 +369,16 @@ def _feed(history: dict[int, list[int]], slot: int, pos: int, ids: list[int]) ->
 def _hot_loop(hot: Hot, shard: llama.Shard, mf, hands_on: bool = False) -> None:
     """STEP after STEP until the root says end; runs on the compute thread.
 
-    A STEP is a prefill chunk of one slot ("slot", "pos", "ids") or a decode
-    step of several ("rows": [slot, pos, id] each); it carries the sampling
-    parameters of what it asks candidates for, and its payload carries the
-    embeddings only when this node has no embedding table of its own (or,
-    for a later pipeline stage, the residual stream). Each slot's tokens are
-    kept here for the repetition penalties.
+    A STEP carries a decode step of several slots ("rows": [slot, pos, id]
+    each), a prefill chunk of one slot ("slot", "pos", "ids", "want"), or both
+    (a mixed step: one pass, each all-reduce over the rows and then the chunk's
+    rows, Shard.forward_mixed). It carries the sampling parameters of what it
+    asks candidates for ("params": the rows', then the chunk's when it wants
+    candidates), and its payload carries the embeddings (rows first) only when
+    this node has no embedding table of its own (or, for a later pipeline
+    stage, the residual stream). Each slot's tokens are kept here for the
+    repetition penalties. With rows, LOGITS holds the candidates of each row,
+    then the chunk's; a chunk alone answers its candidates (or every logit).
 
     A pipeline stage before the last answers no candidates: when it is a
     stage of its own (`hands_on`) it hands its residual stream back (HIDDEN)
@@ -387,39 +391,39 @@ def _hot_loop(hot: Hot, shard: llama.Shard, mf, hands_on: bool = False) -> None:
         h = frame.header
         if h.get("end"):
             return
-        rows = h.get("rows")
-        ids = [int(r[2]) for r in rows] if rows is not None else [int(t) for t in h["ids"]]
+        rows = h.get("rows") or []
+        chunk = [int(t) for t in h["ids"]] if "ids" in h else None
+        ids = [int(r[2]) for r in rows] + (chunk or [])
+        if not ids:
+            raise ValueError("STEP carries neither rows nor ids")
         if len(frame.payload):
             x = np.array(frame.array(), dtype=np.float32)  # own copy: the payload views a reused buffer
         else:
             x = llama.embed(mf, ids)
-        if rows is not None:
-            slots, positions = [int(r[0]) for r in rows], [int(r[1]) for r in rows]
-            for slot, pos, t in zip(slots, positions, ids):
-                _feed(history, slot, pos, [t])
+        slots, positions = [int(r[0]) for r in rows], [int(r[1]) for r in rows]
+        for slot, pos, t in zip(slots, positions, ids):
+            _feed(history, slot, pos, [t])
+        if chunk is not None:
+            slot, pos = int(h.get("slot", 0)), int(h["pos"])
+            _feed(history, slot, pos, chunk)
+            out = shard.forward_mixed(x, slots, positions, pos, slot) if rows else shard.forward(x, pos, slot=slot)
+        else:
             out = shard.forward_rows(x, slots, positions)
-            if shard.w.out_norm is None:
-                if hands_on:
-                    hot.send(FrameType.HIDDEN, {}, out)
-                continue
-            logits = shard.logits_rows(out)
-            params = [sampling.SamplingParams(**p) for p in h["params"]]
-            hot.send(FrameType.LOGITS, *candidates_rows_message(
-                [sampling.candidates(logits[i], offset, history[s], p) for i, (s, p) in enumerate(zip(slots, params))]))
-            continue
-        slot, pos = int(h.get("slot", 0)), int(h["pos"])
-        _feed(history, slot, pos, ids)
-        out = shard.forward(x, pos, slot=slot)
         if shard.w.out_norm is None:
             if hands_on:
                 hot.send(FrameType.HIDDEN, {}, out)
             continue
-        want = h.get("want", "candidates")
-        if want == "none":  # a prefill chunk before the last one
-            continue
+        want = "none" if chunk is None else h.get("want", "candidates")
         if want == "logits":
             hot.send(FrameType.LOGITS, {"all": True}, shard.logits(out))
-        else:
+        elif rows:
+            params = [sampling.SamplingParams(**p) for p in h["params"]]
+            logits = shard.logits_rows(out[:len(rows)])
+            cands = [sampling.candidates(logits[i], offset, history[s], p) for i, (s, p) in enumerate(zip(slots, params))]
+            if want == "candidates":
+                cands.append(sampling.candidates(shard.logits(out[-1:])[0], offset, history[slot], params[len(rows)]))
+            hot.send(FrameType.LOGITS, *candidates_rows_message(cands))
+        elif want == "candidates":
             local = shard.logits(out[-1:])[0]
             params = sampling.SamplingParams(**h["params"])
             hot.send(FrameType.LOGITS, *candidates_message(sampling.candidates(local, offset, history[slot], params)))

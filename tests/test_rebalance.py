@@ -122,3 +122,35 @@ def test_a_newcomer_that_cannot_be_planned_with_leaves_the_answer_running_on_the
     assert reasons == ["node-x joined"]
     assert last is not runner and last.options["addresses"] == [addr]
     assert len(last.plan.nodes) == 2
+
+
+def test_a_replay_feeds_a_long_answer_sixteen_rows_a_step_and_the_answer_keeps_its_text(stories_path):
+    """After a lost node or a re-plan every token fed so far is fed again (batch.Scheduler._replay):
+    the answer's tokens go STEP_ROWS to a decode step, not one step (and one round of all-reduces
+    in a cluster) each."""
+    from edgetp.model.batch import RunnerLost  # noqa: PLC0415
+    from edgetp.model.llama import STEP_ROWS  # noqa: PLC0415
+
+    class Counted(LocalRunner):
+        def __init__(self, lose_at: int | None = None) -> None:
+            super().__init__(mf, 256)
+            self.rows: list[int] = []  # rows of each decode step
+            self.lose_at = lose_at
+
+        def decode(self, rows):
+            if len(self.rows) == self.lose_at:
+                raise RunnerLost("a node is gone")
+            self.rows.append(len(rows))
+            return super().decode(rows)
+
+    mf = gguf.open_model(stories_path)
+    tok = Tokenizer.from_metadata(mf.metadata)
+    ids = tok.encode("Once upon a time, there was a little girl named Lily. She")
+    want = [ev.token_id for ev in generate(LocalRunner(mf, 256), tok, ids, GREEDY, 70)]
+    first, after = Counted(lose_at=45), []
+    got = [ev.token_id for ev in generate(first, tok, ids, GREEDY, 70,
+                                          recover=lambda exc: after.append(Counted()) or after[0])]
+    assert got == want and len(after) == 1
+    fed = 45  # the answer's tokens fed as decode rows before the loss (the first came from the prompt's chunk)
+    runs = [STEP_ROWS] * (fed // STEP_ROWS) + ([fed % STEP_ROWS] if fed % STEP_ROWS else [])
+    assert after[0].rows[:len(runs)] == runs and set(after[0].rows[len(runs):]) == {1}

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from edgetp.model import sampling
+from edgetp.model.llama import STEP_ROWS
 from edgetp.model.sampling import Candidates, SamplingParams
 
 PREFILL_CHUNK = 128  # prompt tokens per prefill step; chunk boundaries sit at multiples of it
@@ -345,7 +346,9 @@ class Scheduler:
 
     def _replay(self) -> int:
         """Feed the new runner what the lost one had seen, computed as it was computed then:
-        prompts in the same aligned chunks, answer tokens one row at a time."""
+        prompts in the same aligned chunks, answer tokens as decode rows, STEP_ROWS of them a step
+        (each row gets the bits of its own step: Shard.forward_rows), so a long answer costs a
+        handful of steps and round trips, not one per token."""
         total = 0
         for s in self.seqs:
             n_prompt = min(s.fed, len(s.prompt))
@@ -353,9 +356,11 @@ class Scheduler:
                 ids = list(s.prompt[a:b])
                 self.runner.prefill(s.slot, ids, a, None, None)
                 self.cache.fed(s.slot, a, ids, b - a == self.chunk)
-            for pos in range(n_prompt, s.fed):
-                self.runner.decode([Row(s.slot, pos, s.history[pos], s.history[:pos + 1], s.params)])
-                self.cache.fed(s.slot, pos, [s.history[pos]], False)
+            for a in range(n_prompt, s.fed, STEP_ROWS):
+                run = range(a, min(a + STEP_ROWS, s.fed))
+                self.runner.decode([Row(s.slot, pos, s.history[pos], s.history[:pos + 1], s.params) for pos in run])
+                for pos in run:
+                    self.cache.fed(s.slot, pos, [s.history[pos]], False)
             total += s.fed
         return total
 

@@ -42,6 +42,7 @@ class ShardMismatch(ValueError):
 SHARD_KEYS = {k: f"edgetp.shard.{k}" for k in ("kv_groups", "ffn_cols", "vocab_rows", "vocab", "source_fingerprint",
                                                  "layers", "experts")}
 EXACT_TOP = 64  # logits recomputed exactly per decoded token and shard (Shard.logits)
+STEP_ROWS = 16  # rows a decode step may carry however few the slots: a replay's run of one sequence's tokens
 
 
 @dataclass(frozen=True)
@@ -295,6 +296,13 @@ class Shard:
                                                         cfg.rope_scale_swa, mscale)
 
     @property
+    def max_rows(self) -> int:
+        """Rows one decode step may carry: one per slot, and at least STEP_ROWS; rows of one slot at
+        distinct positions each get the bits of their own step (every row's K and V are written
+        before any row attends)."""
+        return max(self.slots, STEP_ROWS)
+
+    @property
     def kv_bytes(self) -> int:
         return sum(c.nbytes for c in self.k_cache + self.v_cache)
 
@@ -341,8 +349,8 @@ class Shard:
 
     def forward_rows(self, x: np.ndarray, slots, positions) -> np.ndarray:
         """One decode step of several sequences: x (B, dim), row b the token at positions[b] of
-        the sequence in KV slot slots[b] (distinct slots), in place. Returns (B, dim) after the
-        final norm.
+        the sequence in KV slot slots[b], in place; each (slot, position) once, so several rows of
+        one slot feed its tokens at once (a replay does). Returns (B, dim) after the final norm.
 
         Row b's result and what it writes to its slot are the bits of
         forward(x[b:b+1], positions[b], slot=slots[b]) alone, whatever the other rows; the
@@ -358,16 +366,18 @@ class Shard:
         sl, ps = np.asarray(slots, np.int64).reshape(-1), np.asarray(positions, np.int64).reshape(-1)
         if x.ndim != 2 or x.shape[1] != self.w.cfg.dim or x.dtype != np.float32 or not x.flags.c_contiguous:
             raise ValueError(f"x must be C-contiguous float32 (B, {self.w.cfg.dim}), got {x.dtype} {x.shape}")
-        if not 1 <= B <= self.slots or sl.shape != (B,) or ps.shape != (B,):
+        if not 1 <= B <= self.max_rows or sl.shape != (B,) or ps.shape != (B,):
             raise ValueError(f"{B} rows, {sl.shape[0]} slots and {ps.shape[0]} positions: a step carries "
-                             f"1 to {self.slots} rows, one slot and position each")
-        if len(set(sl.tolist())) != B or sl.min() < 0 or sl.max() >= self.slots:
-            raise ValueError(f"KV slots {sl.tolist()} must be distinct, each 0 to {self.slots - 1}")
+                             f"1 to {self.max_rows} rows, one slot and position each")
+        if sl.min() < 0 or sl.max() >= self.slots:
+            raise ValueError(f"KV slots {sl.tolist()} must each be 0 to {self.slots - 1}")
+        if len(set(zip(sl.tolist(), ps.tolist()))) != B:
+            raise ValueError(f"rows at (slot, position) {list(zip(sl.tolist(), ps.tolist()))} must be distinct")
         if ps.min() < 0 or ps.max() >= self.ctx:
             raise ContextFull(f"context is full: position {int(ps.max())} needed, the KV cache holds {self.ctx}")
         int8 = quant.int8_decode()
         if int8 not in self._row_plans:
-            self._row_plans[int8] = decode.Plan(self, int8, self.slots)
+            self._row_plans[int8] = decode.Plan(self, int8, self.max_rows)
         return (yield from self._row_plans[int8].steps(x, sl, ps))
 
     def forward_mixed(self, x: np.ndarray, slots, positions, pos: int, slot: int) -> np.ndarray:

@@ -366,6 +366,13 @@ def _feed(history: dict[int, list[int]], slot: int, pos: int, ids: list[int]) ->
     h.extend(ids)
 
 
+def _upto(history: dict[int, list[int]], slot: int, pos: int) -> list[int]:
+    """slot's history through pos: the whole list, unless later rows of this step (a replay's run of
+    one sequence) extended it already."""
+    h = history[slot]
+    return h if len(h) == pos + 1 else h[:pos + 1]
+
+
 def _hot_loop(hot: Hot, shard: llama.Shard, mf, hands_on: bool = False) -> None:
     """STEP after STEP until the root says end; runs on the compute thread.
 
@@ -419,7 +426,8 @@ def _hot_loop(hot: Hot, shard: llama.Shard, mf, hands_on: bool = False) -> None:
         elif rows:
             params = [sampling.SamplingParams(**p) for p in h["params"]]
             logits = shard.logits_rows(out[:len(rows)])
-            cands = [sampling.candidates(logits[i], offset, history[s], p) for i, (s, p) in enumerate(zip(slots, params))]
+            cands = [sampling.candidates(logits[i], offset, _upto(history, s, at), p)
+                     for i, (s, at, p) in enumerate(zip(slots, positions, params))]
             if want == "candidates":
                 cands.append(sampling.candidates(shard.logits(out[-1:])[0], offset, history[slot], params[len(rows)]))
             hot.send(FrameType.LOGITS, *candidates_rows_message(cands))

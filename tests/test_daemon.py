@@ -145,12 +145,12 @@ def test_a_node_that_joins_under_unbroken_load_is_planned_in_at_once_and_every_a
         clients += [threading.Thread(target=client, args=(n,)) for n in lengths]
         for t in clients:
             t.start()
-        wait_for(lambda: len(answers) >= 4, 60, "node-a answers alone")
+        wait_for(lambda: len(answers) >= 4, 120, "node-a answers alone")
         procs["b"], _ = start_daemon(stories_path, key, "node-b")
-        wait_for(lambda: "node-b" in {n["node_id"] for n in view(url)["nodes"] if n.get("ffn_cols")}, 60,
+        wait_for(lambda: "node-b" in {n["node_id"] for n in view(url)["nodes"] if n.get("ffn_cols")}, 120,
                  "node-b planned in")
         joined = time.monotonic()
-        wait_for(lambda: sum(t > joined for *_, t in answers) >= 8, 60, "answers after the re-plan")
+        wait_for(lambda: sum(t > joined for *_, t in answers) >= 8, 120, "answers after the re-plan")
     finally:
         done.set()
         for t in clients:

@@ -69,7 +69,7 @@ def test_every_frame_type_round_trips_with_a_tensor_payload(ftype, dtype):
 def test_prefix_layout_is_magic_version_type_flags_and_two_lengths():
     head = joined(encode_frame(FrameType.PING, {"t": 1}, b"abc", flags=5))  # a plain frame drops SEALED
     packed = msgpack.packb({"t": 1})
-    assert head[:16] == struct.pack(">4sBBHII", b"ETP1", 2, FrameType.PING, 4, len(packed), 3)  # bit 0 is SEALED
+    assert head[:16] == struct.pack(">4sBBHII", b"ETP1", 3, FrameType.PING, 4, len(packed), 3)  # bit 0 is SEALED
     assert head[16:] == packed + b"abc"
 
 

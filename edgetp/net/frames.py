@@ -40,7 +40,9 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
 MAGIC = b"ETP1"
-PROTOCOL_VERSION = 2  # 2: sealed frames after the handshake, HELLO inside the proof
+# 2: sealed frames after the handshake, HELLO inside the proof; 3: pipeline stages (HIDDEN), a STEP
+# carrying decode rows and a prefill chunk together, several rows of one slot (a replay)
+PROTOCOL_VERSION = 3
 PREFIX = struct.Struct("!4sBBHII")
 MAX_FRAME = 64 * 2**20  # header + payload, default bound once a peer has authenticated
 PREAUTH_MAX_FRAME = 64 * 2**10  # header + payload, before it has

@@ -320,7 +320,10 @@ class Roles:
         """Check every `every` s whether nodes joined while the root serves (see offer_joins)."""
         while True:
             await asyncio.sleep(every)
-            self.offer_joins()
+            try:
+                self.offer_joins()
+            except Exception:  # noqa: BLE001 - a fault here must not end the daemon's task group
+                log.exception("checking for nodes that joined failed")
 
     def offer_joins(self) -> None:
         """Under unbroken load `between` never runs, so a node that joined would wait for a quiet moment.

@@ -50,20 +50,27 @@ def test_activation_rounding_is_ggml_q8_0_and_sums_are_its_integers():
     x = _x(32 * 37, 2)
     x[64:96] = 0.0  # an all-zero block: d = 0, q = 0
     r = intdot.rounded(x)
-    # gguf-py's Q8_0 round trip gives q*d exactly; it rounds with 1/d and half away from
+    # gguf-py's Q8_0 blocks (an f16 d, then 32 int8): it rounds with 1/d and half away from
     # zero where ggml's x86 code uses 127/amax and half to even: equal on these inputs
-    want = quants.dequantize(quants.quantize(x, QT.Q8_0), QT.Q8_0)
-    got = r.xq.astype(np.float32) * np.repeat(r.dx, 32)
-    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
-    q = r.xq.astype(np.int64)
-    assert np.array_equal(r.s4, q.reshape(-1, 4).sum(1)) and np.array_equal(r.s16, q.reshape(-1, 16).sum(1))
+    blocks = quants.quantize(x, QT.Q8_0).reshape(37, 34)
+    d = blocks[:, :2].copy().view(np.float16)[:, 0].astype(np.float32)
+    q = blocks[:, 2:].copy().view(np.int8).astype(np.int64)
+    assert r.xq.shape == (10 * 128,) and np.array_equal(r.xq[: 37 * 32], q.reshape(-1)) and not r.xq[37 * 32 :].any()
+    # by quad: lane l of quad g is chunk 4g + l % 4, its first 16 values for l < 4, its last 16 after
+    for c in range(40):
+        for h in range(2):
+            i = c // 4 * 8 + 4 * h + c % 4
+            want_d, want_s = (d[c], q[c, 16 * h : 16 * h + 16].sum()) if c < 37 else (0.0, 0)
+            assert r.dq[i] == want_d and r.sq[i] == want_s, (c, h)
+            assert r.xs[i].view(np.uint32) == (np.float32(want_d) * np.float32(want_s)).view(np.uint32), (c, h)
 
 
 def _float64_reference(qt, w, x):
     """(out, bound): sum_j w_j * x^_j in float64, with gguf's w and gguf's rounded x^ = q*d.
 
-    The kernel's f32 steps: per value ws*dx and (ws*dx)*lane (2 roundings), per lane one add
-    per 32 columns (cols/32), 7 adds across lanes, 1 + one per sub-block for the offsets;
+    The kernel's f32 steps: per unit of 16 ws*dx and (ws*dx)*I (2 roundings), per lane one add
+    per 128 columns (cols/128 <= cols/32), 7 adds across lanes, and for the offsets dx*S,
+    wm*X and one add per 128 columns (<= one per sub-block);
     and gguf's own w_j = fl(ws*code) + wm rounds twice more. With u = 2**-24, each is a
     relative error <= u on partial sums bounded by sum_j (|ws_j code_j| + |wm_j|) |x^_j|,
     so |kernel - exact| <= n u sum(...) for n = cols/32 + 16 + (cols/16 for offsets)

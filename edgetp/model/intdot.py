@@ -1,37 +1,36 @@
 """Integer decode kernels (out = W @ x for one token) for every quantized type, on every ISA.
 
 The activations are rounded once per token to int8 in blocks of 32, exactly as
-ggml's x86 quantize_row_q8_0 does (`vnni.q8_block`): xq (cols,) int8, dx
-(cols/32,) f32, and integer sums of xq per 4 values (s4) and per 16 (s16).
+ggml's x86 quantize_row_q8_0 does (`vnni.q8_block`): xq (cols,) int8 and an f16-valued
+f32 scale dx per 32 (`Rounded` keeps them with each 16 values' integer sum, by quad).
 Each weight type is a row of `intdot_layouts.LAYOUTS`: how the integer code of a
 value is formed and what f32 scale ws (and offset wm) each 16 values have.
 
 Canonical arithmetic (the same bits on every ISA; `reference()` is it in numpy):
-  - a chunk of 32 values has 8 integer lanes; lane l = sum over its 4 values
-    4l..4l+3 of code * xq, exact int32 (lanes 0-3 are the chunk's first 16
-    values, 4-7 the last 16);
-  - per row, 8 f32 accumulators, all zero at first; for each chunk in order:
-        acc[l] = acc[l] + (ws * dx) * f32(lane l)      (ws of the lane's 16 values)
+  - a unit is 16 consecutive values, with one f32 weight scale ws (and offset wm) and the
+    dx of its 32; its integer I = sum of code * xq over its 16 values, exact (int32);
+  - a quad is 4 chunks of 32 (128 values, 8 units), its units in lane order
+        lane l = chunk 4q + l % 4, half l // 4   (first halves in lanes 0-3, last in 4-7);
+    a row's last quad is padded with units whose I, ws, wm and dx are 0;
+  - per row, 8 f32 accumulators, all zero at first; for each quad in order, lane-wise
+        acc = acc + (ws * dx) * f32(I)
+        acc = acc + wm * X        (types with an offset: Q4_1, Q5_1, Q4_K, Q5_K, Q2_K)
+    with X = dx * f32(S), S the integer sum of xq over the unit (the same for every row),
     each operation rounded to f32 separately: no FMA, no reassociation;
-  - for types with an offset (Q4_1, Q5_1, Q4_K, Q5_K, Q2_K) one more f32
-    accumulator m[j] per scale slot j of a block (`Layout.slots`: 1 for Q4_1 and
-    Q5_1, 8 for Q4_K and Q5_K (32 values each), 16 for Q2_K (16 each)), zero at
-    first; for each block in order, each slot: m[j] = m[j] + (wm * dx) * f32(S),
-    S the integer sum of xq over the slot's values;
-  - out = ((acc[0] + acc[1]) + acc[2]) + ... + acc[7], then
-    + (((m[0] + m[1]) + m[2]) + ... + m[n-1]).
-A K-quant's per-slot values (ws * dx, the offset term) are then one vector per
-block, not a scalar chain per 32 values.
-This is llama.cpp's ggml_vec_dot_q4_0_q8_0 on AVX2 (a per-lane f32 accumulator,
-integer dot within a block) without its FMA, and a K-quant's sub-block scale
-is a float (d*sc, as the dequantizer rounds it) rather than folded into an
-integer sum: x is rounded per 32, so its scale changes every 32 values anyway.
-Any ISA may form a lane in any way because it is an exact integer.
+  - out = ((acc[0] + acc[1]) + acc[2]) + ... + acc[7].
+A padded unit adds +0 to an accumulator that is never -0, so it changes nothing.
+This is llama.cpp's ggml_vec_dot_q4_0_q8_0 on AVX2 with each 16 values' products summed
+as integers before their scale is applied (ggml scales each lane of 4), and without FMA.
+Summing a unit in integers first is both exact and cheap: four chunks' lanes reduce to
+one vector of 8 units with a few in-lane shuffles, and the f32 work is one vector step
+per 128 values rather than one per 32. A K-quant's sub-block scale is a float (d*sc, as
+the dequantizer rounds it): x is rounded per 32, so its scale changes every 32 anyway.
+Any ISA may form a unit's integer in any way because it is exact.
 
 How each ISA forms the lanes is `intdot_ir.py` (one small function per ISA).
 
 Several tokens at once (a decode step of several sequences: `TokenProducts`) run the
-same arithmetic per (row, token); each chunk's codes and scales are unpacked once and
+same arithmetic per (row, token); each quad's codes and scales are unpacked once and
 applied to every token (intdot_ir.emit_rows_tokens), so the weights are read once.
 
 The kernel per row walks four rows SPREAD apart (as kernels.py does) in one
@@ -66,25 +65,35 @@ KINDS = frozenset(int(t) for t in LAYOUTS)
 # ---------------------------------------------------------------- activations
 
 
-class Rounded(NamedTuple):
-    """One token rounded for the integer kernels (cols a multiple of 32)."""
+QUAD = 128  # values per quad (see the canonical arithmetic above)
 
-    xq: np.ndarray  # (cols,) int8
-    dx: np.ndarray  # (cols//32,) f32, f16-valued
-    s4: np.ndarray  # (cols//4,) int32, sum of each 4 xq
-    s16: np.ndarray  # (cols//16,) int32, sum of each 16 xq
+
+def quads(cols: int) -> int:
+    """Quads of a row of `cols` values, the last one padded."""
+    return -(-cols // QUAD)
+
+
+class Rounded(NamedTuple):
+    """One token rounded for the integer kernels (cols a multiple of 32), padded to whole quads."""
+
+    xq: np.ndarray  # (quads * 128,) int8, 0 past cols
+    dq: np.ndarray  # (quads * 8,) f32: dx of each unit, in quad lane order (0 past cols)
+    sq: np.ndarray  # (quads * 8,) int32: S, the sum of xq over each unit, in quad lane order
+    xs: np.ndarray  # (quads * 8,) f32: X = dq * f32(sq)
 
     @classmethod
     def empty(cls, cols: int) -> "Rounded":
         """Buffers for one token of `cols` columns, to be filled by round_into."""
-        return cls(np.empty(cols, np.int8), np.empty(cols // 32, np.float32),
-                   np.empty(cols // 4, np.int32), np.empty(cols // 16, np.int32))
+        n = quads(cols)
+        return cls(np.empty(n * QUAD, np.int8), np.empty(n * 8, np.float32), np.empty(n * 8, np.int32),
+                   np.empty(n * 8, np.float32))
 
     @classmethod
     def rows(cls, n: int, cols: int) -> "Rounded":
         """Buffers for n tokens, (n, ...) each: row b is token b (`row(b)`), as TokenProducts reads them."""
-        return cls(np.empty((n, cols), np.int8), np.empty((n, cols // 32), np.float32),
-                   np.empty((n, cols // 4), np.int32), np.empty((n, cols // 16), np.int32))
+        m = quads(cols)
+        return cls(np.empty((n, m * QUAD), np.int8), np.empty((n, m * 8), np.float32), np.empty((n, m * 8), np.int32),
+                   np.empty((n, m * 8), np.float32))
 
     def row(self, b: int) -> "Rounded":
         """Token b of a Rounded.rows: one token's buffers (views)."""
@@ -92,20 +101,28 @@ class Rounded(NamedTuple):
 
 
 @njit(**_OPTS)
-def round_into(x, xq, dx, s4, s16):
-    """x (cols,) f32 -> xq, dx, s4, s16 (see Rounded)."""
+def round_into(x, xq, dq, sq, xs):
+    """x (cols,) f32 -> xq, dq, sq, xs (see Rounded); xq's buffer may be longer than cols (padding)."""
     f = np.empty(1, np.float32)
     u = f.view(np.uint32)
-    for b in range(x.shape[0] // 32):
-        d, _ = q8_block(x[b * 32 : b * 32 + 32], xq[b * 32 : b * 32 + 32], f, u)
-        dx[b] = d
-        for k in range(8):
-            s = 0
-            for j in range(4):
-                s += np.int32(xq[b * 32 + 4 * k + j])
-            s4[b * 8 + k] = s
+    nch = x.shape[0] // 32
+    for c in range(nch):
+        d, _ = q8_block(x[c * 32 : c * 32 + 32], xq[c * 32 : c * 32 + 32], f, u)
         for h in range(2):
-            s16[2 * b + h] = s4[b * 8 + 4 * h] + s4[b * 8 + 4 * h + 1] + s4[b * 8 + 4 * h + 2] + s4[b * 8 + 4 * h + 3]
+            s = 0
+            for j in range(16):
+                s += np.int32(xq[c * 32 + 16 * h + j])
+            i = c // 4 * 8 + 4 * h + c % 4
+            dq[i] = d
+            sq[i] = s
+            xs[i] = d * np.float32(s)
+    xq[nch * 32 :] = 0
+    for c in range(nch, dq.shape[0] // 2):
+        for h in range(2):
+            i = c // 4 * 8 + 4 * h + c % 4
+            dq[i] = 0.0
+            sq[i] = 0
+            xs[i] = 0.0
 
 
 def rounded(x: np.ndarray) -> Rounded:
@@ -119,7 +136,7 @@ def rounded(x: np.ndarray) -> Rounded:
 
 
 @intrinsic
-def _rows4(typingctx, kind, which, rows, xq, dx, s4, s16, tab, nb, out):
+def _rows4(typingctx, kind, which, rows, xq, dq, sq, xs, tab, nb, out):
     """out[0:4] (an address of 4 f32) = rows (4 addresses) . the token, in layout `kind` (a literal
     qtype) with ISA `which` (a literal name)."""
     if not isinstance(kind, types.IntegerLiteral) or not isinstance(which, types.StringLiteral):
@@ -146,12 +163,12 @@ def _kernel(kind: int, which: str):
     parallel launch (one thread). Each row's arithmetic is the same either way."""
 
     @njit(parallel=True, **_OPTS)
-    def matvec_rows(ws, xq, dx, s4, s16, tab, nb, out, serial):
+    def matvec_rows(ws, xq, dq, sq, xs, tab, nb, out, serial):
         # ws: (weights, 4) int64, per weight: address of its (rows, nb * block bytes) uint8 blocks, row bytes,
-        # rows, and where its rows start in out; xq/dx/s4/s16: one Rounded token; out: (sum of rows,) f32.
+        # rows, and where its rows start in out; xq/dq/sq/xs: one Rounded token; out: (sum of rows,) f32.
         # Job j is span j of all the weights' spans in weight order. The two loops are one body:
         # a helper function would be a closure variable, which numba's cache cannot key.
-        xa, da, s4a, s16a, ta = xq.ctypes.data, dx.ctypes.data, s4.ctypes.data, s16.ctypes.data, tab.ctypes.data
+        xa, da, sa, za, ta = xq.ctypes.data, dq.ctypes.data, sq.ctypes.data, xs.ctypes.data, tab.ctypes.data
         total = 0
         for i in range(ws.shape[0]):
             total += spans(ws[i, 2])
@@ -165,7 +182,7 @@ def _kernel(kind: int, which: str):
                 wa, st, rows, o, c = ws[i, 0], ws[i, 1], ws[i, 2], ws[i, 3], job - first
                 for r in range(c * 4 * SPREAD, min(rows, c * 4 * SPREAD + SPREAD)):
                     r1, r2, r3 = partners(r, rows)
-                    _rows4(kind, which, (wa + r * st, wa + r1 * st, wa + r2 * st, wa + r3 * st), xa, da, s4a, s16a,
+                    _rows4(kind, which, (wa + r * st, wa + r1 * st, wa + r2 * st, wa + r3 * st), xa, da, sa, za,
                            ta, nb, res.ctypes.data)
                     for j in range(4):
                         if r + j * SPREAD < rows:
@@ -180,7 +197,7 @@ def _kernel(kind: int, which: str):
                 wa, st, rows, o, c = ws[i, 0], ws[i, 1], ws[i, 2], ws[i, 3], job - first
                 for r in range(c * 4 * SPREAD, min(rows, c * 4 * SPREAD + SPREAD)):
                     r1, r2, r3 = partners(r, rows)
-                    _rows4(kind, which, (wa + r * st, wa + r1 * st, wa + r2 * st, wa + r3 * st), xa, da, s4a, s16a,
+                    _rows4(kind, which, (wa + r * st, wa + r1 * st, wa + r2 * st, wa + r3 * st), xa, da, sa, za,
                            ta, nb, res.ctypes.data)
                     for j in range(4):
                         if r + j * SPREAD < rows:
@@ -190,9 +207,9 @@ def _kernel(kind: int, which: str):
 
 
 @intrinsic
-def _rows4_tokens(typingctx, kind, which, rows, xq, dx, s4, s16, ntok, tab, nb, acc, out):
+def _rows4_tokens(typingctx, kind, which, rows, xq, dq, sq, xs, ntok, tab, nb, acc, out):
     """out[4 t + j] (an address of 4 ntok f32) = rows[j] . token t for t < ntok, the tokens' Rounded
-    rows interleaved by block (_by_block) from xq/dx/s4/s16; acc: a scratch of ntok * 4 * 24 f32."""
+    rows interleaved by quad (_by_quad) from xq/dq/sq/xs; acc: a scratch of ntok * 4 * 8 f32."""
     if not isinstance(kind, types.IntegerLiteral) or not isinstance(which, types.StringLiteral):
         return None
     layout, name = LAYOUTS[kind.literal_value], which.literal_value
@@ -207,13 +224,13 @@ def _rows4_tokens(typingctx, kind, which, rows, xq, dx, s4, s16, ntok, tab, nb, 
 
 
 @njit(**_OPTS)
-def _by_block(a, ntok, nb, out):
-    """Tokens 0..ntok-1 of a (>= ntok, nb * m) into out (flat) interleaved by block: block k of
-    token t at k * ntok + t (what the token loop of one block reads is adjacent)."""
-    m = a.shape[1] // nb
-    for k in range(nb):
+def _by_quad(a, ntok, nq, out):
+    """Tokens 0..ntok-1 of a (>= ntok, nq * m) into out (flat) interleaved by quad: quad q of
+    token t at q * ntok + t (what the token loop of one quad reads is adjacent)."""
+    m = a.shape[1] // nq
+    for q in range(nq):
         for t in range(ntok):
-            out[(k * ntok + t) * m : (k * ntok + t + 1) * m] = a[t, k * m : (k + 1) * m]
+            out[(q * ntok + t) * m : (q * ntok + t + 1) * m] = a[t, q * m : (q + 1) * m]
 
 
 @functools.cache
@@ -222,21 +239,22 @@ def _kernel_tokens(kind: int, which: str):
     (row, token) result the single-token kernel's bits (emit_rows_tokens)."""
 
     @njit(parallel=True, **_OPTS)
-    def matvec_tokens(ws, xq, dx, s4, s16, xi, di, s4i, s16i, ntok, tab, nb, out, serial):
-        # as matvec_rows, for tokens 0..ntok-1: xq/dx/s4/s16 (>= ntok, ...) Rounded.rows, C-contiguous,
-        # copied by block into xi/di/s4i/s16i (flat, as large); out (>= ntok, sum of rows) f32. A
+    def matvec_tokens(ws, xq, dq, sq, xs, xi, di, si, zi, ntok, tab, nb, out, serial):
+        # as matvec_rows, for tokens 0..ntok-1: xq/dq/sq/xs (>= ntok, ...) Rounded.rows, C-contiguous,
+        # copied by quad into xi/di/si/zi (flat, as large); out (>= ntok, sum of rows) f32. A
         # job's results go to out row by row after its call.
-        _by_block(xq, ntok, nb, xi)
-        _by_block(dx, ntok, nb, di)
-        _by_block(s4, ntok, nb, s4i)
-        _by_block(s16, ntok, nb, s16i)
-        xa, da, s4a, s16a, ta = xi.ctypes.data, di.ctypes.data, s4i.ctypes.data, s16i.ctypes.data, tab.ctypes.data
+        nq = xq.shape[1] // 128
+        _by_quad(xq, ntok, nq, xi)
+        _by_quad(dq, ntok, nq, di)
+        _by_quad(sq, ntok, nq, si)
+        _by_quad(xs, ntok, nq, zi)
+        xa, da, sa, za, ta = xi.ctypes.data, di.ctypes.data, si.ctypes.data, zi.ctypes.data, tab.ctypes.data
         total = 0
         for i in range(ws.shape[0]):
             total += spans(ws[i, 2])
         if serial:
             res = np.empty(4 * ntok, np.float32)
-            acc = np.empty(4 * 24 * ntok, np.float32)
+            acc = np.empty(4 * 8 * ntok, np.float32)
             for job in range(total):
                 i, first = 0, 0
                 while job >= first + spans(ws[i, 2]):
@@ -245,8 +263,8 @@ def _kernel_tokens(kind: int, which: str):
                 wa, st, rows, o, c = ws[i, 0], ws[i, 1], ws[i, 2], ws[i, 3], job - first
                 for r in range(c * 4 * SPREAD, min(rows, c * 4 * SPREAD + SPREAD)):
                     r1, r2, r3 = partners(r, rows)
-                    _rows4_tokens(kind, which, (wa + r * st, wa + r1 * st, wa + r2 * st, wa + r3 * st), xa, da, s4a,
-                                  s16a, ntok, ta, nb, acc.ctypes.data, res.ctypes.data)
+                    _rows4_tokens(kind, which, (wa + r * st, wa + r1 * st, wa + r2 * st, wa + r3 * st), xa, da, sa,
+                                  za, ntok, ta, nb, acc.ctypes.data, res.ctypes.data)
                     for t in range(ntok):
                         for j in range(4):
                             if r + j * SPREAD < rows:
@@ -254,7 +272,7 @@ def _kernel_tokens(kind: int, which: str):
         else:
             for job in prange(total):
                 res = np.empty(4 * ntok, np.float32)
-                acc = np.empty(4 * 24 * ntok, np.float32)
+                acc = np.empty(4 * 8 * ntok, np.float32)
                 i, first = 0, 0
                 while job >= first + spans(ws[i, 2]):
                     first += spans(ws[i, 2])
@@ -262,8 +280,8 @@ def _kernel_tokens(kind: int, which: str):
                 wa, st, rows, o, c = ws[i, 0], ws[i, 1], ws[i, 2], ws[i, 3], job - first
                 for r in range(c * 4 * SPREAD, min(rows, c * 4 * SPREAD + SPREAD)):
                     r1, r2, r3 = partners(r, rows)
-                    _rows4_tokens(kind, which, (wa + r * st, wa + r1 * st, wa + r2 * st, wa + r3 * st), xa, da, s4a,
-                                  s16a, ntok, ta, nb, acc.ctypes.data, res.ctypes.data)
+                    _rows4_tokens(kind, which, (wa + r * st, wa + r1 * st, wa + r2 * st, wa + r3 * st), xa, da, sa,
+                                  za, ntok, ta, nb, acc.ctypes.data, res.ctypes.data)
                     for t in range(ntok):
                         for j in range(4):
                             if r + j * SPREAD < rows:
@@ -277,6 +295,18 @@ def _tab() -> np.ndarray:
     return f16_table()
 
 
+def _blocks(L, ws: list[np.ndarray], padded: int) -> int:
+    """Blocks per row of weights ws (all alike) of layout L, read by a Rounded of `padded` xq values."""
+    nb = ws[0].shape[1] // L.nbytes if ws and ws[0].ndim == 2 else -1
+    for w in ws:
+        if w.dtype != np.uint8 or w.ndim != 2 or not w.flags.c_contiguous or w.shape[1] != nb * L.nbytes or nb < 1:
+            raise ValueError(f"weight {w.dtype} {w.shape} is not C-contiguous rows of whole {L.qtype.name} blocks "
+                             f"like the first")
+    if padded != quads(nb * L.values) * QUAD:
+        raise ValueError(f"a token rounded to {padded} values does not match {nb * L.values} columns of {L.qtype.name}")
+    return nb
+
+
 class Products:
     """out[starts[i] : starts[i] + rows_i] = W_i . x for several weights of one layout that
     read one rounded token (q, k and v; gate and up), checked and resolved once; each call
@@ -285,12 +315,8 @@ class Products:
 
     def __init__(self, qtype: int, ws: list[np.ndarray], x: Rounded, out: np.ndarray, starts: list[int]) -> None:
         L = LAYOUTS[qtype]
-        nb = x.xq.shape[0] // L.values
-        if x.xq.shape[0] != nb * L.values:
-            raise ValueError(f"{x.xq.shape[0]} rounded columns is not a whole number of {L.qtype.name} blocks")
+        nb = _blocks(L, ws, x.xq.shape[0])
         for w, a in zip(ws, starts, strict=True):
-            if w.dtype != np.uint8 or w.ndim != 2 or not w.flags.c_contiguous or w.shape[1] != nb * L.nbytes:
-                raise ValueError(f"weight {w.dtype} {w.shape} does not match {x.xq.shape[0]} rounded columns")
             if out.dtype != np.float32 or out.ndim != 1 or not out.flags.c_contiguous or not 0 <= a <= a + w.shape[0] <= out.shape[0]:
                 raise ValueError(f"out must be C-contiguous float32 holding rows {a}:{a + w.shape[0]}, got {out.dtype} {out.shape}")
         self._keep = (ws, x, out)
@@ -311,15 +337,13 @@ class TokenProducts:
 
     def __init__(self, qtype: int, ws: list[np.ndarray], x: Rounded, out: np.ndarray, starts: list[int]) -> None:
         L = LAYOUTS[qtype]
-        n, cols = x.xq.shape
-        nb = cols // L.values
-        if cols != nb * L.values or not all(a.flags.c_contiguous and a.shape[0] == n for a in x):
-            raise ValueError(f"rounded tokens {x.xq.shape} are not C-contiguous rows of whole {L.qtype.name} blocks")
+        n = x.xq.shape[0]
+        nb = _blocks(L, ws, x.xq.shape[1])
+        if not all(a.flags.c_contiguous and a.shape[0] == n for a in x):
+            raise ValueError(f"rounded tokens {x.xq.shape} are not C-contiguous rows")
         if out.dtype != np.float32 or out.ndim != 2 or not out.flags.c_contiguous or out.shape[0] != n:
             raise ValueError(f"out must be C-contiguous float32 ({n}, rows), got {out.dtype} {out.shape}")
         for w, a in zip(ws, starts, strict=True):
-            if w.dtype != np.uint8 or w.ndim != 2 or not w.flags.c_contiguous or w.shape[1] != nb * L.nbytes:
-                raise ValueError(f"weight {w.dtype} {w.shape} does not match {cols} rounded columns")
             if not 0 <= a <= a + w.shape[0] <= out.shape[1]:
                 raise ValueError(f"out {out.shape} does not hold rows {a}:{a + w.shape[0]}")
         self.n = n
@@ -370,28 +394,28 @@ def reference(qtype: int, w: np.ndarray, x: Rounded) -> np.ndarray:
     L = LAYOUTS[qtype]
     codes, ws, wm = decode(L, w)  # (rows, cols) int64, (rows, cols//16) f32
     rows, cols = codes.shape
-    nch = cols // 32
-    lanes = (codes * x.xq.astype(np.int64)).reshape(rows, nch, 8, 4).sum(-1).astype(np.float32)
-    t = np.repeat((ws.reshape(rows, nch, 2) * x.dx[None, :, None]).astype(np.float32), 4, axis=2)
+    nq = quads(cols)
+    units = (codes * x.xq[:cols].astype(np.int64)).reshape(rows, cols // 16, 16).sum(-1)
+    # quad q's lane l is unit 2 * (4q + l % 4) + l // 4; units past the row are zeros
+    order = np.array([2 * (4 * q + l % 4) + l // 4 for q in range(nq) for l in range(8)])
+    inside = order < cols // 16
+
+    def lanes(a, dtype):
+        out = np.zeros((rows, nq * 8), dtype)
+        out[:, inside] = a[:, order[inside]]
+        return out
+
+    big, t = lanes(units, np.int64).astype(np.float32), lanes(ws, np.float32) * x.dq[None, : nq * 8]
+    m = lanes(wm, np.float32) if wm is not None else None
     acc = np.zeros((rows, 8), np.float32)
-    for c in range(nch):
-        acc = acc + t[:, c] * lanes[:, c]
+    for q in range(nq):
+        acc = acc + t[:, 8 * q : 8 * q + 8] * big[:, 8 * q : 8 * q + 8]
+        if m is not None:
+            acc = acc + m[:, 8 * q : 8 * q + 8] * x.xs[None, 8 * q : 8 * q + 8]
     h = acc[:, 0]
     for lane in range(1, 8):
         h = h + acc[:, lane]
-    if wm is None:
-        return h
-    n = len(L.slots)  # one offset accumulator per slot of a block (1, 8 or 16)
-    per = L.values // n  # values per slot: 32 or 16
-    wmg = wm[:, :: per // 16]  # (rows, cols/per)
-    p = (wmg * np.repeat(x.dx, 32 // per)[None]) * x.s16.reshape(-1, per // 16).sum(1).astype(np.float32)[None]
-    macc = np.zeros((rows, n), np.float32)
-    for k in range(cols // L.values):
-        macc = macc + p[:, k * n : (k + 1) * n]
-    m = macc[:, 0]
-    for j in range(1, n):
-        m = m + macc[:, j]
-    return h + m
+    return h
 
 
 def f16_fields(qtype: int) -> tuple[int, ...]:

@@ -129,11 +129,6 @@ class _Emit:
             return b.fpext(b.bitcast(h, ir.HalfType()), _F32)
         return _load(b, self.tab, b.mul(b.zext(h, _I64), ir.Constant(_I64, 4)), _F32, align=4)
 
-    def splat(self, v):
-        b = self.b
-        return b.shuffle_vector(b.insert_element(ir.Constant(_V8F, None), v, ir.Constant(_I32, 0)), ir.Constant(_V8F, None),
-                                _vec(_I32, [0] * 8))
-
     def integer(self, base, fields, int8=False):
         b, v = self.b, None
         for f in fields:
@@ -208,15 +203,6 @@ class _Emit:
             v = x if v is None else b.or_(v, x)
         return v
 
-    def slot_scales(self, base, dxs, S):
-        """Per block, all slots at once: (ws * dx, (wm * dx) * f32(S) or None) as <n x f32>;
-        dxs and S are the dx and xq sums of each slot."""
-        ws, wm = self.slot_weights(base)
-        b = self.b
-        if wm is None:
-            return b.fmul(ws, dxs), None
-        return b.fmul(ws, dxs), b.fmul(b.fmul(wm, dxs), S)
-
     def slot_weights(self, base):
         """Per block, all slots at once: (ws, wm or None) as <n x f32>, the weights' part of slot_scales."""
         b, slots = self.b, self.layout.slots
@@ -240,230 +226,224 @@ class _Emit:
             return ws, None
         return ws, b.fneg(b.fmul(splat(self.f16(base, s0.m)), ints_f32(ints, range(n, 2 * n), 0)))
 
-    def slot_x(self, k, dx, s16):
-        """Per block of one token, all slots at once: (dx, f32 xq sum or None) of each slot as <n x f32>."""
+    def chunk(self, base, ch):
+        """<32 x i8> integer codes of a chunk as `dot` takes them: u (a bias removed later), int8 or
+        a table's values."""
+        u = self.codes(base, ch.code)
+        return self.lookup(self.b, self.layout.table, u) if self.layout.table is not None else u
+
+    def quad32(self, row, q, valid=None):
+        """A 32-value layout's quad q (blocks 4q..4q+3) of one row: (4 chunks' codes, ws and wm
+        <8 x f32> in lane order, wm None without offsets). valid: None, or 4 i1 saying which blocks
+        exist (the row's last quad): the others read block 4q and give codes and scales of 0."""
         b, L = self.b, self.layout
-        nch, n = len(L.chunks), len(L.slots)
-        dxv = _load(b, dx, b.mul(k, ir.Constant(_I64, 4 * nch)), ir.VectorType(_F32, nch), 4)
-        dxs = b.shuffle_vector(dxv, dxv, _vec(_I32, [i * nch // n for i in range(n)]))
-        if not L.offset:
-            return dxs, None
-        v16 = _load(b, s16, b.mul(k, ir.Constant(_I64, 4 * 2 * nch)), ir.VectorType(_I32, 2 * nch), 4)
-        if n < 2 * nch:
-            v16 = b.add(b.shuffle_vector(v16, v16, _vec(_I32, range(0, 2 * nch, 2))),
-                        b.shuffle_vector(v16, v16, _vec(_I32, range(1, 2 * nch, 2))))
-        return dxs, b.sitofp(v16, ir.VectorType(_F32, n))
+        ch = L.chunks[0]
+        assert not ch.lo.sc and not ch.lo.mn, "a 32-value layout's scales are plain f16 fields"
+        first = b.add(row, b.mul(b.mul(q, ir.Constant(_I64, 4)), ir.Constant(_I64, L.nbytes)))
+        us, d, m = [], [], []
+        for i in range(4):
+            base = b.add(first, ir.Constant(_I64, i * L.nbytes)) if i else first
+            if valid is not None and i:
+                base = b.select(valid[i], base, first)
+            u = self.chunk(base, ch)
+            hd = _load(b, base, ch.lo.d, _I16)
+            hm = _load(b, base, ch.lo.m, _I16) if L.offset else None
+            if valid is not None and i:  # f16 +0 is 0
+                zero = ir.Constant(_I16, 0)
+                u, hd = b.select(valid[i], u, ir.Constant(_V32I8, None)), b.select(valid[i], hd, zero)
+                hm = b.select(valid[i], hm, zero) if hm is not None else None
+            us.append(u)
+            d.append(hd)
+            m.append(hm)
+        return us, self.halves(d), (self.halves(m) if L.offset else None)
 
-    def block(self, k, rows, x, accs, maccs):
-        """One block of R rows: returns the updated (accs, maccs)."""
+    def halves(self, f16s):
+        """4 f16 bit patterns (i16) -> <8 x f32>: each chunk's value for both of its halves, in lane
+        order; one vector conversion (vcvtph2ps, fcvtl) where the ISA has it, else the table."""
+        b, v = self.b, ir.Constant(ir.VectorType(_I16, 4), None)
+        for i, h in enumerate(f16s):
+            v = b.insert_element(v, h, ir.Constant(_I32, i))
+        if self.fpext:
+            f = b.fpext(b.bitcast(v, ir.VectorType(ir.HalfType(), 4)), ir.VectorType(_F32, 4))
+        else:
+            f = ir.Constant(ir.VectorType(_F32, 4), None)
+            for i, h in enumerate(f16s):
+                val = _load(b, self.tab, b.mul(b.zext(h, _I64), ir.Constant(_I64, 4)), _F32, align=4)
+                f = b.insert_element(f, val, ir.Constant(_I32, i))
+        return b.shuffle_vector(f, f, _vec(_I32, [0, 1, 2, 3] * 2))
+
+    def quads256(self, row, k):
+        """A 256-value layout's block k of one row: its two quads, each as quad32 gives one."""
         b, L = self.b, self.layout
-        xq, dx, s4, s16 = x
-        accs, maccs = list(accs), list(maccs)
-        nch, n = len(L.chunks), len(L.slots)
-        bases = [b.add(r, b.mul(k, ir.Constant(_I64, L.nbytes))) for r in rows]
-        if n > 1:  # K-quants: every slot's ws*dx (and offset term) once per block, as vectors
-            dxs, S = self.slot_x(k, dx, s16)  # xq sums per slot: s16 per 16 values, or adjacent pairs of them
-            tv = []
-            for r, base in enumerate(bases):
-                t, p = self.slot_scales(base, dxs, S)
-                tv.append(t)
-                if p is not None:
-                    maccs[r] = b.fadd(maccs[r], p)
-        for c, ch in enumerate(L.chunks):
-            ci = b.add(b.mul(k, ir.Constant(_I64, nch)), ir.Constant(_I64, c))
-            xv = _load(b, xq, b.mul(ci, ir.Constant(_I64, 32)), _V32I8)
-            if L.bias:
-                corr = b.shl(_load(b, s4, b.mul(ci, ir.Constant(_I64, 32)), _V8I32, 4),
-                             ir.Constant(_V8I32, [ir.Constant(_I32, L.bias.bit_length() - 1)] * 8))
-            if n == 1:
-                dxs = _load(b, dx, b.mul(ci, ir.Constant(_I64, 4)), _F32, 4)
-                if L.offset:
-                    sa = _load(b, s16, b.mul(ci, ir.Constant(_I64, 8)), _I32, 4)
-                    sb = _load(b, s16, b.add(b.mul(ci, ir.Constant(_I64, 8)), ir.Constant(_I64, 4)), _I32, 4)
-            for r, base in enumerate(bases):
-                u = self.codes(base, ch.code)
-                if L.table is not None:
-                    u = self.lookup(b, L.table, u)
-                lanes = self.dot(b, u, xv, L.signed or L.table is not None)
-                lanes = b.sub(lanes, corr) if L.bias else lanes
-                if n == 1:  # one scale per block
-                    ws, wm = self.scale(base, ch.lo)
-                    sv = self.splat(b.fmul(ws, dxs))
-                    if L.offset:
-                        maccs[r] = b.fadd(maccs[r], b.fmul(b.fmul(wm, dxs), b.sitofp(b.add(sa, sb), _F32)))
-                else:
-                    lo, hi = (2 * c, 2 * c + 1) if L.split else (c, c)
-                    sv = b.shuffle_vector(tv[r], tv[r], _vec(_I32, [lo] * 4 + [hi] * 4))
-                accs[r] = b.fadd(accs[r], b.fmul(sv, b.sitofp(lanes, _V8F)))
-        return accs, maccs
+        base = b.add(row, b.mul(k, ir.Constant(_I64, L.nbytes)))
+        ws, wm = self.slot_weights(base)
+        out = []
+        for h in range(2):
+            chunks = L.chunks[4 * h : 4 * h + 4]
+            sel = _vec(_I32, [(2 * (4 * h + l % 4) + l // 4) if L.split else 4 * h + l % 4 for l in range(8)])
+            out.append(([self.chunk(base, ch) for ch in chunks], b.shuffle_vector(ws, ws, sel),
+                        b.shuffle_vector(wm, wm, sel) if wm is not None else None))
+        return out
+
+    def token(self, x, at):
+        """One token's quad at quad index `at` of its (xq, dq, sq, xs) addresses: (4 chunks of xq,
+        dq, the bias correction bias * sq or None, xs or None)."""
+        b, L = self.b, self.layout
+        xq, dq, sq, xs = x
+        xvs = [_load(b, xq, b.add(b.mul(at, ir.Constant(_I64, 128)), ir.Constant(_I64, 32 * i)), _V32I8) for i in range(4)]
+        off = b.mul(at, ir.Constant(_I64, 32))
+        corr = None
+        if L.bias:
+            corr = b.shl(_load(b, sq, off, _V8I32, 4), _vec(_I32, [L.bias.bit_length() - 1] * 8))
+        return xvs, _load(b, dq, off, _V8F, 4), corr, (_load(b, xs, off, _V8F, 4) if L.offset else None)
+
+    def quad(self, acc, w, tok):
+        """acc + one quad of one row w = (codes, ws, wm) times one token tok (self.token)."""
+        b, L = self.b, self.layout
+        (us, ws, wm), (xvs, dq, corr, xs) = w, tok
+        units = _units(b, [self.dot(b, u, xv, L.signed or L.table is not None) for u, xv in zip(us, xvs)])
+        units = b.sub(units, corr) if corr is not None else units
+        acc = b.fadd(acc, b.fmul(b.fmul(ws, dq), b.sitofp(units, _V8F)))
+        return b.fadd(acc, b.fmul(wm, xs)) if wm is not None else acc
 
 
-def emit_rows(b: ir.IRBuilder, layout: Layout, name: str, rows, x, tab, nb, out) -> None:
-    """out[0:R] = R rows (addresses) . the token x = (xq, dx, s4, s16 addresses), nb blocks, on ISA `name`."""
-    em = _Emit(b, layout, name, tab)
-    R = len(rows)
-    nslot = len(layout.slots)
-    mty = _F32 if nslot == 1 else ir.VectorType(_F32, nslot)  # offset accumulators, one per slot
-    zero_v, zero = ir.Constant(_V8F, None), ir.Constant(mty, None if nslot > 1 else 0.0)
-    entry = b.block
-    loop, done = b.append_basic_block("intdot.loop"), b.append_basic_block("intdot.done")
-    b.cbranch(b.icmp_signed(">", nb, ir.Constant(_I64, 0)), loop, done)
-    b.position_at_end(loop)
-    k = b.phi(_I64)
-    accs = [b.phi(_V8F) for _ in range(R)]
-    maccs = [b.phi(mty) for _ in range(R)]
-    new_a, new_m = em.block(k, rows, x, accs, maccs)
-    k1 = b.add(k, ir.Constant(_I64, 1))
-    for phi, init, new in [(k, ir.Constant(_I64, 0), k1), *((a, zero_v, n) for a, n in zip(accs, new_a)),
-                           *((m, zero, n) for m, n in zip(maccs, new_m))]:
-        phi.add_incoming(init, entry)
-        phi.add_incoming(new, b.block)
-    last = b.block
-    b.cbranch(b.icmp_signed("<", k1, nb), loop, done)
-    b.position_at_end(done)
-    fin = [(b.phi(_V8F), b.phi(mty)) for _ in range(R)]  # phis first in the block
-    for r, (acc, macc) in enumerate(fin):
-        acc.add_incoming(zero_v, entry)
-        acc.add_incoming(new_a[r], last)
-        macc.add_incoming(zero, entry)
-        macc.add_incoming(new_m[r], last)
-    for r, (acc, macc) in enumerate(fin):
-        h = b.extract_element(acc, ir.Constant(_I32, 0))
-        for l in range(1, 8):
-            h = b.fadd(h, b.extract_element(acc, ir.Constant(_I32, l)))
-        if layout.offset and nslot > 1:
-            m = b.extract_element(macc, ir.Constant(_I32, 0))
-            for l in range(1, nslot):
-                m = b.fadd(m, b.extract_element(macc, ir.Constant(_I32, l)))
-            macc = m
-        h = b.fadd(h, macc) if layout.offset else h
-        b.store(h, _ptr(b, out, 4 * r, _F32), align=4)
+def _units(b, lanes):
+    """4 chunks' <8 x i32> lanes (each the sums of 4 products; 0-3 the first 16 values) -> the 8
+    units' integers in quad lane order: chunk i's first half in lane i, its last in 4 + i.
+    In-lane shuffles (vpunpck*dq, zip) and adds."""
+    v0, v1, v2, v3 = lanes
+    lo32, hi32 = _vec(_I32, [0, 8, 1, 9, 4, 12, 5, 13]), _vec(_I32, [2, 10, 3, 11, 6, 14, 7, 15])
+    p01 = b.add(b.shuffle_vector(v0, v1, lo32), b.shuffle_vector(v0, v1, hi32))
+    p23 = b.add(b.shuffle_vector(v2, v3, lo32), b.shuffle_vector(v2, v3, hi32))
+    lo64, hi64 = _vec(_I32, [0, 1, 8, 9, 4, 5, 12, 13]), _vec(_I32, [2, 3, 10, 11, 6, 7, 14, 15])
+    return b.add(b.shuffle_vector(p01, p23, lo64), b.shuffle_vector(p01, p23, hi64))
 
 
+# ---------------------------------------------------------------- loops
 
 
-# ---------------------------------------------------------------- several tokens per weight read
-
-
-def _count(b: ir.IRBuilder, n, body, name: str) -> None:
-    """for t in range(n): body(t), n an i64 value; body may add blocks of its own."""
+def _loop(b: ir.IRBuilder, n, inits, body, name: str):
+    """for i in range(n): values = body(i, values), n an i64 value, values IR values starting at
+    inits (body may add blocks of its own); returns the values after the loop."""
     entry = b.block
     loop, done = b.append_basic_block(name + ".loop"), b.append_basic_block(name + ".done")
     b.cbranch(b.icmp_signed(">", n, ir.Constant(_I64, 0)), loop, done)
     b.position_at_end(loop)
-    t = b.phi(_I64)
-    t.add_incoming(ir.Constant(_I64, 0), entry)
-    body(t)
-    t1 = b.add(t, ir.Constant(_I64, 1))
-    t.add_incoming(t1, b.block)
-    b.cbranch(b.icmp_signed("<", t1, n), loop, done)
+    i, vals = b.phi(_I64), [b.phi(v.type) for v in inits]
+    new = body(i, vals)
+    i1, last = b.add(i, ir.Constant(_I64, 1)), b.block
+    for phi, init, v in [(i, ir.Constant(_I64, 0), i1), *zip(vals, inits, new)]:
+        phi.add_incoming(init, entry)
+        phi.add_incoming(v, last)
+    b.cbranch(b.icmp_signed("<", i1, n), loop, done)
     b.position_at_end(done)
+    outs = [b.phi(v.type) for v in inits]
+    for phi, init, v in zip(outs, inits, new):
+        phi.add_incoming(init, entry)
+        phi.add_incoming(v, last)
+    return outs
+
+
+def _when(b: ir.IRBuilder, cond, inits, body, name: str):
+    """values = body(values) if cond (an i1) else values; returns them."""
+    entry = b.block
+    then, done = b.append_basic_block(name + ".then"), b.append_basic_block(name + ".done")
+    b.cbranch(cond, then, done)
+    b.position_at_end(then)
+    new = body(inits)
+    last = b.block
+    b.branch(done)
+    b.position_at_end(done)
+    outs = [b.phi(v.type) for v in inits]
+    for phi, init, v in zip(outs, inits, new):
+        phi.add_incoming(init, entry)
+        phi.add_incoming(v, last)
+    return outs
+
+
+def _quads(b: ir.IRBuilder, em: _Emit, rows, nb, accs, apply, name: str):
+    """Walk a row's quads: apply(q, w, accs) -> accs for each quad q (an i64) with w the weights
+    of every row there (em.quad32 or em.quads256 per row); the last, partial quad of a 32-value
+    layout with its missing blocks zeroed. accs: loop-carried values (possibly none)."""
+    L = em.layout
+    if L.values == 256:
+        def block(k, vals):
+            per_row = [em.quads256(r, k) for r in rows]
+            for h in range(2):
+                vals = apply(b.add(b.mul(k, ir.Constant(_I64, 2)), ir.Constant(_I64, h)), [w[h] for w in per_row], vals)
+            return vals
+        return _loop(b, nb, accs, block, name)
+    full = b.lshr(nb, ir.Constant(_I64, 2))
+    accs = _loop(b, full, accs, lambda q, vals: apply(q, [em.quad32(r, q) for r in rows], vals), name)
+    left = b.and_(nb, ir.Constant(_I64, 3))
+
+    def tail(vals):
+        valid = [b.icmp_signed("<", ir.Constant(_I64, i), left) for i in range(4)]
+        return apply(full, [em.quad32(r, full, valid) for r in rows], vals)
+
+    return _when(b, b.icmp_signed("!=", left, ir.Constant(_I64, 0)), accs, tail, name + ".tail")
+
+
+def _hsum(b, acc):
+    """((acc[0] + acc[1]) + acc[2]) + ... + acc[7]."""
+    h = b.extract_element(acc, ir.Constant(_I32, 0))
+    for lane in range(1, 8):
+        h = b.fadd(h, b.extract_element(acc, ir.Constant(_I32, lane)))
+    return h
+
+
+def emit_rows(b: ir.IRBuilder, layout: Layout, name: str, rows, x, tab, nb, out) -> None:
+    """out[0:R] = R rows (addresses) . the token x = (xq, dq, sq, xs addresses of a Rounded), nb blocks
+    a row, on ISA `name`; the accumulators live in registers."""
+    em = _Emit(b, layout, name, tab)
+
+    def apply(q, ws, accs):
+        tok = em.token(x, q)
+        return [em.quad(a, w, tok) for a, w in zip(accs, ws)]
+
+    accs = _quads(b, em, rows, nb, [ir.Constant(_V8F, None)] * len(rows), apply, "intdot")
+    for r, acc in enumerate(accs):
+        b.store(_hsum(b, acc), _ptr(b, out, 4 * r, _F32), align=4)
 
 
 def emit_rows_tokens(b: ir.IRBuilder, layout: Layout, name: str, rows, x, ntok, tab, nb, acc, out) -> None:
-    """out[t * R + r] = row r . token t for every t < ntok: R rows (addresses), x = (xq, dx, s4, s16)
-    addresses of ntok rounded tokens interleaved by block (block k of every token, in token order,
-    then block k + 1: what the token loop of a block reads is adjacent), acc a scratch of
-    ntok * R * (8 + slots) f32.
+    """out[t * R + r] = row r . token t for every t < ntok: R rows (addresses), x = (xq, dq, sq, xs)
+    addresses of ntok Rounded tokens interleaved by quad (quad q of every token, in token order,
+    then quad q + 1: what the token loop of a quad reads is adjacent), acc a scratch of
+    ntok * R * 8 f32.
 
-    For each (row, token) this is emit_rows's arithmetic op for op (the same integer lanes, the
-    same f32 products and sums in the same order), so each result has the single-token bits;
-    but a chunk's codes and scales are unpacked once and applied to every token in turn, the
+    For each (row, token) this is emit_rows's arithmetic op for op (the same integers, the same
+    f32 products and sums in the same order), so each result has the single-token bits; but a
+    quad's codes and scales are unpacked once per row and applied to every token in turn, the
     accumulators living in acc rather than registers (their count is not known here)."""
-    em, L = _Emit(b, layout, name, tab), layout
-    R, nch, n = len(rows), len(layout.chunks), len(layout.slots)
-    mty = _F32 if n == 1 else ir.VectorType(_F32, n)
-    sizes = [ir.Constant(_I64, v) for v in (L.values, L.values // 8, L.values, L.values // 4)]  # bytes per block
-    others = b.sub(ntok, ir.Constant(_I64, 1))
-
-    def token(t, k):  # (xq, dx, s4, s16) of token t, where block k + j of it sits at + j blocks
-        return tuple(b.add(a, b.mul(b.add(t, b.mul(k, others)), s)) for a, s in zip(x, sizes))
+    em = _Emit(b, layout, name, tab)
+    R = len(rows)
 
     def acc_at(t, r):
         return _ptr(b, acc, b.mul(b.add(b.mul(t, ir.Constant(_I64, R)), ir.Constant(_I64, r)), ir.Constant(_I64, 32)), _V8F)
 
-    macc0 = b.add(acc, b.mul(ntok, ir.Constant(_I64, R * 32)))
-
-    def macc_at(t, r):
-        off = b.mul(b.add(b.mul(t, ir.Constant(_I64, R)), ir.Constant(_I64, r)), ir.Constant(_I64, 4 * n))
-        return _ptr(b, macc0, off, mty)
-
-    def zero(t):
+    def zero(t, _):
         for r in range(R):
             b.store(ir.Constant(_V8F, None), acc_at(t, r), align=4)
-            b.store(ir.Constant(mty, None if n > 1 else 0.0), macc_at(t, r), align=4)
+        return []
 
-    _count(b, ntok, zero, "tok.zero")
+    _loop(b, ntok, [], zero, "tok.zero")
 
-    def block(k):
-        bases = [b.add(r, b.mul(k, ir.Constant(_I64, L.nbytes))) for r in rows]
-        if n > 1:
-            sw = [em.slot_weights(base) for base in bases]  # (ws, wm) per row, for every token
-            if L.offset:
-                def offsets(t):
-                    _, tdx, _, ts16 = token(t, k)
-                    dxs, S = em.slot_x(k, tdx, ts16)
-                    for r, (_, wm) in enumerate(sw):
-                        p = macc_at(t, r)
-                        b.store(b.fadd(b.load(p, align=4), b.fmul(b.fmul(wm, dxs), S)), p, align=4)
-                _count(b, ntok, offsets, "tok.offsets")
-        for c, ch in enumerate(L.chunks):
-            ci = b.add(b.mul(k, ir.Constant(_I64, nch)), ir.Constant(_I64, c))
-            us, scales = [], []
-            for base in bases:
-                u = em.codes(base, ch.code)
-                us.append(em.lookup(b, L.table, u) if L.table is not None else u)
-                if n == 1:
-                    scales.append(em.scale(base, ch.lo))
+    def apply(q, ws, _):
+        for r, w in enumerate(ws):
+            def each(t, _, r=r, w=w):
+                p = acc_at(t, r)
+                b.store(em.quad(b.load(p, align=4), w, em.token(x, b.add(b.mul(q, ntok), t))), p, align=4)
+                return []
+            _loop(b, ntok, [], each, f"tok.row{r}")
+        return []
 
-            def apply(t, ci=ci, c=c, us=us, scales=scales):
-                txq, tdx, ts4, ts16 = token(t, k)
-                xv = _load(b, txq, b.mul(ci, ir.Constant(_I64, 32)), _V32I8)
-                if L.bias:
-                    corr = b.shl(_load(b, ts4, b.mul(ci, ir.Constant(_I64, 32)), _V8I32, 4),
-                                 ir.Constant(_V8I32, [ir.Constant(_I32, L.bias.bit_length() - 1)] * 8))
-                if n == 1:
-                    dxs = _load(b, tdx, b.mul(ci, ir.Constant(_I64, 4)), _F32, 4)
-                    if L.offset:
-                        sa = _load(b, ts16, b.mul(ci, ir.Constant(_I64, 8)), _I32, 4)
-                        sb = _load(b, ts16, b.add(b.mul(ci, ir.Constant(_I64, 8)), ir.Constant(_I64, 4)), _I32, 4)
-                else:
-                    dxs, _ = em.slot_x(k, tdx, ts16)
-                for r, u in enumerate(us):
-                    lanes = em.dot(b, u, xv, L.signed or L.table is not None)
-                    lanes = b.sub(lanes, corr) if L.bias else lanes
-                    if n == 1:
-                        ws, wm = scales[r]
-                        sv = em.splat(b.fmul(ws, dxs))
-                        if L.offset:
-                            p = macc_at(t, r)
-                            b.store(b.fadd(b.load(p, align=4), b.fmul(b.fmul(wm, dxs), b.sitofp(b.add(sa, sb), _F32))), p, align=4)
-                    else:
-                        tv = b.fmul(sw[r][0], dxs)
-                        lo, hi = (2 * c, 2 * c + 1) if L.split else (c, c)
-                        sv = b.shuffle_vector(tv, tv, _vec(_I32, [lo] * 4 + [hi] * 4))
-                    p = acc_at(t, r)
-                    b.store(b.fadd(b.load(p, align=4), b.fmul(sv, b.sitofp(lanes, _V8F))), p, align=4)
+    _quads(b, em, rows, nb, [], apply, "tok")
 
-            _count(b, ntok, apply, f"tok.chunk{c}")
-
-    _count(b, nb, block, "tok.blocks")
-
-    def finish(t):
+    def finish(t, _):
         for r in range(R):
-            acc_v = b.load(acc_at(t, r), align=4)
-            h = b.extract_element(acc_v, ir.Constant(_I32, 0))
-            for lane in range(1, 8):
-                h = b.fadd(h, b.extract_element(acc_v, ir.Constant(_I32, lane)))
-            if L.offset:
-                m = b.load(macc_at(t, r), align=4)
-                if n > 1:
-                    s = b.extract_element(m, ir.Constant(_I32, 0))
-                    for lane in range(1, n):
-                        s = b.fadd(s, b.extract_element(m, ir.Constant(_I32, lane)))
-                    m = s
-                h = b.fadd(h, m)
             off = b.mul(b.add(b.mul(t, ir.Constant(_I64, R)), ir.Constant(_I64, r)), ir.Constant(_I64, 4))
-            b.store(h, _ptr(b, out, off, _F32), align=4)
+            b.store(_hsum(b, b.load(acc_at(t, r), align=4)), _ptr(b, out, off, _F32), align=4)
+        return []
 
-    _count(b, ntok, finish, "tok.finish")
+    _loop(b, ntok, [], finish, "tok.finish")

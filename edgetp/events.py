@@ -63,13 +63,14 @@ class RequestRecord:
 class StepRecord:
     """One step of the root's engine: a decode step (one token for each of `batch` sequences)
     or one prefill chunk (`batch` prompt tokens of one sequence). A step that carries both in one
-    pass is one record of each, both with the pass's wall time."""
+    pass is one record of each, both with the pass's wall time and `mixed` set: add its ms once."""
 
     kind: str                    # "decode" | "prefill"
     batch: int
     ms: float                    # wall time of the step
     active: int                  # sequences holding a slot after it
     queued: int                  # requests waiting for a slot
+    mixed: bool = False          # one pass with the other kind's record: the same ms, not more
     type: str = "step"
 
 
@@ -151,7 +152,7 @@ def from_dict(d: Any) -> TokenRecord | RequestRecord | StepRecord | ClusterEvent
                                  int(d.get("cached_tokens", 0)), None if d.get("slot") is None else int(d["slot"]))
         if kind == "step":
             return StepRecord(_one_of(d["kind"], ("decode", "prefill")), int(d["batch"]), float(d["ms"]),
-                              int(d["active"]), int(d["queued"]))
+                              int(d["active"]), int(d["queued"]), bool(d.get("mixed", False)))
         if kind == "cluster":
             return ClusterEvent(_one_of(d["event"], CLUSTER_EVENTS), str(d["message"]), d.get("node_id"),
                                 d.get("epoch"), dict(d.get("detail") or {}))

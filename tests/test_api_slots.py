@@ -140,12 +140,18 @@ async def test_a_prefix_hit_counts_once_per_request_whichever_records_carry_it(s
     publish(events.StepRecord("prefill", 64, 120.0, active=1, queued=0))
     publish(events.StepRecord("decode", 3, 30.0, active=3, queued=0))
     publish(events.StepRecord("prefill", 32, 60.0, active=3, queued=0))  # not a decode: the batch gauge stays 3
+    # one pass that carried 2 decode rows and a chunk: two records, one wall time, counted once
+    publish(events.StepRecord("decode", 2, 50.0, active=3, queued=0, mixed=True))
+    publish(events.StepRecord("prefill", 128, 50.0, active=3, queued=0, mixed=True))
     m = await scrape(url)
     assert m[("edgetp_prefix_cache_hits_total", ())] == 2
     assert m[("edgetp_prefix_cached_tokens_total", ())] == 64 + 32
     assert m[("edgetp_requests_total", (("finish_reason", "stop"),))] == 2
-    assert m[("edgetp_batch_size", ())] == 3
+    assert m[("edgetp_batch_size", ())] == 2
     assert m[("edgetp_step_seconds_total", (("kind", "prefill"),))] == pytest.approx(0.18)
+    assert m[("edgetp_step_seconds_total", (("kind", "decode"),))] == pytest.approx(0.03)
+    assert m[("edgetp_step_seconds_total", (("kind", "mixed"),))] == pytest.approx(0.05)
+    assert m[("edgetp_steps_total", (("kind", "prefill"),))] == 3
 
 
 async def status(url: str) -> list[str]:

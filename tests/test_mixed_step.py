@@ -292,7 +292,7 @@ def test_the_scheduler_through_a_pipeline_mixes_steps_and_gives_each_sequence_it
                         break
                     for seq, ev in sched.step():
                         got[id(seq)].append(ev.token_id)
-                    kinds.append(tuple(k for k, _, _ in sched.last))
+                    kinds.append(tuple(k for k, *_ in sched.last))
             finally:
                 runner.end()
         finally:

@@ -198,7 +198,7 @@ class Scheduler:
         self.cache = PrefixCache(runner.slots, chunk)
         self.seqs: list[Seq] = []      # admission order
         self.batch = 0                 # rows of the last decode step
-        self.last: list[tuple[str, int, float]] = []  # what the last step() ran: (kind, tokens, ms)
+        self.last: list[tuple[str, int, float, bool]] = []  # what the last step() ran: (kind, tokens, ms, mixed)
         self.prefix_hits = 0
         self.cached_tokens = 0
         self._stream: dict[int, Any] = {}   # id(seq) -> its _StopFilter
@@ -256,8 +256,8 @@ class Scheduler:
         """One pass: a decode row of every decoding sequence and one prefill chunk; the tokens they answered.
 
         Finished sequences leave. Raises what the runner raises (RunnerLost only when no recovery is left).
-        `last` says what ran: a mixed pass is one ("decode", rows, ms) and one ("prefill", tokens, ms)
-        with the same ms, the wall time of the whole pass.
+        `last` says what ran: a mixed pass is one ("decode", rows, ms, True) and one ("prefill",
+        tokens, ms, True) with the same ms, the wall time of the whole pass (count it once).
         """
         self.last = []
         decoding = [s for s in self.seqs if s.pending is not None]
@@ -283,14 +283,14 @@ class Scheduler:
         out: list[tuple[Seq, TokenEvent]] = []
         if rows:
             self.batch = len(rows)
-            self.last.append(("decode", len(rows), ms))
+            self.last.append(("decode", len(rows), ms, chunk is not None))
             for s, c in zip(decoding, cands):
                 self.cache.fed(s.slot, s.fed, [s.pending], False)
                 s.fed += 1
                 out.append((s, self._answer(s, c)))
         if chunk is not None:
             s = filling
-            self.last.append(("prefill", len(chunk.ids), ms))
+            self.last.append(("prefill", len(chunk.ids), ms, bool(rows)))
             self.cache.fed(s.slot, chunk.pos, chunk.ids, len(chunk.ids) == self.chunk)
             s.fed = chunk.pos + len(chunk.ids)
             if chunk.params is not None:

@@ -506,7 +506,7 @@ class Metrics:
         self.decode_batch = Histogram("edgetp_decode_batch", "Decode steps by the sequences they carried",
                                       buckets=self.BATCHES, registry=r)
         self.steps = Counter("edgetp_steps", "Engine steps, by kind (decode, prefill)", ["kind"], registry=r)
-        self.step_seconds = Counter("edgetp_step_seconds", "Wall time of engine steps, by kind", ["kind"],
+        self.step_seconds = Counter("edgetp_step_seconds", "Wall time of engine steps, by kind (decode, prefill, or mixed: one pass of both)", ["kind"],
                                     registry=r)
         self.prefix_hits = Counter("edgetp_prefix_cache_hits", "Requests whose prompt began with a cached prefix",
                                    registry=r)
@@ -529,7 +529,10 @@ class Metrics:
                 self.link_bytes.labels(link, "received").inc(b.received)
         elif isinstance(record, events.StepRecord):
             self.steps.labels(record.kind).inc()
-            self.step_seconds.labels(record.kind).inc(record.ms / 1000)
+            if not record.mixed:
+                self.step_seconds.labels(record.kind).inc(record.ms / 1000)
+            elif record.kind == "decode":  # one pass of both kinds: its time once
+                self.step_seconds.labels("mixed").inc(record.ms / 1000)
             if record.kind == "decode":
                 self.batch_size.set(record.batch)
                 self.decode_batch.observe(record.batch)

@@ -432,8 +432,8 @@ class Engine:
         _post(loop, finish)
 
     def _publish_step(self, loop, sched: Scheduler) -> None:
-        for kind, n, ms in sched.last:
-            _post(loop, self.bus.publish, events.StepRecord(kind, n, ms, len(sched.seqs), len(self._waiting)))
+        for kind, n, ms, mixed in sched.last:
+            _post(loop, self.bus.publish, events.StepRecord(kind, n, ms, len(sched.seqs), len(self._waiting), mixed))
 
     def _counters(self) -> dict[str, Any]:
         """Link counters of the runner in use (a recovery may have replaced it)."""

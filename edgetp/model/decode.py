@@ -106,7 +106,15 @@ class _Experts:
             if gate is not None:
                 self.gate_up[x] = _Matvecs([gate, up], self.x, self.rx, int8)
                 self.down[x] = _Matvecs([down], self.gate_up[x].out[:, :width], self.rg, int8)
-        self.rounds = any(m.rounds for m in self.gate_up.values())
+        self.shared = e.shared if e.shared is not None and e.shared.gate is not None else None
+        if self.shared is not None:  # qwen2moe's shared expert: this shard's columns, bound the same way
+            sh, wide = self.shared, self.shared.gate.rows
+            self.rs = intdot.Rounded.rows(1, max(wide, 32))
+            self.sh_gate_up = _Matvecs([sh.gate, sh.up], self.x, self.rx, int8)
+            self.sh_down = _Matvecs([sh.down], self.sh_gate_up.out[:, :wide], self.rs, int8)
+            self.g = np.empty(1, np.float32)  # the token's gate
+        self.rounds = any(m.rounds for m in self.gate_up.values()) or (
+            self.shared is not None and self.sh_gate_up.rounds)
         self.parts = np.zeros((e.used, dim), np.float32)  # the token's j-th expert, weighted
         self.out = np.empty((rows, dim), np.float32)
 
@@ -130,6 +138,14 @@ class _Experts:
             self.out[b] = self.parts[0]
             for j in range(1, self.e.used):
                 self.out[b] += self.parts[j]
+            if self.shared is not None:  # moe.shared_ffn for the token
+                moe.shared_gate(self.shared, self.x, self.g)
+                gu, down = self.sh_gate_up, self.sh_down
+                gu(1, serial)
+                gate, up = gu.views
+                _glu(gate[:1], up[:1], geglu, down.rounds, *self.rs)
+                down(1, serial)
+                self.out[b] += down.out[0] * self.g[0]
         return self.out[: h.shape[0]]
 
 

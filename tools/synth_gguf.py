@@ -84,7 +84,8 @@ ARCHS: dict[str, tuple[tuple[str, str], ...]] = {
 MOE_ARCHS = ("qwen3moe", "mixtral", "qwen2moe")  # need --experts and --experts-used
 #: q, k and v with biases (qwen2's attention), and a shared expert every token goes through beside the
 #: routed ones, gated per token by a sigmoid of ffn_gate_inp_shexp . h; llama.cpp requires output.weight
-BIASED = SHARED = UNTIED = ("qwen2moe",)
+#: llama.cpp reads its attn_q and attn_output as dim x dim (SQUARE)
+BIASED = SHARED = UNTIED = SQUARE = ("qwen2moe",)
 FILE_ARCH = {"mixtral": "llama"}     # general.architecture where it is not the name here
 #: phi3's fused tensors, as llama.cpp's converter writes them: attn_qkv holds the rows of q, then k,
 #: then v; ffn_up holds 2 * ffn rows, the gate's then up's (there is no attn_q/k/v nor ffn_gate)
@@ -490,7 +491,7 @@ def model_tensors(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn
         raise ValueError(f"head_dim {head_dim} must be even (rotary embedding)")
     if arch not in ARCHS:
         raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join(ARCHS)}")
-    if arch in FUSED and head_dim * n_heads != dim:
+    if arch in FUSED + SQUARE and head_dim * n_heads != dim:
         raise ValueError(f"{arch} needs head_dim * n_heads == dim (llama.cpp reads attn_output as "
                          f"dim x dim), got {head_dim} * {n_heads} != {dim}")
     wt = _qtype(weight_type, QT.F32)

@@ -1,0 +1,240 @@
+"""qwen2moe's shared expert against independent references: llama.cpp and the float64 math of
+tests/reference.py.
+
+llama.cpp's qwen2moe graph (src/models/qwen2moe.cpp): qwen2's attention (q/k/v biases, NEOX
+rope); the routed experts as build_moe_ffn computes them with norm_w false (the chosen
+probabilities are not divided by their sum, unlike qwen3moe and mixtral); then, for every
+token, a shared SwiGLU expert (ffn_*_shexp, expert_shared_feed_forward_length wide) times
+sigmoid(ffn_gate_inp_shexp . h), added to the experts' sum. The models are synthetic
+(tools/synth_gguf.py --arch qwen2moe --experts N --experts-used K --shared-ffn W): 8 experts
+top-2 and 16 top-4, each with a shared expert of a width 3 processes do not divide.
+
+The bounds are test_moe's (test_engine_reference's). In a cluster the shared expert is split
+by columns like a dense FFN, its columns following each node's share of the experts' columns
+(--experts columns) or of the experts (--experts place); every node computes the gate whole.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+from edgetp.model import gguf, llama
+from edgetp.model.generate import LocalRunner
+from edgetp.model.tokenizer import Tokenizer
+from edgetp.parallel.shardfile import shard_name, write_shard
+from tests import reference
+from tests.test_cli_errors import ask, assert_one_line_error
+from tests.test_decode_fast import _same
+from tests.test_engine_reference import BOUND, EXACT, FOX, _error, _spread
+from tests.test_moe import TYPES
+from tests.test_qwen3 import (_ids, _rewrite, _without, assert_exact_at_every_position,  # noqa: F401 (fixtures)
+                              assert_int8_decode_as_close_as_llamacpp,
+                              assert_never_further_from_llamacpp_than_it_is_from_exact, control, float_kernels)
+from tests.test_parallel import GREEDY, greedy
+
+# name -> synth_gguf keys: 8 experts top-2 of 7 blocks of 32 on 4 heads of 32 (width 128), a shared
+# expert of 10 blocks; 16 experts top-4 of 224 on tiny-odd's width 96 (4 heads of 24, 2 KV heads: llama.cpp
+# reads qwen2moe's attn_q as dim x dim), a shared expert of 11 blocks. 3 processes divide none of those counts.
+SHARED = {
+    "8x2": ("tiny-headdim", dict(arch="qwen2moe", n_experts=8, n_experts_used=2, n_heads=4, ffn=224, ffn_shared=320)),
+    "16x4": ("tiny-odd", dict(arch="qwen2moe", n_experts=16, n_experts_used=4, n_heads=4, n_kv_heads=2, head_dim=24,
+                              ffn_shared=352)),
+}
+
+
+@pytest.fixture(scope="module")
+def qwen2moe(synth_model):
+    def make(shape: str, wt: str = "f32"):
+        preset, extra = SHARED[shape]
+        if wt.endswith("_k"):  # K-quants need widths of 256
+            preset, extra = "tiny-k", extra | dict(ffn=256, ffn_shared=512, n_heads=4, head_dim=64)
+        return synth_model(preset, wt, **extra)
+
+    return make
+
+
+def test_the_files_read_as_llamacpps_loader_reads_them(qwen2moe):
+    c = gguf.open_model(qwen2moe("16x4")).config
+    assert (c.arch, c.n_experts, c.n_experts_used, c.ffn, c.ffn_shared, c.expert_norm, c.qkv_bias, c.rope_neox,
+            c.tied) == ("qwen2moe", 16, 4, 224, 352, False, True, True, False)
+    w = llama.load_weights(gguf.open_model(qwen2moe("16x4")))
+    s = w.layers[0].moe.shared
+    assert (s.gate_inp.rows, s.gate_inp.cols, s.gate.rows, s.gate.cols, s.down.rows, s.down.cols) == (
+        1, 96, 352, 96, 96, 352)
+    assert w.layers[0].bq.shape == (96,) and w.layers[0].bk.shape == (48,)
+
+
+@pytest.mark.parametrize("kind,kv_type", [(k, "f16") for k in TYPES] + [("f32", "f32")])
+@pytest.mark.parametrize("shape", list(SHARED))
+def test_logits_at_every_position_equal_the_exact_float64_math(qwen2moe, shape, kind, kv_type, float_kernels):
+    assert_exact_at_every_position(qwen2moe(shape, kind), kv_type)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("shape", list(SHARED))
+def test_logits_are_never_further_from_llamacpp_than_llamacpp_is_from_exact(llama_cpp, qwen2moe, shape, kind,
+                                                                            float_kernels):
+    path = qwen2moe(shape, kind)
+    assert_never_further_from_llamacpp_than_it_is_from_exact(path, _ids(path), "f16")
+
+
+def test_llamacpp_computes_the_float64_math_and_its_logits_change_without_the_shared_expert(llama_cpp, qwen2moe,
+                                                                                             tmp_path):
+    # so the shared expert weighs in every comparison with llama.cpp and the float64 math above
+    path = qwen2moe("8x2")
+    ids = _ids(path)
+    cpp, exact = reference.logits(path, ids), reference.exact_logits(path, ids, "f32")
+    spread = _spread(exact)
+    assert _error(cpp, exact, spread).max() <= EXACT
+    silent = path
+    for i in range(2):  # the shared expert's output zero in both layers
+        silent = _without(silent, tmp_path / f"silent{i}.gguf", f"blk.{i}.ffn_down_shexp.weight",
+                          instead=np.zeros((128, 320), np.float32))
+    assert _error(reference.logits(silent, ids), cpp, spread).mean() > 100 * EXACT
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("shape", list(SHARED))
+def test_int8_decode_logits_are_as_close_to_exact_as_llamacpps(llama_cpp, qwen2moe, shape, kind, monkeypatch):
+    monkeypatch.delenv("EDGETP_INT8", raising=False)
+    path = qwen2moe(shape, kind)
+    assert_int8_decode_as_close_as_llamacpp(path, _ids(path))
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "f32"])
+@pytest.mark.parametrize("shape", list(SHARED))
+def test_greedy_continuation_is_token_identical_to_llamacpp_for_64_tokens(llama_cpp, qwen2moe, shape, kv_type):
+    path = qwen2moe(shape)
+    ids = _ids(path)
+    assert greedy(LocalRunner(gguf.open_model(path), 256, kv_type=kv_type), ids, 64) == reference.greedy(
+        path, ids, 64, kv_type)
+
+
+@pytest.mark.parametrize("shape", list(SHARED))
+def test_the_fused_decode_plan_runs_the_shared_expert_bit_identical_to_the_per_op_path(qwen2moe, shape, int8):
+    _same(gguf.open_model(qwen2moe(shape, "q8_0")))
+
+
+def test_several_rows_in_one_step_each_get_the_bits_of_their_token_alone(qwen2moe, int8):
+    mf = gguf.open_model(qwen2moe("16x4", "q4_0"))
+    w = llama.load_weights(mf)
+    prompts = [[5, 9, 17, 3], [40, 2, 8], [77]]
+    together = llama.Shard(w, ctx=32, slots=3)
+    for s, p in enumerate(prompts):
+        together.forward(llama.embed(mf, p), 0, slot=s)
+    x = llama.embed(mf, [11, 12, 13])
+    rows = together.forward_rows(x.copy(), [0, 1, 2], [len(p) for p in prompts])
+    for s, p in enumerate(prompts):
+        alone = llama.Shard(w, ctx=32)
+        alone.forward(llama.embed(mf, p), 0)
+        assert np.array_equal(alone.forward(x[s : s + 1].copy(), len(p)), rows[s : s + 1]), f"row {s}"
+
+
+# ---------------------------------------------------------------- the split
+
+
+@pytest.mark.parametrize("shape", list(SHARED))
+def test_the_shared_experts_columns_tile_it_for_any_tiling_of_the_experts_columns_or_of_the_experts(qwen2moe,
+                                                                                                     shape):
+    c = gguf.open_model(qwen2moe(shape)).config
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 5))
+        by_experts = bool(rng.integers(2))
+        total, unit = (c.n_experts, 1) if by_experts else (c.ffn, 32)
+        cuts = np.sort(rng.integers(0, total // unit + 1, n - 1)) * unit
+        bounds = [0, *cuts.tolist(), total]
+        parts = [c.shared_cols((0, c.ffn), (a, b)) if by_experts else c.shared_cols((a, b), None)
+                 for a, b in zip(bounds, bounds[1:])]
+        assert parts[0][0] == 0 and parts[-1][1] == c.ffn_shared, parts
+        assert all(p[1] == q[0] for p, q in zip(parts, parts[1:])) and all(a <= b and a % 32 == 0 for a, b in parts)
+        # each node's share of the shared expert is its share of the experts', within a block
+        for (a, b), (x, y) in zip(zip(bounds, bounds[1:]), parts):
+            assert abs((y - x) / c.ffn_shared - (b - a) / total) <= 32 / c.ffn_shared
+
+
+@pytest.mark.parametrize("spec", [
+    llama.ShardSpec((0, 1), (96, 224), (0, 600), None, None),  # columns: 4/7 of the experts' -> 6 of 11 blocks
+    llama.ShardSpec((1, 2), (0, 224), (0, 600), None, (5, 11)),  # placed: 6 of 16 experts -> 5 of 11 blocks
+    llama.ShardSpec((1, 2), (0, 224), (0, 0), None, (2, 2)),    # no expert, no shared column
+])
+def test_a_shard_file_holds_its_shared_columns_and_computes_bit_identical_outputs(qwen2moe, tmp_path, spec):
+    from gguf import dequantize  # noqa: PLC0415
+
+    mf = gguf.ModelFile(qwen2moe("16x4", "q8_0"))
+    sf = gguf.ModelFile(write_shard(mf, spec, tmp_path / shard_name(mf.fingerprint, spec)))
+    a, b = mf.config.shared_cols(spec.ffn_cols, spec.experts)
+    assert (a, b) == {(96, 224): (160, 352), (5, 11): (96, 256), (2, 2): (32, 32)}[spec.experts or spec.ffn_cols]
+    for name in (f"blk.{i}.ffn_{w}_shexp.weight" for i in range(3) for w in ("gate", "up", "down")):
+        src, got = mf.tensors[name], sf.tensors[name]
+        want = dequantize(np.asarray(src.data), src.tensor_type)
+        want = want[:, a:b] if "down" in name else want[a:b]
+        if a == b:
+            assert got.n_bytes == 0, name
+            continue
+        assert np.array_equal(dequantize(np.asarray(got.data), got.tensor_type).reshape(want.shape), want), name
+    outs = []
+    for source in (mf, sf):
+        shard = llama.Shard(llama.load_weights(source, spec), ctx=8)
+        h = shard.forward(llama.embed(mf, [1, 17, 42]), 0)
+        h2 = shard.forward(llama.embed(mf, [5]), 3)
+        outs.append((h, h2))
+    for x, y in zip(*outs):
+        assert x.shape == y.shape and x.view(np.uint32).tobytes() == y.view(np.uint32).tobytes()
+
+
+# ---------------------------------------------------------------- tensor parallel, real processes
+
+
+@pytest.mark.parametrize("shape", list(SHARED))
+def test_two_and_three_processes_placing_experts_or_splitting_columns_give_one_nodes_tokens_and_exact_logits(
+        float_workers, control, qwen2moe, shape, float_kernels):
+    from edgetp.parallel.runner import ClusterRunner  # noqa: PLC0415
+
+    path = qwen2moe(shape, "q8_0")
+    mf = gguf.open_model(path)
+    c = mf.config
+    ids = Tokenizer.from_metadata(mf.metadata).encode(FOX)
+    expected = greedy(LocalRunner(mf, 256), ids, 64)
+    exact = reference.exact_logits(path, ids, "f16")
+    for mode in ("place", "columns"):
+        for n, weights in ((2, [1, 3]), (3, [3, 1, 2])):
+            runner = control.run(ClusterRunner.connect(gguf.open_model(path), float_workers[: n - 1], ctx=256,
+                                                       weights=weights, experts=mode), timeout=300)
+            try:
+                held = [(s.ffn_cols, s.experts) for s in runner.plan.shares]
+                cols = [c.shared_cols(tuple(f), None if e is None else tuple(e)) for f, e in held]
+                assert all(b > a for a, b in cols) and cols[-1][1] == c.ffn_shared, f"{mode}: {held} -> {cols}"
+                assert (mode == "place") == all(e is not None for _, e in held), held
+                runner.begin(GREEDY)
+                try:
+                    got = runner.logits(ids, 0)
+                finally:
+                    runner.end()
+                err = _error(got, exact, _spread(exact))
+                assert err.max() <= BOUND["f16"], f"{mode}, {n} processes {held}: max error {err.max():.2e}"
+                assert greedy(runner, ids, 64) == expected, f"{mode}, {n} processes: {held}"
+            finally:
+                runner.close()
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("name", ["blk.1.ffn_gate_inp_shexp.weight", "blk.2.ffn_down_shexp.weight",
+                                  "blk.0.ffn_up_shexp.weight"])
+def test_a_file_without_a_shared_expert_tensor_is_refused_in_one_line_naming_it(qwen2moe, tmp_path, name):
+    bad = _without(qwen2moe("16x4"), tmp_path / "no-shexp.gguf", name)
+    assert_one_line_error(ask(bad), str(bad), f"{name!r} is missing")
+
+
+def test_a_shared_expert_tensor_of_the_wrong_shape_is_refused_in_one_line_naming_it(qwen2moe, tmp_path):
+    src = qwen2moe("16x4")
+    gate = next(t for t in GGUFReader(src).tensors if t.name == "blk.1.ffn_gate_shexp.weight")
+    narrow = np.asarray(gate.data)[:320]  # 320 rows where expert_shared_feed_forward_length says 352
+    bad = _without(src, tmp_path / "narrow.gguf", "blk.1.ffn_gate_shexp.weight", instead=narrow)
+    assert_one_line_error(ask(bad), str(bad), "'blk.1.ffn_gate_shexp.weight' has shape [96, 320], expected [96, 352]")
+    bad = _without(src, tmp_path / "gate.gguf", "blk.0.ffn_gate_inp_shexp.weight", instead=np.ones(95, np.float32))
+    assert_one_line_error(ask(bad), str(bad), "'blk.0.ffn_gate_inp_shexp.weight' has shape [95], expected [96]")

@@ -132,6 +132,22 @@ def test_several_rows_in_one_step_each_get_the_bits_of_their_token_alone(qwen2mo
         assert np.array_equal(alone.forward(x[s : s + 1].copy(), len(p)), rows[s : s + 1]), f"row {s}"
 
 
+def test_the_shared_gate_is_the_sigmoid_of_the_gates_dot_and_one_half_at_zero(qwen2moe):
+    # silu(z) / z in f32 against 1 / (1 + e^-z) in float64; a zero row (a worker's warm-up) gives
+    # sigmoid(0) = 1/2, where llama.cpp's 0 / 0 gives NaN
+    from edgetp.model import moe  # noqa: PLC0415
+
+    mf = gguf.open_model(qwen2moe("8x2"))
+    shared = llama.load_weights(mf).layers[1].moe.shared
+    h = np.random.default_rng(3).standard_normal((64, 128)).astype(np.float32) * np.float32(4.0)
+    h[0] = 0.0
+    got = np.empty(64, np.float32)
+    moe.shared_gate(shared, h, got)
+    z = h.astype(np.float64) @ mf.vector("blk.1.ffn_gate_inp_shexp.weight").astype(np.float64)
+    assert got[0] == 0.5 and np.all(np.abs(got - 1 / (1 + np.exp(-z))) <= 1e-6), np.abs(got - 1 / (1 + np.exp(-z))).max()
+    assert got.min() < 0.05 and got.max() > 0.95  # the rows span the sigmoid
+
+
 # ---------------------------------------------------------------- the split
 
 
@@ -238,3 +254,39 @@ def test_a_shared_expert_tensor_of_the_wrong_shape_is_refused_in_one_line_naming
     assert_one_line_error(ask(bad), str(bad), "'blk.1.ffn_gate_shexp.weight' has shape [96, 320], expected [96, 352]")
     bad = _without(src, tmp_path / "gate.gguf", "blk.0.ffn_gate_inp_shexp.weight", instead=np.ones(95, np.float32))
     assert_one_line_error(ask(bad), str(bad), "'blk.0.ffn_gate_inp_shexp.weight' has shape [95], expected [96]")
+
+
+# ---------------------------------------------------------------- the plan's view of a shared expert
+
+
+def test_the_plan_holds_and_reads_the_shared_expert_with_the_columns_or_experts_it_follows(qwen2moe):
+    from dataclasses import replace  # noqa: PLC0415
+
+    from edgetp.parallel import experts, packing, shard  # noqa: PLC0415
+    from edgetp.parallel.plan import NodeSpec, expected_max  # noqa: PLC0415
+
+    mf = gguf.open_model(qwen2moe("16x4", "q8_0"))
+    s = shard.model_shape(mf, 256)
+    # Q8_0: 34 bytes per 32 weights; every expert and the shared expert, 3 matrices of 96 x width, 3 layers
+    q8 = 34 / 32
+    routed, shared = 3 * 3 * 96 * 224 * 16 * q8, 3 * 3 * 96 * 352 * q8
+    assert s.n_ffn_blocks * s.ffn_block_bytes == pytest.approx(routed + shared, rel=1e-6)  # rounded per block
+    assert s.expert_bytes == pytest.approx((routed + shared) / 16) and s.expert_shared == pytest.approx(shared / 16)
+    assert s.ffn_active == pytest.approx((routed * 4 / 16 + shared) / (routed + shared))
+    nodes = (NodeSpec("root", 3e9, 10**12), NodeSpec("b", 1e9, 10**12), NodeSpec("c", 2e9, 10**12))
+    cols = packing.make_plan(s, nodes)
+    placed = experts.place(cols)
+    for share in cols.shares:  # columns: the node's part of every FFN byte, routed and shared
+        part = (share.ffn_cols[1] - share.ffn_cols[0]) / 224
+        ffn_only = replace(share, kv_groups=(0, 0), vocab_rows=(0, 0))
+        assert s.share_work(ffn_only) == pytest.approx(part * (routed + shared), rel=1e-6)
+    # placed: a token waits for the node whose routed hits plus its part of the shared expert take longest
+    counts = [b - a for a, b in (x.experts for x in placed.shares)]
+    per_hit = [routed / 16 / n.speed for n in nodes]
+    base = [c * shared / 16 / n.speed for c, n in zip(counts, nodes)]
+    speed = [n.speed for n in nodes]
+    rest = (max((x.kv_groups[1] - x.kv_groups[0]) * s.group_bytes / v for x, v in zip(placed.shares, speed))
+            + max((x.vocab_rows[1] - x.vocab_rows[0]) * s.vocab_row_bytes / v for x, v in zip(placed.shares, speed)))
+    ffn_wait = placed.makespan - rest
+    assert ffn_wait == pytest.approx(expected_max(counts, per_hit, 4, base), rel=1e-6)
+    assert ffn_wait > expected_max(counts, per_hit, 4)  # the shared expert costs time

@@ -532,6 +532,8 @@ def model_tensors(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn
                 TensorSpec(p + "ffn_down_exps.weight", dim, ffn, wt, 1.0 / np.sqrt(ffn), n_experts),
                 TensorSpec(p + "ffn_up_exps.weight", ffn, dim, wt, 1.0 / np.sqrt(dim), n_experts),
             ]
+        else:
+            specs += [*ffn_in, TensorSpec(p + "ffn_down.weight", dim, ffn, wt, 1.0 / np.sqrt(ffn))]
         if ffn_shared:
             specs += [
                 TensorSpec(p + "ffn_gate_inp_shexp.weight", 0, dim, QT.F32, 1.0 / np.sqrt(dim), centred=True),
@@ -539,8 +541,6 @@ def model_tensors(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn
                 TensorSpec(p + "ffn_down_shexp.weight", dim, ffn_shared, wt, 1.0 / np.sqrt(ffn_shared)),
                 TensorSpec(p + "ffn_up_shexp.weight", ffn_shared, dim, wt, 1.0 / np.sqrt(dim)),
             ]
-        else:
-            specs += [*ffn_in, TensorSpec(p + "ffn_down.weight", dim, ffn, wt, 1.0 / np.sqrt(ffn))]
         specs += [TensorSpec(p + suffix, 0, head_dim if width == "head" else dim, QT.F32, 1.0)
                   for suffix, width in ARCHS[arch]]
     for s in specs:

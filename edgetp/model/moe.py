@@ -80,10 +80,11 @@ def shared_gate(s: Shared, h: np.ndarray, out: np.ndarray) -> None:
 
 @njit(cache=True, nogil=True)
 def _sigmoid(z):  # pragma: no cover - compiled
-    # z (n,) f32 in place -> silu(z) / z: ggml's silu (z / (1 + e^-z), f32) divided by z, as qwen2moe's graph
+    # z (n,) f32 in place -> silu(z) / z: ggml's silu (z / (1 + e^-z), f32) divided by z, as qwen2moe's
+    # graph; at z = 0 its limit 1/2 (llama.cpp's 0 / 0 gives NaN there)
     for b in range(z.shape[0]):
         x = z[b]
-        z[b] = (x / (np.float32(1.0) + np.exp(-x))) / x
+        z[b] = np.float32(0.5) if x == 0 else (x / (np.float32(1.0) + np.exp(-x))) / x
 
 
 def shared_ffn(s: Shared, h: np.ndarray, out: np.ndarray, geglu: bool) -> None:

@@ -53,6 +53,7 @@ def model_shape(mf: ModelFile, ctx: int, slots: int = 1, kv_type: str = "f16") -
         slots=slots,
         n_experts=cfg.n_experts,
         experts_used=cfg.n_experts_used,
+        shared_bpw=_bpw(mf, "blk.0.ffn_up_shexp.weight") * cfg.ffn_shared / cfg.ffn if cfg.ffn_shared else 0.0,
     )
 
 

@@ -290,3 +290,28 @@ def test_the_plan_holds_and_reads_the_shared_expert_with_the_columns_or_experts_
     ffn_wait = placed.makespan - rest
     assert ffn_wait == pytest.approx(expected_max(counts, per_hit, 4, base), rel=1e-6)
     assert ffn_wait > expected_max(counts, per_hit, 4)  # the shared expert costs time
+
+
+# ---------------------------------------------------------------- a decode step of several rows
+
+
+@pytest.mark.parametrize("spec", [None,  # one node
+                                  llama.ShardSpec((0, 1), (64, 160), (0, 600), None, None),  # columns
+                                  llama.ShardSpec((1, 2), (0, 224), (0, 600), None, (2, 5))])  # placed experts
+def test_rows_routed_together_through_the_experts_get_the_bits_of_each_token_alone(qwen2moe, int8, spec):
+    mf = gguf.open_model(qwen2moe("8x2", "q8_0"))
+    w = llama.load_weights(mf, spec)
+    prompts = [[5 + s, 9, 17 + 3 * s] for s in range(8)]
+    together = llama.Shard(w, ctx=16, slots=8)
+    for s, p in enumerate(prompts):
+        together.forward(llama.embed(mf, p), 0, slot=s)
+    x = llama.embed(mf, [11 + s for s in range(8)])
+    before = together.expert_hits.copy()
+    rows = together.forward_rows(x.copy(), list(range(8)), [3] * 8)
+    step = together.expert_hits - before
+    assert step.sum() == 8 * 2 * 2 and step.max() >= 2, step  # rows share experts: they run on them together
+    for s, p in enumerate(prompts):
+        alone = llama.Shard(w, ctx=16)
+        alone.forward(llama.embed(mf, p), 0)
+        got = alone.forward(x[s : s + 1].copy(), 3)
+        assert got.view(np.uint32).tobytes() == rows[s : s + 1].view(np.uint32).tobytes(), f"row {s}"

@@ -69,12 +69,9 @@ class Experts:
 
 
 def shared_gate(s: Shared, h: np.ndarray, out: np.ndarray) -> None:
-    """out (n,) = the shared expert's gate of each row of h (n, dim): sigmoid(z) as llama.cpp computes
-    it, silu(z) / z in f32, z by the exact kernel (the same bits on every shard and CPU)."""
-    z = np.empty(1, np.float32)
-    for b in range(h.shape[0]):
-        quant.exact_matvec(s.gate_inp, np.ascontiguousarray(h[b]), z)
-        out[b] = z[0]
+    """out (n,) = the shared expert's gate of each row of h (n, dim), C-contiguous: sigmoid(z) as
+    llama.cpp computes it, silu(z) / z in f32, z by the exact kernel (the same bits on every shard and CPU)."""
+    quant.exact_matmul(s.gate_inp, h, out.reshape(-1, 1))
     _sigmoid(out)
 
 
@@ -92,10 +89,10 @@ def shared_ffn(s: Shared, h: np.ndarray, out: np.ndarray, geglu: bool) -> None:
     (nothing if it holds none of its columns), after the routed experts' sum, as llama.cpp adds it."""
     if s.gate is None:
         return
-    n = h.shape[0]
+    n, h = h.shape[0], np.ascontiguousarray(h)
     g = np.empty(n, np.float32)
     shared_gate(s, h, g)
-    hx = quant.Batch(np.ascontiguousarray(h))
+    hx = quant.Batch(h)
     a = np.empty((n, s.gate.rows), np.float32)
     u = np.empty_like(a)
     quant.apply(s.gate, hx, a)
@@ -114,13 +111,36 @@ def route(e: Experts, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     weights are the softmax probabilities of those experts (f32 exps, their sum in f64 as
     ggml's soft_max), then normalised and scaled."""
     n = h.shape[0]
-    logits = np.empty((n, e.router.rows), np.float32)
-    for b in range(n):
-        quant.exact_matvec(e.router, np.ascontiguousarray(h[b]), logits[b])
-    ids = np.empty((n, e.used), np.int64)
-    w = np.empty((n, e.used), np.float32)
-    _pick(logits, e.norm, np.float32(e.scale), ids, w)
+    ids, w = np.empty((n, e.used), np.int64), np.empty((n, e.used), np.float32)
+    route_into(e, np.ascontiguousarray(h), np.empty((n, e.router.rows), np.float32), ids, w)
     return ids, w
+
+
+def route_into(e: Experts, h: np.ndarray, logits: np.ndarray, ids: np.ndarray, w: np.ndarray) -> None:
+    """route into buffers: h (n, dim) C-contiguous; logits (n, n_experts), ids (n, k), w (n, k)."""
+    quant.exact_matmul(e.router, h, logits)
+    _pick(logits, e.norm, np.float32(e.scale), ids, w)
+
+
+@njit(cache=True, nogil=True)
+def group(ids, hits, starts, fill, rows, slots):  # pragma: no cover - compiled
+    # ids (n, k) -> the (row, slot) pairs routed to each expert x at [starts[x], starts[x + 1]) of
+    # rows and slots (n * k each), in row order; hits[x] += their count. starts (E + 1,), fill (E,) scratch
+    n, k = ids.shape
+    starts[:] = 0
+    for b in range(n):
+        for j in range(k):
+            starts[ids[b, j] + 1] += 1
+    for x in range(fill.shape[0]):
+        hits[x] += starts[x + 1]
+        starts[x + 1] += starts[x]
+        fill[x] = starts[x]
+    for b in range(n):
+        for j in range(k):
+            x = ids[b, j]
+            rows[fill[x]] = b
+            slots[fill[x]] = j
+            fill[x] += 1
 
 
 @njit(cache=True, nogil=True)

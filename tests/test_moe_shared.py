@@ -22,17 +22,17 @@ from gguf import GGUFReader
 
 from edgetp.model import gguf, llama
 from edgetp.model.generate import LocalRunner
-from edgetp.model.tokenizer import Tokenizer
 from edgetp.parallel.shardfile import shard_name, write_shard
 from tests import reference
 from tests.test_cli_errors import ask, assert_one_line_error
 from tests.test_decode_fast import _same
-from tests.test_engine_reference import BOUND, EXACT, FOX, _error, _spread
+from tests.test_engine_reference import EXACT, _error, _spread
 from tests.test_moe import TYPES
-from tests.test_qwen3 import (_ids, _rewrite, _without, assert_exact_at_every_position,  # noqa: F401 (fixtures)
+from tests.test_qwen3 import (_ids, _without, assert_exact_at_every_position,  # noqa: F401 (fixtures)
                               assert_int8_decode_as_close_as_llamacpp,
-                              assert_never_further_from_llamacpp_than_it_is_from_exact, control, float_kernels)
-from tests.test_parallel import GREEDY, greedy
+                              assert_never_further_from_llamacpp_than_it_is_from_exact, assert_processes_match,
+                              control, float_kernels)
+from tests.test_parallel import greedy
 
 # name -> synth_gguf keys: 8 experts top-2 of 7 blocks of 32 on 4 heads of 32 (width 128), a shared
 # expert of 10 blocks; 16 experts top-4 of 224 on tiny-odd's width 96 (4 heads of 24, 2 KV heads: llama.cpp
@@ -117,37 +117,6 @@ def test_the_fused_decode_plan_runs_the_shared_expert_bit_identical_to_the_per_o
     _same(gguf.open_model(qwen2moe(shape, "q8_0")))
 
 
-def test_several_rows_in_one_step_each_get_the_bits_of_their_token_alone(qwen2moe, int8):
-    mf = gguf.open_model(qwen2moe("16x4", "q4_0"))
-    w = llama.load_weights(mf)
-    prompts = [[5, 9, 17, 3], [40, 2, 8], [77]]
-    together = llama.Shard(w, ctx=32, slots=3)
-    for s, p in enumerate(prompts):
-        together.forward(llama.embed(mf, p), 0, slot=s)
-    x = llama.embed(mf, [11, 12, 13])
-    rows = together.forward_rows(x.copy(), [0, 1, 2], [len(p) for p in prompts])
-    for s, p in enumerate(prompts):
-        alone = llama.Shard(w, ctx=32)
-        alone.forward(llama.embed(mf, p), 0)
-        assert np.array_equal(alone.forward(x[s : s + 1].copy(), len(p)), rows[s : s + 1]), f"row {s}"
-
-
-def test_the_shared_gate_is_the_sigmoid_of_the_gates_dot_and_one_half_at_zero(qwen2moe):
-    # silu(z) / z in f32 against 1 / (1 + e^-z) in float64; a zero row (a worker's warm-up) gives
-    # sigmoid(0) = 1/2, where llama.cpp's 0 / 0 gives NaN
-    from edgetp.model import moe  # noqa: PLC0415
-
-    mf = gguf.open_model(qwen2moe("8x2"))
-    shared = llama.load_weights(mf).layers[1].moe.shared
-    h = np.random.default_rng(3).standard_normal((64, 128)).astype(np.float32) * np.float32(4.0)
-    h[0] = 0.0
-    got = np.empty(64, np.float32)
-    moe.shared_gate(shared, h, got)
-    z = h.astype(np.float64) @ mf.vector("blk.1.ffn_gate_inp_shexp.weight").astype(np.float64)
-    assert got[0] == 0.5 and np.all(np.abs(got - 1 / (1 + np.exp(-z))) <= 1e-6), np.abs(got - 1 / (1 + np.exp(-z))).max()
-    assert got.min() < 0.05 and got.max() > 0.95  # the rows span the sigmoid
-
-
 # ---------------------------------------------------------------- the split
 
 
@@ -204,36 +173,20 @@ def test_a_shard_file_holds_its_shared_columns_and_computes_bit_identical_output
 # ---------------------------------------------------------------- tensor parallel, real processes
 
 
+@pytest.mark.parametrize("mode", ["place", "columns"])
 @pytest.mark.parametrize("shape", list(SHARED))
 def test_two_and_three_processes_placing_experts_or_splitting_columns_give_one_nodes_tokens_and_exact_logits(
-        float_workers, control, qwen2moe, shape, float_kernels):
-    from edgetp.parallel.runner import ClusterRunner  # noqa: PLC0415
-
+        float_workers, control, qwen2moe, shape, mode, float_kernels):
     path = qwen2moe(shape, "q8_0")
-    mf = gguf.open_model(path)
-    c = mf.config
-    ids = Tokenizer.from_metadata(mf.metadata).encode(FOX)
-    expected = greedy(LocalRunner(mf, 256), ids, 64)
-    exact = reference.exact_logits(path, ids, "f16")
-    for mode in ("place", "columns"):
-        for n, weights in ((2, [1, 3]), (3, [3, 1, 2])):
-            runner = control.run(ClusterRunner.connect(gguf.open_model(path), float_workers[: n - 1], ctx=256,
-                                                       weights=weights, experts=mode), timeout=300)
-            try:
-                held = [(s.ffn_cols, s.experts) for s in runner.plan.shares]
-                cols = [c.shared_cols(tuple(f), None if e is None else tuple(e)) for f, e in held]
-                assert all(b > a for a, b in cols) and cols[-1][1] == c.ffn_shared, f"{mode}: {held} -> {cols}"
-                assert (mode == "place") == all(e is not None for _, e in held), held
-                runner.begin(GREEDY)
-                try:
-                    got = runner.logits(ids, 0)
-                finally:
-                    runner.end()
-                err = _error(got, exact, _spread(exact))
-                assert err.max() <= BOUND["f16"], f"{mode}, {n} processes {held}: max error {err.max():.2e}"
-                assert greedy(runner, ids, 64) == expected, f"{mode}, {n} processes: {held}"
-            finally:
-                runner.close()
+    c = gguf.open_model(path).config
+
+    def check(plan):  # every node its columns of the shared expert, following its experts or columns
+        held = [(s.ffn_cols, s.experts) for s in plan.shares]
+        cols = [c.shared_cols(tuple(f), None if e is None else tuple(e)) for f, e in held]
+        assert all(b > a for a, b in cols) and cols[-1][1] == c.ffn_shared, f"{mode}: {held} -> {cols}"
+        assert (mode == "place") == all(e is not None for _, e in held), held
+
+    assert_processes_match(control, path, float_workers, check, experts=mode)
 
 
 # ---------------------------------------------------------------- bad input

@@ -117,6 +117,45 @@ def test_the_fused_decode_plan_runs_the_shared_expert_bit_identical_to_the_per_o
     _same(gguf.open_model(qwen2moe(shape, "q8_0")))
 
 
+GENERIC_CHILD = """
+import sys
+import numpy as np
+from edgetp.model import gguf, isa, llama, moe
+assert isa.current() == "generic", isa.current()
+e = llama.load_weights(gguf.open_model(sys.argv[1])).layers[1].moe
+h = np.random.default_rng(5).standard_normal((64, 128)).astype(np.float32)
+g = np.empty(64, np.float32)
+moe.shared_gate(e.shared, h, g)
+ids, w = moe.route(e, h)
+np.savez(sys.argv[2], g=g, ids=ids, w=w)
+"""
+
+
+def test_the_generic_isa_gates_and_routes_every_row_with_the_same_bits(qwen2moe, tmp_path):
+    # a mixed cluster: every node, whatever its CPU, scales the shared expert by the same gate
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from edgetp.model import moe  # noqa: PLC0415
+    from tests.conftest import REPO  # noqa: PLC0415
+
+    path = qwen2moe("8x2", "q8_0")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_CPU_")} | dict(
+        EDGETP_ISA="generic", PYTHONPATH=str(REPO))
+    res = subprocess.run([sys.executable, "-c", GENERIC_CHILD, str(path), str(tmp_path / "g.npz")], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=1800)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = np.load(tmp_path / "g.npz")
+    e = llama.load_weights(gguf.open_model(path)).layers[1].moe
+    h = np.random.default_rng(5).standard_normal((64, 128)).astype(np.float32)
+    g = np.empty(64, np.float32)
+    moe.shared_gate(e.shared, h, g)
+    ids, w = moe.route(e, h)
+    for name, mine in (("g", g), ("ids", ids), ("w", w)):
+        assert got[name].tobytes() == mine.tobytes(), name
+
+
 # ---------------------------------------------------------------- the split
 
 

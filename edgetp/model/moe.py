@@ -16,7 +16,7 @@ kernels every other weight runs on (the integer decode and prefill kernels of ea
 
 A shard holds, like a dense FFN, a range of every expert's columns (ShardSpec.ffn_cols):
 its out is its columns' part of the sum, and the shards' parts add up in the layer's
-reduce. The router is replicated and computed by the exact kernel (quant.exact_matvec:
+reduce. The router is replicated and computed by the exact kernel (quant.exact_matmul:
 float64 sums in column order, the same bits on every CPU), so that every shard, whatever
 its CPU, picks the same experts for a token. The shared expert is split like a dense FFN
 (ModelConfig.shared_cols: every shard its columns, in the same reduce) and its gate z is

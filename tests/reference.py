@@ -79,6 +79,9 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32", ctx: int = 256) -> 
       (ffn_gate_inp) over the experts, the expert_used_count most probable, their
       probabilities divided by their sum (mixtral always, Qwen3-MoE's norm_topk_prob),
       the output the sum of those experts' SwiGLU FFNs (ffn_*_exps[e]) times them.
+    - qwen2moe (modeling_qwen2_moe): qwen2's attention (q/k/v biases); the experts' probabilities
+      not divided by their sum (norm_topk_prob false); plus a shared expert, a SwiGLU FFN
+      (ffn_*_shexp) times sigmoid(ffn_gate_inp_shexp . h), for every token.
     """
     from gguf import GGMLQuantizationType, GGUFReader, quants  # noqa: PLC0415
 
@@ -100,7 +103,7 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32", ctx: int = 256) -> 
     # gemma3's sliding-window layers are never scaled (its local rope has no rope_scaling)
     stretch = key("rope.scaling.factor", 1.0) if key("rope.scaling.type", "linear") == "linear" else 1.0
     gemma, gemma2 = arch in ("gemma2", "gemma3"), arch == "gemma2"
-    halves = arch in ("qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3")
+    halves = arch in ("qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3")
     window = key("attention.sliding_window", 4096 if gemma2 else 0) if gemma else 0
     period = key("attention.sliding_window_pattern", 2 if gemma2 else 6)
     theta_local = key("rope.freq_base_swa", theta if gemma2 else 10000.0)
@@ -179,7 +182,11 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32", ctx: int = 256) -> 
             top = np.argsort(-probs[t])[: key("expert_used_count")]
             for e in top:
                 ffn = (act(gate[e] @ h[t]) * (up[e] @ h[t])) @ down[e].T
-                out[t] += probs[t, e] / probs[t, top].sum() * ffn
+                out[t] += probs[t, e] / (1.0 if arch == "qwen2moe" else probs[t, top].sum()) * ffn
+        if p + "ffn_gate_inp_shexp.weight" in tensors:  # the shared expert, gated per token
+            z = h @ weight(p + "ffn_gate_inp_shexp.weight")
+            shared = (act(h @ weight(p + "ffn_gate_shexp.weight").T) * (h @ weight(p + "ffn_up_shexp.weight").T))
+            out += (1 / (1 + np.exp(-z)))[:, None] * (shared @ weight(p + "ffn_down_shexp.weight").T)
         return out
 
     embd = weight("token_embd.weight")

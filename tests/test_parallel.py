@@ -98,9 +98,9 @@ def greedy(runner, ids, n):
         runner.end()
 
 
-def cluster(control, path, addresses, weights, sync="f32"):
+def cluster(control, path, addresses, weights, sync="f32", **kw):
     mf = gguf.open_model(path)
-    return control.run(ClusterRunner.connect(mf, addresses, ctx=256, weights=weights, sync=sync), timeout=300)
+    return control.run(ClusterRunner.connect(mf, addresses, ctx=256, weights=weights, sync=sync, **kw), timeout=300)
 
 
 def _model(which, stories_path, smollm2_path, synth_model):

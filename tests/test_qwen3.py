@@ -156,16 +156,19 @@ def test_two_and_three_processes_with_uneven_weights_give_the_single_nodes_token
     assert_processes_match(control, synth_model("tiny-odd", "q8_0", arch="qwen3", head_dim=32), float_workers)
 
 
-def assert_processes_match(control, path, workers) -> None:
-    """2 and 3 real processes with uneven weights: the single node's 64 greedy tokens, the float64 logits."""
+def assert_processes_match(control, path, workers, check=None, **kw) -> None:
+    """2 and 3 real processes with uneven weights: the single node's 64 greedy tokens, the float64 logits.
+    kw goes to ClusterRunner.connect (experts=...); check(plan), if given, sees each plan first."""
     ids = Tokenizer.from_metadata(gguf.open_model(path).metadata).encode(FOX)
     expected = greedy(LocalRunner(gguf.open_model(path), 256), ids, 64)
     exact = reference.exact_logits(path, ids, "f16")
     for n, weights in ((2, [1, 3]), (3, [3, 1, 2])):
-        runner = cluster(control, path, workers[: n - 1], weights)
+        runner = cluster(control, path, workers[: n - 1], weights, **kw)
         try:
-            shares = [(s.kv_groups, s.ffn_cols, s.vocab_rows) for s in runner.plan.shares]
+            shares = [(s.kv_groups, s.ffn_cols, s.vocab_rows, s.experts) for s in runner.plan.shares]
             assert len({s[0] for s in shares}) == n, f"every process must hold a different slice: {shares}"
+            if check is not None:
+                check(runner.plan)
             runner.begin(GREEDY)
             try:
                 got = runner.logits(ids, 0)

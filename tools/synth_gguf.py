@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Write synthetic llama-family GGUF models with random weights (llama, qwen3, gemma2, gemma3, phi3,
-and the mixtures of experts qwen3moe and mixtral).
+and the mixtures of experts qwen3moe, mixtral and qwen2moe, the last with a shared expert).
 
 For tests and benchmarks: any shape, any of the common tensor types, a
 synthetic SentencePiece-style vocabulary, and the metadata llama.cpp needs to
@@ -19,6 +19,7 @@ per-element Python loops, so the 1B preset in Q8_0 takes seconds, not minutes.
     python tools/synth_gguf.py OUT.gguf --preset tiny-headdim --arch gemma2 --swa-window 8
     python tools/synth_gguf.py OUT.gguf --preset tiny-odd --head-dim 16 --arch phi3 --rope-ctx-orig 128
     python tools/synth_gguf.py OUT.gguf --preset tiny-odd --arch qwen3moe --experts 8 --experts-used 2
+    python tools/synth_gguf.py OUT.gguf --preset tiny-odd --arch qwen2moe --experts 16 --experts-used 4 --shared-ffn 320
 
 Library use: ``write_model(path, dim=..., ...)`` or
 ``write_preset(path, "tiny-odd", weight_type="q8_0")``.
@@ -78,8 +79,13 @@ ARCHS: dict[str, tuple[tuple[str, str], ...]] = {
     "phi3": (),
     "qwen3moe": _QK,  # qwen3's attention, a mixture of experts for the FFN
     "mixtral": (),    # llama with a mixture of experts, written as general.architecture "llama"
+    "qwen2moe": (),   # qwen2's attention (q/k/v biases), experts and a shared expert (SHARED)
 }
-MOE_ARCHS = ("qwen3moe", "mixtral")  # need --experts and --experts-used
+MOE_ARCHS = ("qwen3moe", "mixtral", "qwen2moe")  # need --experts and --experts-used
+#: q, k and v with biases (qwen2's attention), and a shared expert every token goes through beside the
+#: routed ones, gated per token by a sigmoid of ffn_gate_inp_shexp . h; llama.cpp requires output.weight
+#: llama.cpp reads its attn_q and attn_output as dim x dim (SQUARE)
+BIASED = SHARED = UNTIED = SQUARE = ("qwen2moe",)
 FILE_ARCH = {"mixtral": "llama"}     # general.architecture where it is not the name here
 #: phi3's fused tensors, as llama.cpp's converter writes them: attn_qkv holds the rows of q, then k,
 #: then v; ffn_up holds 2 * ffn rows, the gate's then up's (there is no attn_q/k/v nor ffn_gate)
@@ -428,6 +434,7 @@ class TensorSpec:
     qtype: QT
     std: float  # intended std (norms: 1-D ones + noise)
     experts: int = 0  # a 3-D expert tensor: this many (rows, cols) matrices, ggml [cols, rows, experts]
+    centred: bool = False  # a 1-D tensor of values around 0 of this std (biases, gates), not a norm around 1
 
     @property
     def is_norm(self) -> bool:
@@ -461,7 +468,8 @@ def model_tensors(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn
                   head_dim: int | None = None, weight_type: str = "f32", embd_type: str | None = None,
                   output_type: str | None = None, tied: bool = False,
                   tensor_types: dict[str, str] | None = None, arch: str = "llama",
-                  rope_dims: int | None = None, rope_freqs: bool = False, n_experts: int = 0) -> list[TensorSpec]:
+                  rope_dims: int | None = None, rope_freqs: bool = False, n_experts: int = 0,
+                  ffn_shared: int = 0) -> list[TensorSpec]:
     """The tensors of a llama-family model, in file order, validated for the chosen types.
 
     tensor_types: per-tensor types over weight_type, as llama.cpp's mixes have them: a key
@@ -469,7 +477,9 @@ def model_tensors(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn
     in one, "output.weight"); the longest matching key wins. Norms stay F32.
     n_experts: a mixture's layers hold a router ffn_gate_inp (F32, as llama.cpp's quantizer
     leaves it) and n_experts matrices of width ffn in each of ffn_gate_exps, ffn_up_exps and
-    ffn_down_exps instead of ffn_gate, ffn_up and ffn_down.
+    ffn_down_exps instead of ffn_gate, ffn_up and ffn_down; ffn_shared (qwen2moe): also a shared
+    expert that wide (ffn_gate_shexp, ffn_up_shexp, ffn_down_shexp) and its gate ffn_gate_inp_shexp,
+    a vector of dim (F32, as llama.cpp's quantizer leaves 1-D tensors).
     """
     if head_dim is None:
         if dim % n_heads:
@@ -481,7 +491,7 @@ def model_tensors(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn
         raise ValueError(f"head_dim {head_dim} must be even (rotary embedding)")
     if arch not in ARCHS:
         raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join(ARCHS)}")
-    if arch in FUSED and head_dim * n_heads != dim:
+    if arch in FUSED + SQUARE and head_dim * n_heads != dim:
         raise ValueError(f"{arch} needs head_dim * n_heads == dim (llama.cpp reads attn_output as "
                          f"dim x dim), got {head_dim} * {n_heads} != {dim}")
     wt = _qtype(weight_type, QT.F32)
@@ -505,6 +515,9 @@ def model_tensors(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn
         else:
             attn = [TensorSpec(p + f"attn_{x}.weight", rows, dim, wt, 1.0 / np.sqrt(dim))
                     for x, rows in (("q", q_out), ("k", kv_out), ("v", kv_out))]
+            if arch in BIASED:
+                attn += [TensorSpec(p + f"attn_{x}.bias", 0, rows, QT.F32, 0.2, centred=True)
+                         for x, rows in (("q", q_out), ("k", kv_out), ("v", kv_out))]
             ffn_in = [TensorSpec(p + f"ffn_{x}.weight", ffn, dim, wt, 1.0 / np.sqrt(dim)) for x in ("gate", "up")]
         specs += [
             TensorSpec(p + "attn_norm.weight", 0, dim, QT.F32, 1.0),
@@ -521,6 +534,13 @@ def model_tensors(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn
             ]
         else:
             specs += [*ffn_in, TensorSpec(p + "ffn_down.weight", dim, ffn, wt, 1.0 / np.sqrt(ffn))]
+        if ffn_shared:
+            specs += [
+                TensorSpec(p + "ffn_gate_inp_shexp.weight", 0, dim, QT.F32, 1.0 / np.sqrt(dim), centred=True),
+                TensorSpec(p + "ffn_gate_shexp.weight", ffn_shared, dim, wt, 1.0 / np.sqrt(dim)),
+                TensorSpec(p + "ffn_down_shexp.weight", dim, ffn_shared, wt, 1.0 / np.sqrt(ffn_shared)),
+                TensorSpec(p + "ffn_up_shexp.weight", ffn_shared, dim, wt, 1.0 / np.sqrt(dim)),
+            ]
         specs += [TensorSpec(p + suffix, 0, head_dim if width == "head" else dim, QT.F32, 1.0)
                   for suffix, width in ARCHS[arch]]
     for s in specs:
@@ -551,7 +571,8 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
                 attn_softcap: float | None = None, final_softcap: float | None = None,
                 rope_scale_linear: float | None = None, rope_ctx_orig: int | None = None,
                 rope_attn_factor: float | None = None, rope_dims: int | None = None,
-                rope_freqs: bool = False, n_experts: int = 0, n_experts_used: int = 0) -> Path:
+                rope_freqs: bool = False, n_experts: int = 0, n_experts_used: int = 0,
+                ffn_shared: int | None = None) -> Path:
     """Write a synthetic llama-family GGUF model to `path` (via path.part, then rename).
 
     Gemma keys, written only when given (llama.cpp then uses its defaults): `swa_window`
@@ -564,6 +585,8 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
     written for phi3 too (its converter does), though llama.cpp ignores it there.
     qwen3moe and mixtral need `n_experts` and `n_experts_used` (expert_count, expert_used_count);
     `ffn` is then the width of one expert (qwen3moe also writes it as expert_feed_forward_length).
+    qwen2moe adds a shared expert `ffn_shared` wide (default `ffn`; expert_shared_feed_forward_length)
+    and is never tied (llama.cpp requires its output.weight).
 
     Norm weights are F32; token_embd uses `embd_type` and output.weight
     `output_type` (both default to `weight_type`); output.weight is omitted
@@ -573,7 +596,10 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
     finite with the intended scale.  Returns the final path.
     """
     path = Path(path)
-    tied = tied or arch == "gemma2"
+    tied = (tied or arch == "gemma2") and arch not in UNTIED
+    if ffn_shared is not None and arch not in SHARED:
+        raise ValueError(f"only {', '.join(SHARED)} has a shared expert, not {arch}")
+    ffn_shared = (ffn_shared or ffn) if arch in SHARED else 0
     if (arch in MOE_ARCHS) != bool(n_experts) or (n_experts and not 1 <= n_experts_used <= n_experts):
         raise ValueError(f"{', '.join(MOE_ARCHS)} and only they need experts, 1 <= experts used <= experts: "
                          f"arch {arch}, {n_experts} experts, {n_experts_used} used")
@@ -584,7 +610,8 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
     specs = model_tensors(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn=ffn,
                           vocab=vocab, head_dim=head_dim, weight_type=weight_type, embd_type=embd_type,
                           output_type=output_type, tied=tied, tensor_types=tensor_types, arch=arch,
-                          rope_dims=rope_dims, rope_freqs=rope_freqs, n_experts=n_experts)
+                          rope_dims=rope_dims, rope_freqs=rope_freqs, n_experts=n_experts,
+                          ffn_shared=ffn_shared)
     assert hd is not None
 
     with gguf_writer(path, FILE_ARCH.get(arch, arch)) as writer:
@@ -624,8 +651,10 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
         if n_experts:
             writer.add_expert_count(n_experts)
             writer.add_expert_used_count(n_experts_used)
-            if arch == "qwen3moe":
+            if arch != "mixtral":
                 writer.add_expert_feed_forward_length(ffn)
+        if ffn_shared:
+            writer.add_expert_shared_feed_forward_length(ffn_shared)
         writer.add_file_type(int(TYPES[wt_key][1]))
         writer.add_vocab_size(vocab)
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -654,6 +683,8 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
             rng = np.random.default_rng([seed, idx])
             if s.name in ROPE_FACTORS or s.name == ROPE_FREQS:
                 data = rope_factors(rng, s.cols, long=s.name != ROPE_FACTORS[1])
+            elif s.centred:
+                data = (s.std * rng.standard_normal(s.cols)).astype(np.float32)
             elif s.is_norm:
                 data = (1.0 + 0.05 * rng.standard_normal(s.cols)).astype(np.float32)
             else:
@@ -721,6 +752,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rope-freqs", action="store_true", default=None, help="write llama 3.1's rope_freqs factors")
     ap.add_argument("--experts", dest="n_experts", type=int, help="experts per layer (qwen3moe, mixtral)")
     ap.add_argument("--experts-used", dest="n_experts_used", type=int, help="experts per token (top-k)")
+    ap.add_argument("--shared-ffn", dest="ffn_shared", type=int, help="width of the shared expert (qwen2moe; "
+                    "default --ffn)")
     tie = ap.add_mutually_exclusive_group()
     tie.add_argument("--tied", dest="tied", action="store_true", default=None, help="no output.weight")
     tie.add_argument("--untied", dest="tied", action="store_false", help="write output.weight")
@@ -742,7 +775,7 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn", "vocab", "ctx",
                 "rope_theta", "norm_eps", "tied", "swa_window", "swa_pattern", "rope_theta_swa",
                 "attn_softcap", "final_softcap", "rope_scale_linear", "rope_ctx_orig", "rope_attn_factor", "rope_dims",
-                "rope_freqs", "n_experts", "n_experts_used"):
+                "rope_freqs", "n_experts", "n_experts_used", "ffn_shared"):
         val = getattr(args, key)
         if val is not None:
             kw[key] = val

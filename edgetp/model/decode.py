@@ -37,11 +37,13 @@ class _Matvecs:
     """out[b] = [W_0 @ x[b], W_1 @ x[b], ...] for the first n of `rows` tokens, for weights that read
     one x (rows, cols) f32 (and its rounding xr, which the step before fills): per layout one integer
     kernel call (the single-token kernel for one token, the several-token one for more), float
-    kernels for the rest, token by token."""
+    kernels for the rest, token by token. `out`, if given, is the (rows, sum of the weights' rows)
+    buffer to write (matvecs that never run at once may share one)."""
 
-    def __init__(self, ws: list[quant.Weight], x: np.ndarray, xr: intdot.Rounded, int8: bool) -> None:
+    def __init__(self, ws: list[quant.Weight], x: np.ndarray, xr: intdot.Rounded, int8: bool,
+                 out: np.ndarray | None = None) -> None:
         starts = np.cumsum([0] + [w.rows for w in ws])
-        self.out = np.empty((x.shape[0], int(starts[-1])), np.float32)  # per token, every weight's rows in turn
+        self.out = np.empty((x.shape[0], int(starts[-1])), np.float32) if out is None else out  # per token, every weight's rows in turn
         self.views = [self.out[:, a:b] for a, b in zip(starts[:-1], starts[1:])]
         self.products: list[intdot.Products] = []  # token 0
         self.tokens: list[intdot.TokenProducts] = []  # tokens 0..n-1
@@ -91,46 +93,78 @@ class _LayerPlan:
 
 
 class _Experts:
-    """moe.ffn for one token at a time, each held expert's gate/up and down bound once to their
-    kernels and buffers, as _LayerPlan binds a dense FFN's: the per-op path's bits for the token."""
+    """moe.ffn for the n rows of a decode step, each held expert's gate/up and down bound once to
+    their kernels and buffers, as _LayerPlan binds a dense FFN's. The rows are routed together and
+    each expert runs once on the rows routed to it (the several-token kernels read it once for
+    them); every row gets the per-op path's bits for its token alone (Shard.forward, n == 1)."""
 
     def __init__(self, e: moe.Experts, rows: int, dim: int, int8: bool) -> None:
         self.e = e
         width = next(w.rows for w in e.gate if w is not None)
-        self.x = np.empty((1, dim), np.float32)       # the token being run
-        self.rx = intdot.Rounded.rows(1, dim)
-        self.rg = intdot.Rounded.rows(1, max(width, 32))
+        n_exp, k = len(e.gate), e.used
+        self.h, self.rh = np.empty((rows, dim), np.float32), intdot.Rounded.rows(rows, dim)  # the step's rows
+        self.x, self.rx = np.empty((rows, dim), np.float32), intdot.Rounded.rows(rows, dim)  # one expert's rows
+        self.rg = intdot.Rounded.rows(rows, max(width, 32))
         self.gate_up: dict[int, _Matvecs] = {}
         self.down: dict[int, _Matvecs] = {}
+        gu_out, down_out = np.empty((rows, 2 * width), np.float32), np.empty((rows, dim), np.float32)  # run in turn
         for x, (gate, up, down) in enumerate(zip(e.gate, e.up, e.down)):
             if gate is not None:
-                self.gate_up[x] = _Matvecs([gate, up], self.x, self.rx, int8)
-                self.down[x] = _Matvecs([down], self.gate_up[x].out[:, :width], self.rg, int8)
-        self.rounds = any(m.rounds for m in self.gate_up.values())
-        self.parts = np.zeros((e.used, dim), np.float32)  # the token's j-th expert, weighted
+                self.gate_up[x] = _Matvecs([gate, up], self.x, self.rx, int8, gu_out)
+                self.down[x] = _Matvecs([down], gu_out[:, :width], self.rg, int8, down_out)
+        self.shared = e.shared if e.shared is not None and e.shared.gate is not None else None
+        if self.shared is not None:  # qwen2moe's shared expert: this shard's columns, on every row
+            sh, wide = self.shared, self.shared.gate.rows
+            self.rs = intdot.Rounded.rows(rows, max(wide, 32))
+            self.sh_gate_up = _Matvecs([sh.gate, sh.up], self.h, self.rh, int8)
+            self.sh_down = _Matvecs([sh.down], self.sh_gate_up.out[:, :wide], self.rs, int8)
+        self.g = np.zeros(rows, np.float32)  # each row's shared gate (0: none)
+        self.rounds = any(m.rounds for m in self.gate_up.values()) or (
+            self.shared is not None and self.sh_gate_up.rounds)
+        # routing: logits, the k experts of each row and their weights; then each expert's (row, slot) pairs
+        self.logits = np.empty((rows, n_exp), np.float32)
+        self.ids, self.w = np.empty((rows, k), np.int64), np.empty((rows, k), np.float32)
+        self.starts, self.fill = np.empty(n_exp + 1, np.int64), np.empty(n_exp, np.int64)
+        self.row_of, self.slot_of = np.empty(rows * k, np.int64), np.empty(rows * k, np.int64)
+        self.parts = np.zeros((k, rows, dim), np.float32)  # parts[j, b]: row b's j-th expert, weighted
+        self.no_shared = np.zeros((rows, dim), np.float32)  # what _experts_sum reads without one
         self.out = np.empty((rows, dim), np.float32)
 
     def __call__(self, h: np.ndarray, geglu: bool, hits: np.ndarray, serial: bool) -> np.ndarray:
         """self.out[:n] = this shard's part of the experts' output for each row of h (n, dim)."""
-        for b in range(h.shape[0]):
-            self.x[0] = h[b]
-            if self.rounds:
-                intdot.round_into(self.x[0], *self.rx.row(0))
-            ids, w = moe.route(self.e, self.x)
-            np.add.at(hits, ids[0], 1)
-            self.parts.fill(0.0)
-            for j, x in enumerate(ids[0].tolist()):
-                if x in self.gate_up:
-                    gu, down = self.gate_up[x], self.down[x]
-                    gu(1, serial)
-                    gate, up = gu.views
-                    _glu(gate[:1], up[:1], geglu, down.rounds, *self.rg)
-                    down(1, serial)
-                    np.multiply(down.out[0], w[0, j], out=self.parts[j])
-            self.out[b] = self.parts[0]
-            for j in range(1, self.e.used):
-                self.out[b] += self.parts[j]
-        return self.out[: h.shape[0]]
+        n = h.shape[0]
+        hn = self.h[:n]
+        hn[:] = h
+        for b in range(n if self.rounds else 0):
+            intdot.round_into(hn[b], *self.rh.row(b))
+        moe.route_into(self.e, hn, self.logits[:n], self.ids[:n], self.w[:n])
+        moe.group(self.ids[:n], hits, self.starts, self.fill, self.row_of, self.slot_of)
+        self.parts[:, :n] = 0.0
+        for x, gu in self.gate_up.items():
+            a, b = int(self.starts[x]), int(self.starts[x + 1])
+            if a == b:
+                continue
+            m, rows = b - a, self.row_of[a:b]
+            np.take(hn, rows, axis=0, out=self.x[:m], mode="clip")  # (indices in range: "clip" copies unbuffered)
+            for got, src in zip(self.rx if self.rounds else (), self.rh):
+                np.take(src, rows, axis=0, out=got[:m], mode="clip")
+            down = self.down[x]
+            gu(m, serial)
+            gate, up = gu.views
+            _glu(gate[:m], up[:m], geglu, down.rounds, *self.rg)
+            down(m, serial)
+            _weigh(down.out, rows, self.slot_of[a:b], self.w, self.parts)
+        shared = self.no_shared[:n]
+        if self.shared is not None:  # moe.shared_ffn for every row
+            moe.shared_gate(self.shared, hn, self.g[:n])
+            gu, down = self.sh_gate_up, self.sh_down
+            gu(n, serial)
+            gate, up = gu.views
+            _glu(gate[:n], up[:n], geglu, down.rounds, *self.rs)
+            down(n, serial)
+            shared = down.out[:n]
+        _experts_sum(self.parts, shared, self.g, self.shared is not None, self.out[:n])
+        return self.out[:n]
 
 
 class Plan:
@@ -194,7 +228,7 @@ class Plan:
                 partial = p.o.out[:n]
             yield partial
             post = _NO_NORM if layer.attn_post_norm is None else layer.attn_post_norm
-            if p.moe is not None:  # each row alone, so that it gets the bits of a token alone
+            if p.moe is not None:  # routed together, each row the bits of its token alone
                 _add_norm(x, partial, post, layer.ffn_norm, eps, h, True, False, *rh)
                 partial = p.moe(h, cfg.geglu, s.expert_hits[i], serial)
             elif p.gate_up is None:
@@ -274,6 +308,28 @@ def _attention(q, k, v, kc, vc, slots, positions, qn, kn, eps, cos, sin, rope_di
     if rnd:
         for b in range(n):
             intdot.round_into(att[b], xq[b], dx[b], s4[b], s16[b])
+
+
+@njit(**_JIT)
+def _weigh(y, rows, slots, w, parts):  # pragma: no cover - compiled
+    # y (m, dim): one expert's outputs for rows `rows` (m,), where it is slot `slots` of each;
+    # parts[slot, row] = y[i] * w[row, slot] (f32)
+    for i in range(rows.shape[0]):
+        b, j = rows[i], slots[i]
+        for d in range(y.shape[1]):
+            parts[j, b, d] = y[i, d] * w[b, j]
+
+
+@njit(**_JIT)
+def _experts_sum(parts, shared, g, add, out):  # pragma: no cover - compiled
+    # out (n, dim) = parts[0] + parts[1] + ... + parts[k-1] (f32, in slot order, as llama.cpp adds a
+    # token's experts), then, if add, + shared * g per row (its shared expert, gated)
+    for b in range(out.shape[0]):
+        for d in range(out.shape[1]):
+            acc = parts[0, b, d]
+            for j in range(1, parts.shape[0]):
+                acc += parts[j, b, d]
+            out[b, d] = acc + shared[b, d] * g[b] if add else acc
 
 
 @njit(**_JIT)

@@ -260,6 +260,21 @@ def dequant_rows_serial(kind, w, tab16, tabbf, out):
 
 
 @njit(**_OPTS)
+def exact_tokens(kind, w, x, tab16, tabbf, out):
+    # out[b, i] = exact_dots' value of row i of W against token x[b]: each row dequantized once for
+    # all n tokens, each sum taken as exact_dots takes it (the same bits).
+    # w: (rows, row_bytes) uint8 of type kind; x: (n, cols) f32; out: (n, rows) f32
+    scratch = np.empty(x.shape[1], np.float32)
+    for i in range(w.shape[0]):
+        deq_row(kind, w[i], tab16, tabbf, scratch)
+        for b in range(x.shape[0]):
+            t = 0.0
+            for j in range(x.shape[1]):
+                t += np.float64(scratch[j]) * np.float64(x[b, j])
+            out[b, i] = np.float32(t)
+
+
+@njit(**_OPTS)
 def exact_dots(kind, w, rows, x, tab16, tabbf, out):
     # out[i] = f32(sum_j f64(W[rows[i], j]) * f64(x[j])), the sum taken in column order in
     # float64 with nothing fused or reordered (no fastmath): the same bits on every CPU.

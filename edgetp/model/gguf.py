@@ -24,9 +24,10 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from edgetp.model import quant
 
 GGUF_MAGIC = b"GGUF"
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3")
 # rope on pairs (i, i + d/2), as llama.cpp's LLAMA_ROPE_TYPE_NEOX
-NEOX_ARCHS = ("qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3")
+NEOX_ARCHS = ("qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3")
+MOE_ARCHS = ("qwen2moe", "qwen3moe")  # always mixtures (llama is one when it has llama.expert_count)
 
 
 class GGUFError(Exception):
@@ -70,12 +71,14 @@ class ModelConfig:
     fused_gate_up: bool = False     # blk.N.ffn_up holds 2 * ffn rows: the gate's, then up's (no ffn_gate)
     rope_attn_factor: float = 1.0   # rope's cos and sin times this (rope.scaling.attn_factor)
     rope_ctx_orig: int = 0          # longer contexts take rope_factors_long (rope.scaling.original_context_length)
-    # Mixture of experts (mixtral: llama with llama.expert_count; qwen3moe), as llama.cpp's build_moe_ffn;
-    # then `ffn` is the width of one expert
+    # Mixture of experts (mixtral: llama with llama.expert_count; qwen2moe, qwen3moe), as llama.cpp's
+    # build_moe_ffn; then `ffn` is the width of one expert
     n_experts: int = 0              # experts per layer (ffn_gate_inp rows); 0: a dense FFN
     n_experts_used: int = 0         # experts each token goes through (top-k of the router's softmax)
     expert_norm: bool = False       # the k chosen probabilities divided by their sum (mixtral, qwen3moe)
     expert_scale: float = 0.0       # then times this (expert_weights_scale; 0: not scaled)
+    ffn_shared: int = 0             # the shared expert's width (qwen2moe: every token, gated); 0: none
+    shared_block: int = 32          # columns a split of the shared expert keeps together (ffn_down_shexp's block)
 
     def is_local(self, layer: int) -> bool:
         """Whether layer `layer` attends over a sliding window (with rope_theta_swa)."""
@@ -85,6 +88,23 @@ class ModelConfig:
     def group_size(self) -> int:
         """Query heads per KV head (GQA)."""
         return self.n_heads // self.n_kv_heads
+
+    def shared_cols(self, ffn_cols: tuple[int, int], experts: tuple[int, int] | None) -> tuple[int, int]:
+        """The shared expert's columns of a shard that holds `ffn_cols` of the experts `experts` (None:
+        all): its part of the experts' columns (a column split) or of the experts (whole experts
+        placed), taken of the shared expert's width at shared_block boundaries, rounded half up.
+        Each bound maps alone by one increasing function, so the shares of a stage, which tile the
+        experts' columns or the experts, tile the shared expert as well."""
+        a, b, total = (*experts, self.n_experts) if experts is not None else (*ffn_cols, self.ffn)
+        blocks = self.ffn_shared // self.shared_block
+        return tuple((2 * c * blocks + total) // (2 * total) * self.shared_block for c in (a, b))  # type: ignore
+
+
+def split_block(width: int, block: int) -> int:
+    """The columns a split of a matrix `width` wide keeps together, its input's quant block being
+    `block`: the block (at least 32) where it divides the width, else 32, else 1."""
+    unit = max(32, block)
+    return unit if width % unit == 0 else 32 if width % 32 == 0 else 1
 
 
 @dataclass(frozen=True, eq=False)
@@ -357,7 +377,7 @@ def _read_config(path: Path, metadata: dict[str, Any], tensors: dict) -> ModelCo
     fused_qkv = "blk.0.attn_qkv.weight" in tensors  # llama.cpp: attn_qkv where the file has it, else q, k, v
     gemma = _gemma(path, arch, metadata, n_layers, dim, n_heads, head_dim) if arch.startswith("gemma") else {}
     gemma.setdefault("rope_scale_swa", rope_scale)
-    moe = _moe(path, arch, metadata) if arch == "qwen3moe" or metadata.get(f"{arch}.expert_count") else {}
+    moe = _moe(path, arch, metadata, tensors) if arch in MOE_ARCHS or metadata.get(f"{arch}.expert_count") else {}
     ffn = moe.pop("ffn", None) or int(get(f"{arch}.feed_forward_length"))
     return ModelConfig(
         arch=arch,
@@ -387,11 +407,13 @@ def _read_config(path: Path, metadata: dict[str, Any], tensors: dict) -> ModelCo
     )
 
 
-def _moe(path: Path, arch: str, metadata: dict[str, Any]) -> dict[str, Any]:
+def _moe(path: Path, arch: str, metadata: dict[str, Any], tensors: dict) -> dict[str, Any]:
     """Mixture-of-experts hyper-parameters as llama.cpp's loader reads them: expert_count and
-    expert_used_count (both required), the experts' width from expert_feed_forward_length (qwen3moe;
-    else feed_forward_length / expert_used_count there, and feed_forward_length itself for llama's
-    mixtral), the chosen weights renormalised (both archs pass norm_w), expert_weights_scale if given."""
+    expert_used_count (both required), the experts' width from expert_feed_forward_length (qwen2moe,
+    qwen3moe; else feed_forward_length / expert_used_count there, and feed_forward_length itself for
+    llama's mixtral), the chosen weights renormalised (mixtral and qwen3moe pass norm_w, qwen2moe
+    does not), expert_weights_scale if given. qwen2moe's shared expert is expert_shared_feed_forward_length
+    wide, else feed_forward_length (llama_model_qwen2moe::load_arch_tensors)."""
     def need(key: str) -> int:
         value = metadata.get(f"{arch}.{key}")
         if value is None:
@@ -403,11 +425,17 @@ def _moe(path: Path, arch: str, metadata: dict[str, Any]) -> dict[str, Any]:
         raise GGUFError(f"{path}: {arch}.expert_used_count {used} is not within 1..{n}, the experts of each "
                         f"router ('blk.0.ffn_gate_inp.weight' and on, {arch}.expert_count)")
     ffn = metadata.get(f"{arch}.expert_feed_forward_length")
-    if ffn is None and arch == "qwen3moe":
+    if ffn is None and arch in MOE_ARCHS:
         ffn = need("feed_forward_length") // used
-    return dict(n_experts=n, n_experts_used=used, expert_norm=True,
+    shared = {}
+    if arch == "qwen2moe":
+        width = int(metadata.get(f"{arch}.expert_shared_feed_forward_length") or need("feed_forward_length"))
+        down = tensors.get("blk.0.ffn_down_shexp.weight")  # missing: _check_layers says so
+        block = 32 if down is None else quant.block_size(int(down.tensor_type))
+        shared = dict(ffn_shared=width, shared_block=split_block(width, block))
+    return dict(n_experts=n, n_experts_used=used, expert_norm=arch != "qwen2moe",
                 expert_scale=float(metadata.get(f"{arch}.expert_weights_scale") or 0.0),
-                **({"ffn": int(ffn)} if ffn else {}))
+                **({"ffn": int(ffn)} if ffn else {}), **shared)
 
 
 def _gemma(path: Path, arch: str, metadata: dict[str, Any], n_layers: int, dim: int, n_heads: int,
@@ -469,6 +497,10 @@ def _layer_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...] | None]:
         names["ffn_gate_inp.weight"] = (cfg.dim, cfg.n_experts)
         names["ffn_gate_exps.weight"] = names["ffn_up_exps.weight"] = (cfg.dim, cfg.ffn, cfg.n_experts)
         names["ffn_down_exps.weight"] = (cfg.ffn, cfg.dim, cfg.n_experts)
+    if cfg.ffn_shared:  # qwen2moe's shared expert and its gate (one logit per token)
+        names["ffn_gate_inp_shexp.weight"] = (cfg.dim,)
+        names["ffn_gate_shexp.weight"] = names["ffn_up_shexp.weight"] = (cfg.dim, cfg.ffn_shared)
+        names["ffn_down_shexp.weight"] = (cfg.ffn_shared, cfg.dim)
     return names
 
 
@@ -489,10 +521,14 @@ def _check_layers(path: Path, cfg: ModelConfig, tensors: dict, metadata: dict[st
                             f"[{cfg.rope_dims // 2}] (one factor per rotated pair of {cfg.rope_dims} rope dims)")
     held = metadata.get("edgetp.shard.layers") or (0, cfg.n_layers)
     cols = metadata.get("edgetp.shard.ffn_cols")  # a shard file's experts hold these columns only
-    layer_cfg = cfg if cols is None else dataclasses.replace(cfg, ffn=int(cols[1]) - int(cols[0]))
-    why = f"head_dim {cfg.head_dim}" + (f", {cfg.n_experts} experts of {layer_cfg.ffn}" if cfg.n_experts else "")
-    shapes = {suffix: (shape, why) for suffix, shape in _layer_tensors(layer_cfg).items()}
     experts = metadata.get("edgetp.shard.experts")  # ... of these experts only
+    layer_cfg = cfg
+    if cols is not None:
+        a, b = cfg.shared_cols((int(cols[0]), int(cols[1])), None if experts is None else tuple(map(int, experts)))
+        layer_cfg = dataclasses.replace(cfg, ffn=int(cols[1]) - int(cols[0]), ffn_shared=b - a)
+    why = (f"head_dim {cfg.head_dim}" + (f", {cfg.n_experts} experts of {layer_cfg.ffn}" if cfg.n_experts else "")
+           + (f", a shared expert of {layer_cfg.ffn_shared}" if cfg.ffn_shared else ""))
+    shapes = {suffix: (shape, why) for suffix, shape in _layer_tensors(layer_cfg).items()}
     if experts is not None and cfg.n_experts:
         n = int(experts[1]) - int(experts[0])
         shapes = {k: (v[:2] + (n,) if "_exps." in k else v, w) for k, (v, w) in shapes.items()}

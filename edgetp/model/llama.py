@@ -1,4 +1,5 @@
-"""Forward pass of one shard of a llama-family model (llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3).
+"""Forward pass of one shard of a llama-family model (llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3,
+and the mixtures of experts mixtral, qwen2moe and qwen3moe: model/moe.py).
 
 A shard holds a contiguous range of KV-head groups (with their query heads),
 a range of FFN columns and a range of vocabulary rows; a single node holds
@@ -218,8 +219,7 @@ def load_weights(mf: ModelFile, spec: ShardSpec | None = None) -> Weights:
             w_gate=w_gate,
             w_up=w_up,
             w_down=dense(p + "ffn_down.weight", _cols),
-            moe=_experts(mf, p, local.ffn_cols, spec.expert_range(cfg.n_experts), stored is not None)
-            if cfg.n_experts else None,
+            moe=_experts(mf, p, local.ffn_cols, spec, stored is not None) if cfg.n_experts else None,
         ))
     head = mf.weight("token_embd.weight" if cfg.tied else "output.weight")
     return Weights(
@@ -235,10 +235,12 @@ def load_weights(mf: ModelFile, spec: ShardSpec | None = None) -> Weights:
     )
 
 
-def _experts(mf: ModelFile, p: str, cols: Range, held: Range, stored: bool) -> moe.Experts:
-    """Layer p's router, whole, and columns `cols` of each expert in `held`, sliced as a dense FFN
-    (None for the other experts). A shard file stores the held experts only, from its index 0."""
+def _experts(mf: ModelFile, p: str, cols: Range, spec: ShardSpec, stored: bool) -> moe.Experts:
+    """Layer p's router, whole, and columns `cols` of each expert the spec holds, sliced as a dense FFN
+    (None for the other experts); a shared expert's gate, whole, and its columns of the shared expert
+    (ModelConfig.shared_cols). A shard file stores the held experts and columns only, from index 0."""
     cfg = mf.config
+    held = spec.expert_range(cfg.n_experts)
 
     def cut(name: str, how: Callable[[quant.Weight, Range], quant.Weight | None]) -> tuple[quant.Weight | None, ...]:
         mats = mf.experts(p + name)
@@ -249,7 +251,19 @@ def _experts(mf: ModelFile, p: str, cols: Range, held: Range, stored: bool) -> m
         router=mf.weight(p + "ffn_gate_inp.weight"),
         gate=cut("ffn_gate_exps.weight", _rows), up=cut("ffn_up_exps.weight", _rows),
         down=cut("ffn_down_exps.weight", _cols),
-        used=cfg.n_experts_used, norm=cfg.expert_norm, scale=cfg.expert_scale)
+        used=cfg.n_experts_used, norm=cfg.expert_norm, scale=cfg.expert_scale,
+        shared=_shared(mf, p, cfg.shared_cols(spec.ffn_cols, spec.experts), stored) if cfg.ffn_shared else None)
+
+
+def _shared(mf: ModelFile, p: str, cols: Range, stored: bool) -> moe.Shared:
+    """Layer p's shared expert: its gate (a vector, as a one-row f32 matrix for the exact kernel) and
+    columns `cols` of its FFN (of a shard file: all it stores)."""
+    z = np.ascontiguousarray(mf.vector(p + "ffn_gate_inp_shexp.weight"), np.float32)
+    local = (0, cols[1] - cols[0]) if stored else cols
+    return moe.Shared(
+        gate_inp=quant.Weight(int(GGMLQuantizationType.F32), 1, z.shape[0], z.view(np.uint8).reshape(1, -1)),
+        gate=_rows(mf.weight(p + "ffn_gate_shexp.weight"), local), up=_rows(mf.weight(p + "ffn_up_shexp.weight"), local),
+        down=_cols(mf.weight(p + "ffn_down_shexp.weight"), local))
 
 
 def _no_reduce(partial: np.ndarray) -> None:

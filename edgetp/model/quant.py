@@ -285,6 +285,12 @@ def exact_matvec(w: Weight, x: np.ndarray, out: np.ndarray) -> None:
     D.exact_dots(int(w.qtype), w.data, np.arange(w.rows, dtype=np.int64), x, _TAB16, _TABBF, out)
 
 
+def exact_matmul(w: Weight, x: np.ndarray, out: np.ndarray) -> None:
+    """out (n, rows) = x @ W.T for x (n, cols), each row exact_matvec's bits for its token (W read once)."""
+    check_io(w, x, out, x.shape[0])
+    D.exact_tokens(int(w.qtype), w.data, x, _TAB16, _TABBF, out)
+
+
 def apply(w: Weight, x: np.ndarray | Batch, out: np.ndarray) -> None:
     """out = x @ w.T for (n, cols) x: matvec when decoding, matmul for batches."""
     batch = x if isinstance(x, Batch) else Batch(x)

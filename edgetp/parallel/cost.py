@@ -84,11 +84,12 @@ def working_stages(plan: Plan) -> list[int]:
 
 def _expert_runs(plan: Plan, stage) -> float:
     """Experts the busiest node of a stage runs per layer and token: every node all k of them when
-    the stage splits columns, the most it holds of a token's k when it places whole experts."""
-    k = plan.shape.experts_used
+    the stage splits columns, the most it holds of a token's k when it places whole experts; and
+    a shared expert's part on each."""
+    k, shared = plan.shape.experts_used, float(plan.shape.shared_bpw > 0)
     if not plan.shape.n_experts or not _placed(stage):
-        return float(k)
-    return expected_max([x.experts[1] - x.experts[0] for x in stage], [1.0] * len(stage), k)
+        return k + shared
+    return expected_max([x.experts[1] - x.experts[0] for x in stage], [1.0] * len(stage), k) + shared
 
 
 def predict(plan: Plan, links: Mapping[str, LinkCost], rows: int = 1, oh: Overheads = Overheads(),

@@ -7,7 +7,8 @@ Units of work, each counted in weight bytes over all layers:
                 matching o-proj columns (dim x q_per_kv * head_dim)
     FFN block   ffn_block columns of the FFN: gate and up rows, down columns
                 (of a mixture: those columns of every expert, all in memory, the
-                experts_used of n_experts read per token)
+                experts_used of n_experts read per token; and its share of a
+                shared expert, read by every token)
     expert      a mixture's whole expert, every column (parallel/experts.py places
                 experts instead of splitting columns where the cost model says so)
     vocab block vocab_block rows of the output (lm-head) matrix; the last
@@ -94,11 +95,16 @@ class ModelShape:
     slots: int = 1                  # sequences with a KV cache of ctx positions each
     n_experts: int = 0              # a mixture's experts per layer (0: a dense FFN)
     experts_used: int = 0           # experts per token
+    # a mixture's shared expert (qwen2moe) per FFN column: its bytes / (3 * dim * ffn), 0: none. A shard's
+    # part of it follows its part of the columns or of the experts (ModelConfig.shared_cols); every token reads it
+    shared_bpw: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name.endswith("_bpw"):
+            if f.name == "shared_bpw":
+                _pos_float(f.name, value + 1.0)  # >= 0
+            elif f.name.endswith("_bpw"):
                 _pos_float(f.name, value)
             else:
                 _int(f.name, value, 0 if f.name in ("kv_bytes_per_head_pos", "vocab", "n_experts", "experts_used") else 1)
@@ -130,18 +136,26 @@ class ModelShape:
 
     @property
     def ffn_block_bytes(self) -> int:
-        """gate + up rows and down columns for ffn_block columns, all layers."""
-        return round(self.n_layers * 3 * self.dim * self.ffn_block * self.ffn_bpw)
+        """gate + up rows and down columns for ffn_block columns (and their part of a shared expert), all layers."""
+        return round(self.n_layers * 3 * self.dim * self.ffn_block * (self.ffn_bpw + self.shared_bpw))
 
     @property
     def ffn_active(self) -> float:
-        """The part of the FFN's bytes a token reads: experts_used / n_experts of a mixture, else all."""
-        return self.experts_used / self.n_experts if self.n_experts else 1.0
+        """The part of the FFN's bytes a token reads: experts_used / n_experts of a mixture's experts
+        and all of its shared expert, else all."""
+        if not self.n_experts:
+            return 1.0
+        return (self.ffn_bpw * self.experts_used / self.n_experts + self.shared_bpw) / (self.ffn_bpw + self.shared_bpw)
 
     @property
     def expert_bytes(self) -> float:
-        """One whole expert, every column, all layers."""
+        """One whole expert, every column, all layers, with the part of a shared expert that goes with it."""
         return self.n_ffn_blocks * self.ffn_block_bytes / max(self.n_experts, 1)
+
+    @property
+    def expert_shared(self) -> float:
+        """The part of expert_bytes that is the shared expert's (every token reads it)."""
+        return self.expert_bytes * self.shared_bpw / (self.ffn_bpw + self.shared_bpw)
 
     @property
     def vocab_row_bytes(self) -> int:
@@ -318,8 +332,10 @@ class Plan:
         total += max((sh.kv_groups[1] - sh.kv_groups[0]) * s.group_bytes * s.layer_fraction(sh) / speed[sh.node_id]
                      for sh in stage)
         if _placed(stage):  # each token waits for the node holding the most of its experts
-            per_hit = [s.expert_bytes * s.layer_fraction(sh) / speed[sh.node_id] for sh in stage]
-            total += expected_max([sh.experts[1] - sh.experts[0] for sh in stage], per_hit, s.experts_used)
+            counts = [sh.experts[1] - sh.experts[0] for sh in stage]
+            per = [s.layer_fraction(sh) / speed[sh.node_id] for sh in stage]
+            total += expected_max(counts, [(s.expert_bytes - s.expert_shared) * p for p in per], s.experts_used,
+                                  [c * s.expert_shared * p for c, p in zip(counts, per)])
         else:
             unit = s.ffn_block_bytes / s.ffn_block * s.ffn_active
             total += max((sh.ffn_cols[1] - sh.ffn_cols[0]) * unit * s.layer_fraction(sh) / speed[sh.node_id]
@@ -337,10 +353,12 @@ EXACT_SUBSETS = 5000  # routings enumerated exactly up to this many; sampled (fi
 SAMPLED = 4096
 
 
-def expected_max(counts: Sequence[int], per_hit: Sequence[float], used: int) -> float:
-    """E[max_i hits_i * per_hit_i] when a token picks `used` distinct experts uniformly among
+def expected_max(counts: Sequence[int], per_hit: Sequence[float], used: int,
+                 base: Sequence[float] | None = None) -> float:
+    """E[max_i base_i + hits_i * per_hit_i] when a token picks `used` distinct experts uniformly among
     sum(counts), node i holding the next counts[i] of them in order: the time a token waits for
-    the slowest node under expert placement (per_hit = one expert's time on each node).
+    the slowest node under expert placement (per_hit = one expert's time on each node, base = the
+    time of what each node runs for every token, its part of a shared expert; 0 if not given).
 
     Pure: every routing enumerated when there are at most EXACT_SUBSETS, else SAMPLED routings
     of a generator with a fixed seed, so the same inputs give the same number."""
@@ -353,4 +371,5 @@ def expected_max(counts: Sequence[int], per_hit: Sequence[float], used: int) -> 
     hits = np.zeros((picks.shape[0], len(counts)))
     for j in range(used):
         np.add.at(hits, (np.arange(picks.shape[0]), owner[picks[:, j]]), 1.0)
-    return float((hits * np.asarray(per_hit, np.float64)).max(axis=1).mean())
+    fixed = np.zeros(len(counts)) if base is None else np.asarray(base, np.float64)
+    return float((hits * np.asarray(per_hit, np.float64) + fixed).max(axis=1).mean())

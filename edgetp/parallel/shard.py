@@ -10,7 +10,7 @@ from __future__ import annotations
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from edgetp.model import kvcache
-from edgetp.model.gguf import ModelFile
+from edgetp.model.gguf import ModelFile, split_block
 from edgetp.model.llama import ShardSpec
 from edgetp.parallel.plan import ModelShape, Plan
 
@@ -34,9 +34,7 @@ def model_shape(mf: ModelFile, ctx: int, slots: int = 1, kv_type: str = "f16") -
     # FFN columns are the input columns of ffn_down: a unit must not split its quant blocks.
     # A mixture's column holds that column of every expert (all of them in memory).
     exps = "_exps" if cfg.n_experts else ""
-    ffn_block = max(32, _block(mf, f"blk.0.ffn_down{exps}.weight"))
-    if cfg.ffn % ffn_block:
-        ffn_block = 32 if cfg.ffn % 32 == 0 else 1
+    ffn_block = split_block(cfg.ffn, _block(mf, f"blk.0.ffn_down{exps}.weight"))
     return ModelShape(
         n_layers=cfg.n_layers,
         dim=cfg.dim,
@@ -55,6 +53,7 @@ def model_shape(mf: ModelFile, ctx: int, slots: int = 1, kv_type: str = "f16") -
         slots=slots,
         n_experts=cfg.n_experts,
         experts_used=cfg.n_experts_used,
+        shared_bpw=_bpw(mf, "blk.0.ffn_up_shexp.weight") * cfg.ffn_shared / cfg.ffn if cfg.ffn_shared else 0.0,
     )
 
 

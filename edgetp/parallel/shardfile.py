@@ -13,6 +13,8 @@ name but cut to the spec, by the same table `llama.load_weights` slices by:
     ffn_gate_exps, ffn_up_exps rows   FFN columns of every expert (a mixture: 3-D, one matrix per expert)
     ffn_down_exps              cols   FFN columns of every expert
                                       (of the spec's experts only, when it names them)
+    ffn_gate_shexp, ffn_up_shexp rows the shared expert's columns (ModelConfig.shared_cols)
+    ffn_down_shexp             cols   the shared expert's columns
     output.weight              rows   vocabulary rows
     token_embd.weight          rows   vocabulary rows when tied (it is the lm head), else none (the root embeds)
     anything else              whole  (norms, rope_freqs)
@@ -82,6 +84,10 @@ def slice_plan(mf: ModelFile, spec: ShardSpec) -> dict[str, tuple[str, Any]]:
         "ffn_gate_exps.weight": ("rows", spec.ffn_cols), "ffn_up_exps.weight": ("rows", spec.ffn_cols),
         "ffn_down_exps.weight": ("cols", spec.ffn_cols),
     }
+    if cfg.ffn_shared:
+        sh = cfg.shared_cols(spec.ffn_cols, spec.experts)
+        per_layer |= {"ffn_gate_shexp.weight": ("rows", sh), "ffn_up_shexp.weight": ("rows", sh),
+                      "ffn_down_shexp.weight": ("cols", sh)}
     if cfg.fused_qkv:  # q | k | v rows: a shard file holds its own heads' rows of each, in that order
         at_k, at_v = cfg.n_heads * hd, (cfg.n_heads + cfg.n_kv_heads) * hd
         per_layer["attn_qkv.weight"] = ("parts", (qh, (kv[0] + at_k, kv[1] + at_k), (kv[0] + at_v, kv[1] + at_v)))

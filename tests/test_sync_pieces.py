@@ -13,14 +13,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgetp.model import gguf, quant, sampling
+from edgetp.model import gguf, sampling
 from edgetp.model.batch import Row
 from edgetp.model.generate import LocalRunner
 from edgetp.model.passes import cuts
 from edgetp.model.tokenizer import Tokenizer
-from edgetp.net.loopthread import LoopThread
 from edgetp.parallel.runner import ClusterRunner
-from edgetp.serve.spawn import start_worker, stop
+from tests.test_parallel import _serving, control  # noqa: F401 - control: the root's event loop, one thread
 
 STORY = "Once upon a time, there was a little girl named Lily. She"
 OTHER = "The little dog ran to the park"
@@ -32,19 +31,8 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def workers():
-    procs = [start_worker() for _ in range(3)]
-    try:
-        yield [addr for _, addr in procs]
-    finally:
-        for proc, _ in procs:
-            stop(proc)
-
-
-@pytest.fixture(scope="module")
-def control():
-    quant.set_threads(1)  # root, workers and the test share two cores
-    with LoopThread() as lt:
-        yield lt
+    """Three workers on the default kernels (SmolLM2 on the integer ones; stories260K is f32 throughout)."""
+    yield from _serving(3, int8=True)
 
 
 def test_cuts_are_near_even_whole_q8_0_blocks():

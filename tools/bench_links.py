@@ -11,6 +11,13 @@ printed too.
 
     python tools/bench_links.py                      # SmolLM2 and the 1B shape Q8_0, every profile
     python tools/bench_links.py --model smollm2 --profile wifi --tokens 16
+    python tools/bench_links.py --model 1b-q8_0 --profile loopback --rate-mbit 100 --pieces 3 --tokens 12
+
+With --pieces N it measures overlap instead (issue 15): tensor parallelism over 2
+processes (root pinned to core 0, worker to core 1), all-reduce partials whole and
+in N pieces (ClusterRunner.connect's sync_pieces), tok/s and the sync share of the
+token time (the root's seconds blocked sending and receiving on its links, over the
+token's seconds) for each profile, and for a rate-only relay with --rate-mbit.
 
 Loopback profiles, not namespaces: every relay runs beside the workers on this
 machine, so 3 processes share its cores. Every process started here is stopped
@@ -30,7 +37,8 @@ if __package__ in (None, ""):  # run as a script: the repository's root on the p
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # first: bench_parallel sets one thread per process before numba loads
-from tools.bench_parallel import GREEDY, ROOT_DIR, SMOLLM2, Procs, decode, ensure_1b, prompt_for, table  # noqa: E402
+from tools.bench_parallel import (GREEDY, ROOT_DIR, SMOLLM2, Procs, cluster_stats, decode, ensure_1b,  # noqa: E402
+                                  prompt_for, table)
 from edgetp.model import gguf, isa, quant  # noqa: E402
 from edgetp.model.batch import Row  # noqa: E402
 from edgetp.net.loopthread import LoopThread  # noqa: E402
@@ -51,15 +59,17 @@ KINDS = {2: [("single", [[0]]), ("tp", [[0, 1]]), ("pp", [[0], [1]])],
 RATE_MBIT = {"ethernet": 1000.0, "wifi": 100.0}
 
 
-def start_relay(procs: Procs, to: str, profile: str) -> str:
-    prof = PROFILES[profile]
-    proc = subprocess.Popen([sys.executable, "-m", "tools.relay", "--listen", "127.0.0.1:0", "--to", to,
-                             "--profile", profile, "--rate-mbit", str(RATE_MBIT[profile])],
+def start_relay(procs: Procs, to: str, profile: str | None, rate_mbit: float | None = None) -> str:
+    """A relay to `to` with a profile's round trip and rate (None: no added delay, rate_mbit only)."""
+    rate = RATE_MBIT[profile] if rate_mbit is None else rate_mbit
+    how = ["--profile", profile] if profile is not None else []
+    proc = subprocess.Popen([sys.executable, "-m", "tools.relay", "--listen", "127.0.0.1:0", "--to", to, *how,
+                             "--rate-mbit", str(rate)],
                             cwd=ROOT_DIR, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     procs.procs.append(proc)
     line = read_line(proc, 20)
     if not line.startswith("ready "):
-        raise RuntimeError(f"relay ({prof}) did not start: {line!r}")
+        raise RuntimeError(f"relay ({profile}, {rate} Mbit/s) did not start: {line!r}")
     return line.split()[1]
 
 
@@ -144,6 +154,37 @@ def run_profile(control: LoopThread, path: Path, name: str, profile: str, args) 
     return rows
 
 
+def run_overlap(control: LoopThread, path: Path, name: str, link: str, args) -> list[list[str]]:
+    """Tensor parallelism over 2 processes, whole partials then args.pieces pieces: one row each."""
+    rows: list[list[str]] = []
+    mf = gguf.open_model(path)
+    prompt = prompt_for(path)
+    mine = os.sched_getaffinity(0)
+    with Procs() as procs:
+        _, addr = procs.worker(cpus={1})
+        if link == "rate-limited":
+            addr = start_relay(procs, addr, None, args.rate_mbit)
+        elif LINKS[link][0] is not None:
+            addr = start_relay(procs, addr, LINKS[link][0])
+        os.sched_setaffinity(0, {0})
+        try:
+            for pieces in (1, args.pieces):
+                runner = control.run(ClusterRunner.connect(mf, [addr], ctx=CTX, threads=1, weights=[1, 1],
+                                                           rebalance=False, sync_pieces=pieces), timeout=900)
+                try:
+                    decode(runner, prompt, 2, args.limit)  # warm-up: kernels loaded, pages touched
+                    d = decode(runner, prompt, args.tokens, args.limit)
+                finally:
+                    runner.close()
+                recv, send = cluster_stats(d)
+                ms = 1e3 * sum(t.dt for t in d.toks) / len(d.toks)
+                rows.append([name, link, str(pieces), f"{d.tok_s:.2f}", f"{ms:.1f}", f"**{recv + send:.0%}**",
+                             f"{recv * ms:.1f}", f"{1e3 * send * ms:.0f}"])
+        finally:
+            os.sched_setaffinity(0, mine)
+    return rows
+
+
 def run_too_big(control: LoopThread, path: Path, name: str, args) -> list[list[str]]:
     """Every node capped below the model (--cap-mb, the runtime included): auto over wifi and mixed, beside
     the sum of the uncapped single-node speeds."""
@@ -178,6 +219,25 @@ def run_too_big(control: LoopThread, path: Path, name: str, args) -> list[list[s
     return rows
 
 
+def overlap(args, models, chosen_models, t0: float) -> int:
+    links = (args.profile or ["loopback"]) + (["rate-limited"] if args.rate_mbit else [])
+    rows: list[list[str]] = []
+    with LoopThread() as control:
+        for m in chosen_models:
+            for link in links:
+                print(f"[bench_links] overlap {models[m][0]} {link} ...", file=sys.stderr, flush=True)
+                rows += run_overlap(control, models[m][1], models[m][0], link, args)
+    print(f"# edgetp all-reduce in pieces: sync share of the token time\n\n- {time.strftime('%Y-%m-%d %H:%M')}, "
+          f"{cpu_line()}, kernels {isa.current()}, {os.cpu_count()} CPUs, root on core 0 and worker on core 1, "
+          f"1 numba thread each, weights [1, 1], f32 sync, {args.tokens} greedy decode tokens per row, load averages "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; rate-limited: a relay of {args.rate_mbit:g} Mbit/s "
+          f"each way, no added delay\n")
+    print(table(["model", "link", "pieces", "tok/s", "ms/token", "sync share", "root recv ms/token",
+                 "root send µs/token"], rows))
+    print(f"\n_(took {time.perf_counter() - t0:.0f} s)_")
+    return 0
+
+
 def _same_nodes(a: str, b: str) -> bool:
     """The same stages over the same nodes (layer counts may differ by the speeds each run measured)."""
     def nodes(s: str) -> list[str]:
@@ -193,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=8, help="concurrent streams of the batched rows (wifi)")
     ap.add_argument("--batch-steps", type=int, default=8, help="decode steps of the batched rows")
     ap.add_argument("--limit", type=float, default=60.0, help="seconds at most per decode loop")
+    ap.add_argument("--pieces", type=int, default=0,
+                    help="measure overlap instead: 2-process tensor parallelism, whole partials and in this many pieces")
+    ap.add_argument("--rate-mbit", type=float, default=0.0,
+                    help="with --pieces: also a link through a relay of this rate and no added delay")
     ap.add_argument("--cap-mb", type=int, default=0,
                     help="also serve the 1B shape with every node capped at this many MB (0: skip)")
     args = ap.parse_args(argv)
@@ -202,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     chosen_models = args.model or list(models)
     t0 = time.perf_counter()
     rows: list[list[str]] = []
+    if args.pieces:
+        return overlap(args, models, chosen_models, t0)
     with LoopThread() as control:
         for m in chosen_models:
             name, path = models[m]

@@ -83,6 +83,8 @@ class _Split:
         self.parts = [_Matvecs([quant.slice_rows(w, a, b)], x, xr, int8, self.out, a)
                       for a, b in zip(self.cuts[:-1], self.cuts[1:])]
         self.rounds = self.parts[0].rounds
+        self.products = [q for part in self.parts for q in part.products]  # its integer kernel calls: one token
+        self.tokens = [q for part in self.parts for q in part.tokens]  # several
 
     def __call__(self, n: int, serial: bool) -> None:
         for part in self.parts:

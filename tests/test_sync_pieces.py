@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from edgetp.model import gguf, sampling
-from edgetp.model.batch import Row
+from edgetp.model.batch import Chunk, Row
 from edgetp.model.generate import LocalRunner
 from edgetp.model.passes import cuts
 from edgetp.model.tokenizer import Tokenizer
@@ -47,8 +47,8 @@ def test_cuts_are_near_even_whole_q8_0_blocks():
 
 
 def _trace(runner: ClusterRunner, prompts: list[list[int]]) -> tuple[list[np.ndarray], list, list[int], int]:
-    """Two sequences prefilled, then STEPS decode steps (both rows, then only the first, in turn): the root's
-    final hidden states of each step, every merged candidate, the tokens of sequence 0, and the bytes the
+    """Two sequences prefilled, then STEPS decode steps, in turn both as rows and as a row beside a one-token
+    chunk (a mixed step, whose one reduce over both goes whole): the root's final hidden states of each step's rows, every merged candidate, the tokens of sequence 0, and the bytes the
     root received over its links during the decode steps."""
     seen: list[np.ndarray] = []
     shard = runner.shard
@@ -61,13 +61,16 @@ def _trace(runner: ClusterRunner, prompts: list[list[int]]) -> tuple[list[np.nda
         before = runner.counters()
         cands, tokens = [], []
         for step in range(STEPS):
-            slots = [0, 1] if step % 2 == 0 else [0]
-            rows = []
-            for s in slots:
+            for s in (0, 1):
                 histories[s].append(nxt[s])
-                rows.append(Row(s, len(histories[s]) - 1, nxt[s], list(histories[s]), TOP))
-            out = runner.decode(rows)
-            for s, c in zip(slots, out):
+            rows = [Row(s, len(h) - 1, nxt[s], list(h), TOP) for s, h in enumerate(histories)]
+            if step % 2 == 0:
+                out = runner.decode(rows)
+            else:  # sequence 1's token as a chunk beside sequence 0's row: one pass (passes.together)
+                h = histories[1]
+                out, last = runner.mixed(rows[:1], Chunk(1, len(h) - 1, [nxt[1]], list(h), TOP))
+                out.append(last)
+            for s, c in enumerate(out):
                 cands.append((c.ids.tolist(), c.logits.view(np.uint32).tolist(), c.lse))
                 nxt[s] = int(c.ids[np.argmax(c.logits)])
             tokens.append(nxt[0])
@@ -113,8 +116,9 @@ def test_decode_steps_in_pieces_give_the_bits_of_whole_partials(which, weights, 
     for step, (a, b) in enumerate(zip(h1, hp)):
         assert a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"step {step}"
     assert cp == c1 and tp == t1
-    # per decode step, each all-reduce (2 per layer) came back from every worker in k frames instead of 1
-    assert rp - r1 == n_workers * STEPS * 2 * cfg.n_layers * (k - 1) * FRAME_OVERHEAD
+    # per decode step of rows alone, each all-reduce (2 per layer) came back from every worker in k frames, not 1
+    rows_steps = (STEPS + 1) // 2
+    assert rp - r1 == n_workers * rows_steps * 2 * cfg.n_layers * (k - 1) * FRAME_OVERHEAD
 
 
 @pytest.mark.parametrize("weights", [[1, 2], [3, 1, 2, 2]])

@@ -48,8 +48,9 @@ def test_cuts_are_near_even_whole_q8_0_blocks():
 
 def _trace(runner: ClusterRunner, prompts: list[list[int]]) -> tuple[list[np.ndarray], list, list[int], int]:
     """Two sequences prefilled, then STEPS decode steps, in turn both as rows and as a row beside a one-token
-    chunk (a mixed step, whose one reduce over both goes whole): the root's final hidden states of each step's rows, every merged candidate, the tokens of sequence 0, and the bytes the
-    root received over its links during the decode steps."""
+    chunk (a mixed step, whose one reduce over both goes whole): the root's final hidden states of each step's
+    rows, every merged candidate, the tokens of sequence 0, and the bytes the root received over its links
+    during the decode steps."""
     seen: list[np.ndarray] = []
     shard = runner.shard
     logits_rows = shard.logits_rows

@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-steps", type=int, default=8, help="decode steps of the batched rows")
     ap.add_argument("--limit", type=float, default=60.0, help="seconds at most per decode loop")
     ap.add_argument("--pieces", type=int, default=0,
-                    help="measure overlap instead: 2-process tensor parallelism, whole partials and in this many pieces")
+                    help="measure overlap instead: 2-process tensor parallelism, whole partials and in N pieces")
     ap.add_argument("--rate-mbit", type=float, default=0.0,
                     help="with --pieces: also a link through a relay of this rate and no added delay")
     ap.add_argument("--rounds", type=int, default=3, help="with --pieces: decode runs of each setting, in turn")

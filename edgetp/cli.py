@@ -16,6 +16,8 @@ _PARALLEL_HELP = ("plan kind: auto (default: the cheapest plan the cost model fi
                   "for --slots streams), tp (every node splits every layer) or pp (a pipeline, one stage per node)")
 _EXPERTS_HELP = ("a mixture of experts: auto (default: the cost model picks), columns (every node its columns of "
                  "every expert) or place (whole experts per node, sized by speed and memory)")
+_PIECES_HELP = ("send each decode step's all-reduce partials in this many pieces, each while the next computes "
+                "(default 1: whole; the same bits either way; pays where transfer time shows, costs on loopback)")
 
 def _positive(text: str) -> int:
     value = int(text)
@@ -78,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="relative speeds 1,2,3 in node order, the root first (default: measured)")
     ask.add_argument("--sync", choices=("f32", "q8_0"), default="f32",
                      help="all-reduce payload: exact f32 or Q8_0 blocks (3.8x fewer bytes)")
+    ask.add_argument("--sync-pieces", type=_positive, default=1, help=_PIECES_HELP)
     ask.add_argument("--parallel", choices=("tp", "pp", "auto"), default="auto", help=_PARALLEL_HELP)
     ask.add_argument("--experts", choices=("auto", "columns", "place"), default="auto", help=_EXPERTS_HELP)
     ask.add_argument("--key", default=os.environ.get("EDGETP_KEY_FILE"), help="cluster key file")
@@ -124,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="HOST:PORT,... of `edgetp worker`s: a static cluster, no discovery")
     srv.add_argument("--weights", type=_weights, default=None, help="with --workers: relative speeds, the root first")
     srv.add_argument("--sync", choices=("f32", "q8_0"), default=None)
+    srv.add_argument("--sync-pieces", type=_positive, default=None, help=_PIECES_HELP)
     srv.add_argument("--parallel", choices=("tp", "pp", "auto"), default=None, help=_PARALLEL_HELP)
     srv.add_argument("--experts", choices=("auto", "columns", "place"), default=None, help=_EXPERTS_HELP)
     srv.add_argument("--ctx", type=_positive, default=None)

@@ -109,7 +109,7 @@ def ask(args: argparse.Namespace) -> int:
     with LoopThread() as lt:
         runner = lt.run(ClusterRunner.connect(mf, args.workers, ctx=ctx, weights=args.weights, sync=args.sync,
                                               key=key, threads=args.threads, parallel=args.parallel,
-                                              experts=args.experts))
+                                              experts=args.experts, sync_pieces=args.sync_pieces))
         current = [runner]  # the runner in use: a recovery replaces it
 
         def recover(exc: RunnerLost) -> ClusterRunner:
@@ -343,7 +343,7 @@ def serve(args: argparse.Namespace) -> int:
     from edgetp.cluster import sdnotify  # noqa: PLC0415
 
     flags = {name: getattr(args, name) for name in ("model", "key_file", "data_port", "node_id", "priority",
-                                                    "no_root", "interfaces", "peers", "threads", "sync", "ctx", "slots", "kv_type",
+                                                    "no_root", "interfaces", "peers", "threads", "sync", "sync_pieces", "ctx", "slots", "kv_type",
                                                     "parallel", "experts")}
     if args.listen is not None:
         flags["host"], flags["http_port"] = args.listen
@@ -361,7 +361,7 @@ def serve(args: argparse.Namespace) -> int:
     opts = daemon.ServeOptions(
         model_path=path, model_name=path.stem if str(settings.model).endswith(".gguf") else settings.model,
         host=settings.host, port=settings.http_port, workers=tuple(args.workers),
-        weights=tuple(args.weights) if args.weights else None, sync=settings.sync, ctx=settings.ctx,
+        weights=tuple(args.weights) if args.weights else None, sync=settings.sync, sync_pieces=settings.sync_pieces, ctx=settings.ctx,
         slots=settings.slots, kv_type=settings.kv_type, parallel=settings.parallel, experts=settings.experts, threads=settings.threads, key=key, queue_size=args.queue, index_dir=Path(settings.cache_dir) / "index",
         cluster=key is not None and not args.workers, data_port=settings.data_port,
         node_id=settings.node_id if settings.node_id_given

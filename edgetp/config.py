@@ -112,6 +112,8 @@ class Settings:
     node_id: str = ""                       # "" means this host's name
     peers: tuple[str, ...] = ()             # HOST:PORT (HTTP API) to introduce ourselves to, where multicast cannot pass
     sync: str = "f32"                       # all-reduce payload: "f32" or "q8_0"
+    sync_pieces: int = 1                    # a decode step's partials in this many pieces, each sent while the next
+                                            # computes (the same bits; pays on slow links, costs on loopback)
     ctx: int = 2048                         # context length (KV cache size) of each sequence
     slots: int = 4                          # sequences decoded at once, each with its own KV cache (fewer if memory is short)
     kv_type: str = "f16"                    # KV cache values: "f16" (llama.cpp's default, half of f32), "f32" or "q8_0"
@@ -264,7 +266,8 @@ CHECKS: dict[str, Callable[[Any], Any]] = {
     "data_port": _port, "http_port": _port, "interfaces": _strings,
     "priority": _int, "no_root": _bool, "threads": _threads,
     "cache_dir": _path_or_none, "node_id": _node_id, "peers": _peers,
-    "sync": _sync, "ctx": _positive, "slots": _positive, "kv_type": _kv_type, "parallel": _parallel, "experts": _experts,
+    "sync": _sync, "sync_pieces": _positive,
+    "ctx": _positive, "slots": _positive, "kv_type": _kv_type, "parallel": _parallel, "experts": _experts,
     "api_tokens": _tokens,
     "max_memory_mb": _threads, "slice_cache_mb": _positive,
     "heartbeat_s": _seconds, "heartbeat_timeout_s": _seconds, "settle_s": _seconds,

@@ -65,6 +65,7 @@ class ServeOptions:
     workers: tuple[str, ...] = ()
     weights: tuple[float, ...] | None = None
     sync: str = "f32"
+    sync_pieces: int = 1            # a decode step's partials in this many pieces (passes.Pieces)
     ctx: int = 2048
     slots: int = 4                  # sequences decoded at once (the planner may give fewer)
     kv_type: str = "f16"            # what every node's KV caches hold: "f16", "f32" or "q8_0"
@@ -171,7 +172,7 @@ async def serve(opts: ServeOptions, on_listening: Callable[[str], None] | None =
     if opts.workers:
         runner = await ClusterRunner.connect(mf, list(opts.workers), ctx=ctx, weights=opts.weights, sync=opts.sync,
                                              key=opts.key, threads=opts.threads, slots=opts.slots, kv_type=opts.kv_type,
-                                             parallel=opts.parallel, experts=opts.experts)
+                                             parallel=opts.parallel, experts=opts.experts, sync_pieces=opts.sync_pieces)
     else:
         runner = await asyncio.to_thread(LocalRunner, mf, ctx, opts.slots, opts.kv_type)
     engine = Engine(runner, tok, opts.model_name, queue_size=opts.queue_size, bus=bus)
@@ -353,7 +354,8 @@ class Roles:
                         self.mf, addresses, ctx=self.ctx, sync=self.opts.sync, key=self.opts.key,
                         threads=self.opts.threads, epoch=self.membership.epoch, node_id=self.node_id,
                         fetch_port=self.http_port, on_progress=self._progress, slots=self.opts.slots,
-                        kv_type=self.opts.kv_type, parallel=self.opts.parallel, experts=self.opts.experts)
+                        kv_type=self.opts.kv_type, parallel=self.opts.parallel, experts=self.opts.experts,
+                        sync_pieces=self.opts.sync_pieces)
                 except Exception as exc:  # noqa: BLE001 - whatever a peer did, plan without it
                     if not addresses:
                         raise

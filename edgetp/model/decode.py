@@ -19,7 +19,8 @@ not depend on what else runs beside it. Float kernels run row by row.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 from numba import njit, prange
@@ -41,9 +42,9 @@ class _Matvecs:
     buffer to write (matvecs that never run at once may share one)."""
 
     def __init__(self, ws: list[quant.Weight], x: np.ndarray, xr: intdot.Rounded, int8: bool,
-                 out: np.ndarray | None = None) -> None:
-        starts = np.cumsum([0] + [w.rows for w in ws])
-        self.out = np.empty((x.shape[0], int(starts[-1])), np.float32) if out is None else out  # per token, every weight's rows in turn
+                 out: np.ndarray | None = None, at: int = 0) -> None:
+        starts = at + np.cumsum([0] + [w.rows for w in ws])  # their columns of out (given, or their own)
+        self.out = np.empty((x.shape[0], int(starts[-1])), np.float32) if out is None else out
         self.views = [self.out[:, a:b] for a, b in zip(starts[:-1], starts[1:])]
         self.products: list[intdot.Products] = []  # token 0
         self.tokens: list[intdot.TokenProducts] = []  # tokens 0..n-1
@@ -72,10 +73,33 @@ class _Matvecs:
                 quant.float_matvec(w, x[b], out[b])
 
 
+class _Split:
+    """_Matvecs of one weight in pieces of its rows (cuts): piece k fills columns cuts[k]:cuts[k+1] of
+    out, so that a reduce can send each piece while the next computes. Each row's result is its bits
+    whole: a row's dot product does not depend on the rows beside it."""
+
+    def __init__(self, w: quant.Weight, x: np.ndarray, xr: intdot.Rounded, int8: bool, cuts: tuple[int, ...]) -> None:
+        self.out = np.empty((x.shape[0], w.rows), np.float32)
+        self.cuts = cuts if cuts[-1] == w.rows else (0, w.rows)
+        self.parts = [_Matvecs([quant.slice_rows(w, a, b)], x, xr, int8, self.out, a)
+                      for a, b in zip(self.cuts[:-1], self.cuts[1:])]
+        self.rounds = self.parts[0].rounds
+        self.products = [q for part in self.parts for q in part.products]  # its integer kernel calls: one token
+        self.tokens = [q for part in self.parts for q in part.tokens]  # several
+
+    def __call__(self, n: int, serial: bool) -> None:
+        for part in self.parts:
+            part(n, serial)
+
+    def piece(self, n: int, serial: bool, k: int) -> None:
+        self.parts[k](n, serial)
+
+
 class _LayerPlan:
     """One layer's matvecs and the views of their outputs, (rows, width) each."""
 
-    def __init__(self, shard: Shard, layer: Layer, h: np.ndarray, r: dict[str, intdot.Rounded], int8: bool) -> None:
+    def __init__(self, shard: Shard, layer: Layer, h: np.ndarray, r: dict[str, intdot.Rounded], int8: bool,
+                 cuts: tuple[int, ...]) -> None:
         hd = shard.w.cfg.head_dim
         self.layer = layer
         self.qkv = self.o = self.gate_up = self.down = self.moe = None
@@ -83,13 +107,13 @@ class _LayerPlan:
             self.qkv = _Matvecs([layer.wq, layer.wk, layer.wv], h, r["h"], int8)
             self.q, self.k, self.v = self.qkv.views
             self.att = np.empty((h.shape[0], shard.n_heads * hd), np.float32)
-            self.o = _Matvecs([layer.wo], self.att, r["att"], int8)
+            self.o = _Split(layer.wo, self.att, r["att"], int8, cuts)
         if shard.n_ffn and layer.moe is not None:  # a mixture: its experts, a token at a time
             self.moe = _Experts(layer.moe, h.shape[0], shard.w.cfg.dim, int8)
         elif shard.n_ffn:
             self.gate_up = _Matvecs([layer.w_gate, layer.w_up], h, r["h"], int8)
             self.gate, self.up = self.gate_up.views
-            self.down = _Matvecs([layer.w_down], self.gate_up.out[:, : shard.n_ffn], r["gate"], int8)
+            self.down = _Split(layer.w_down, self.gate_up.out[:, : shard.n_ffn], r["gate"], int8, cuts)
 
 
 class _Experts:
@@ -184,7 +208,8 @@ class Plan:
         shape = intdot.Rounded.rows
         self.r = {"h": shape(rows, cfg.dim), "att": shape(rows, max(shard.n_heads, 1) * cfg.head_dim),
                   "gate": shape(rows, max(shard.n_ffn, 32))}  # (empty halves round nothing)
-        self.layers = [_LayerPlan(shard, layer, self.h, self.r, int8) for layer in shard.w.layers]
+        self.cuts = passes.cuts(cfg.dim, shard.sync_pieces)  # of every partial, when a step goes in pieces
+        self.layers = [_LayerPlan(shard, layer, self.h, self.r, int8, self.cuts) for layer in shard.w.layers]
 
     def forward(self, x: np.ndarray, pos: int, slot: int = 0) -> np.ndarray:
         """One token x (1, dim) at position pos of KV slot `slot`."""
@@ -203,13 +228,14 @@ class Plan:
         h, eps = self.h[:n], cfg.norm_eps
         rh, ra, rg = self.r["h"], self.r["att"], self.r["gate"]
         zeros = self.zeros[:n]
+        cuts = self.cuts if passes.pieced(n, cfg.dim, s.sync_pieces) else None  # None: whole partials
         partial = zeros  # the sum x has yet to get (none before the first layer)
         post = _NO_NORM  # the norm that sum gets before it is added (gemma's post-norms)
         for i, p in enumerate(self.layers):
             layer = p.layer
             if p.qkv is None:
                 _add_norm(x, partial, post, layer.attn_norm, eps, h, i > 0, False, *rh)
-                partial = zeros
+                partial, fill = zeros, _computed
                 partial.fill(0.0)
             else:
                 _add_norm(x, partial, post, layer.attn_norm, eps, h, i > 0, p.qkv.rounds, *rh)
@@ -224,24 +250,22 @@ class Plan:
                 _attention(p.q[:n], p.k[:n], p.v[:n], s.k_bits[i], s.v_bits[i], slots, positions, qn, kn, eps,
                            cos, sin, cfg.rope_dims, cfg.rope_neox, cfg.group_size, cfg.attn_scale,
                            cfg.swa_window if local else 0, cfg.attn_softcap, p.att[:n], serial, p.o.rounds, *ra)
-                p.o(n, serial)
-                partial = p.o.out[:n]
-            yield partial
+                partial, fill = p.o.out[:n], _start(p.o, n, serial, cuts is not None)
+            yield partial if cuts is None else passes.Pieces(partial, cuts, fill)
             post = _NO_NORM if layer.attn_post_norm is None else layer.attn_post_norm
             if p.moe is not None:  # routed together, each row the bits of its token alone
                 _add_norm(x, partial, post, layer.ffn_norm, eps, h, True, False, *rh)
-                partial = p.moe(h, cfg.geglu, s.expert_hits[i], serial)
+                partial, fill = p.moe(h, cfg.geglu, s.expert_hits[i], serial), _computed
             elif p.gate_up is None:
                 _add_norm(x, partial, post, layer.ffn_norm, eps, h, True, False, *rh)
-                partial = zeros
+                partial, fill = zeros, _computed
                 partial.fill(0.0)
             else:
                 _add_norm(x, partial, post, layer.ffn_norm, eps, h, True, p.gate_up.rounds, *rh)
                 p.gate_up(n, serial)
                 _glu(p.gate[:n], p.up[:n], cfg.geglu, p.down.rounds, *rg)
-                p.down(n, serial)
-                partial = p.down.out[:n]
-            yield partial
+                partial, fill = p.down.out[:n], _start(p.down, n, serial, cuts is not None)
+            yield partial if cuts is None else passes.Pieces(partial, cuts, fill)
             post = _NO_NORM if layer.ffn_post_norm is None else layer.ffn_post_norm
         if s.w.out_norm is None:  # a pipeline stage before the last: the residual goes on
             if self.layers and post.shape[0]:
@@ -251,6 +275,19 @@ class Plan:
         out = np.empty_like(h)
         _add_norm(x, partial, post, s.w.out_norm, eps, out, bool(self.layers), False, *rh)
         return out
+
+
+def _start(split: _Split, n: int, serial: bool, pieced: bool) -> Callable[[int], None]:
+    """What computes split's pieces: the reduce, piece by piece, when the step goes in pieces (passes.Pieces);
+    else split is computed now."""
+    if pieced:
+        return functools.partial(split.piece, n, serial)
+    split(n, serial)
+    return _computed
+
+
+def _computed(k: int) -> None:
+    """Piece k of a partial computed already."""
 
 
 # ---------------------------------------------------------------- the steps between matvecs

@@ -280,6 +280,7 @@ class Shard:
     fast_decode: bool = True  # one token through decode.Plan (False: the per-op path, as for batches)
     slots: int = 1  # KV caches, one per sequence a step may carry (forward's slot, forward_rows's slots)
     kv_type: str = "f16"  # what the KV caches hold: kvcache.KV_TYPES ("f16" as llama.cpp, "f32" or "q8_0")
+    sync_pieces: int = 1  # a decode step's partials in this many pieces (passes.cuts), each sent while the next computes
     # per layer (slots, n_kv, ctx, head_dim) of kv_type; q8_0: (slots, n_kv, ctx, head_dim / 32) kvcache.Q8_0 blocks
     k_cache: list[np.ndarray] = field(init=False, repr=False)
     v_cache: list[np.ndarray] = field(init=False, repr=False)
@@ -298,6 +299,8 @@ class Shard:
         self.expert_hits = np.zeros((len(self.w.layers), cfg.n_experts), np.int64)
         if self.slots < 1:
             raise ValueError(f"a shard needs at least one KV slot, got {self.slots}")
+        if not isinstance(self.sync_pieces, int) or self.sync_pieces < 1:
+            raise ValueError(f"sync_pieces must be a positive integer, got {self.sync_pieces!r}")
         shape = (self.slots, self.n_kv, self.ctx, cfg.head_dim)
         self.k_cache = [kvcache.kv_cache(self.kv_type, shape) for _ in self.w.layers]
         self.v_cache = [kvcache.kv_cache(self.kv_type, shape) for _ in self.w.layers]

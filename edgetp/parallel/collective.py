@@ -10,6 +10,12 @@ Sync types (a plan setting):
 - "q8_0": ggml's Q8_0 blocks, 34 bytes per 32 values, both directions; the
   root applies the same rounded total it sends, so nodes still agree.
 
+A partial handed over as `passes.Pieces` goes piece by piece: each node computes
+a piece and sends it while it computes the next, and the root adds each piece
+in node order as it arrives and sends that piece's total back at once. Every
+value gets the same additions in the same order as whole, and Q8_0 blocks are
+the same blocks (pieces are cut at multiples of 32): the same bits.
+
 Calls come from the compute thread. On a link in blocking mode they use the
 socket directly; in asyncio mode they hop through the event loop.
 """
@@ -22,6 +28,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from edgetp.model import quant, sampling
+from edgetp.model.passes import Pieces
 from edgetp.net.frames import Frame, FrameType
 from edgetp.net.link import BLOCKING, Link
 
@@ -82,6 +89,16 @@ class RootReduce:
 
     def __call__(self, partial: np.ndarray) -> None:
         self.rounds += 1
+        self._sum(partial)
+
+    def pieces(self, p: Pieces) -> None:
+        """Each piece as soon as ours is computed: the workers' pieces arrive while we compute."""
+        self.rounds += 1
+        for k, cols in enumerate(_columns(p)):
+            p.fill(k)
+            self._sum(p.out[:, cols])
+
+    def _sum(self, partial: np.ndarray) -> None:
         for w in self.workers:
             partial += decode_sync(w.recv(FrameType.PARTIAL), partial.shape, self.sync)
         wire = encode_sync(partial, self.sync)
@@ -101,6 +118,20 @@ class WorkerReduce:
     def __call__(self, partial: np.ndarray) -> None:
         self.root.send(FrameType.PARTIAL, {}, encode_sync(partial, self.sync))
         partial[...] = decode_sync(self.root.recv(FrameType.REDUCED), partial.shape, self.sync)
+
+    def pieces(self, p: Pieces) -> None:
+        """Send each piece as soon as it is computed (a few KB: the socket takes it at once, and the
+        root reads it while we compute the next), then take the totals."""
+        for k, cols in enumerate(_columns(p)):
+            p.fill(k)
+            self.root.send(FrameType.PARTIAL, {}, encode_sync(p.out[:, cols], self.sync))
+        for cols in _columns(p):
+            piece = p.out[:, cols]
+            piece[...] = decode_sync(self.root.recv(FrameType.REDUCED), piece.shape, self.sync)
+
+
+def _columns(p: Pieces) -> list[slice]:
+    return [slice(a, b) for a, b in zip(p.cuts[:-1], p.cuts[1:])]
 
 
 def candidates_message(c: sampling.Candidates) -> tuple[dict[str, Any], np.ndarray]:

@@ -98,7 +98,7 @@ class ClusterRunner:
                       node_id: str = ROOT_ID, fetch_port: int | None = None,
                       on_progress: Progress | None = None, slots: int = 1, kv_type: str = "f16",
                       parallel: str = "tp", layout: Sequence[Sequence[int]] | None = None,
-                      rebalance: bool = True, experts: str = "auto") -> "ClusterRunner":
+                      rebalance: bool = True, experts: str = "auto", sync_pieces: int = 1) -> "ClusterRunner":
         """Link to every worker, profile, plan and load.
 
         `parallel` is the plan kind: "tp" (tensor parallelism over every node), "pp" (a pipeline,
@@ -113,7 +113,8 @@ class ClusterRunner:
         without our model fetches its slice from us; `on_progress(node_id,
         done, total)` hears how far each such download got. `experts` (a mixture of experts):
         "columns" splits every expert's columns, "place" places whole experts, "auto" lets the
-        cost model choose (parallel/experts.py).
+        cost model choose (parallel/experts.py). `sync_pieces` > 1 sends a decode step's partials in that
+        many pieces, each while the next computes (passes.Pieces).
         """
         options_slots = slots  # what was asked for: a re-plan asks again
         if weights is not None and len(weights) != len(addresses) + 1:
@@ -150,7 +151,7 @@ class ClusterRunner:
                                + (f" experts{s.experts}" if s.experts else "") for s in plan.shares))
             links, infos = _arrange(plan, links, infos)
             header = {"model": model_ref or str(mf.path), "fingerprint": mf.fingerprint, "ctx": ctx,
-                      "sync": sync, "slots": slots, "kv_type": kv_type} | ({"fetch_port": fetch_port} if fetch_port else {})
+                      "sync": sync, "slots": slots, "kv_type": kv_type, "sync_pieces": sync_pieces} | ({"fetch_port": fetch_port} if fetch_port else {})
             group = {x.node_id for x in plan.stages[0]}
             for link, info in zip(links, infos[1:]):
                 spec = spec_for(plan, info.node_id)
@@ -161,7 +162,7 @@ class ClusterRunner:
                                 | ({"layers": list(spec.layers)} if spec.layers is not None else {})
                                 | ({"experts": list(spec.experts)} if spec.experts is not None else {}))
             weights_root = await asyncio.to_thread(llama.load_weights, mf, spec_for(plan, node_id))
-            shard = llama.Shard(weights_root, ctx, slots=slots, kv_type=kv_type)
+            shard = llama.Shard(weights_root, ctx, slots=slots, kv_type=kv_type, sync_pieces=sync_pieces)
             for n, link in enumerate(links, start=1):
                 ready = await _loaded(link, infos[n].node_id, on_progress)
                 infos[n] = NodeInfo(**(asdict(infos[n]) | {"rss": int(ready.header["rss"])}))
@@ -173,7 +174,7 @@ class ClusterRunner:
         options = dict(ctx=ctx, weights=weights, sync=sync, key=key, threads=threads,
                        model_ref=model_ref, addresses=list(addresses), node_id=node_id, fetch_port=fetch_port,
                        on_progress=on_progress, slots=options_slots, kv_type=kv_type, parallel=parallel,
-                       layout=layout, rebalance=rebalance, experts=experts)
+                       layout=layout, rebalance=rebalance, experts=experts, sync_pieces=sync_pieces)
         return cls(mf, ctx, plan, links, shard, infos, asyncio.get_running_loop(), options)
 
     async def without(self, address: str, epoch: int | None = None) -> "ClusterRunner":

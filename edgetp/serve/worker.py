@@ -267,7 +267,8 @@ class _Session:
         self.sync = h["sync"]
         self.reduce = bool(h.get("reduce", True))
         weights = await asyncio.to_thread(llama.load_weights, self.mf, spec)
-        self.shard = llama.Shard(weights, int(h["ctx"]), slots=_positive(h.get("slots", 1), "slots"), kv_type=kv_type)
+        self.shard = llama.Shard(weights, int(h["ctx"]), slots=_positive(h.get("slots", 1), "slots"), kv_type=kv_type,
+                                 sync_pieces=_positive(h.get("sync_pieces", 1), "sync_pieces"))
         await asyncio.to_thread(_warm_up, self.shard)
         log.info("loaded shard %s of %s: %.1f MB of weights, %.1f MB KV cache (%s)",
                  spec, path, weights.nbytes / 1e6, self.shard.kv_bytes / 1e6, kv_type)

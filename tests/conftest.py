@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+import edgetp.model  # noqa: F401  numba's cache folder for this source (jitcache), inherited by every child
+
 REPO = Path(__file__).resolve().parent.parent
 # Daemons the tests start split every layer over their nodes (tensor parallelism), as the tests of
 # that machinery expect; the planner's own choice ("auto", the product's default) is tested where it

@@ -1,9 +1,13 @@
 """Model math and files: GGUF reading, kernels, forward pass, tokenizers, sampling. No network.
 
-Importing the package decides the kernels' instruction set (`isa.configure`), because
-numba reads its compile target once, before the first kernel compiles. It never raises.
+Importing the package decides where numba caches the kernels (`jitcache.configure`: a
+folder per version of their source, before any kernel is decorated) and their instruction
+set (`isa.configure`), because numba reads its compile target once, before the first kernel
+compiles. Neither raises.
 """
 
 from edgetp.model import isa as _isa
+from edgetp.model import jitcache as _jitcache
 
+_jitcache.configure()
 _isa.configure()

@@ -1,0 +1,57 @@
+"""Where numba keeps the compiled kernels: one folder per version of the kernels' source.
+
+numba's on-disk cache is checked against the source file of each function, not of the
+functions it calls: decode.py's compiled steps inline intdot.round_into and ops.gelu_mul_row,
+so after a change to those files alone (a `git pull` in a working tree) numba would go on
+loading the old steps, with the old arithmetic. Keying the whole cache by a digest of
+every source file that holds kernels makes any change to them start a fresh folder.
+
+The folder is <edgetp cache>/numba/<digest>; the few most recently used are kept. A
+NUMBA_CACHE_DIR set by the user (or a test) wins. Must run before any @njit(cache=True)
+decorator does, which is why the `edgetp.model` package runs it on import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+KEEP = 3  # cache folders kept: the one in use and the most recently used others
+_PACKAGE = Path(__file__).resolve().parent.parent  # edgetp/
+
+
+def digest(package: Path = _PACKAGE) -> str:
+    """sha256 (16 hex) over the path and bytes of every .py file under `package` that uses numba."""
+    h = hashlib.sha256()
+    for p in sorted(package.rglob("*.py")):
+        data = p.read_bytes()
+        if b"numba" in data:
+            h.update(str(p.relative_to(package)).encode() + b"\0" + data + b"\0")
+    return h.hexdigest()[:16]
+
+
+def configure() -> None:
+    """Point numba's cache at this source version's folder, unless NUMBA_CACHE_DIR is set.
+    Never raises: where the folder cannot be made, numba keeps its default (__pycache__)."""
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        return
+    from edgetp.store import cache_dir  # noqa: PLC0415
+
+    try:
+        root = cache_dir() / "numba"
+        here = root / digest()
+        here.mkdir(parents=True, exist_ok=True)
+        os.utime(here)  # most recently used
+        for old in sorted((p for p in root.iterdir() if p.is_dir() and p != here),
+                          key=lambda p: p.stat().st_mtime, reverse=True)[KEEP - 1 :]:
+            shutil.rmtree(old, ignore_errors=True)
+    except OSError:
+        return
+    os.environ["NUMBA_CACHE_DIR"] = str(here)  # child processes read it too
+    if "numba.core.config" in sys.modules:
+        from numba.core import config  # noqa: PLC0415
+
+        config.CACHE_DIR = str(here)

@@ -1,0 +1,64 @@
+"""numba's cache folder follows the kernels' source (edgetp/model/jitcache.py), in real processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from edgetp.model import jitcache
+
+REPO = Path(__file__).resolve().parent.parent
+CHILD = """
+import os
+import numpy as np
+from edgetp.model import ops
+x = np.ones((1, 64), np.float32)
+ops.rmsnorm(x, np.ones(64, np.float32), 1e-5, np.empty_like(x))
+print(os.environ.get("NUMBA_CACHE_DIR", ""))
+"""
+
+
+def _child(env_extra: dict[str, str], drop: tuple[str, ...] = ("NUMBA_CACHE_DIR",)) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(env_extra, PYTHONPATH=str(REPO))
+    res = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout.strip().splitlines()[-1]
+
+
+def test_a_process_caches_its_kernels_in_the_folder_of_this_source_version(tmp_path):
+    used = Path(_child({"EDGETP_CACHE_DIR": str(tmp_path)}))
+    assert used == tmp_path / "numba" / jitcache.digest()
+    assert list(used.rglob("*.nbi")), "the kernel it compiled was not cached there"
+
+
+def test_a_numba_cache_dir_set_by_the_user_wins(tmp_path):
+    mine = tmp_path / "mine"
+    assert _child({"EDGETP_CACHE_DIR": str(tmp_path / "c"), "NUMBA_CACHE_DIR": str(mine)}, drop=()) == str(mine)
+    assert not (tmp_path / "c" / "numba").exists()
+
+
+def test_older_folders_beyond_the_most_recent_few_are_removed(tmp_path):
+    root = tmp_path / "numba"
+    olds = [root / f"old{i}" for i in range(4)]
+    for i, d in enumerate(olds):
+        (d / "x").mkdir(parents=True)
+        t = time.time() - 1000 * (i + 1)  # old0 the newest
+        os.utime(d, (t, t))
+    used = Path(_child({"EDGETP_CACHE_DIR": str(tmp_path)}))
+    assert sorted(p.name for p in root.iterdir()) == sorted([used.name] + [d.name for d in olds[: jitcache.KEEP - 1]])
+
+
+def test_the_digest_changes_with_any_file_that_uses_numba_and_only_those(tmp_path):
+    (tmp_path / "sub").mkdir()
+    kern, other = tmp_path / "sub" / "k.py", tmp_path / "o.py"
+    kern.write_text("from numba import njit\n")
+    other.write_text("x = 1\n")
+    first = jitcache.digest(tmp_path)
+    other.write_text("x = 2\n")
+    assert jitcache.digest(tmp_path) == first
+    kern.write_text("from numba import njit  # changed\n")
+    assert jitcache.digest(tmp_path) != first

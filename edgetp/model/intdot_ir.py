@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from edgetp.model.intdot_layouts import Field, Layout, Scale
+from edgetp.model.intdot_layouts import Field, Layout
 from edgetp.model.vnni import _decl, _vec  # the IR helpers the VNNI prefill panels use too
 
 # ---------------------------------------------------------------- IR helpers
@@ -128,30 +128,6 @@ class _Emit:
         if self.fpext:
             return b.fpext(b.bitcast(h, ir.HalfType()), _F32)
         return _load(b, self.tab, b.mul(b.zext(h, _I64), ir.Constant(_I64, 4)), _F32, align=4)
-
-    def integer(self, base, fields, int8=False):
-        b, v = self.b, None
-        for f in fields:
-            byte = _load(b, base, f.off + f.idx, _I8)
-            x = b.sext(byte, _I32) if int8 else b.zext(byte, _I32)
-            if not int8:
-                x = b.and_(b.lshr(x, ir.Constant(_I32, f.shift)), ir.Constant(_I32, f.mask))
-                x = b.shl(x, ir.Constant(_I32, f.pos)) if f.pos else x
-            v = x if v is None else b.or_(v, x)
-        return v
-
-    def scale(self, base, s: Scale):
-        """(ws, wm or None) of a sub-block, rounded as the dequantizer rounds them."""
-        b = self.b
-        ws = self.f16(base, s.d)
-        if s.sc:
-            sc = self.integer(base, s.sc, s.sc_int8)
-            sc = b.sub(sc, ir.Constant(_I32, s.sc_bias)) if s.sc_bias else sc
-            ws = b.fmul(ws, b.sitofp(sc, _F32))
-        if s.m is None:
-            return ws, None
-        wm = self.f16(base, s.m)
-        return ws, (wm if not s.mn else b.fneg(b.fmul(wm, b.sitofp(self.integer(base, s.mn), _F32))))
 
     def codes(self, base, fields: tuple[Field, ...]):
         """<32 x i8> unsigned codes u of a chunk."""

@@ -52,13 +52,18 @@ def test_older_folders_beyond_the_most_recent_few_are_removed(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == sorted([used.name] + [d.name for d in olds[: jitcache.KEEP - 1]])
 
 
-def test_the_digest_changes_with_any_file_that_uses_numba_and_only_those(tmp_path):
+def test_the_digest_changes_with_any_file_of_the_model_package_or_using_numba_and_only_those(tmp_path):
     (tmp_path / "sub").mkdir()
-    kern, other = tmp_path / "sub" / "k.py", tmp_path / "o.py"
+    (tmp_path / "model").mkdir()
+    kern, ir, other = tmp_path / "sub" / "k.py", tmp_path / "model" / "ir.py", tmp_path / "o.py"
     kern.write_text("from numba import njit\n")
+    ir.write_text("from llvmlite import ir\n")  # what kernels are generated from, without numba
     other.write_text("x = 1\n")
     first = jitcache.digest(tmp_path)
     other.write_text("x = 2\n")
     assert jitcache.digest(tmp_path) == first
     kern.write_text("from numba import njit  # changed\n")
-    assert jitcache.digest(tmp_path) != first
+    second = jitcache.digest(tmp_path)
+    assert second != first
+    ir.write_text("from llvmlite import ir  # changed\n")
+    assert jitcache.digest(tmp_path) != second

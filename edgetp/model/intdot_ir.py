@@ -312,6 +312,11 @@ def _loop(b: ir.IRBuilder, n, inits, body, name: str):
         phi.add_incoming(init, entry)
         phi.add_incoming(v, last)
     b.cbranch(b.icmp_signed("<", i1, n), loop, done)
+    return _joined(b, done, inits, entry, new, last)
+
+
+def _joined(b: ir.IRBuilder, done, inits, entry, new, last):
+    """At the start of block `done`: each value is inits' (coming from entry) or new's (from last)."""
     b.position_at_end(done)
     outs = [b.phi(v.type) for v in inits]
     for phi, init, v in zip(outs, inits, new):
@@ -329,12 +334,7 @@ def _when(b: ir.IRBuilder, cond, inits, body, name: str):
     new = body(inits)
     last = b.block
     b.branch(done)
-    b.position_at_end(done)
-    outs = [b.phi(v.type) for v in inits]
-    for phi, init, v in zip(outs, inits, new):
-        phi.add_incoming(init, entry)
-        phi.add_incoming(v, last)
-    return outs
+    return _joined(b, done, inits, entry, new, last)
 
 
 def _quads(b: ir.IRBuilder, em: _Emit, rows, nb, accs, apply, name: str):

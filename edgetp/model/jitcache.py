@@ -3,8 +3,10 @@
 numba's on-disk cache is checked against the source file of each function, not of the
 functions it calls: decode.py's compiled steps inline intdot.round_into and ops.gelu_mul_row,
 so after a change to those files alone (a `git pull` in a working tree) numba would go on
-loading the old steps, with the old arithmetic. Keying the whole cache by a digest of
-every source file that holds kernels makes any change to them start a fresh folder.
+loading the old steps, with the old arithmetic; and the integer kernels are generated from
+intdot_ir.py and intdot_layouts.py, which numba never sees. Keying the whole cache by a
+digest of every file of the model package (and any other that uses numba) makes any change
+to them start a fresh folder.
 
 The folder is <edgetp cache>/numba/<digest>; the few most recently used are kept. A
 NUMBA_CACHE_DIR set by the user (or a test) wins. Must run before any @njit(cache=True)
@@ -24,11 +26,13 @@ _PACKAGE = Path(__file__).resolve().parent.parent  # edgetp/
 
 
 def digest(package: Path = _PACKAGE) -> str:
-    """sha256 (16 hex) over the path and bytes of every .py file under `package` that uses numba."""
+    """sha256 (16 hex) over the path and bytes of every .py file of `package`/model (the kernels,
+    and what they are generated from: intdot_ir's LLVM IR, intdot_layouts' rows) and of any other
+    file under `package` that uses numba."""
     h = hashlib.sha256()
     for p in sorted(package.rglob("*.py")):
         data = p.read_bytes()
-        if b"numba" in data:
+        if p.parent == package / "model" or b"numba" in data:
             h.update(str(p.relative_to(package)).encode() + b"\0" + data + b"\0")
     return h.hexdigest()[:16]
 

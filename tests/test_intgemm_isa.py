@@ -2,12 +2,15 @@
 are the documented arithmetic, evaluated here independently in numpy.
 
 One child process per ISA this CPU runs (EDGETP_ISA, as a user forces it) multiplies the
-same weights by the same activations for Q4_0, Q4_1 and Q8_0, on shapes that are past a
+same weights by the same activations for Q4_0, Q4_1, Q8_0 and Q4_K, on shapes that are past a
 whole panel of rows (8 or 16) and a whole tile of tokens. The definition, per row r and
 token t, blocks b in order, all in f32:
   i   = exact integer sum over the block of w[r, b, j] * qx[t, b, j]  (Q4_0: w = nibble - 8)
   acc = fma(f32(i) * dx[t, b], d[r, b], acc)
-  Q4_1: acc = fma(dx[t, b] * f32(sums[t, b]), m[r, b], acc)
+  Q4_1, Q4_K: acc = fma(dx[t, b] * f32(sums[t, b]), m[r, b], acc)
+Q4_K's blocks of 32 are its sub-blocks: w = the nibble (0..15), d = d * sc and
+m = -(dmin * mn) as the dequantizer forms them (read here with intdot_layouts, whose
+values this test also holds to gguf-py's dequantizer).
 numpy has no fused multiply-add: `_fma` rounds a*b+c once to f32 (the product of two f32
 is exact in f64; the f64 sum is made round-to-odd, after which rounding to f32 is exact).
 """
@@ -21,18 +24,20 @@ import sys
 from fractions import Fraction
 from pathlib import Path
 
+import gguf.quants
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as QT
 
-from edgetp.model import intgemm, isa
+from edgetp.model import intdot_layouts, intgemm, isa
 
 REPO = Path(__file__).resolve().parent.parent
 HOST = isa.host_features()
 RUNNABLE = isa.usable(*HOST)
 # seconds for a child that compiles every kernel of its ISA; the arm64 test bed raises it (qemu-user)
 CHILD_TIMEOUT = float(os.environ.get("EDGETP_TEST_CHILD_TIMEOUT", "900"))
-QTYPES = sorted(intgemm.KINDS)  # Q4_0, Q4_1, Q8_0
-ROWS, NB, TOKENS = 37, 5, intgemm.PAD + 5  # rows past 16-row panels, tokens past every tile
+QTYPES = sorted(intgemm.KINDS)  # Q4_0, Q4_1, Q8_0, Q4_K
+ROWS, NB, TOKENS = 37, 24, intgemm.PAD + 5  # rows past 16-row panels, tokens past every tile; 3 K blocks
 
 CHILD = """
 import json, sys
@@ -63,12 +68,33 @@ def _child_env(name: str) -> dict[str, str]:
 def _weights(qt: int, rng: np.random.Generator) -> np.ndarray:
     """Random GGUF blocks of qt: any quant bytes, f16 scales (and Q4_1 offsets) of mixed
     sign and size, so the float steps round."""
-    bsz, qoff, _ = intgemm._LAYOUT[intgemm.KINDS[qt]]
-    blocks = rng.integers(0, 256, (ROWS, NB, bsz), dtype=np.uint8)
-    halves = (rng.uniform(0.5, 2, (ROWS, NB, qoff // 2)) * rng.choice([-1, 1], (ROWS, NB, qoff // 2))
-              * np.float32(2.0) ** rng.integers(-12, -2, (ROWS, NB, qoff // 2)))
-    blocks[:, :, :qoff] = halves.astype(np.float16).view(np.uint8).reshape(ROWS, NB, qoff)
-    return np.ascontiguousarray(blocks.reshape(ROWS, NB * bsz))
+    bsz, qoff, _, sub = intgemm._LAYOUT[intgemm.KINDS[qt]]
+    nb, nh = NB // sub, min(qoff, 4) // 2  # Q4_K: d and dmin; its 6-bit scales and mins are any bytes
+    blocks = rng.integers(0, 256, (ROWS, nb, bsz), dtype=np.uint8)
+    halves = (rng.uniform(0.5, 2, (ROWS, nb, nh)) * rng.choice([-1, 1], (ROWS, nb, nh))
+              * np.float32(2.0) ** rng.integers(-12, -2, (ROWS, nb, nh)))
+    blocks[:, :, : 2 * nh] = halves.astype(np.float16).view(np.uint8).reshape(ROWS, nb, 2 * nh)
+    return np.ascontiguousarray(blocks.reshape(ROWS, nb * bsz))
+
+
+def _values(qt: int, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Integer weights (rows, NB, 32), scales d and offsets m (rows, NB) f32 of each block of 32."""
+    kind = intgemm.KINDS[qt]
+    if kind == intgemm.Q4_K:
+        codes, ws, wm = intdot_layouts.decode(intdot_layouts.LAYOUTS[qt], w)
+        cols = NB * 32
+        dq = gguf.quants.dequantize(w, QT.Q4_K).reshape(ROWS, cols)
+        assert np.array_equal(dq, ws.repeat(16, 1) * codes.astype(np.float32) + wm.repeat(16, 1))
+        return codes.reshape(ROWS, NB, 32), ws[:, ::2], wm[:, ::2]
+    bsz, qoff = intgemm._LAYOUT[kind][:2]
+    blocks = w.reshape(ROWS, NB, bsz)
+    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # (rows, nb)
+    m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    raw = blocks[:, :, qoff:]
+    if kind == intgemm.Q8_0:
+        return raw.view(np.int8).astype(np.int64), d, m
+    vals = np.concatenate([raw & 15, raw >> 4], axis=2).astype(np.int64) - (8 if kind == intgemm.Q4_0 else 0)
+    return vals, d, m
 
 
 def _fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
@@ -86,23 +112,15 @@ def _fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
 def reference(qt: int, w: np.ndarray, qx: np.ndarray, dx: np.ndarray, sums: np.ndarray) -> np.ndarray:
     """out (tokens, rows) by the definition above, from the child's rounded activations."""
     kind = intgemm.KINDS[qt]
-    bsz, qoff, _ = intgemm._LAYOUT[kind]
     n = TOKENS
-    blocks = w.reshape(ROWS, NB, bsz)
-    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # (rows, nb)
-    m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    raw = blocks[:, :, qoff:]
-    if kind == intgemm.Q8_0:
-        vals = raw.view(np.int8).astype(np.int64)
-    else:
-        vals = np.concatenate([raw & 15, raw >> 4], axis=2).astype(np.int64) - (8 if kind == intgemm.Q4_0 else 0)
+    vals, d, m = _values(qt, w)
     q = qx[:n].reshape(n, NB, 8, 4)
     q = (q[..., [0, 2, 1, 3]] if intgemm.wide(qt) else q).reshape(n, NB, 32).astype(np.int64)
     ints = np.einsum("rbj,tbj->trb", vals, q)  # exact; to f32 rounds to nearest even, as sitofp does
     acc = np.zeros((n, ROWS), np.float32)
     for b in range(NB):
         acc = _fma(ints[:, :, b].astype(np.float32) * dx[:n, b, None], np.broadcast_to(d[None, :, b], acc.shape), acc)
-        if kind == intgemm.Q4_1:
+        if kind in intgemm.OFFSET:
             sx = dx[:n, b] * sums[:n, b].astype(np.float32)
             acc = _fma(np.broadcast_to(sx[:, None], acc.shape), np.broadcast_to(m[None, :, b], acc.shape), acc)
     return acc
@@ -197,7 +215,7 @@ def test_every_isas_tiles_compile_for_its_cpu_and_use_its_instructions(name):
     llvm.initialize_all_targets()
     llvm.initialize_all_asmprinters()
     triple, cpu, want = CROSS[name]
-    for kind in (intgemm.Q4_0, intgemm.Q4_1, intgemm.Q8_0):
+    for kind in (intgemm.Q4_0, intgemm.Q4_1, intgemm.Q8_0, intgemm.Q4_K):
         mod = ir.Module(name="tile")
         mod.triple = triple
         fn = ir.Function(mod, ir.FunctionType(ir.VoidType(), [ir.IntType(64)] * 13), name="tile")
@@ -207,5 +225,5 @@ def test_every_isas_tiles_compile_for_its_cpu_and_use_its_instructions(name):
         m = llvm.parse_assembly(str(mod))
         m.verify()
         asm = llvm.Target.from_triple(triple).create_target_machine(cpu=cpu, opt=3).emit_assembly(m)
-        for word in want.get(kind, []):
+        for word in want.get(intgemm.Q4_0 if kind == intgemm.Q4_K else kind, []):  # Q4_K multiplies as Q4_0
             assert word in asm, f"{name} kind {kind}: no {word} in its code for {cpu}"

@@ -76,18 +76,19 @@ def assert_product_close(got: np.ndarray, w_ref: np.ndarray, x: np.ndarray) -> N
 
 def as_computed(qt, x: np.ndarray, kernels: str | None, batch: bool = False) -> np.ndarray:
     """x as the kernel sees it. Int8 paths (decode of every quantized type; prefill of
-    Q4_0): rounded through gguf-py's Q8_0. 16-bit paths (prefill of Q4_1 and Q8_0):
+    Q4_0 and Q4_K): rounded through gguf-py's Q8_0. 16-bit paths (prefill of Q4_1 and Q8_0):
     per block of 32, q = round(x * 32767 / max|x|) and x = q * (max|x| / 32767), written
     out here in float32 numpy."""
     from edgetp.model import intdot, intgemm  # noqa: PLC0415
 
     if kernels != "int8":
         return x
-    int8 = intgemm.available() and qt == QT.Q4_0 if batch else int(qt) in intdot.KINDS
+    integer = batch and intgemm.available() and int(qt) in intgemm.KINDS
+    int8 = integer and not intgemm.wide(qt) if batch else int(qt) in intdot.KINDS
     if int8:
         rt = gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(x), QT.Q8_0), QT.Q8_0)
         return rt.reshape(x.shape)
-    if batch and intgemm.available() and qt in (QT.Q4_1, QT.Q8_0):
+    if integer and intgemm.wide(qt):
         blocks = x.reshape(-1, 32).astype(np.float32)
         amax = np.abs(blocks).max(axis=1, keepdims=True)
         with np.errstate(divide="ignore", invalid="ignore"):

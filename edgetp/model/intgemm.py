@@ -58,6 +58,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import gguf.quants
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 from llvmlite import ir
@@ -65,17 +66,19 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from edgetp.model import isa, vnni
-from edgetp.model.kernels import f16_table
+from edgetp.model.kernels import _q4k_scale_min, f16_table
 from edgetp.model.vnni import _F32, _I32, _I64, _at, _decl, _vec, q8_block
 
 PAD = 8  # x is padded to a multiple of PAD tokens: whole tiles on every ISA
 _OPTS = dict(cache=True, nogil=True)
 
-# kind: (block bytes, offset of the quants in a block, 4-byte groups packed per block)
-Q4_0, Q4_1, Q8_0 = 0, 1, 2
-_LAYOUT = {Q4_0: (18, 2, 4), Q4_1: (20, 4, 4), Q8_0: (34, 2, 8)}
-KINDS = {int(QT.Q4_0): Q4_0, int(QT.Q4_1): Q4_1, int(QT.Q8_0): Q8_0}
-WIDE = {Q4_0: False, Q4_1: True, Q8_0: True}  # 16-bit activations
+# kind: (GGUF block bytes, offset of the quants in it, 4-byte groups packed per 32 values,
+# 32-value blocks per GGUF block)
+Q4_0, Q4_1, Q8_0, Q4_K = 0, 1, 2, 3
+_LAYOUT = {Q4_0: (18, 2, 4, 1), Q4_1: (20, 4, 4, 1), Q8_0: (34, 2, 8, 1), Q4_K: (144, 16, 4, 8)}
+KINDS = {int(QT.Q4_0): Q4_0, int(QT.Q4_1): Q4_1, int(QT.Q8_0): Q8_0, int(QT.Q4_K): Q4_K}
+WIDE = {Q4_0: False, Q4_1: True, Q8_0: True, Q4_K: False}  # 16-bit activations
+OFFSET = (Q4_1, Q4_K)  # kinds whose values are d * q + m: the panel carries m
 
 _I8, _I16 = ir.IntType(8), ir.IntType(16)
 
@@ -232,7 +235,7 @@ def _operands(builder, kind, v, g, lanes):
     """The multiplicand vectors in one loaded panel vector (group g of a block), each
     with the byte offset of its activation pair/quad in the block's activation row."""
     i32 = _vec(_I32, [0x0F0F0F0F] * lanes)
-    if kind == Q4_0:  # bytes: columns 4g.. (low nibbles) and 16+4g.. (high), x int8
+    if kind in (Q4_0, Q4_K):  # bytes: columns 4g.. (low nibbles) and 16+4g.. (high), x int8
         return [(builder.and_(v, i32), 4 * g), (builder.and_(builder.lshr(v, _vec(_I32, [4] * lanes)), i32), 16 + 4 * g)]
     words = ir.VectorType(_I16, 2 * lanes)
     if kind == Q8_0:
@@ -256,7 +259,7 @@ def _emit_tile(builder, kind: int, which: str, args) -> None:
     are the same on every ISA: sum = fma(float(acc) * dx[t, b], d[b], sum), Q4_1 then
     sum = fma(dx[t, b] * float(sums[t, b]), m[b], sum); so every ISA gives the same bits."""
     groups = _LAYOUT[kind][2]
-    seed = {Q4_0: -8, Q8_0: 0, Q4_1: 0}[kind]
+    seed = -8 if kind == Q4_0 else 0
     wide = WIDE[kind]
     ops, shape = ISA_TILES[which]
     L, nt = shape.rows, shape.nt
@@ -296,14 +299,14 @@ def _emit_tile(builder, kind: int, which: str, args) -> None:
                 x = _splat(builder, builder.load(_at(builder, xrows[t], off, _I32), align=4), vi)
                 ints[t] = mac.mac(ints[t], w, x)
     d = builder.load(_at(builder, builder.add(pd, builder.mul(b, c(4 * L))), 0, vf), align=4)
-    if kind == Q4_1:
+    if kind in OFFSET:
         mw = builder.load(_at(builder, builder.add(pm, builder.mul(b, c(4 * L))), 0, vf), align=4)
     new = []
     for t in range(nt):
         dx = scalar(da, t, b4, _F32)
         a = builder.call(fma, [builder.fmul(builder.sitofp(mac.end(ints[t], seeds[t]), vf), _splat(builder, dx, vf)),
                                d, acc[t]])
-        if kind == Q4_1:
+        if kind in OFFSET:
             sx = builder.fmul(dx, builder.sitofp(sums[t], _F32))
             a = builder.call(fma, [_splat(builder, sx, vf), mw, a])
         new.append(a)
@@ -355,22 +358,45 @@ def _load_u32(typingctx, addr):
 # ---------------------------------------------------------------- panels
 
 
+@njit(inline="always", **_OPTS)
+def _f16(w, r, o, tab):
+    return tab[np.int64(w[r, o]) | (np.int64(w[r, o + 1]) << 8)]
+
+
 @njit(**_OPTS)
 def _pack(w, r0, kind, bsz, qoff, groups, tab, pq, pd, pm):
-    """Rows r0..r0+P-1 of w (P = pq.shape[2]; the last row repeated past the end) into a panel."""
+    """Rows r0..r0+P-1 of w (P = pq.shape[2]; the last row repeated past the end) into a panel.
+
+    Q4_K: sub-block j (32 values) of a 256-value block is the Q4_1 block with
+    d = d * sc_j and m = -(dmin * mn_j), as the dequantizer computes them (both exact in f32);
+    its nibbles, the low or high halves of 32 bytes, are repacked as Q4_0/Q4_1 hold them
+    (byte k: value k in the low nibble, value 16 + k in the high one)."""
     rows = w.shape[0]
-    nb = w.shape[1] // bsz
+    nblk = w.shape[1] // bsz
     wa, st = w.ctypes.data, w.shape[1]
     for i in range(pq.shape[2]):
         r = min(r0 + i, rows - 1)
-        for b in range(nb):
-            o = b * bsz
-            pd[b, i] = tab[np.int64(w[r, o]) | (np.int64(w[r, o + 1]) << 8)]
+        for k in range(nblk):
+            o = k * bsz
+            if kind == Q4_K:
+                d, dmin = _f16(w, r, o, tab), _f16(w, r, o + 2, tab)
+                for j in range(8):
+                    sc, mn = _q4k_scale_min(w, r, o, j)
+                    b = 8 * k + j
+                    pd[b, i] = d * sc
+                    pm[b, i] = -(dmin * mn)
+                    a, s = wa + r * st + o + qoff + 32 * (j // 2), 4 * (j % 2)
+                    for g in range(4):
+                        lo = (_load_u32(a + 4 * g) >> s) & 0x0F0F0F0F
+                        hi = (_load_u32(a + 16 + 4 * g) >> s) & 0x0F0F0F0F
+                        pq[b, g, i] = lo | (hi << 4)
+                continue
+            pd[k, i] = _f16(w, r, o, tab)
             if kind == Q4_1:
-                pm[b, i] = tab[np.int64(w[r, o + 2]) | (np.int64(w[r, o + 3]) << 8)]
+                pm[k, i] = _f16(w, r, o + 2, tab)
             a = wa + r * st + o + qoff
             for g in range(groups):
-                pq[b, g, i] = _load_u32(a + 4 * g)
+                pq[k, g, i] = _load_u32(a + 4 * g)
 
 
 @functools.cache
@@ -381,17 +407,17 @@ def _gemm(kind: int, which: str):
     P, NTI = shape.rows, shape.nt
 
     @njit(parallel=True, **_OPTS)
-    def gemm(w, bsz, qoff, groups, tab, qx, dx, sums, n, out):
+    def gemm(w, bsz, qoff, groups, sub, tab, qx, dx, sums, n, out):
         # out (n, rows) = x @ W.T for W in GGUF blocks of `kind` (its _LAYOUT after w),
         # x as quantize8/16 left it
         rows = w.shape[0]
-        nb = w.shape[1] // bsz
+        nb = w.shape[1] // bsz * sub
         xs, ds, os_ = qx.shape[1] * qx.itemsize, dx.shape[1] * 4, out.shape[1] * 4
         qa, da, sa, oa = qx.ctypes.data, dx.ctypes.data, sums.ctypes.data, out.ctypes.data
         for p in prange((rows + P - 1) // P):
             pq = np.empty((nb, groups, P), np.uint32)
             pd = np.empty((nb, P), np.float32)
-            pm = np.empty((nb if kind == Q4_1 else 1, P), np.float32)
+            pm = np.empty((nb if kind == Q4_1 or kind == Q4_K else 1, P), np.float32)
             r0 = p * P
             _pack(w, r0, kind, bsz, qoff, groups, tab, pq, pd, pm)
             m = min(P, rows - r0)
@@ -472,31 +498,24 @@ def wide(qtype: int) -> bool:
 
 
 def _probe(tab: np.ndarray) -> bool:
-    """Every kind on an odd shape (rows and tokens past a whole tile) against a plain
-    integer evaluation of the same arithmetic."""
+    """Every kind on an odd shape (rows and tokens past a whole tile) against gguf-py's
+    dequantized weights times the rounded activations, in float64."""
     rng = np.random.default_rng(11)
-    rows, nb, n = 19, 3, PAD + 3
-    x = rng.standard_normal((n, nb * 32)).astype(np.float32)
+    rows, cols, n = 19, 512, PAD + 3
+    x = rng.standard_normal((n, cols)).astype(np.float32)
     for qtype, kind in KINDS.items():
         xq = quantized(x, WIDE[kind])
-        q = xq[0][:n].reshape(n, nb, 8, 4)
-        q = (q[..., [0, 2, 1, 3]] if WIDE[kind] else q).reshape(n, nb, 32).astype(np.int64)
-        dx = xq[1][:n].astype(np.float64)
-        bsz, qoff, _ = _LAYOUT[kind]
-        w = rng.integers(0, 256, (rows, nb * bsz), dtype=np.uint8)
-        blocks = w.reshape(rows, nb, bsz)
-        blocks[:, :, :qoff] = np.full((rows, nb, qoff // 2), 0.25, np.float16).view(np.uint8)
-        raw = blocks[:, :, qoff:]
-        if kind == Q8_0:
-            vals = raw.view(np.int8).astype(np.int64)
-        else:
-            vals = np.concatenate([raw & 15, raw >> 4], axis=2).astype(np.int64) - (8 if kind == Q4_0 else 0)
-        want = np.einsum("rbj,tbj,tb->tr", vals, q, dx) * 0.25
-        if kind == Q4_1:
-            want += np.einsum("tbj,tb->t", q, dx)[:, None] * 0.25
+        q = xq[0][:n].reshape(n, cols // 32, 8, 4)
+        q = (q[..., [0, 2, 1, 3]] if WIDE[kind] else q).reshape(n, cols // 32, 32)
+        xr = (q * xq[1][:n, :, None].astype(np.float64)).reshape(n, cols)
+        bsz, qoff, _, sub = _LAYOUT[kind]
+        w = rng.integers(0, 256, (rows, cols // (32 * sub), bsz), dtype=np.uint8)
+        w[:, :, : min(qoff, 4)] = np.full((rows, w.shape[1], min(qoff, 4) // 2), 0.25, np.float16).view(np.uint8)
+        w = w.reshape(rows, -1)
+        wr = gguf.quants.dequantize(w, QT(qtype)).reshape(rows, cols).astype(np.float64)
         got = np.full((n, rows), np.nan, np.float32)
         matmul(qtype, w, tab, xq, got)
-        if not np.allclose(got, want, rtol=1e-5, atol=1e-4):
+        if not np.all(np.abs(got - xr @ wr.T) <= 1e-5 * (np.abs(xr) @ np.abs(wr).T)):
             return False
     return True
 

@@ -2,15 +2,17 @@
 are the documented arithmetic, evaluated here independently in numpy.
 
 One child process per ISA this CPU runs (EDGETP_ISA, as a user forces it) multiplies the
-same weights by the same activations for Q4_0, Q4_1, Q8_0 and Q4_K, on shapes that are past a
+same weights by the same activations for each type intgemm multiplies, on shapes that are past a
 whole panel of rows (8 or 16) and a whole tile of tokens. The definition, per row r and
 token t, blocks b in order, all in f32:
-  i   = exact integer sum over the block of w[r, b, j] * qx[t, b, j]  (Q4_0: w = nibble - 8)
+  i   = exact integer sum over the block of w[r, b, j] * qx[t, b, j]  (Q4_0: w = nibble - 8;
+        Q5_0: 5-bit code - 16; Q6_K: 6-bit code - 32, in units of 16 with a scale each,
+        so i, d and the step below are per unit, dx per 32)
   acc = fma(f32(i) * dx[t, b], d[r, b], acc)
   Q4_1, Q4_K: acc = fma(dx[t, b] * f32(sums[t, b]), m[r, b], acc)
-Q4_K's blocks of 32 are its sub-blocks: w = the nibble (0..15), d = d * sc and
-m = -(dmin * mn) as the dequantizer forms them (read here with intdot_layouts, whose
-values this test also holds to gguf-py's dequantizer).
+Q4_K's blocks of 32 are its sub-blocks (w the nibble, d = d * sc, m = -(dmin * mn)); the
+K-quants' and Q5_0's codes and scales are read with intdot_layouts, whose values this test
+also holds to gguf-py's dequantizer.
 numpy has no fused multiply-add: `_fma` rounds a*b+c once to f32 (the product of two f32
 is exact in f64; the f64 sum is made round-to-odd, after which rounding to f32 is exact).
 """
@@ -36,7 +38,7 @@ HOST = isa.host_features()
 RUNNABLE = isa.usable(*HOST)
 # seconds for a child that compiles every kernel of its ISA; the arm64 test bed raises it (qemu-user)
 CHILD_TIMEOUT = float(os.environ.get("EDGETP_TEST_CHILD_TIMEOUT", "900"))
-QTYPES = sorted(intgemm.KINDS)  # Q4_0, Q4_1, Q8_0, Q4_K
+QTYPES = sorted(intgemm.KINDS)  # Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K
 ROWS, NB, TOKENS = 37, 24, intgemm.PAD + 5  # rows past 16-row panels, tokens past every tile; 3 K blocks
 
 CHILD = """
@@ -68,24 +70,30 @@ def _child_env(name: str) -> dict[str, str]:
 def _weights(qt: int, rng: np.random.Generator) -> np.ndarray:
     """Random GGUF blocks of qt: any quant bytes, f16 scales (and Q4_1 offsets) of mixed
     sign and size, so the float steps round."""
-    bsz, qoff, _, sub = intgemm._LAYOUT[intgemm.KINDS[qt]]
-    nb, nh = NB // sub, min(qoff, 4) // 2  # Q4_K: d and dmin; its 6-bit scales and mins are any bytes
+    kind = intgemm.KINDS[qt]
+    bsz, _, _, sub = intgemm._LAYOUT[kind]
+    nb = NB // sub  # the K-quants' integer scales and mins are any bytes
     blocks = rng.integers(0, 256, (ROWS, nb, bsz), dtype=np.uint8)
-    halves = (rng.uniform(0.5, 2, (ROWS, nb, nh)) * rng.choice([-1, 1], (ROWS, nb, nh))
-              * np.float32(2.0) ** rng.integers(-12, -2, (ROWS, nb, nh)))
-    blocks[:, :, : 2 * nh] = halves.astype(np.float16).view(np.uint8).reshape(ROWS, nb, 2 * nh)
+    blocks[:2] = 255  # every code at its largest: the 16-bit partial sums at their bound
+    for at in intgemm.HALVES[kind]:
+        halves = (rng.uniform(0.5, 2, (ROWS, nb)) * rng.choice([-1, 1], (ROWS, nb))
+                  * np.float32(2.0) ** rng.integers(-12, -2, (ROWS, nb)))
+        blocks[:, :, at : at + 2] = halves.astype(np.float16).view(np.uint8).reshape(ROWS, nb, 2)
     return np.ascontiguousarray(blocks.reshape(ROWS, nb * bsz))
 
 
 def _values(qt: int, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Integer weights (rows, NB, 32), scales d and offsets m (rows, NB) f32 of each block of 32."""
+    """Integer weights (rows, NB * units, 32 / units), scales d and offsets m (rows, NB * units)
+    f32 of each unit (a block of 32, or of 16 where the type scales each 16)."""
     kind = intgemm.KINDS[qt]
-    if kind == intgemm.Q4_K:
+    units = intgemm.UNITS.get(kind, 1)
+    if kind in (intgemm.Q4_K, intgemm.Q5_0, intgemm.Q6_K):
         codes, ws, wm = intdot_layouts.decode(intdot_layouts.LAYOUTS[qt], w)
-        cols = NB * 32
-        dq = gguf.quants.dequantize(w, QT.Q4_K).reshape(ROWS, cols)
+        wm = np.zeros_like(ws) if wm is None else wm
+        dq = gguf.quants.dequantize(w, QT(qt)).reshape(ROWS, NB * 32)
         assert np.array_equal(dq, ws.repeat(16, 1) * codes.astype(np.float32) + wm.repeat(16, 1))
-        return codes.reshape(ROWS, NB, 32), ws[:, ::2], wm[:, ::2]
+        step = 2 // units
+        return codes.reshape(ROWS, NB * units, 32 // units), ws[:, ::step], wm[:, ::step]
     bsz, qoff = intgemm._LAYOUT[kind][:2]
     blocks = w.reshape(ROWS, NB, bsz)
     d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # (rows, nb)
@@ -114,12 +122,14 @@ def reference(qt: int, w: np.ndarray, qx: np.ndarray, dx: np.ndarray, sums: np.n
     kind = intgemm.KINDS[qt]
     n = TOKENS
     vals, d, m = _values(qt, w)
+    units = intgemm.UNITS.get(kind, 1)
     q = qx[:n].reshape(n, NB, 8, 4)
-    q = (q[..., [0, 2, 1, 3]] if intgemm.wide(qt) else q).reshape(n, NB, 32).astype(np.int64)
+    q = (q[..., [0, 2, 1, 3]] if intgemm.wide(qt) else q).reshape(n, NB * units, 32 // units).astype(np.int64)
     ints = np.einsum("rbj,tbj->trb", vals, q)  # exact; to f32 rounds to nearest even, as sitofp does
     acc = np.zeros((n, ROWS), np.float32)
-    for b in range(NB):
-        acc = _fma(ints[:, :, b].astype(np.float32) * dx[:n, b, None], np.broadcast_to(d[None, :, b], acc.shape), acc)
+    for bu in range(NB * units):
+        b = bu // units
+        acc = _fma(ints[:, :, bu].astype(np.float32) * dx[:n, b, None], np.broadcast_to(d[None, :, bu], acc.shape), acc)
         if kind in intgemm.OFFSET:
             sx = dx[:n, b] * sums[:n, b].astype(np.float32)
             acc = _fma(np.broadcast_to(sx[:, None], acc.shape), np.broadcast_to(m[None, :, b], acc.shape), acc)
@@ -133,6 +143,7 @@ def isa_outputs(tmp_path_factory):
     rng = np.random.default_rng(5)
     x = (rng.standard_normal((TOKENS, NB * 32)) * rng.uniform(0.01, 50, (TOKENS, 1))).astype(np.float32)
     x[2, 32:64] = 0  # an all-zero block
+    x[3], x[4] = 1, -1  # every activation +-127: with rows 0-1, the 16-bit partial sums at their bound
     arrays = {"x": x, **{f"w{qt}": _weights(qt, rng) for qt in QTYPES}}
     np.savez(base / "inputs.npz", **arrays)
     results = {}
@@ -215,15 +226,15 @@ def test_every_isas_tiles_compile_for_its_cpu_and_use_its_instructions(name):
     llvm.initialize_all_targets()
     llvm.initialize_all_asmprinters()
     triple, cpu, want = CROSS[name]
-    for kind in (intgemm.Q4_0, intgemm.Q4_1, intgemm.Q8_0, intgemm.Q4_K):
+    for kind in intgemm._LAYOUT:
         mod = ir.Module(name="tile")
         mod.triple = triple
-        fn = ir.Function(mod, ir.FunctionType(ir.VoidType(), [ir.IntType(64)] * 13), name="tile")
+        fn = ir.Function(mod, ir.FunctionType(ir.VoidType(), [ir.IntType(64)] * 14), name="tile")
         b = ir.IRBuilder(fn.append_basic_block("entry"))
         intgemm._emit_tile(b, kind, name, list(fn.args))
         b.ret_void()
         m = llvm.parse_assembly(str(mod))
         m.verify()
         asm = llvm.Target.from_triple(triple).create_target_machine(cpu=cpu, opt=3).emit_assembly(m)
-        for word in want.get(intgemm.Q4_0 if kind == intgemm.Q4_K else kind, []):  # Q4_K multiplies as Q4_0
+        for word in want.get(2 if intgemm.WIDE[kind] else 0, []):  # int8 kinds multiply as Q4_0
             assert word in asm, f"{name} kind {kind}: no {word} in its code for {cpu}"

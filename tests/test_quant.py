@@ -282,7 +282,7 @@ def test_prefill_activation_rounding_is_the_documented_formula(wide, int8_prefil
     x = (rng.standard_normal((13, 320)) * rng.uniform(0.01, 100, (13, 1))).astype(np.float32)
     x[3, 64:96] = 0  # an all-zero block
     x[5, 0:32] = np.float32(0.5) * np.arange(32, dtype=np.float32) / 31 * 127 / 2  # ties at .5
-    qx, dx, sums = intgemm.quantized(x, wide)
+    qx, dx, sums, sums16 = intgemm.quantized(x, wide)
     assert qx.shape[0] % intgemm.PAD == 0 and not qx[13:].any() and not dx[13:].any()
     top = 32767 if wide else 127
     blocks = x.reshape(13, 10, 32)
@@ -295,6 +295,8 @@ def test_prefill_activation_rounding_is_the_documented_formula(wide, int8_prefil
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(dx[:13], scale if wide else scale.astype(np.float16).astype(np.float32))
     np.testing.assert_array_equal(sums[:13], want.sum(axis=2))
+    if not wide:  # per 16 too (Q6_K's units)
+        np.testing.assert_array_equal(sums16[:13], want.reshape(13, 20, 16).sum(axis=2))
 
 
 def test_quantize_q8_0_handles_all_zero_and_tie_values():

@@ -1,4 +1,6 @@
-"""Prefill products on every ISA: Q4_0, Q4_1 and Q8_0 weights times integer activations.
+"""Prefill products on every ISA: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K weights times integer
+activations (the types of llama.cpp's Q4_0, Q4_1, Q8_0 and Q4_K_M files; the others prefill
+on sgemm, quant.py).
 
 Decode reads every weight once per token, so it is bound by memory (`intdot.py`,
 `kernels.py`). Prefill reuses each weight for every token of the batch, so it
@@ -8,9 +10,13 @@ block cost an unpack, a conversion and two scale products per row and token.
 
 Here the lanes of a register are rows, not columns. A panel of rows (16 on
 avx512vnni, 8 elsewhere: `Shape`) is packed once per batch:
-  q: per block, 4 (Q4_0/Q4_1: nibbles) or 8 (Q8_0: bytes) vectors;
-     vector g holds the g-th 4 bytes of the block for each row of the panel;
-  d: per block, the rows' scales (f32); Q4_1 also m, their offsets.
+  q: per block of 32 values, 4 (Q4_0/Q4_1/Q4_K: nibbles) or 8 (Q8_0: bytes; Q5_0, Q6_K:
+     unsigned 5- and 6-bit codes in bytes) vectors; vector g holds the g-th 4 bytes of the
+     block for each row of the panel;
+  d: per block, the rows' scales (f32); Q4_1 and Q4_K also m, their offsets.
+     Q6_K has a scale per 16 values: two per block, each half of the block a unit of its own.
+     A K-quant's 32 values are a Q4_1 (Q4_K) or 2 x 16 biased (Q6_K) block whose scale is
+     d * sc, exact in f32 as the dequantizer forms it (`_pack`).
 One dot product then multiplies 4 (int8) or 2 (int16) columns of every row by
 the same activations, broadcast from memory. A block of 32 columns goes into one
 integer accumulator per token; only then is it converted and scaled, once per
@@ -29,9 +35,11 @@ order, so every ISA returns the same bits (tests/test_intgemm_isa.py holds each
 to a numpy evaluation of the definition).
 
 Activations are rounded per block of 32 columns:
-  Q4_0  to int8 exactly as `vnni.q8_block` does (ggml's x86 quantize_row_q8_0),
-        so prefill and decode agree with llama.cpp's arithmetic. Nibbles q
-        (0..15) times x, the accumulator starts at -8 * sum(x).
+  Q4_0, Q5_0, Q4_K, Q6_K  to int8 exactly as `vnni.q8_block` does (ggml's x86
+        quantize_row_q8_0), as decode rounds them. Unsigned codes u = q + bias (0..15,
+        0..31, 0..63) times x; the accumulator of a unit starts at -bias * sum(x) over it.
+        On AVX2 the products go through 16 bits: OPERANDS bounds how many are summed
+        there before vpmaddwd widens them (fewer for wider codes).
   Q4_1, Q8_0  to int16 (scale max|x| / 32767, f32), products of 16-bit weight
         pairs unpacked from the panel in registers; Q4_1's offset adds
         m[b] * dx * sum(x). Int8 activations flip SmolLM2's first answer
@@ -74,11 +82,21 @@ _OPTS = dict(cache=True, nogil=True)
 
 # kind: (GGUF block bytes, offset of the quants in it, 4-byte groups packed per 32 values,
 # 32-value blocks per GGUF block)
-Q4_0, Q4_1, Q8_0, Q4_K = 0, 1, 2, 3
-_LAYOUT = {Q4_0: (18, 2, 4, 1), Q4_1: (20, 4, 4, 1), Q8_0: (34, 2, 8, 1), Q4_K: (144, 16, 4, 8)}
-KINDS = {int(QT.Q4_0): Q4_0, int(QT.Q4_1): Q4_1, int(QT.Q8_0): Q8_0, int(QT.Q4_K): Q4_K}
-WIDE = {Q4_0: False, Q4_1: True, Q8_0: True, Q4_K: False}  # 16-bit activations
+Q4_0, Q4_1, Q8_0, Q4_K, Q5_0, Q6_K = range(6)
+_LAYOUT = {Q4_0: (18, 2, 4, 1), Q4_1: (20, 4, 4, 1), Q8_0: (34, 2, 8, 1), Q4_K: (144, 16, 4, 8),
+           Q5_0: (22, 6, 8, 1), Q6_K: (210, 0, 8, 8)}
+KINDS = {int(QT.Q4_0): Q4_0, int(QT.Q4_1): Q4_1, int(QT.Q8_0): Q8_0, int(QT.Q4_K): Q4_K,
+         int(QT.Q5_0): Q5_0, int(QT.Q6_K): Q6_K}
+WIDE = {Q4_0: False, Q4_1: True, Q8_0: True, Q4_K: False, Q5_0: False, Q6_K: False}  # 16-bit activations
 OFFSET = (Q4_1, Q4_K)  # kinds whose values are d * q + m: the panel carries m
+# int8 kinds: the unsigned code u of a value is q + BIAS (the accumulator starts at -BIAS * sum(x)),
+# and u < 2**BITS, so OPERANDS packed vectors (4 values per row each) can be summed in 16 bits
+# (a vpmaddubsw pair is at most 2 * (2**BITS - 1) * 128; OPERANDS of them stay under 32767)
+BIAS = {Q4_0: 8, Q4_K: 0, Q5_0: 16, Q6_K: 32}
+OPERANDS = {Q4_0: 8, Q4_K: 8, Q5_0: 4, Q6_K: 2}
+UNITS = {Q6_K: 2}  # scales per 32 values (Q6_K: one per 16), else 1
+# where a block keeps its f16 scales (and offsets or dmin)
+HALVES = {Q4_0: (0,), Q4_1: (0, 2), Q8_0: (0,), Q4_K: (0, 2), Q5_0: (0,), Q6_K: (208,)}
 
 _I8, _I16 = ir.IntType(8), ir.IntType(16)
 
@@ -234,6 +252,8 @@ def _splat(builder, value, vty):
 def _operands(builder, kind, v, g, lanes):
     """The multiplicand vectors in one loaded panel vector (group g of a block), each
     with the byte offset of its activation pair/quad in the block's activation row."""
+    if kind in (Q5_0, Q6_K):  # bytes: columns 4g.., codes 0..31 or 0..63, x int8
+        return [(v, 4 * g)]
     i32 = _vec(_I32, [0x0F0F0F0F] * lanes)
     if kind in (Q4_0, Q4_K):  # bytes: columns 4g.. (low nibbles) and 16+4g.. (high), x int8
         return [(builder.and_(v, i32), 4 * g), (builder.and_(builder.lshr(v, _vec(_I32, [4] * lanes)), i32), 16 + 4 * g)]
@@ -259,21 +279,22 @@ def _emit_tile(builder, kind: int, which: str, args) -> None:
     are the same on every ISA: sum = fma(float(acc) * dx[t, b], d[b], sum), Q4_1 then
     sum = fma(dx[t, b] * float(sums[t, b]), m[b], sum); so every ISA gives the same bits."""
     groups = _LAYOUT[kind][2]
-    seed = -8 if kind == Q4_0 else 0
     wide = WIDE[kind]
+    bias, units = BIAS.get(kind, 0), UNITS.get(kind, 1)
+    per = groups // units  # packed vectors per unit
     ops, shape = ISA_TILES[which]
     L, nt = shape.rows, shape.nt
     vi, vf = _vty(L), _vty(L, _F32)
     mac = ops(builder, L, wide)
-    pq, pd, pm, nb, xa, xs, da, sa, ds, oa, ostride, m, ntv = args
+    pq, pd, pm, nb, xa, xs, da, sa, s16, ds, oa, ostride, m, ntv = args
     mod = builder.module
     fma = _decl(mod, f"llvm.fma.v{L}f32", vf, [vf] * 3)
 
     def c(v):
         return ir.Constant(_I64, v)
 
-    def scalar(base, t, b4, ty):
-        return builder.load(_at(builder, builder.add(builder.add(base, builder.mul(ds, c(t))), b4), 0, ty), align=4)
+    def scalar(base, t, b4, ty, stride=ds):
+        return builder.load(_at(builder, builder.add(builder.add(base, builder.mul(stride, c(t))), b4), 0, ty), align=4)
 
     entry = builder.block
     loop = builder.append_basic_block("intgemm.loop")
@@ -284,32 +305,41 @@ def _emit_tile(builder, kind: int, which: str, args) -> None:
     acc = [builder.phi(vf) for _ in range(nt)]
     b4 = builder.mul(b, c(4))
     sums = [scalar(sa, t, b4, _I32) for t in range(nt)]
-    if seed:
-        seeds = [_splat(builder, builder.mul(s, ir.Constant(_I32, seed)), vi) for s in sums]
-    else:
-        seeds = [ir.Constant(vi, None)] * nt
-    ints = [mac.begin(s) for s in seeds]
     qb = builder.add(pq, builder.mul(b, c(4 * L * groups)))
     xrows = [builder.add(builder.add(xa, builder.mul(xs, c(t))), builder.mul(b, c(64 if wide else 32)))
              for t in range(nt)]
-    for g in range(groups):
-        v = builder.load(_at(builder, qb, 4 * L * g, vi), align=4)
-        for w, off in _operands(builder, kind, v, g, L):
-            for t in range(nt):
-                x = _splat(builder, builder.load(_at(builder, xrows[t], off, _I32), align=4), vi)
-                ints[t] = mac.mac(ints[t], w, x)
-    d = builder.load(_at(builder, builder.add(pd, builder.mul(b, c(4 * L))), 0, vf), align=4)
+    dxs = [scalar(da, t, b4, _F32) for t in range(nt)]
+    new = acc
+    for u in range(units):
+        if units > 1:  # the unit's own sums of x (sums16[t, 2b + u])
+            su = [scalar(s16, t, builder.add(builder.mul(b, c(8)), c(4 * u)), _I32, builder.mul(ds, c(2)))
+                  for t in range(nt)]
+        else:
+            su = sums
+        if bias:
+            totals = [_splat(builder, builder.mul(x, ir.Constant(_I32, -bias)), vi) for x in su]
+        else:
+            totals = [ir.Constant(vi, None)] * nt
+        operands = []
+        for g in range(u * per, (u + 1) * per):
+            v = builder.load(_at(builder, qb, 4 * L * g, vi), align=4)
+            operands += _operands(builder, kind, v, g, L)
+        step = len(operands) if wide else OPERANDS[kind]
+        for k in range(0, len(operands), step):  # partial sums chained through each ISA's begin/end
+            ints = [mac.begin(tot) for tot in totals]
+            for w, off in operands[k : k + step]:
+                for t in range(nt):
+                    x = _splat(builder, builder.load(_at(builder, xrows[t], off, _I32), align=4), vi)
+                    ints[t] = mac.mac(ints[t], w, x)
+            totals = [mac.end(i, tot) for i, tot in zip(ints, totals)]
+        d = builder.load(_at(builder, builder.add(pd, builder.mul(b, c(4 * L * units))), 4 * L * u, vf), align=4)
+        new = [builder.call(fma, [builder.fmul(builder.sitofp(totals[t], vf), _splat(builder, dxs[t], vf)), d, new[t]])
+               for t in range(nt)]
     if kind in OFFSET:
         mw = builder.load(_at(builder, builder.add(pm, builder.mul(b, c(4 * L))), 0, vf), align=4)
-    new = []
-    for t in range(nt):
-        dx = scalar(da, t, b4, _F32)
-        a = builder.call(fma, [builder.fmul(builder.sitofp(mac.end(ints[t], seeds[t]), vf), _splat(builder, dx, vf)),
-                               d, acc[t]])
-        if kind in OFFSET:
-            sx = builder.fmul(dx, builder.sitofp(sums[t], _F32))
-            a = builder.call(fma, [_splat(builder, sx, vf), mw, a])
-        new.append(a)
+        for t in range(nt):
+            sx = builder.fmul(dxs[t], builder.sitofp(sums[t], _F32))
+            new[t] = builder.call(fma, [_splat(builder, sx, vf), mw, new[t]])
     b1 = builder.add(b, c(1))
     b.add_incoming(c(0), entry)
     b.add_incoming(b1, builder.block)
@@ -329,10 +359,10 @@ def _emit_tile(builder, kind: int, which: str, args) -> None:
 
 
 @intrinsic
-def _tile(typingctx, kind, which, pq, pd, pm, nb, xa, xs, da, sa, ds, oa, ostride, m, ntv):
+def _tile(typingctx, kind, which, pq, pd, pm, nb, xa, xs, da, sa, s16, ds, oa, ostride, m, ntv):
     """kind: a literal kind; which: a literal ISA name. pq/pd/pm: panel addresses; nb blocks;
-    xa/xs: first token's activation row and the row stride; da/sa: its dx and sum rows, ds
-    their stride; oa/ostride: out[t0, r0] and the row stride (bytes); m valid rows, ntv valid
+    xa/xs: first token's activation row and the row stride; da/sa/s16: its dx, sum and
+    sum-per-16 rows, ds the stride of the first two (s16's is twice it); oa/ostride: out[t0, r0] and the row stride (bytes); m valid rows, ntv valid
     tokens (<= the shape's nt)."""
     if not isinstance(kind, types.IntegerLiteral) or not isinstance(which, types.StringLiteral):
         return None
@@ -342,7 +372,7 @@ def _tile(typingctx, kind, which, pq, pd, pm, nb, xa, xs, da, sa, ds, oa, ostrid
         _emit_tile(builder, k, name, args[2:])
         return context.get_dummy_value()
 
-    return types.void(kind, which, *([types.int64] * 13)), codegen
+    return types.void(kind, which, *([types.int64] * 14)), codegen
 
 
 @intrinsic
@@ -370,7 +400,10 @@ def _pack(w, r0, kind, bsz, qoff, groups, tab, pq, pd, pm):
     Q4_K: sub-block j (32 values) of a 256-value block is the Q4_1 block with
     d = d * sc_j and m = -(dmin * mn_j), as the dequantizer computes them (both exact in f32);
     its nibbles, the low or high halves of 32 bytes, are repacked as Q4_0/Q4_1 hold them
-    (byte k: value k in the low nibble, value 16 + k in the high one)."""
+    (byte k: value k in the low nibble, value 16 + k in the high one).
+    Q5_0: byte k of a block is value k's nibble with its fifth bit (bit k of qh) as bit 4.
+    Q6_K: byte k of sub-block j is value k's 6-bit code (its ql nibble | its 2 qh bits << 4),
+    the two halves' scales d * sc (sc int8) side by side in pd."""
     rows = w.shape[0]
     nblk = w.shape[1] // bsz
     wa, st = w.ctypes.data, w.shape[1]
@@ -391,7 +424,27 @@ def _pack(w, r0, kind, bsz, qoff, groups, tab, pq, pd, pm):
                         hi = (_load_u32(a + 16 + 4 * g) >> s) & 0x0F0F0F0F
                         pq[b, g, i] = lo | (hi << 4)
                 continue
+            if kind == Q6_K:
+                d = _f16(w, r, o + 208, tab)
+                for j in range(8):
+                    b = 8 * k + j
+                    for u in range(2):
+                        pd[2 * b + u, i] = d * np.float32(np.int8(w[r, o + 192 + 2 * j + u]))
+                    ql, s1 = wa + r * st + o + 64 * (j // 4) + 32 * (j % 2), 4 * (j % 4 // 2)
+                    qh, s2 = wa + r * st + o + 128 + 32 * (j // 4), 2 * (j % 4)
+                    for g in range(8):
+                        lo = (_load_u32(ql + 4 * g) >> s1) & 0x0F0F0F0F
+                        hi = (_load_u32(qh + 4 * g) >> s2) & 0x03030303
+                        pq[b, g, i] = lo | (hi << 4)
+                continue
             pd[k, i] = _f16(w, r, o, tab)
+            if kind == Q5_0:
+                qh, a = _load_u32(wa + r * st + o + 2), wa + r * st + o + qoff
+                for g in range(8):
+                    nib = (_load_u32(a + 4 * (g % 4)) >> (4 * (g // 4))) & 0x0F0F0F0F
+                    h = (qh >> (4 * g)) & 15
+                    pq[k, g, i] = nib | ((h & 1) << 4) | ((h & 2) << 11) | ((h & 4) << 18) | ((h & 8) << 25)
+                continue
             if kind == Q4_1:
                 pm[k, i] = _f16(w, r, o + 2, tab)
             a = wa + r * st + o + qoff
@@ -405,25 +458,27 @@ def _gemm(kind: int, which: str):
     numba's cache key: two ISAs compiled for one NUMBA_CPU_NAME stay apart)."""
     shape = ISA_TILES[which][1]
     P, NTI = shape.rows, shape.nt
+    UNITS_ = UNITS.get(kind, 1)
 
     @njit(parallel=True, **_OPTS)
-    def gemm(w, bsz, qoff, groups, sub, tab, qx, dx, sums, n, out):
+    def gemm(w, bsz, qoff, groups, sub, tab, qx, dx, sums, sums16, n, out):
         # out (n, rows) = x @ W.T for W in GGUF blocks of `kind` (its _LAYOUT after w),
         # x as quantize8/16 left it
         rows = w.shape[0]
         nb = w.shape[1] // bsz * sub
         xs, ds, os_ = qx.shape[1] * qx.itemsize, dx.shape[1] * 4, out.shape[1] * 4
         qa, da, sa, oa = qx.ctypes.data, dx.ctypes.data, sums.ctypes.data, out.ctypes.data
+        s16 = sums16.ctypes.data
         for p in prange((rows + P - 1) // P):
             pq = np.empty((nb, groups, P), np.uint32)
-            pd = np.empty((nb, P), np.float32)
+            pd = np.empty((nb * UNITS_, P), np.float32)
             pm = np.empty((nb if kind == Q4_1 or kind == Q4_K else 1, P), np.float32)
             r0 = p * P
             _pack(w, r0, kind, bsz, qoff, groups, tab, pq, pd, pm)
             m = min(P, rows - r0)
             a, b, c = pq.ctypes.data, pd.ctypes.data, pm.ctypes.data
             for t in range(0, n, NTI):
-                _tile(kind, which, a, b, c, nb, qa + t * xs, xs, da + t * ds, sa + t * ds, ds,
+                _tile(kind, which, a, b, c, nb, qa + t * xs, xs, da + t * ds, sa + t * ds, s16 + 2 * t * ds, ds,
                       oa + t * os_ + r0 * 4, os_, m, min(NTI, n - t))
 
     return gemm
@@ -433,8 +488,9 @@ def _gemm(kind: int, which: str):
 
 
 @njit(parallel=True, **_OPTS)
-def quantize8(x, qx, dx, sums):
-    """x (n, nb*32) f32 -> qx (n, nb*32) int8, dx (n, nb) f32 scales, sums (n, nb) int32."""
+def quantize8(x, qx, dx, sums, sums16):
+    """x (n, nb*32) f32 -> qx (n, nb*32) int8, dx (n, nb) f32 scales, sums (n, nb) and
+    sums16 (n, 2 nb) int32: the sums of qx per 32 and per 16."""
     n, nb = x.shape[0], x.shape[1] // 32
     for t in prange(n):
         f = np.empty(1, np.float32)
@@ -443,6 +499,11 @@ def quantize8(x, qx, dx, sums):
             d, s = q8_block(x[t, b * 32 : b * 32 + 32], qx[t, b * 32 : b * 32 + 32], f, u)
             dx[t, b] = d
             sums[t, b] = s
+            s0 = 0
+            for j in range(16):
+                s0 += qx[t, b * 32 + j]
+            sums16[t, 2 * b] = s0
+            sums16[t, 2 * b + 1] = s - s0
 
 
 @njit(parallel=True, **_OPTS)
@@ -469,28 +530,30 @@ def quantize16(x, qx, dx, sums):
             sums[t, b] = s
 
 
-def quantized(x: np.ndarray, wide: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(qx, dx, sums) of x (n, cols) for quantize16 (wide) or quantize8, rows padded with
-    zeros to a multiple of PAD tokens (whole tiles on every ISA)."""
+def quantized(x: np.ndarray, wide: bool) -> tuple[np.ndarray, ...]:
+    """(qx, dx, sums, sums16) of x (n, cols) for quantize16 (wide; sums16 left 0, unused) or
+    quantize8, rows padded with zeros to a multiple of PAD tokens (whole tiles on every ISA)."""
     n, cols = x.shape
     npad = -(-n // PAD) * PAD
     qx = np.zeros((npad, cols), np.int16 if wide else np.int8)
     dx = np.zeros((npad, cols // 32), np.float32)
     sums = np.zeros((npad, cols // 32), np.int32)
-    (quantize16 if wide else quantize8)(x, qx, dx, sums)
-    return qx, dx, sums
+    sums16 = np.zeros((npad, cols // 16), np.int32)
+    if wide:
+        quantize16(x, qx, dx, sums)
+    else:
+        quantize8(x, qx, dx, sums, sums16)
+    return qx, dx, sums, sums16
 
 
-def matmul(qtype: int, data: np.ndarray, tab: np.ndarray, xq: tuple[np.ndarray, np.ndarray, np.ndarray],
-           out: np.ndarray) -> None:
+def matmul(qtype: int, data: np.ndarray, tab: np.ndarray, xq: tuple[np.ndarray, ...], out: np.ndarray) -> None:
     """out (n, rows) = x @ W.T; xq = quantized(x, wide(qtype)), W's raw (rows, row_bytes) blocks."""
-    qx, dx, sums = xq
     kind = KINDS[qtype]
-    _gemm(kind, isa.current())(data, *_LAYOUT[kind], tab, qx, dx, sums, out.shape[0], out)
+    _gemm(kind, isa.current())(data, *_LAYOUT[kind], tab, *xq, out.shape[0], out)
 
 
 def wide(qtype: int) -> bool:
-    """True if qtype's products take 16-bit activations (Q4_1, Q8_0), False for int8 (Q4_0)."""
+    """True if qtype's products take 16-bit activations (Q4_1, Q8_0), False for int8 (the others)."""
     return WIDE[KINDS[qtype]]
 
 
@@ -510,7 +573,8 @@ def _probe(tab: np.ndarray) -> bool:
         xr = (q * xq[1][:n, :, None].astype(np.float64)).reshape(n, cols)
         bsz, qoff, _, sub = _LAYOUT[kind]
         w = rng.integers(0, 256, (rows, cols // (32 * sub), bsz), dtype=np.uint8)
-        w[:, :, : min(qoff, 4)] = np.full((rows, w.shape[1], min(qoff, 4) // 2), 0.25, np.float16).view(np.uint8)
+        for at in HALVES[kind]:  # finite scales
+            w[:, :, at : at + 2] = np.full((rows, w.shape[1], 1), 0.25, np.float16).view(np.uint8)
         w = w.reshape(rows, -1)
         wr = gguf.quants.dequantize(w, QT(qtype)).reshape(rows, cols).astype(np.float64)
         got = np.full((n, rows), np.nan, np.float32)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import weakref
 from functools import lru_cache
 
 import numpy as np
@@ -15,10 +17,18 @@ def load(path: str, n_ctx: int = 512, kv_type: str = "f32"):
     cache needs llama.cpp's flash attention, so q8_0 runs with it)."""
     import llama_cpp  # noqa: PLC0415
 
-    return llama_cpp.Llama(
+    llm = llama_cpp.Llama(
         model_path=path, n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, verbose=False,
         n_threads=2, type_k=GGML_TYPES[kv_type], type_v=GGML_TYPES[kv_type], seed=0, flash_attn=kv_type == "q8_0",
     )
+    _OPEN.add(llm)
+    return llm
+
+
+# the contexts still cached at exit are closed while llama_cpp still stands: left to interpreter
+# shutdown, their __del__ finds its bindings gone ("TypeError: 'NoneType' object is not callable")
+_OPEN: weakref.WeakSet = weakref.WeakSet()
+atexit.register(lambda: [llm.close() for llm in list(_OPEN)])
 
 
 def tokenize(path, text: str, add_bos: bool = True, special: bool = False) -> list[int]:

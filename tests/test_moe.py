@@ -152,6 +152,14 @@ def test_a_mixtral_file_without_an_expert_tensor_is_refused_in_one_line_naming_i
     assert_one_line_error(ask(bad), str(bad), "'blk.2.ffn_up_exps.weight' is missing")
 
 
+def test_a_shared_expert_in_a_qwen3moe_file_is_refused_in_one_line_not_left_out(moe, tmp_path):
+    # qwen3moe has no shared expert: one in the file would be dropped from every token's sum
+    bad = _without(moe("qwen3moe"), tmp_path / "shexp.gguf", "blk.0.ffn_up_shexp.weight",
+                   instead=np.ones((64, 128), np.float32))
+    assert_one_line_error(ask(bad), str(bad), "'blk.0.ffn_up_shexp.weight' (a shared expert) is not supported",
+                          "qwen3moe")
+
+
 def test_an_unsupported_architecture_is_named_with_the_list_including_the_mixtures(moe, tmp_path):
     bad = _rewrite(moe("qwen3moe"), tmp_path / "arch.gguf", arch="deepseek2")
     assert_one_line_error(ask(bad), str(bad), "unsupported architecture 'deepseek2'", "qwen3moe", "llama")

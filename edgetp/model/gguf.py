@@ -515,6 +515,13 @@ def _check_layers(path: Path, cfg: ModelConfig, tensors: dict, metadata: dict[st
             raise GGUFError(f"{path}: tensor {name!r} is missing (architecture {cfg.arch} needs it)")
     if "blk.0.attn_qkv.bias" in tensors:  # no phi3 has one; refused rather than left out of the sums
         raise GGUFError(f"{path}: tensor 'blk.0.attn_qkv.bias' (a bias on a fused qkv) is not supported")
+    if not cfg.ffn_shared:  # a shared expert where the architecture has none: refused (llama.cpp
+        # refuses it too), never left out of the sums
+        extra = [n for n in ("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
+                 if f"blk.0.{n}.weight" in tensors]
+        if extra:
+            raise GGUFError(f"{path}: tensor 'blk.0.{extra[0]}.weight' (a shared expert) is not supported in "
+                            f"architecture {cfg.arch} (qwen2moe has one)")
     for name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):  # llama.cpp: {n_rot/2}
         if name in tensors and tuple(tensors[name].shape) != (cfg.rope_dims // 2,):
             raise GGUFError(f"{path}: tensor {name!r} has shape {list(tensors[name].shape)}, expected "

@@ -49,12 +49,12 @@ from edgetp.model import isa
 isa.configure()  # before anything compiles: numba reads its target once
 
 import numpy as np  # noqa: E402
-from numba import njit, prange, types  # noqa: E402
+from numba import get_num_threads, njit, prange, types  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from edgetp.model.intdot_ir import emit_rows, emit_rows_tokens  # noqa: E402
 from edgetp.model.intdot_layouts import LAYOUTS, decode  # noqa: E402
-from edgetp.model.kernels import SPREAD, f16_table, partners, spans  # noqa: E402
+from edgetp.model.kernels import SPREAD, claim, f16_table, partners, spans  # noqa: E402
 from edgetp.model.vnni import q8_block  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -158,12 +158,13 @@ def _kernel(kind: int, which: str):
     numba's cache key: two ISAs compiled for one NUMBA_CPU_NAME stay apart).
 
     It multiplies one token by several weights of that layout at once (q, k and v read
-    one token; gate and up another), handing all their spans of rows to one parallel
-    loop; `serial` runs the same spans in order on the calling thread, without the
-    parallel launch (one thread). Each row's arithmetic is the same either way."""
+    one token; gate and up another), handing all their spans of rows to `workers` threads,
+    each claiming the next span until none is left (kernels.claim: a fast core takes more
+    than a slow one); `serial` runs the same spans in order on the calling thread, without
+    the parallel launch (one thread). Each row's arithmetic is the same either way."""
 
     @njit(parallel=True, **_OPTS)
-    def matvec_rows(ws, xq, dq, sq, xs, tab, nb, out, serial):
+    def matvec_rows(ws, xq, dq, sq, xs, tab, nb, out, serial, workers):
         # ws: (weights, 4) int64, per weight: address of its (rows, nb * block bytes) uint8 blocks, row bytes,
         # rows, and where its rows start in out; xq/dq/sq/xs: one Rounded token; out: (sum of rows,) f32.
         # Job j is span j of all the weights' spans in weight order. The two loops are one body:
@@ -188,20 +189,24 @@ def _kernel(kind: int, which: str):
                         if r + j * SPREAD < rows:
                             out[o + r + j * SPREAD] = res[j]
         else:
-            for job in prange(total):
+            nxt = np.zeros(1, np.int64)  # each thread claims jobs until none are left
+            for _ in prange(workers):
                 res = np.empty(4, np.float32)
-                i, first = 0, 0
-                while job >= first + spans(ws[i, 2]):
-                    first += spans(ws[i, 2])
-                    i += 1
-                wa, st, rows, o, c = ws[i, 0], ws[i, 1], ws[i, 2], ws[i, 3], job - first
-                for r in range(c * 4 * SPREAD, min(rows, c * 4 * SPREAD + SPREAD)):
-                    r1, r2, r3 = partners(r, rows)
-                    _rows4(kind, which, (wa + r * st, wa + r1 * st, wa + r2 * st, wa + r3 * st), xa, da, sa, za,
-                           ta, nb, res.ctypes.data)
-                    for j in range(4):
-                        if r + j * SPREAD < rows:
-                            out[o + r + j * SPREAD] = res[j]
+                job = claim(nxt.ctypes.data)
+                while job < total:
+                    i, first = 0, 0
+                    while job >= first + spans(ws[i, 2]):
+                        first += spans(ws[i, 2])
+                        i += 1
+                    wa, st, rows, o, c = ws[i, 0], ws[i, 1], ws[i, 2], ws[i, 3], job - first
+                    for r in range(c * 4 * SPREAD, min(rows, c * 4 * SPREAD + SPREAD)):
+                        r1, r2, r3 = partners(r, rows)
+                        _rows4(kind, which, (wa + r * st, wa + r1 * st, wa + r2 * st, wa + r3 * st), xa, da, sa,
+                               za, ta, nb, res.ctypes.data)
+                        for j in range(4):
+                            if r + j * SPREAD < rows:
+                                out[o + r + j * SPREAD] = res[j]
+                    job = claim(nxt.ctypes.data)
 
     return matvec_rows
 
@@ -239,7 +244,7 @@ def _kernel_tokens(kind: int, which: str):
     (row, token) result the single-token kernel's bits (emit_rows_tokens)."""
 
     @njit(parallel=True, **_OPTS)
-    def matvec_tokens(ws, xq, dq, sq, xs, xi, di, si, zi, ntok, tab, nb, out, serial):
+    def matvec_tokens(ws, xq, dq, sq, xs, xi, di, si, zi, ntok, tab, nb, out, serial, workers):
         # as matvec_rows, for tokens 0..ntok-1: xq/dq/sq/xs (>= ntok, ...) Rounded.rows, C-contiguous,
         # copied by quad into xi/di/si/zi (flat, as large); out (>= ntok, sum of rows) f32. A
         # job's results go to out row by row after its call.
@@ -270,22 +275,26 @@ def _kernel_tokens(kind: int, which: str):
                             if r + j * SPREAD < rows:
                                 out[t, o + r + j * SPREAD] = res[4 * t + j]
         else:
-            for job in prange(total):
+            nxt = np.zeros(1, np.int64)  # as matvec_rows: jobs claimed until none are left
+            for _ in prange(workers):
                 res = np.empty(4 * ntok, np.float32)
                 acc = np.empty(4 * 8 * ntok, np.float32)
-                i, first = 0, 0
-                while job >= first + spans(ws[i, 2]):
-                    first += spans(ws[i, 2])
-                    i += 1
-                wa, st, rows, o, c = ws[i, 0], ws[i, 1], ws[i, 2], ws[i, 3], job - first
-                for r in range(c * 4 * SPREAD, min(rows, c * 4 * SPREAD + SPREAD)):
-                    r1, r2, r3 = partners(r, rows)
-                    _rows4_tokens(kind, which, (wa + r * st, wa + r1 * st, wa + r2 * st, wa + r3 * st), xa, da, sa,
-                                  za, ntok, ta, nb, acc.ctypes.data, res.ctypes.data)
-                    for t in range(ntok):
-                        for j in range(4):
-                            if r + j * SPREAD < rows:
-                                out[t, o + r + j * SPREAD] = res[4 * t + j]
+                job = claim(nxt.ctypes.data)
+                while job < total:
+                    i, first = 0, 0
+                    while job >= first + spans(ws[i, 2]):
+                        first += spans(ws[i, 2])
+                        i += 1
+                    wa, st, rows, o, c = ws[i, 0], ws[i, 1], ws[i, 2], ws[i, 3], job - first
+                    for r in range(c * 4 * SPREAD, min(rows, c * 4 * SPREAD + SPREAD)):
+                        r1, r2, r3 = partners(r, rows)
+                        _rows4_tokens(kind, which, (wa + r * st, wa + r1 * st, wa + r2 * st, wa + r3 * st), xa, da,
+                                      sa, za, ntok, ta, nb, acc.ctypes.data, res.ctypes.data)
+                        for t in range(ntok):
+                            for j in range(4):
+                                if r + j * SPREAD < rows:
+                                    out[t, o + r + j * SPREAD] = res[4 * t + j]
+                    job = claim(nxt.ctypes.data)
 
     return matvec_tokens
 
@@ -326,7 +335,7 @@ class Products:
 
     def __call__(self, serial: bool) -> None:
         """Run them; serial (one thread) skips the parallel launch, with the same bits."""
-        self._kernel(*self._args, serial)
+        self._kernel(*self._args, serial, get_num_threads())  # the calling thread's count, as prange's
 
 
 class TokenProducts:
@@ -357,7 +366,7 @@ class TokenProducts:
         """Tokens 0..ntok-1 (ntok <= n); serial (one thread) skips the parallel launch, with the same bits."""
         if not 0 < ntok <= self.n:
             raise ValueError(f"{ntok} tokens: these products hold 1 to {self.n}")
-        self._kernel(self._table, *self._x, ntok, *self._tail, serial)
+        self._kernel(self._table, *self._x, ntok, *self._tail, serial, get_num_threads())
 
 
 def matvec_tokens(qtype: int, w: np.ndarray, x: Rounded, out: np.ndarray, serial: bool = False) -> None:

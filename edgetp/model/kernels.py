@@ -23,7 +23,9 @@ Q8_0 ~19, Q4_0 ~10.8, Q4_1 ~13, Q4_K ~5, Q6_K ~4.6, F16 ~20
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 CHUNK = 16  # rows per thread work item in decode kernels
 SPREAD = 16  # distance between the four rows the Q8_0/Q4_0/Q4_1 decode kernels walk together
@@ -87,6 +89,21 @@ def _store4(acc, t0, t1, t2, t3, out, r, rows):
         out[r + 2 * SPREAD] = t2
     if r + 3 * SPREAD < rows:
         out[r + 3 * SPREAD] = t3
+
+
+@intrinsic
+def claim(typingctx, addr):
+    """The next work item: an atomic fetch-and-add of 1 on the int64 at addr, returning its old
+    value. Threads that take items this way each run as many as they have time for: numba's
+    prange hands each thread an equal share, so the slowest core sets the pace (this VM's second
+    vCPU runs compute-bound loops ~0.7x as fast as its first)."""
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        return builder.atomic_rmw("add", builder.inttoptr(args[0], i64.as_pointer()), ir.Constant(i64, 1),
+                                  "monotonic")
+
+    return types.int64(types.int64), codegen
 
 
 @njit(inline="always", **_OPTS)

@@ -89,9 +89,10 @@ KINDS = {int(QT.Q4_0): Q4_0, int(QT.Q4_1): Q4_1, int(QT.Q8_0): Q8_0, int(QT.Q4_K
          int(QT.Q5_0): Q5_0, int(QT.Q6_K): Q6_K}
 WIDE = {Q4_0: False, Q4_1: True, Q8_0: True, Q4_K: False, Q5_0: False, Q6_K: False}  # 16-bit activations
 OFFSET = (Q4_1, Q4_K)  # kinds whose values are d * q + m: the panel carries m
-# int8 kinds: the unsigned code u of a value is q + BIAS (the accumulator starts at -BIAS * sum(x)),
-# and u < 2**BITS, so OPERANDS packed vectors (4 values per row each) can be summed in 16 bits
-# (a vpmaddubsw pair is at most 2 * (2**BITS - 1) * 128; OPERANDS of them stay under 32767)
+# int8 kinds: the unsigned code u of a value is q + BIAS (the accumulator starts at -BIAS * sum(x));
+# OPERANDS packed vectors (4 values per row each) are summed in 16 bits before vpmaddwd widens
+# them: a vpmaddubsw pair is at most 2 * umax * 128, so OPERANDS * 2 * umax * 128 < 32768 for
+# umax 15 (8 operands: 30720), 31 (4: 31744) and 63 (2: 32256)
 BIAS = {Q4_0: 8, Q4_K: 0, Q5_0: 16, Q6_K: 32}
 OPERANDS = {Q4_0: 8, Q4_K: 8, Q5_0: 4, Q6_K: 2}
 UNITS = {Q6_K: 2}  # scales per 32 values (Q6_K: one per 16), else 1
@@ -276,7 +277,8 @@ def _operands(builder, kind, v, g, lanes):
 def _emit_tile(builder, kind: int, which: str, args) -> None:
     """One panel (shape.rows rows, one vector) times shape.nt tokens over all nb blocks,
     stored to out, with ISA `which`'s products. The float steps, per block, row and token,
-    are the same on every ISA: sum = fma(float(acc) * dx[t, b], d[b], sum), Q4_1 then
+    are the same on every ISA: sum = fma(float(acc) * dx[t, b], d[b], sum) per unit (Q6_K: two
+    a block, each with its own acc and d), Q4_1 and Q4_K then
     sum = fma(dx[t, b] * float(sums[t, b]), m[b], sum); so every ISA gives the same bits."""
     groups = _LAYOUT[kind][2]
     wide = WIDE[kind]
@@ -362,8 +364,8 @@ def _emit_tile(builder, kind: int, which: str, args) -> None:
 def _tile(typingctx, kind, which, pq, pd, pm, nb, xa, xs, da, sa, s16, ds, oa, ostride, m, ntv):
     """kind: a literal kind; which: a literal ISA name. pq/pd/pm: panel addresses; nb blocks;
     xa/xs: first token's activation row and the row stride; da/sa/s16: its dx, sum and
-    sum-per-16 rows, ds the stride of the first two (s16's is twice it); oa/ostride: out[t0, r0] and the row stride (bytes); m valid rows, ntv valid
-    tokens (<= the shape's nt)."""
+    sum-per-16 rows, ds the stride of the first two (s16's is twice it); oa/ostride:
+    out[t0, r0] and the row stride (bytes); m valid rows, ntv valid tokens (<= the shape's nt)."""
     if not isinstance(kind, types.IntegerLiteral) or not isinstance(which, types.StringLiteral):
         return None
     k, name = kind.literal_value, which.literal_value

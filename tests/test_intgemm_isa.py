@@ -4,15 +4,15 @@ are the documented arithmetic, evaluated here independently in numpy.
 One child process per ISA this CPU runs (EDGETP_ISA, as a user forces it) multiplies the
 same weights by the same activations for each type intgemm multiplies, on shapes that are past a
 whole panel of rows (8 or 16) and a whole tile of tokens. The definition, per row r and
-token t, blocks b in order, all in f32:
-  i   = exact integer sum over the block of w[r, b, j] * qx[t, b, j]  (Q4_0: w = nibble - 8;
-        Q5_0: 5-bit code - 16; Q6_K: 6-bit code - 32, in units of 16 with a scale each,
-        so i, d and the step below are per unit, dx per 32)
-  acc = fma(f32(i) * dx[t, b], d[r, b], acc)
-  Q4_1, Q4_K: acc = fma(dx[t, b] * f32(sums[t, b]), m[r, b], acc)
-Q4_K's blocks of 32 are its sub-blocks (w the nibble, d = d * sc, m = -(dmin * mn)); the
-K-quants' and Q5_0's codes and scales are read with intdot_layouts, whose values this test
-also holds to gguf-py's dequantizer.
+token t, units u in order (a unit is a block of 32 values, or each 16 of it where the type
+scales each 16: Q2_K, Q3_K, Q6_K), all in f32:
+  i   = exact integer sum over the unit of w[r, u, j] * qx[t, u, j]  (w the type's integer
+        code: nibble - 8 for Q4_0, 6-bit code - 32 for Q6_K, ...)
+  acc = fma(f32(i) * dx[t, b], d[r, u], acc)               (dx per 32: b the unit's block)
+  offset types (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K):
+  acc = fma(dx[t, b] * f32(sum over the unit of qx[t]), m[r, u], acc)
+The codes, d and m are read with intdot_layouts (a K-quant's d = d * sc, m = -(dmin * mn)),
+whose values this test also holds to gguf-py's dequantizer.
 numpy has no fused multiply-add: `_fma` rounds a*b+c once to f32 (the product of two f32
 is exact in f64; the f64 sum is made round-to-odd, after which rounding to f32 is exact).
 """
@@ -38,7 +38,7 @@ HOST = isa.host_features()
 RUNNABLE = isa.usable(*HOST)
 # seconds for a child that compiles every kernel of its ISA; the arm64 test bed raises it (qemu-user)
 CHILD_TIMEOUT = float(os.environ.get("EDGETP_TEST_CHILD_TIMEOUT", "900"))
-QTYPES = sorted(intgemm.KINDS)  # Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K
+QTYPES = sorted(intgemm.KINDS)  # Q4_0..Q8_0, Q2_K..Q6_K
 ROWS, NB, TOKENS = 37, 24, intgemm.PAD + 5  # rows past 16-row panels, tokens past every tile; 3 K blocks
 
 CHILD = """
@@ -68,41 +68,30 @@ def _child_env(name: str) -> dict[str, str]:
 
 
 def _weights(qt: int, rng: np.random.Generator) -> np.ndarray:
-    """Random GGUF blocks of qt: any quant bytes, f16 scales (and Q4_1 offsets) of mixed
+    """Random GGUF blocks of qt: any quant bytes, f16 scales (and offsets) of mixed
     sign and size, so the float steps round."""
-    kind = intgemm.KINDS[qt]
-    bsz, _, _, sub = intgemm._LAYOUT[kind]
-    nb = NB // sub  # the K-quants' integer scales and mins are any bytes
-    blocks = rng.integers(0, 256, (ROWS, nb, bsz), dtype=np.uint8)
+    k = intgemm.KINDS[qt]
+    nb = NB // k.sub  # the K-quants' integer scales and mins are any bytes
+    blocks = rng.integers(0, 256, (ROWS, nb, k.nbytes), dtype=np.uint8)
     blocks[:2] = 255  # every code at its largest: the 16-bit partial sums at their bound
-    for at in intgemm.HALVES[kind]:
+    for at in k.halves:
         halves = (rng.uniform(0.5, 2, (ROWS, nb)) * rng.choice([-1, 1], (ROWS, nb))
                   * np.float32(2.0) ** rng.integers(-12, -2, (ROWS, nb)))
         blocks[:, :, at : at + 2] = halves.astype(np.float16).view(np.uint8).reshape(ROWS, nb, 2)
-    return np.ascontiguousarray(blocks.reshape(ROWS, nb * bsz))
+    return np.ascontiguousarray(blocks.reshape(ROWS, nb * k.nbytes))
 
 
 def _values(qt: int, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Integer weights (rows, NB * units, 32 / units), scales d and offsets m (rows, NB * units)
-    f32 of each unit (a block of 32, or of 16 where the type scales each 16)."""
-    kind = intgemm.KINDS[qt]
-    units = intgemm.UNITS.get(kind, 1)
-    if kind in (intgemm.Q4_K, intgemm.Q5_0, intgemm.Q6_K):
-        codes, ws, wm = intdot_layouts.decode(intdot_layouts.LAYOUTS[qt], w)
-        wm = np.zeros_like(ws) if wm is None else wm
-        dq = gguf.quants.dequantize(w, QT(qt)).reshape(ROWS, NB * 32)
-        assert np.array_equal(dq, ws.repeat(16, 1) * codes.astype(np.float32) + wm.repeat(16, 1))
-        step = 2 // units
-        return codes.reshape(ROWS, NB * units, 32 // units), ws[:, ::step], wm[:, ::step]
-    bsz, qoff = intgemm._LAYOUT[kind][:2]
-    blocks = w.reshape(ROWS, NB, bsz)
-    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # (rows, nb)
-    m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    raw = blocks[:, :, qoff:]
-    if kind == intgemm.Q8_0:
-        return raw.view(np.int8).astype(np.int64), d, m
-    vals = np.concatenate([raw & 15, raw >> 4], axis=2).astype(np.int64) - (8 if kind == intgemm.Q4_0 else 0)
-    return vals, d, m
+    f32 of each unit (a block of 32, or of 16 where the type scales each 16), read with
+    intdot_layouts and held here to gguf-py's dequantizer."""
+    units = intgemm.KINDS[qt].units
+    codes, ws, wm = intdot_layouts.decode(intdot_layouts.LAYOUTS[qt], w)
+    wm = np.zeros_like(ws) if wm is None else wm
+    dq = gguf.quants.dequantize(w, QT(qt)).reshape(ROWS, NB * 32)
+    assert np.array_equal(dq, ws.repeat(16, 1) * codes.astype(np.float32) + wm.repeat(16, 1))
+    step = 2 // units
+    return codes.reshape(ROWS, NB * units, 32 // units), ws[:, ::step], wm[:, ::step]
 
 
 def _fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
@@ -117,22 +106,22 @@ def _fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     return odd.astype(np.float32)
 
 
-def reference(qt: int, w: np.ndarray, qx: np.ndarray, dx: np.ndarray, sums: np.ndarray) -> np.ndarray:
+def reference(qt: int, w: np.ndarray, qx: np.ndarray, dx: np.ndarray) -> np.ndarray:
     """out (tokens, rows) by the definition above, from the child's rounded activations."""
-    kind = intgemm.KINDS[qt]
-    n = TOKENS
+    k = intgemm.KINDS[qt]
+    n, units = TOKENS, k.units
     vals, d, m = _values(qt, w)
-    units = intgemm.UNITS.get(kind, 1)
     q = qx[:n].reshape(n, NB, 8, 4)
-    q = (q[..., [0, 2, 1, 3]] if intgemm.wide(qt) else q).reshape(n, NB * units, 32 // units).astype(np.int64)
+    q = (q[..., [0, 2, 1, 3]] if k.wide else q).reshape(n, NB * units, 32 // units).astype(np.int64)
     ints = np.einsum("rbj,tbj->trb", vals, q)  # exact; to f32 rounds to nearest even, as sitofp does
+    sums = q.sum(axis=2)  # (n, NB * units): the activations' integer sum over each unit
     acc = np.zeros((n, ROWS), np.float32)
     for bu in range(NB * units):
         b = bu // units
         acc = _fma(ints[:, :, bu].astype(np.float32) * dx[:n, b, None], np.broadcast_to(d[None, :, bu], acc.shape), acc)
-        if kind in intgemm.OFFSET:
-            sx = dx[:n, b] * sums[:n, b].astype(np.float32)
-            acc = _fma(np.broadcast_to(sx[:, None], acc.shape), np.broadcast_to(m[None, :, b], acc.shape), acc)
+        if k.offset:
+            sx = dx[:n, b] * sums[:, bu].astype(np.float32)
+            acc = _fma(np.broadcast_to(sx[:, None], acc.shape), np.broadcast_to(m[None, :, bu], acc.shape), acc)
     return acc
 
 
@@ -165,11 +154,11 @@ def test_prefill_tiles_of_each_isa_return_the_bits_of_the_numpy_definition(name,
     arrays, results = isa_outputs
     for qt in QTYPES:
         r = results[name][qt]
-        want = reference(qt, arrays[f"w{qt}"], r["qx"], r["dx"], r["sums"])
+        want = reference(qt, arrays[f"w{qt}"], r["qx"], r["dx"])
         got = r["out"]
         assert not np.isnan(got).any(), "a row or token was not written"
         bad = got.view(np.uint32) != want.view(np.uint32)
-        assert not bad.any(), (f"{intgemm.KINDS[qt]}: {bad.sum()} of {bad.size} differ, "
+        assert not bad.any(), (f"{QT(qt).name}: {bad.sum()} of {bad.size} differ, "
                                f"max {np.abs(got - want)[bad].max()}")
 
 
@@ -217,24 +206,28 @@ CROSS = {
 
 @pytest.mark.parametrize("name", isa.ISAS)
 def test_every_isas_tiles_compile_for_its_cpu_and_use_its_instructions(name):
-    # compile only (nothing runs): the tiles of ISAs this CPU lacks are at least valid
-    # LLVM IR that selects to their own instructions; the bit tests above run them where
-    # the CPU can
+    # compile only (nothing runs): the tiles and panel packing of ISAs this CPU lacks are at
+    # least valid LLVM IR that selects to their own instructions; the bit tests above run them
+    # where the CPU can
     import llvmlite.binding as llvm  # noqa: PLC0415
     from llvmlite import ir  # noqa: PLC0415
 
     llvm.initialize_all_targets()
     llvm.initialize_all_asmprinters()
     triple, cpu, want = CROSS[name]
-    for kind in intgemm._LAYOUT:
+    for qt, k in intgemm.KINDS.items():
         mod = ir.Module(name="tile")
         mod.triple = triple
         fn = ir.Function(mod, ir.FunctionType(ir.VoidType(), [ir.IntType(64)] * 14), name="tile")
         b = ir.IRBuilder(fn.append_basic_block("entry"))
-        intgemm._emit_tile(b, kind, name, list(fn.args))
+        intgemm._emit_tile(b, qt, name, list(fn.args))
+        b.ret_void()
+        pack = ir.Function(mod, ir.FunctionType(ir.VoidType(), [ir.IntType(64)] * 6), name="pack")
+        b = ir.IRBuilder(pack.append_basic_block("entry"))
+        intgemm._emit_pack(b, qt, name, list(pack.args))
         b.ret_void()
         m = llvm.parse_assembly(str(mod))
         m.verify()
         asm = llvm.Target.from_triple(triple).create_target_machine(cpu=cpu, opt=3).emit_assembly(m)
-        for word in want.get(2 if intgemm.WIDE[kind] else 0, []):  # int8 kinds multiply as Q4_0
-            assert word in asm, f"{name} kind {kind}: no {word} in its code for {cpu}"
+        for word in want.get(2 if k.wide else 0, []):  # int8 kinds multiply as Q4_0
+            assert word in asm, f"{name} {QT(qt).name}: no {word} in its code for {cpu}"

@@ -115,7 +115,7 @@ ISA_OPS = {
 # ---------------------------------------------------------------- layout rows -> IR
 
 
-class _Emit:
+class Emit:
     """Emits one layout's block arithmetic for one ISA into a builder."""
 
     def __init__(self, b: ir.IRBuilder, layout: Layout, name: str, tab):
@@ -337,7 +337,7 @@ def _when(b: ir.IRBuilder, cond, inits, body, name: str):
     return _joined(b, done, inits, entry, new, last)
 
 
-def _quads(b: ir.IRBuilder, em: _Emit, rows, nb, accs, apply, name: str):
+def _quads(b: ir.IRBuilder, em: Emit, rows, nb, accs, apply, name: str):
     """Walk a row's quads: apply(q, w, accs) -> accs for each quad q (an i64) with w the weights
     of every row there (em.quad32 or em.quads256 per row); the last, partial quad of a 32-value
     layout with its missing blocks zeroed. accs: loop-carried values (possibly none)."""
@@ -371,7 +371,7 @@ def _hsum(b, acc):
 def emit_rows(b: ir.IRBuilder, layout: Layout, name: str, rows, x, tab, nb, out) -> None:
     """out[0:R] = R rows (addresses) . the token x = (xq, dq, sq, xs addresses of a Rounded), nb blocks
     a row, on ISA `name`; the accumulators live in registers."""
-    em = _Emit(b, layout, name, tab)
+    em = Emit(b, layout, name, tab)
 
     def apply(q, ws, accs):
         tok = em.token(x, q)
@@ -392,7 +392,7 @@ def emit_rows_tokens(b: ir.IRBuilder, layout: Layout, name: str, rows, x, ntok, 
     f32 products and sums in the same order), so each result has the single-token bits; but a
     quad's codes and scales are unpacked once per row and applied to every token in turn, the
     accumulators living in acc rather than registers (their count is not known here)."""
-    em = _Emit(b, layout, name, tab)
+    em = Emit(b, layout, name, tab)
     R = len(rows)
 
     def acc_at(t, r):

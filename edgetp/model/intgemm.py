@@ -1,6 +1,6 @@
-"""Prefill products on every ISA: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K weights times integer
-activations (the types of llama.cpp's Q4_0, Q4_1, Q8_0 and Q4_K_M files; the others prefill
-on sgemm, quant.py).
+"""Prefill products on every ISA: the GGUF types whose weights are integer codes times
+scales (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; IQ4_NL, IQ4_XS and the
+float types prefill on sgemm, quant.py).
 
 Decode reads every weight once per token, so it is bound by memory (`intdot.py`,
 `kernels.py`). Prefill reuses each weight for every token of the batch, so it
@@ -9,14 +9,15 @@ core, and VNNI tiles with 16 columns per register reached only 63-80 GOPS: every
 block cost an unpack, a conversion and two scale products per row and token.
 
 Here the lanes of a register are rows, not columns. A panel of rows (16 on
-avx512vnni, 8 elsewhere: `Shape`) is packed once per batch:
-  q: per block of 32 values, 4 (Q4_0/Q4_1/Q4_K: nibbles) or 8 (Q8_0: bytes; Q5_0, Q6_K:
-     unsigned 5- and 6-bit codes in bytes) vectors; vector g holds the g-th 4 bytes of the
-     block for each row of the panel;
-  d: per block, the rows' scales (f32); Q4_1 and Q4_K also m, their offsets.
-     Q6_K has a scale per 16 values: two per block, each half of the block a unit of its own.
-     A K-quant's 32 values are a Q4_1 (Q4_K) or 2 x 16 biased (Q6_K) block whose scale is
-     d * sc, exact in f32 as the dequantizer forms it (`_pack`).
+avx512vnni, 8 elsewhere: `Shape`) is packed once per batch (`_emit_pack`, from the
+type's intdot_layouts row through the decode kernels' emitter, so decode and prefill
+read one description of each block):
+  q: per block of 32 values, 4 (codes of at most 4 bits: nibbles) or 8 (bytes) vectors;
+     vector g holds the g-th 4 bytes of the block for each row of the panel;
+  d: per unit, the rows' scales (f32), and for the offset types m, their offsets. A unit
+     is a block of 32 values, or each 16 of it where the type scales each 16 (Q2_K, Q3_K,
+     Q6_K). A K-quant's unit is a plain block with d = d * sc and m = -(dmin * mn),
+     exact in f32 as the dequantizer forms them.
 One dot product then multiplies 4 (int8) or 2 (int16) columns of every row by
 the same activations, broadcast from memory. A block of 32 columns goes into one
 integer accumulator per token; only then is it converted and scaled, once per
@@ -35,22 +36,23 @@ order, so every ISA returns the same bits (tests/test_intgemm_isa.py holds each
 to a numpy evaluation of the definition).
 
 Activations are rounded per block of 32 columns:
-  Q4_0, Q5_0, Q4_K, Q6_K  to int8 exactly as `vnni.q8_block` does (ggml's x86
-        quantize_row_q8_0), as decode rounds them. Unsigned codes u = q + bias (0..15,
-        0..31, 0..63) times x; the accumulator of a unit starts at -bias * sum(x) over it.
-        On AVX2 the products go through 16 bits: OPERANDS bounds how many are summed
-        there before vpmaddwd widens them (fewer for wider codes).
-  Q4_1, Q8_0  to int16 (scale max|x| / 32767, f32), products of 16-bit weight
-        pairs unpacked from the panel in registers; Q4_1's offset adds
-        m[b] * dx * sum(x). Int8 activations flip SmolLM2's first answer
-        token (a 0.08-logit tie: "L'Etoile..." instead of "The capital of
+  int8 (every type but WIDE's) exactly as `vnni.q8_block` does (ggml's x86 quantize_row_q8_0),
+        as decode rounds them. Unsigned codes u = q + bias times x; the accumulator of a unit
+        starts at -bias * sum(x) over it. On AVX2 the products go through 16 bits:
+        `Kind.operands` bounds how many are summed there before vpmaddwd widens them (fewer
+        for wider codes). Offset types add m[u] * dx * sum(x) per unit.
+  WIDE (Q4_1, Q5_1, Q8_0) to int16 (scale max|x| / 32767, f32), products of 16-bit
+        weight pairs unpacked from the panel in registers. Int8 activations flip SmolLM2's
+        first answer token (a 0.08-logit tie: "L'Etoile..." instead of "The capital of
         France is Paris"), as they do in llama.cpp; 16 bits keep the logits
-        within 3e-4 of their spread of the exact math, and these types'
-        decode is exact f32.
+        within 3e-4 of their spread of the exact math. Q5_1 and Q8_0 follow Q4_1:
+        the 32-value types with the most bits per value, or an offset.
 
 AVX-512 VNNI, one core, 256 tokens, 2048- and 8192-column shapes: ~270 GOPS
 (int8) and ~155 GOPS (int16), against ~80 for f32 sgemm on decoded tiles.
-Packing the panels is ~1% of that.
+Packing the panels is ~1% of that. (Measured before the panels were packed by
+`_emit_pack`; a table-driven numba pack in its place cost AVX2 Q4_0 18%, the
+emitted one runs ~5% faster than the hand-written numba packs it replaced.)
 
 AVX2 (AMD EPYC Zen 3 VM, avx2/fma/f16c, one core of a busy 2-core machine,
 tools/bench_intgemm.py, 2048x2048 and 8192x2048, 256 tokens): tiles of one
@@ -73,31 +75,68 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from edgetp.model import isa, vnni
-from edgetp.model.kernels import _q4k_scale_min, f16_table
+from edgetp.model import intdot_ir, isa, vnni
+from edgetp.model import intdot_layouts as IL
+from edgetp.model.kernels import f16_table
 from edgetp.model.vnni import _F32, _I32, _I64, _at, _decl, _vec, q8_block
 
 PAD = 8  # x is padded to a multiple of PAD tokens: whole tiles on every ISA
 _OPTS = dict(cache=True, nogil=True)
 
-# kind: (GGUF block bytes, offset of the quants in it, 4-byte groups packed per 32 values,
-# 32-value blocks per GGUF block)
-Q4_0, Q4_1, Q8_0, Q4_K, Q5_0, Q6_K = range(6)
-_LAYOUT = {Q4_0: (18, 2, 4, 1), Q4_1: (20, 4, 4, 1), Q8_0: (34, 2, 8, 1), Q4_K: (144, 16, 4, 8),
-           Q5_0: (22, 6, 8, 1), Q6_K: (210, 0, 8, 8)}
-KINDS = {int(QT.Q4_0): Q4_0, int(QT.Q4_1): Q4_1, int(QT.Q8_0): Q8_0, int(QT.Q4_K): Q4_K,
-         int(QT.Q5_0): Q5_0, int(QT.Q6_K): Q6_K}
-WIDE = {Q4_0: False, Q4_1: True, Q8_0: True, Q4_K: False, Q5_0: False, Q6_K: False}  # 16-bit activations
-OFFSET = (Q4_1, Q4_K)  # kinds whose values are d * q + m: the panel carries m
-# int8 kinds: the unsigned code u of a value is q + BIAS (the accumulator starts at -BIAS * sum(x));
-# OPERANDS packed vectors (4 values per row each) are summed in 16 bits before vpmaddwd widens
-# them: a vpmaddubsw pair is at most 2 * umax * 128, so OPERANDS * 2 * umax * 128 < 32768 for
-# umax 15 (8 operands: 30720), 31 (4: 31744) and 63 (2: 32256)
-BIAS = {Q4_0: 8, Q4_K: 0, Q5_0: 16, Q6_K: 32}
-OPERANDS = {Q4_0: 8, Q4_K: 8, Q5_0: 4, Q6_K: 2}
-UNITS = {Q6_K: 2}  # scales per 32 values (Q6_K: one per 16), else 1
-# where a block keeps its f16 scales (and offsets or dmin)
-HALVES = {Q4_0: (0,), Q4_1: (0, 2), Q8_0: (0,), Q4_K: (0, 2), Q5_0: (0,), Q6_K: (208,)}
+
+@dataclass(frozen=True)
+class Kind:
+    """How the tile multiplies one GGUF type, all derived from its intdot_layouts row (`_kind`)."""
+
+    qtype: int
+    nbytes: int  # per GGUF block
+    sub: int  # blocks of 32 values per GGUF block
+    wide: bool  # 16-bit activations (WIDE), else int8
+    nibbles: bool  # codes packed two per byte (value k low, 16 + k high: 4 vectors per 32), else one per byte (8)
+    signed: bool  # codes are int8 (Q8_0), else unsigned u, the weight u - bias
+    bias: int
+    units: int  # scales (and offsets) per 32 values: 2 where each 16 has its own (Q2_K, Q3_K, Q6_K)
+    offset: bool  # values are d * q + m: the panel carries m
+    umax: int  # the largest unsigned code
+    halves: tuple[int, ...]  # where a GGUF block keeps its f16 scales and offsets
+
+    @property
+    def groups(self) -> int:
+        return 4 if self.nibbles else 8
+
+    @property
+    def operands(self) -> int:
+        """int8 kinds: packed vectors (4 values per row each) summed in 16 bits before vpmaddwd widens
+        them. A vpmaddubsw pair is at most 2 * umax * 128, so operands * 256 * umax <= 32767: umax 15
+        (Q4: 8 operands, 30720), 31 (Q5: 4, 31744), 63 (Q6_K: 2, 32256), 7 (Q3_K), 3 (Q2_K)."""
+        return 32767 // (256 * self.umax)
+
+
+# 16-bit activations (see the module docstring)
+WIDE = (QT.Q4_1, QT.Q5_1, QT.Q8_0)
+# every type whose weight is an integer code times a scale (plus an offset); IQ4_NL and IQ4_XS map
+# codes through a table to -127..113, whose u8 x s8 pairs overflow vpmaddubsw's 16 bits: they prefill on sgemm
+TYPES = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K)
+
+
+def _code_bits(ch: IL.Chunk) -> int:
+    u = 0
+    for f in ch.code:
+        u |= f.mask << f.pos
+    return u
+
+
+def _kind(qtype: int) -> Kind:
+    L = IL.LAYOUTS[qtype]
+    assert L.table is None and L.values % 32 == 0, qtype
+    umax = max(_code_bits(ch) for ch in L.chunks)
+    units = 2 if L.split else 1
+    halves = sorted({s.d for s in L.slots} | {s.m for s in L.slots if s.m is not None})
+    return Kind(int(qtype), L.nbytes, L.values // 32, qtype in WIDE, umax < 16 and units == 1 and not L.signed,
+                L.signed, L.bias, units, L.offset, 127 if L.signed else umax, tuple(halves))
+
+
+KINDS: dict[int, Kind] = {int(qt): _kind(qt) for qt in TYPES}
 
 _I8, _I16 = ir.IntType(8), ir.IntType(16)
 
@@ -250,23 +289,26 @@ def _splat(builder, value, vty):
     return builder.shuffle_vector(v, v, _vec(_I32, [0] * vty.count))
 
 
-def _operands(builder, kind, v, g, lanes):
+def _operands(builder, k: Kind, v, g, lanes):
     """The multiplicand vectors in one loaded panel vector (group g of a block), each
     with the byte offset of its activation pair/quad in the block's activation row."""
-    if kind in (Q5_0, Q6_K):  # bytes: columns 4g.., codes 0..31 or 0..63, x int8
-        return [(v, 4 * g)]
     i32 = _vec(_I32, [0x0F0F0F0F] * lanes)
-    if kind in (Q4_0, Q4_K):  # bytes: columns 4g.. (low nibbles) and 16+4g.. (high), x int8
+    if not k.wide:
+        if not k.nibbles:  # bytes: columns 4g.., unsigned codes, x int8
+            return [(v, 4 * g)]
+        # columns 4g.. (low nibbles) and 16+4g.. (high), x int8
         return [(builder.and_(v, i32), 4 * g), (builder.and_(builder.lshr(v, _vec(_I32, [4] * lanes)), i32), 16 + 4 * g)]
     words = ir.VectorType(_I16, 2 * lanes)
-    if kind == Q8_0:
+    low = _vec(_I32, [0x00FF00FF] * lanes)
+    if k.signed:
         # signed bytes b0..b3 of columns 4g..4g+3 -> 16-bit pairs (b0, b2) and (b1, b3)
         w = builder.bitcast(v, words)
         eight = ir.Constant(words, [ir.Constant(_I16, 8)] * 2 * lanes)
         even = builder.bitcast(builder.ashr(builder.shl(w, eight), eight), v.type)
         odd = builder.bitcast(builder.ashr(w, eight), v.type)
         return [(even, 8 * g), (odd, 8 * g + 4)]
-    low = _vec(_I32, [0x00FF00FF] * lanes)
+    if not k.nibbles:  # unsigned bytes: the same pairs, zero-extended
+        return [(builder.and_(v, low), 8 * g), (builder.and_(builder.lshr(v, _vec(_I32, [8] * lanes)), low), 8 * g + 4)]
     out = []
     for nib, col in ((builder.and_(v, i32), 4 * g), (builder.and_(builder.lshr(v, _vec(_I32, [4] * lanes)), i32), 16 + 4 * g)):
         out.append((builder.and_(nib, low), 2 * col))
@@ -274,15 +316,14 @@ def _operands(builder, kind, v, g, lanes):
     return out
 
 
-def _emit_tile(builder, kind: int, which: str, args) -> None:
+def _emit_tile(builder, qtype: int, which: str, args) -> None:
     """One panel (shape.rows rows, one vector) times shape.nt tokens over all nb blocks,
-    stored to out, with ISA `which`'s products. The float steps, per block, row and token,
-    are the same on every ISA: sum = fma(float(acc) * dx[t, b], d[b], sum) per unit (Q6_K: two
-    a block, each with its own acc and d), Q4_1 and Q4_K then
-    sum = fma(dx[t, b] * float(sums[t, b]), m[b], sum); so every ISA gives the same bits."""
-    groups = _LAYOUT[kind][2]
-    wide = WIDE[kind]
-    bias, units = BIAS.get(kind, 0), UNITS.get(kind, 1)
+    stored to out, with ISA `which`'s products. The float steps, per unit (a block of 32, or
+    each 16 of it where the type scales each 16: its own acc, d and m), row and token, are
+    the same on every ISA: sum = fma(float(acc) * dx[t, b], d[u], sum), then for the offset
+    types sum = fma(dx[t, b] * float(sums[t, u]), m[u], sum); so every ISA gives the same bits."""
+    k = KINDS[qtype]
+    groups, wide, bias, units = k.groups, k.wide, k.bias, k.units
     per = groups // units  # packed vectors per unit
     ops, shape = ISA_TILES[which]
     L, nt = shape.rows, shape.nt
@@ -306,7 +347,6 @@ def _emit_tile(builder, kind: int, which: str, args) -> None:
     b = builder.phi(_I64)
     acc = [builder.phi(vf) for _ in range(nt)]
     b4 = builder.mul(b, c(4))
-    sums = [scalar(sa, t, b4, _I32) for t in range(nt)]
     qb = builder.add(pq, builder.mul(b, c(4 * L * groups)))
     xrows = [builder.add(builder.add(xa, builder.mul(xs, c(t))), builder.mul(b, c(64 if wide else 32)))
              for t in range(nt)]
@@ -317,7 +357,7 @@ def _emit_tile(builder, kind: int, which: str, args) -> None:
             su = [scalar(s16, t, builder.add(builder.mul(b, c(8)), c(4 * u)), _I32, builder.mul(ds, c(2)))
                   for t in range(nt)]
         else:
-            su = sums
+            su = [scalar(sa, t, b4, _I32) for t in range(nt)]
         if bias:
             totals = [_splat(builder, builder.mul(x, ir.Constant(_I32, -bias)), vi) for x in su]
         else:
@@ -325,23 +365,24 @@ def _emit_tile(builder, kind: int, which: str, args) -> None:
         operands = []
         for g in range(u * per, (u + 1) * per):
             v = builder.load(_at(builder, qb, 4 * L * g, vi), align=4)
-            operands += _operands(builder, kind, v, g, L)
-        step = len(operands) if wide else OPERANDS[kind]
-        for k in range(0, len(operands), step):  # partial sums chained through each ISA's begin/end
+            operands += _operands(builder, k, v, g, L)
+        step = len(operands) if wide else k.operands
+        for o in range(0, len(operands), step):  # partial sums chained through each ISA's begin/end
             ints = [mac.begin(tot) for tot in totals]
-            for w, off in operands[k : k + step]:
+            for w, off in operands[o : o + step]:
                 for t in range(nt):
                     x = _splat(builder, builder.load(_at(builder, xrows[t], off, _I32), align=4), vi)
                     ints[t] = mac.mac(ints[t], w, x)
             totals = [mac.end(i, tot) for i, tot in zip(ints, totals)]
-        d = builder.load(_at(builder, builder.add(pd, builder.mul(b, c(4 * L * units))), 4 * L * u, vf), align=4)
+        at = builder.mul(b, c(4 * L * units))
+        d = builder.load(_at(builder, builder.add(pd, at), 4 * L * u, vf), align=4)
         new = [builder.call(fma, [builder.fmul(builder.sitofp(totals[t], vf), _splat(builder, dxs[t], vf)), d, new[t]])
                for t in range(nt)]
-    if kind in OFFSET:
-        mw = builder.load(_at(builder, builder.add(pm, builder.mul(b, c(4 * L))), 0, vf), align=4)
-        for t in range(nt):
-            sx = builder.fmul(dxs[t], builder.sitofp(sums[t], _F32))
-            new[t] = builder.call(fma, [_splat(builder, sx, vf), mw, new[t]])
+        if k.offset:
+            mw = builder.load(_at(builder, builder.add(pm, at), 4 * L * u, vf), align=4)
+            for t in range(nt):
+                sx = builder.fmul(dxs[t], builder.sitofp(su[t], _F32))
+                new[t] = builder.call(fma, [_splat(builder, sx, vf), mw, new[t]])
     b1 = builder.add(b, c(1))
     b.add_incoming(c(0), entry)
     b.add_incoming(b1, builder.block)
@@ -362,7 +403,7 @@ def _emit_tile(builder, kind: int, which: str, args) -> None:
 
 @intrinsic
 def _tile(typingctx, kind, which, pq, pd, pm, nb, xa, xs, da, sa, s16, ds, oa, ostride, m, ntv):
-    """kind: a literal kind; which: a literal ISA name. pq/pd/pm: panel addresses; nb blocks;
+    """kind: a literal qtype (of KINDS); which: a literal ISA name. pq/pd/pm: panel addresses; nb blocks;
     xa/xs: first token's activation row and the row stride; da/sa/s16: its dx, sum and
     sum-per-16 rows, ds the stride of the first two (s16's is twice it); oa/ostride:
     out[t0, r0] and the row stride (bytes); m valid rows, ntv valid tokens (<= the shape's nt)."""
@@ -377,110 +418,95 @@ def _tile(typingctx, kind, which, pq, pd, pm, nb, xa, xs, da, sa, s16, ds, oa, o
     return types.void(kind, which, *([types.int64] * 14)), codegen
 
 
-@intrinsic
-def _load_u32(typingctx, addr):
-    """The 4 bytes at an address, unaligned."""
-
-    def codegen(context, builder, signature, args):
-        return builder.load(builder.inttoptr(args[0], _I32.as_pointer()), align=1)
-
-    return types.uint32(types.int64), codegen
-
-
 # ---------------------------------------------------------------- panels
 
 
-@njit(inline="always", **_OPTS)
-def _f16(w, r, o, tab):
-    return tab[np.int64(w[r, o]) | (np.int64(w[r, o + 1]) << 8)]
+def _emit_pack(builder, qtype: int, which: str, args) -> None:
+    """One GGUF block of one row into its panel column: each 32 values' codes as `Kind` packs
+    them (one per byte, or nibbles: byte k holds value k low, 16 + k high), each unit's scale
+    and offset. The codes and scales come from the type's intdot_layouts row through the
+    decode kernels' emitter (intdot_ir.Emit), so they are gguf-py's values: a K-quant's
+    d * sc and -(dmin * mn) in f32."""
+    src, pq, pd, pm, P, tab = args
+    L, k = IL.LAYOUTS[qtype], KINDS[qtype]
+    em = intdot_ir.Emit(builder, L, which, tab)
+    stride = builder.mul(P, ir.Constant(_I64, 4))  # bytes from one panel vector to the next
+
+    def store(base, j, v):
+        builder.store(v, _at(builder, builder.add(base, builder.mul(ir.Constant(_I64, j), stride)), 0, v.type), align=4)
+
+    if L.values == 32:
+        ch = L.chunks[0]
+        ws, wm = [em.f16(src, ch.lo.d)], [em.f16(src, ch.lo.m)] if k.offset else None
+    else:
+        wsv, wmv = em.slot_weights(src)
+        n = wsv.type.count
+        ws = [builder.extract_element(wsv, ir.Constant(_I32, j)) for j in range(n)]
+        wm = [builder.extract_element(wmv, ir.Constant(_I32, j)) for j in range(n)] if k.offset else None
+    for j, v in enumerate(ws):
+        store(pd, j, v)
+    for j, v in enumerate(wm or ()):
+        store(pm, j, v)
+    for c, ch in enumerate(L.chunks):
+        u = em.codes(src, ch.code)  # <32 x i8>
+        if k.nibbles:
+            lo = builder.shuffle_vector(u, u, _vec(_I32, range(16)))
+            hi = builder.shuffle_vector(u, u, _vec(_I32, range(16, 32)))
+            u = builder.or_(lo, builder.shl(hi, _vec(_I8, [4] * 16)))
+        words = builder.bitcast(u, ir.VectorType(_I32, k.groups))
+        for g in range(k.groups):
+            store(pq, c * k.groups + g, builder.extract_element(words, ir.Constant(_I32, g)))
 
 
-@njit(**_OPTS)
-def _pack(w, r0, kind, bsz, qoff, groups, tab, pq, pd, pm):
-    """Rows r0..r0+P-1 of w (P = pq.shape[2]; the last row repeated past the end) into a panel.
+@intrinsic
+def _pack_block(typingctx, kind, which, src, pq, pd, pm, P, tab):
+    """kind: a literal qtype; which: a literal ISA name (its f16 conversion). src: the block's
+    bytes; pq/pd/pm: the addresses of its first vector's, scale's and offset's entry for this row
+    in the panel (rows P apart); tab: the f16 table (generic ISA)."""
+    if not isinstance(kind, types.IntegerLiteral) or not isinstance(which, types.StringLiteral):
+        return None
+    k, name = kind.literal_value, which.literal_value
 
-    Q4_K: sub-block j (32 values) of a 256-value block is the Q4_1 block with
-    d = d * sc_j and m = -(dmin * mn_j), as the dequantizer computes them (both exact in f32);
-    its nibbles, the low or high halves of 32 bytes, are repacked as Q4_0/Q4_1 hold them
-    (byte k: value k in the low nibble, value 16 + k in the high one).
-    Q5_0: byte k of a block is value k's nibble with its fifth bit (bit k of qh) as bit 4.
-    Q6_K: byte k of sub-block j is value k's 6-bit code (its ql nibble | its 2 qh bits << 4),
-    the two halves' scales d * sc (sc int8) side by side in pd."""
-    rows = w.shape[0]
-    nblk = w.shape[1] // bsz
-    wa, st = w.ctypes.data, w.shape[1]
-    for i in range(pq.shape[2]):
-        r = min(r0 + i, rows - 1)
-        for k in range(nblk):
-            o = k * bsz
-            if kind == Q4_K:
-                d, dmin = _f16(w, r, o, tab), _f16(w, r, o + 2, tab)
-                for j in range(8):
-                    sc, mn = _q4k_scale_min(w, r, o, j)
-                    b = 8 * k + j
-                    pd[b, i] = d * sc
-                    pm[b, i] = -(dmin * mn)
-                    a, s = wa + r * st + o + qoff + 32 * (j // 2), 4 * (j % 2)
-                    for g in range(4):
-                        lo = (_load_u32(a + 4 * g) >> s) & 0x0F0F0F0F
-                        hi = (_load_u32(a + 16 + 4 * g) >> s) & 0x0F0F0F0F
-                        pq[b, g, i] = lo | (hi << 4)
-                continue
-            if kind == Q6_K:
-                d = _f16(w, r, o + 208, tab)
-                for j in range(8):
-                    b = 8 * k + j
-                    for u in range(2):
-                        pd[2 * b + u, i] = d * np.float32(np.int8(w[r, o + 192 + 2 * j + u]))
-                    ql, s1 = wa + r * st + o + 64 * (j // 4) + 32 * (j % 2), 4 * (j % 4 // 2)
-                    qh, s2 = wa + r * st + o + 128 + 32 * (j // 4), 2 * (j % 4)
-                    for g in range(8):
-                        lo = (_load_u32(ql + 4 * g) >> s1) & 0x0F0F0F0F
-                        hi = (_load_u32(qh + 4 * g) >> s2) & 0x03030303
-                        pq[b, g, i] = lo | (hi << 4)
-                continue
-            pd[k, i] = _f16(w, r, o, tab)
-            if kind == Q5_0:
-                qh, a = _load_u32(wa + r * st + o + 2), wa + r * st + o + qoff
-                for g in range(8):
-                    nib = (_load_u32(a + 4 * (g % 4)) >> (4 * (g // 4))) & 0x0F0F0F0F
-                    h = (qh >> (4 * g)) & 15
-                    pq[k, g, i] = nib | ((h & 1) << 4) | ((h & 2) << 11) | ((h & 4) << 18) | ((h & 8) << 25)
-                continue
-            if kind == Q4_1:
-                pm[k, i] = _f16(w, r, o + 2, tab)
-            a = wa + r * st + o + qoff
-            for g in range(groups):
-                pq[k, g, i] = _load_u32(a + 4 * g)
+    def codegen(context, builder, signature, args):
+        _emit_pack(builder, k, name, args[2:])
+        return context.get_dummy_value()
+
+    return types.void(kind, which, *([types.int64] * 6)), codegen
 
 
 @functools.cache
-def _gemm(kind: int, which: str):
-    """The prefill kernel of one kind on one ISA (both constants inside it, and so in
+def _gemm(qtype: int, which: str):
+    """The prefill kernel of one type on one ISA (both constants inside it, and so in
     numba's cache key: two ISAs compiled for one NUMBA_CPU_NAME stay apart)."""
     shape = ISA_TILES[which][1]
     P, NTI = shape.rows, shape.nt
-    UNITS_ = UNITS.get(kind, 1)
+    k = KINDS[qtype]
+    KIND, BSZ, SUB, GROUPS, UNITS, OFF = qtype, k.nbytes, k.sub, k.groups, k.units, k.offset
 
     @njit(parallel=True, **_OPTS)
-    def gemm(w, bsz, qoff, groups, sub, tab, qx, dx, sums, sums16, n, out):
-        # out (n, rows) = x @ W.T for W in GGUF blocks of `kind` (its _LAYOUT after w),
-        # x as quantize8/16 left it
+    def gemm(w, tab, qx, dx, sums, sums16, n, out):
+        # out (n, rows) = x @ W.T for W in GGUF blocks of the type, x as quantize8/16 left it
         rows = w.shape[0]
-        nb = w.shape[1] // bsz * sub
+        nblk = w.shape[1] // BSZ
+        nb = nblk * SUB
         xs, ds, os_ = qx.shape[1] * qx.itemsize, dx.shape[1] * 4, out.shape[1] * 4
         qa, da, sa, oa = qx.ctypes.data, dx.ctypes.data, sums.ctypes.data, out.ctypes.data
-        s16 = sums16.ctypes.data
+        s16, wa, ta = sums16.ctypes.data, w.ctypes.data, tab.ctypes.data
         for p in prange((rows + P - 1) // P):
-            pq = np.empty((nb, groups, P), np.uint32)
-            pd = np.empty((nb * UNITS_, P), np.float32)
-            pm = np.empty((nb if kind == Q4_1 or kind == Q4_K else 1, P), np.float32)
-            r0 = p * P
-            _pack(w, r0, kind, bsz, qoff, groups, tab, pq, pd, pm)
-            m = min(P, rows - r0)
+            pq = np.empty((nb, GROUPS, P), np.uint32)
+            pd = np.empty((nb * UNITS, P), np.float32)
+            pm = np.empty((nb * UNITS if OFF else 1, P), np.float32)
             a, b, c = pq.ctypes.data, pd.ctypes.data, pm.ctypes.data
+            r0 = p * P
+            for i in range(P):  # the panel: rows past the end repeat the last
+                src = wa + min(r0 + i, rows - 1) * w.shape[1]
+                for kb in range(nblk):
+                    at = kb * SUB * UNITS * P + i
+                    _pack_block(KIND, which, src + kb * BSZ, a + (kb * SUB * GROUPS * P + i) * 4, b + at * 4,
+                                c + at * 4, P, ta)
+            m = min(P, rows - r0)
             for t in range(0, n, NTI):
-                _tile(kind, which, a, b, c, nb, qa + t * xs, xs, da + t * ds, sa + t * ds, s16 + 2 * t * ds, ds,
+                _tile(KIND, which, a, b, c, nb, qa + t * xs, xs, da + t * ds, sa + t * ds, s16 + 2 * t * ds, ds,
                       oa + t * os_ + r0 * 4, os_, m, min(NTI, n - t))
 
     return gemm
@@ -550,13 +576,12 @@ def quantized(x: np.ndarray, wide: bool) -> tuple[np.ndarray, ...]:
 
 def matmul(qtype: int, data: np.ndarray, tab: np.ndarray, xq: tuple[np.ndarray, ...], out: np.ndarray) -> None:
     """out (n, rows) = x @ W.T; xq = quantized(x, wide(qtype)), W's raw (rows, row_bytes) blocks."""
-    kind = KINDS[qtype]
-    _gemm(kind, isa.current())(data, *_LAYOUT[kind], tab, *xq, out.shape[0], out)
+    _gemm(qtype, isa.current())(data, tab, *xq, out.shape[0], out)
 
 
 def wide(qtype: int) -> bool:
-    """True if qtype's products take 16-bit activations (Q4_1, Q8_0), False for int8 (the others)."""
-    return WIDE[KINDS[qtype]]
+    """True if qtype's products take 16-bit activations (Q4_1, Q5_1, Q8_0), False for int8 (the others)."""
+    return KINDS[qtype].wide
 
 
 # ---------------------------------------------------------------- availability
@@ -568,14 +593,13 @@ def _probe(tab: np.ndarray) -> bool:
     rng = np.random.default_rng(11)
     rows, cols, n = 19, 512, PAD + 3
     x = rng.standard_normal((n, cols)).astype(np.float32)
-    for qtype, kind in KINDS.items():
-        xq = quantized(x, WIDE[kind])
+    for qtype, k in KINDS.items():
+        xq = quantized(x, k.wide)
         q = xq[0][:n].reshape(n, cols // 32, 8, 4)
-        q = (q[..., [0, 2, 1, 3]] if WIDE[kind] else q).reshape(n, cols // 32, 32)
+        q = (q[..., [0, 2, 1, 3]] if k.wide else q).reshape(n, cols // 32, 32)
         xr = (q * xq[1][:n, :, None].astype(np.float64)).reshape(n, cols)
-        bsz, qoff, _, sub = _LAYOUT[kind]
-        w = rng.integers(0, 256, (rows, cols // (32 * sub), bsz), dtype=np.uint8)
-        for at in HALVES[kind]:  # finite scales
+        w = rng.integers(0, 256, (rows, cols // (32 * k.sub), k.nbytes), dtype=np.uint8)
+        for at in k.halves:  # finite scales
             w[:, :, at : at + 2] = np.full((rows, w.shape[1], 1), 0.25, np.float16).view(np.uint8)
         w = w.reshape(rows, -1)
         wr = gguf.quants.dequantize(w, QT(qtype)).reshape(rows, cols).astype(np.float64)

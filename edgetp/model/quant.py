@@ -308,7 +308,7 @@ _pool_size = 0
 def matmul(w: Weight, x: np.ndarray | Batch, out: np.ndarray) -> None:
     """out (n, rows) = x (n, cols) @ W.T, x an array or a Batch.
 
-    Q4_0, Q4_1 and Q8_0 go to the integer kernels of intgemm where the CPU has them.
+    The types of intgemm.KINDS go to its integer kernels where the CPU has them.
     Otherwise each tile of W is decoded once for all n tokens: workers (numba's
     thread count of them) take interleaved tiles of rows, a numba kernel decodes
     the tile into an f32 scratch (tile, cols), and single-threaded OpenBLAS sgemm

@@ -1,6 +1,6 @@
 """GOPS of the integer prefill tiles (intgemm.py) against the float path (decoded tiles, f32 sgemm).
 
-    python tools/bench_intgemm.py [--shapes 2048x2048,8192x2048 --tokens 256 --types Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K --threads 1]
+    python tools/bench_intgemm.py [--shapes 2048x2048,8192x2048 --tokens 256 --types Q8_0,Q4_0,...,IQ4_XS --threads 1]
     EDGETP_ISA=avx2 python tools/bench_intgemm.py          (NUMBA_CPU_NAME=haswell on a wider CPU: isa.py sets it)
 
 GOPS counts 2 * rows * cols * tokens (a multiply and an add per weight and token).
@@ -52,7 +52,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="2048x2048,8192x2048", help="rows x cols of each weight")
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--types", default="Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K")
+    ap.add_argument("--types", default="Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,IQ4_NL,IQ4_XS")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     Q.set_threads(args.threads)

@@ -1,6 +1,6 @@
 """Prefill products on every ISA: the GGUF types whose weights are integer codes times
-scales (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; IQ4_NL, IQ4_XS and the
-float types prefill on sgemm, quant.py).
+scales (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, and IQ4_NL and IQ4_XS,
+whose codes index a code book; the float types prefill on sgemm, quant.py).
 
 Decode reads every weight once per token, so it is bound by memory (`intdot.py`,
 `kernels.py`). Prefill reuses each weight for every token of the batch, so it
@@ -41,12 +41,13 @@ Activations are rounded per block of 32 columns:
         starts at -bias * sum(x) over it. On AVX2 the products go through 16 bits:
         `Kind.operands` bounds how many are summed there before vpmaddwd widens them (fewer
         for wider codes). Offset types add m[u] * dx * sum(x) per unit.
-  WIDE (Q4_1, Q5_1, Q8_0) to int16 (scale max|x| / 32767, f32), products of 16-bit
+  WIDE (Q4_1, Q5_1, Q8_0, IQ4_NL, IQ4_XS) to int16 (scale max|x| / 32767, f32), products of 16-bit
         weight pairs unpacked from the panel in registers. Int8 activations flip SmolLM2's
         first answer token (a 0.08-logit tie: "L'Etoile..." instead of "The capital of
         France is Paris"), as they do in llama.cpp; 16 bits keep the logits
         within 3e-4 of their spread of the exact math. Q5_1 and Q8_0 follow Q4_1:
-        the 32-value types with the most bits per value, or an offset.
+        the 32-value types with the most bits per value, or an offset. IQ4's
+        code book values (-127..113) fit no unsigned byte's bound (see WIDE).
 
 AVX-512 VNNI, one core, 256 tokens, 2048- and 8192-column shapes: ~270 GOPS
 (int8) and ~155 GOPS (int16), against ~80 for f32 sgemm on decoded tiles.
@@ -93,7 +94,7 @@ class Kind:
     sub: int  # blocks of 32 values per GGUF block
     wide: bool  # 16-bit activations (WIDE), else int8
     nibbles: bool  # codes packed two per byte (value k low, 16 + k high: 4 vectors per 32), else one per byte (8)
-    signed: bool  # codes are int8 (Q8_0), else unsigned u, the weight u - bias
+    signed: bool  # the panel holds int8 weights (Q8_0; IQ4's code book values), else unsigned u, the weight u - bias
     bias: int
     units: int  # scales (and offsets) per 32 values: 2 where each 16 has its own (Q2_K, Q3_K, Q6_K)
     offset: bool  # values are d * q + m: the panel carries m
@@ -112,11 +113,13 @@ class Kind:
         return 32767 // (256 * self.umax)
 
 
-# 16-bit activations (see the module docstring)
-WIDE = (QT.Q4_1, QT.Q5_1, QT.Q8_0)
-# every type whose weight is an integer code times a scale (plus an offset); IQ4_NL and IQ4_XS map
-# codes through a table to -127..113, whose u8 x s8 pairs overflow vpmaddubsw's 16 bits: they prefill on sgemm
-TYPES = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K)
+# 16-bit activations (see the module docstring). IQ4_NL and IQ4_XS map their codes through a
+# table to -127..113: packed as those signed bytes, as Q8_0's are, since unsigned (+128) their
+# u8 x s8 pairs would overflow vpmaddubsw's 16 bits (and NEON's sdot takes s8 only)
+WIDE = (QT.Q4_1, QT.Q5_1, QT.Q8_0, QT.IQ4_NL, QT.IQ4_XS)
+# every type whose weight is an integer code (or a code book's value) times a scale, plus an offset
+TYPES = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K,
+         QT.IQ4_NL, QT.IQ4_XS)
 
 
 def _code_bits(ch: IL.Chunk) -> int:
@@ -128,12 +131,14 @@ def _code_bits(ch: IL.Chunk) -> int:
 
 def _kind(qtype: int) -> Kind:
     L = IL.LAYOUTS[qtype]
-    assert L.table is None and L.values % 32 == 0, qtype
+    assert L.values % 32 == 0, qtype
+    signed = L.signed or L.table is not None  # the panel holds int8 weights
     umax = max(_code_bits(ch) for ch in L.chunks)
     units = 2 if L.split else 1
     halves = sorted({s.d for s in L.slots} | {s.m for s in L.slots if s.m is not None})
-    return Kind(int(qtype), L.nbytes, L.values // 32, qtype in WIDE, umax < 16 and units == 1 and not L.signed,
-                L.signed, L.bias, units, L.offset, 127 if L.signed else umax, tuple(halves))
+    assert not signed or qtype in WIDE, qtype
+    return Kind(int(qtype), L.nbytes, L.values // 32, qtype in WIDE, umax < 16 and units == 1 and not signed,
+                signed, L.bias, units, L.offset, 127 if signed else umax, tuple(halves))
 
 
 KINDS: dict[int, Kind] = {int(qt): _kind(qt) for qt in TYPES}
@@ -401,21 +406,28 @@ def _emit_tile(builder, qtype: int, which: str, args) -> None:
             builder.call(store, [new[t], p, ir.Constant(_I32, 4), valid])
 
 
+def _emitted(kind, which, emit, nargs: int):
+    """The typing and codegen of an intrinsic (literal kind, literal ISA name, nargs int64s)
+    whose body emit(builder, qtype, isa, args) writes; None (numba then asks for literals)
+    until kind and which are literals."""
+    if not isinstance(kind, types.IntegerLiteral) or not isinstance(which, types.StringLiteral):
+        return None
+    k, name = kind.literal_value, which.literal_value
+
+    def codegen(context, builder, signature, args):
+        emit(builder, k, name, args[2:])
+        return context.get_dummy_value()
+
+    return types.void(kind, which, *([types.int64] * nargs)), codegen
+
+
 @intrinsic
 def _tile(typingctx, kind, which, pq, pd, pm, nb, xa, xs, da, sa, s16, ds, oa, ostride, m, ntv):
     """kind: a literal qtype (of KINDS); which: a literal ISA name. pq/pd/pm: panel addresses; nb blocks;
     xa/xs: first token's activation row and the row stride; da/sa/s16: its dx, sum and
     sum-per-16 rows, ds the stride of the first two (s16's is twice it); oa/ostride:
     out[t0, r0] and the row stride (bytes); m valid rows, ntv valid tokens (<= the shape's nt)."""
-    if not isinstance(kind, types.IntegerLiteral) or not isinstance(which, types.StringLiteral):
-        return None
-    k, name = kind.literal_value, which.literal_value
-
-    def codegen(context, builder, signature, args):
-        _emit_tile(builder, k, name, args[2:])
-        return context.get_dummy_value()
-
-    return types.void(kind, which, *([types.int64] * 14)), codegen
+    return _emitted(kind, which, _emit_tile, 14)
 
 
 # ---------------------------------------------------------------- panels
@@ -448,7 +460,7 @@ def _emit_pack(builder, qtype: int, which: str, args) -> None:
     for j, v in enumerate(wm or ()):
         store(pm, j, v)
     for c, ch in enumerate(L.chunks):
-        u = em.codes(src, ch.code)  # <32 x i8>
+        u = em.chunk(src, ch)  # <32 x i8>: unsigned codes, int8 (Q8_0) or the code book's values (IQ4)
         if k.nibbles:
             lo = builder.shuffle_vector(u, u, _vec(_I32, range(16)))
             hi = builder.shuffle_vector(u, u, _vec(_I32, range(16, 32)))
@@ -463,15 +475,7 @@ def _pack_block(typingctx, kind, which, src, pq, pd, pm, P, tab):
     """kind: a literal qtype; which: a literal ISA name (its f16 conversion). src: the block's
     bytes; pq/pd/pm: the addresses of its first vector's, scale's and offset's entry for this row
     in the panel (rows P apart); tab: the f16 table (generic ISA)."""
-    if not isinstance(kind, types.IntegerLiteral) or not isinstance(which, types.StringLiteral):
-        return None
-    k, name = kind.literal_value, which.literal_value
-
-    def codegen(context, builder, signature, args):
-        _emit_pack(builder, k, name, args[2:])
-        return context.get_dummy_value()
-
-    return types.void(kind, which, *([types.int64] * 6)), codegen
+    return _emitted(kind, which, _emit_pack, 6)
 
 
 @functools.cache

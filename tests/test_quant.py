@@ -76,7 +76,7 @@ def assert_product_close(got: np.ndarray, w_ref: np.ndarray, x: np.ndarray) -> N
 
 def as_computed(qt, x: np.ndarray, kernels: str | None, batch: bool = False) -> np.ndarray:
     """x as the kernel sees it. Int8 paths (decode of every quantized type; prefill of the
-    int8 types of intgemm): rounded through gguf-py's Q8_0. 16-bit paths (prefill of Q4_1, Q5_1, Q8_0):
+    int8 types of intgemm): rounded through gguf-py's Q8_0. 16-bit paths (prefill of intgemm.WIDE):
     per block of 32, q = round(x * 32767 / max|x|) and x = q * (max|x| / 32767), written
     out here in float32 numpy."""
     from edgetp.model import intdot, intgemm  # noqa: PLC0415

@@ -152,6 +152,26 @@ def _rows4(typingctx, kind, which, rows, xq, dq, sq, xs, tab, nb, out):
     return sig, codegen
 
 
+@njit(inline="always", **_OPTS)
+def _jobs(ws):
+    """The work items of the weights of a kernels' table (each weight's spans, in weight order)."""
+    total = 0
+    for i in range(ws.shape[0]):
+        total += spans(ws[i, 2])
+    return total
+
+
+@njit(inline="always", **_OPTS)
+def _job(ws, job):
+    """Work item `job` of the table ws: (address, row bytes, rows, start in out) of its weight
+    and the span's index within that weight."""
+    i, first = 0, 0
+    while job >= first + spans(ws[i, 2]):
+        first += spans(ws[i, 2])
+        i += 1
+    return ws[i, 0], ws[i, 1], ws[i, 2], ws[i, 3], job - first
+
+
 @functools.cache
 def _kernel(kind: int, which: str):
     """The decode kernel of one layout on one ISA (both constants inside it, and so in
@@ -170,17 +190,11 @@ def _kernel(kind: int, which: str):
         # Job j is span j of all the weights' spans in weight order. The two loops are one body:
         # a helper function would be a closure variable, which numba's cache cannot key.
         xa, da, sa, za, ta = xq.ctypes.data, dq.ctypes.data, sq.ctypes.data, xs.ctypes.data, tab.ctypes.data
-        total = 0
-        for i in range(ws.shape[0]):
-            total += spans(ws[i, 2])
+        total = _jobs(ws)
         if serial:
             res = np.empty(4, np.float32)
             for job in range(total):
-                i, first = 0, 0
-                while job >= first + spans(ws[i, 2]):
-                    first += spans(ws[i, 2])
-                    i += 1
-                wa, st, rows, o, c = ws[i, 0], ws[i, 1], ws[i, 2], ws[i, 3], job - first
+                wa, st, rows, o, c = _job(ws, job)
                 for r in range(c * 4 * SPREAD, min(rows, c * 4 * SPREAD + SPREAD)):
                     r1, r2, r3 = partners(r, rows)
                     _rows4(kind, which, (wa + r * st, wa + r1 * st, wa + r2 * st, wa + r3 * st), xa, da, sa, za,
@@ -194,11 +208,7 @@ def _kernel(kind: int, which: str):
                 res = np.empty(4, np.float32)
                 job = claim(nxt.ctypes.data)
                 while job < total:
-                    i, first = 0, 0
-                    while job >= first + spans(ws[i, 2]):
-                        first += spans(ws[i, 2])
-                        i += 1
-                    wa, st, rows, o, c = ws[i, 0], ws[i, 1], ws[i, 2], ws[i, 3], job - first
+                    wa, st, rows, o, c = _job(ws, job)
                     for r in range(c * 4 * SPREAD, min(rows, c * 4 * SPREAD + SPREAD)):
                         r1, r2, r3 = partners(r, rows)
                         _rows4(kind, which, (wa + r * st, wa + r1 * st, wa + r2 * st, wa + r3 * st), xa, da, sa,
@@ -254,18 +264,12 @@ def _kernel_tokens(kind: int, which: str):
         _by_quad(sq, ntok, nq, si)
         _by_quad(xs, ntok, nq, zi)
         xa, da, sa, za, ta = xi.ctypes.data, di.ctypes.data, si.ctypes.data, zi.ctypes.data, tab.ctypes.data
-        total = 0
-        for i in range(ws.shape[0]):
-            total += spans(ws[i, 2])
+        total = _jobs(ws)
         if serial:
             res = np.empty(4 * ntok, np.float32)
             acc = np.empty(4 * 8 * ntok, np.float32)
             for job in range(total):
-                i, first = 0, 0
-                while job >= first + spans(ws[i, 2]):
-                    first += spans(ws[i, 2])
-                    i += 1
-                wa, st, rows, o, c = ws[i, 0], ws[i, 1], ws[i, 2], ws[i, 3], job - first
+                wa, st, rows, o, c = _job(ws, job)
                 for r in range(c * 4 * SPREAD, min(rows, c * 4 * SPREAD + SPREAD)):
                     r1, r2, r3 = partners(r, rows)
                     _rows4_tokens(kind, which, (wa + r * st, wa + r1 * st, wa + r2 * st, wa + r3 * st), xa, da, sa,
@@ -281,11 +285,7 @@ def _kernel_tokens(kind: int, which: str):
                 acc = np.empty(4 * 8 * ntok, np.float32)
                 job = claim(nxt.ctypes.data)
                 while job < total:
-                    i, first = 0, 0
-                    while job >= first + spans(ws[i, 2]):
-                        first += spans(ws[i, 2])
-                        i += 1
-                    wa, st, rows, o, c = ws[i, 0], ws[i, 1], ws[i, 2], ws[i, 3], job - first
+                    wa, st, rows, o, c = _job(ws, job)
                     for r in range(c * 4 * SPREAD, min(rows, c * 4 * SPREAD + SPREAD)):
                         r1, r2, r3 = partners(r, rows)
                         _rows4_tokens(kind, which, (wa + r * st, wa + r1 * st, wa + r2 * st, wa + r3 * st), xa, da,

@@ -578,9 +578,12 @@ def quantized(x: np.ndarray, wide: bool) -> tuple[np.ndarray, ...]:
     return qx, dx, sums, sums16
 
 
-def matmul(qtype: int, data: np.ndarray, tab: np.ndarray, xq: tuple[np.ndarray, ...], out: np.ndarray) -> None:
-    """out (n, rows) = x @ W.T; xq = quantized(x, wide(qtype)), W's raw (rows, row_bytes) blocks."""
-    _gemm(qtype, isa.current())(data, tab, *xq, out.shape[0], out)
+def matmul(qtype: int, data: np.ndarray, tab: np.ndarray, xq: tuple[np.ndarray, ...], out: np.ndarray,
+           which: str | None = None) -> None:
+    """out (n, rows) = x @ W.T; xq = quantized(x, wide(qtype)), W's raw (rows, row_bytes) blocks.
+    which: the ISA whose tiles to run (default: the one in use); compiled for this process's target,
+    so it must be one this CPU can execute (avxvnni's 256-bit VNNI tiles run on AVX-512 VNNI, EVEX-encoded)."""
+    _gemm(qtype, which or isa.current())(data, tab, *xq, out.shape[0], out)
 
 
 def wide(qtype: int) -> bool:

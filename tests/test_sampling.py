@@ -1,0 +1,41 @@
+"""A shard's sampling candidates (sampling.candidates) against a plain statement of them: the k
+largest logits by a stable sort (ties: lower id first), and the log-sum-exp summed exactly."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from edgetp.model import sampling
+
+
+def _want(x: np.ndarray, k: int, offset: int) -> tuple[np.ndarray, np.ndarray, float]:
+    order = np.argsort(-x.astype(np.float64), kind="stable")[:k]  # equal values keep id order
+    top = x.max()
+    # as candidates defines it: each x - top rounded in f32, then exp and the sum in exact arithmetic
+    lse = float(top) + math.log(math.fsum(math.exp(float(np.float32(v - top))) for v in x))
+    return order + offset, x[order], lse
+
+
+@pytest.mark.parametrize("n, k", [(128256, 40), (49152, 256), (1000, 1), (7, 40), (64, 64)])
+def test_candidates_are_the_stable_top_k_and_the_exact_log_sum_exp(n, k):
+    rng = np.random.default_rng(n + k)
+    x = (rng.standard_normal(n) * 3).astype(np.float32)
+    x[rng.integers(0, n, max(n // 8, 2))] = x.max()  # many ties at the top, across the k-th place
+    x[rng.integers(0, n, max(n // 8, 2))] = np.float32(np.sort(x)[-min(k, n)])  # and at the k-th value
+    x[n // 2] = -np.inf  # a masked logit
+    c = sampling.candidates(x, 5, [], sampling.SamplingParams(temperature=1.0, top_k=k))
+    ids, vals, lse = _want(x, min(k, n), 5)
+    assert np.array_equal(c.ids, ids)
+    assert np.array_equal(c.logits.view(np.uint32), vals.view(np.uint32))
+    assert abs(c.lse - lse) <= 1e-12 * abs(lse) + 1e-12
+
+
+def test_temperature_and_penalty_apply_before_the_selection():
+    x = np.array([1.0, 3.0, 2.0, 3.0, -1.0], np.float32)
+    p = sampling.SamplingParams(temperature=0.5, top_k=3, repeat_penalty=2.0)
+    c = sampling.candidates(x, 0, [1], p)  # token 1 penalised: 3 / 2 = 1.5; all then / 0.5
+    assert c.ids.tolist() == [3, 2, 1]
+    assert c.logits.tolist() == [6.0, 4.0, 3.0]

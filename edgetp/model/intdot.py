@@ -224,7 +224,8 @@ def _kernel(kind: int, which: str):
 @intrinsic
 def _rows4_tokens(typingctx, kind, which, rows, xq, dq, sq, xs, ntok, tab, nb, acc, out):
     """out[4 t + j] (an address of 4 ntok f32) = rows[j] . token t for t < ntok, the tokens' Rounded
-    rows interleaved by quad (_by_quad) from xq/dq/sq/xs; acc: a scratch of ntok * 4 * 8 f32."""
+    rows interleaved by quad (_by_quad; xq by _by_quad_units) from xq/dq/sq/xs; acc: a scratch of
+    ntok * 4 * 8 f32."""
     if not isinstance(kind, types.IntegerLiteral) or not isinstance(which, types.StringLiteral):
         return None
     layout, name = LAYOUTS[kind.literal_value], which.literal_value
@@ -236,6 +237,20 @@ def _rows4_tokens(typingctx, kind, which, rows, xq, dq, sq, xs, ntok, tab, nb, a
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@njit(**_OPTS)
+def _by_quad_units(xq, ntok, nq, out):
+    """_by_quad for xq, each quad's 128 values ordered as intdot_ir.by_unit orders the codes: value
+    32c + 16h + 4j + i (chunk c, half h, dword j, byte i) at 32j + 4(4h + c) + i."""
+    for q in range(nq):
+        for t in range(ntok):
+            at = (q * ntok + t) * 128
+            for c in range(4):
+                for h in range(2):
+                    for j in range(4):
+                        src, dst = q * 128 + 32 * c + 16 * h + 4 * j, at + 32 * j + 4 * (4 * h + c)
+                        out[dst : dst + 4] = xq[t, src : src + 4]
 
 
 @njit(**_OPTS)
@@ -259,7 +274,7 @@ def _kernel_tokens(kind: int, which: str):
         # copied by quad into xi/di/si/zi (flat, as large); out (>= ntok, sum of rows) f32. A
         # job's results go to out row by row after its call.
         nq = xq.shape[1] // 128
-        _by_quad(xq, ntok, nq, xi)
+        _by_quad_units(xq, ntok, nq, xi)
         _by_quad(dq, ntok, nq, di)
         _by_quad(sq, ntok, nq, si)
         _by_quad(xs, ntok, nq, zi)

@@ -1,6 +1,6 @@
 """LLVM IR of the integer decode kernels: a layout row (intdot_layouts) emitted for one ISA.
 
-How an ISA forms the 8 int32 lanes of a chunk (its `_dot_*`), from unsigned codes u (code = u - bias,
+How an ISA forms the 8 int32 lanes of a chunk (its `_dot_*`, added into acc if one is given), from unsigned codes u (code = u - bias,
 the bias removed afterwards as bias * s4) or signed codes (Q8_0, IQ4):
   avx2        vpmaddubsw (u8 x s8 -> pairs in i16) then vpmaddwd by 1 (-> fours in i32);
               signed codes as |code| x sign(xq, code) (vpabsb, vpsignb), as llama.cpp does
@@ -23,8 +23,8 @@ from edgetp.model.vnni import _decl, _vec  # the IR helpers the VNNI prefill pan
 
 _I1, _I8, _I16, _I32, _I64 = (ir.IntType(n) for n in (1, 8, 16, 32, 64))
 _F32 = ir.FloatType()
-_V32I8, _V16I8, _V8I32, _V4I32, _V8F = (ir.VectorType(t, n) for t, n in
-                                        ((_I8, 32), (_I8, 16), (_I32, 8), (_I32, 4), (_F32, 8)))  # fmt: skip
+_V32I8, _V16I8, _V16I16, _V8I32, _V4I32, _V8F = (ir.VectorType(t, n) for t, n in
+                                                 ((_I8, 32), (_I8, 16), (_I16, 16), (_I32, 8), (_I32, 4), (_F32, 8)))  # fmt: skip
 
 
 def _splat8(v):
@@ -44,33 +44,44 @@ def _load(b, addr, off, ty, align=1):
 # ---------------------------------------------------------------- ISAs: how int8 lanes multiply
 
 
-def _dot_avx2(b, u, x, signed):
+def _pairs_avx2(b, u, x, signed):
+    """<16 x i16>: vpmaddubsw's sums of adjacent products, each at most 2 * umax * 127 (xq is
+    within +-127), so never saturated."""
     if signed:  # pmaddubsw wants one unsigned operand: |code| x (xq with the code's sign)
         u, x = b.call(_decl(b.module, "llvm.abs.v32i8", _V32I8, [_V32I8, _I1]), [u, ir.Constant(_I1, 0)]), \
             b.call(_decl(b.module, "llvm.x86.avx2.psign.b", _V32I8, [_V32I8] * 2), [x, u])
-    v16 = ir.VectorType(_I16, 16)
-    pairs = b.call(_decl(b.module, "llvm.x86.avx2.pmadd.ub.sw", v16, [_V32I8] * 2), [u, x])
-    return b.call(_decl(b.module, "llvm.x86.avx2.pmadd.wd", _V8I32, [v16] * 2), [pairs, _vec(_I16, [1] * 16)])
+    return b.call(_decl(b.module, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [_V32I8] * 2), [u, x])
 
 
-def _dot_vnni(b, u, x, signed):
+def _widen_avx2(b, pairs, acc=None):
+    """acc + <8 x i32> of adjacent i16 pairs added (vpmaddwd by 1)."""
+    fn = _decl(b.module, "llvm.x86.avx2.pmadd.wd", _V8I32, [_V16I16] * 2)
+    return _plus(b, acc, b.call(fn, [pairs, _vec(_I16, [1] * 16)]))
+
+
+def _dot_avx2(b, u, x, signed, acc=None):
+    return _widen_avx2(b, _pairs_avx2(b, u, x, signed), acc)
+
+
+def _dot_vnni(b, u, x, signed, acc=None):
     if signed:
         u, x = b.call(_decl(b.module, "llvm.abs.v32i8", _V32I8, [_V32I8, _I1]), [u, ir.Constant(_I1, 0)]), \
             b.call(_decl(b.module, "llvm.x86.avx2.psign.b", _V32I8, [_V32I8] * 2), [x, u])
     fn = _decl(b.module, "llvm.x86.avx512.vpdpbusd.256", _V8I32, [_V8I32] * 3)
-    return b.call(fn, [ir.Constant(_V8I32, None), b.bitcast(u, _V8I32), b.bitcast(x, _V8I32)])
+    return b.call(fn, [acc or ir.Constant(_V8I32, None), b.bitcast(u, _V8I32), b.bitcast(x, _V8I32)])
 
 
-def _dot_neon(b, u, x, signed):
+def _dot_neon(b, u, x, signed, acc=None):
     fn = _decl(b.module, "llvm.aarch64.neon.sdot.v4i32.v16i8", _V4I32, [_V4I32, _V16I8, _V16I8])
     halves = []
     for h in range(2):
         sel = _vec(_I32, range(16 * h, 16 * h + 16))
-        halves.append(b.call(fn, [ir.Constant(_V4I32, None), b.shuffle_vector(u, u, sel), b.shuffle_vector(x, x, sel)]))
+        into = ir.Constant(_V4I32, None) if acc is None else b.shuffle_vector(acc, acc, _vec(_I32, range(4 * h, 4 * h + 4)))
+        halves.append(b.call(fn, [into, b.shuffle_vector(u, u, sel), b.shuffle_vector(x, x, sel)]))
     return b.shuffle_vector(halves[0], halves[1], _vec(_I32, range(8)))
 
 
-def _dot_generic(b, u, x, signed):
+def _dot_generic(b, u, x, signed, acc=None):
     # products of even and odd values added in i32: the shape LLVM matches to pmaddwd on
     # any x86 (SSE2) and to smull/smlal on aarch64; then adjacent pairs added
     v16i32 = ir.VectorType(_I32, 16)
@@ -80,7 +91,12 @@ def _dot_generic(b, u, x, signed):
         return b.mul(b.sext(b.shuffle_vector(u, u, sel), v16i32), b.sext(b.shuffle_vector(x, x, sel), v16i32))
 
     s = b.add(prod(even), prod(odd))
-    return b.add(b.shuffle_vector(s, s, _vec(_I32, range(0, 16, 2))), b.shuffle_vector(s, s, _vec(_I32, range(1, 16, 2))))
+    return _plus(b, acc, b.add(b.shuffle_vector(s, s, _vec(_I32, range(0, 16, 2))),
+                               b.shuffle_vector(s, s, _vec(_I32, range(1, 16, 2)))))
+
+
+def _plus(b, acc, v):
+    return v if acc is None else b.add(acc, v)
 
 
 def _lookup_x86(b, table, idx):
@@ -279,8 +295,48 @@ class Emit:
         (us, ws, wm), (xvs, dq, corr, xs) = w, tok
         units = _units(b, [self.dot(b, u, xv, L.signed or L.table is not None) for u, xv in zip(us, xvs)])
         units = b.sub(units, corr) if corr is not None else units
+        return self._scaled(acc, units, ws, wm, dq, xs)
+
+    def quad_by_unit(self, acc, w, tok):
+        """quad with the codes and the token's xq both `by_unit`: the four dot products add into one
+        vector whose lane l is unit l's integer at once (no lanes to gather), starting from -bias * S."""
+        b, L = self.b, self.layout
+        (us, ws, wm), (xvs, dq, corr, xs) = w, tok
+        signed = L.signed or L.table is not None
+        units = b.sub(ir.Constant(_V8I32, None), corr) if corr is not None else None
+        if self.dot is _dot_avx2:  # vpmaddwd widens once per `group` dots, their pairs summed in i16
+            group = 32767 // (2 * L.umax * 127)  # 8 for 4-bit codes, 4 for 5-bit, 2 for 6, 1 signed
+            for k in range(0, 4, group):
+                pairs = [_pairs_avx2(b, u, xv, signed) for u, xv in zip(us[k : k + group], xvs[k : k + group])]
+                s16 = pairs[0]
+                for p in pairs[1:]:
+                    s16 = b.add(s16, p)
+                units = _widen_avx2(b, s16, units)
+        else:
+            for u, xv in zip(us, xvs):
+                units = self.dot(b, u, xv, signed, units)
+        return self._scaled(acc, units, ws, wm, dq, xs)
+
+    def _scaled(self, acc, units, ws, wm, dq, xs):
+        """acc + (ws * dq) * f32(units) (+ wm * xs): each rounded to f32 in that order."""
+        b = self.b
         acc = b.fadd(acc, b.fmul(b.fmul(ws, dq), b.sitofp(units, _V8F)))
         return b.fadd(acc, b.fmul(wm, xs)) if wm is not None else acc
+
+
+def by_unit(b, us):
+    """A quad's 4 chunks (<32 x i8>, chunk c's values in order: its first 16 in lanes 0-3 of 4
+    bytes, its last 16 in lanes 4-7) -> 4 vectors v_j whose lane l holds bytes 4j..4j+3 of unit l
+    (chunk l % 4, half l // 4: the quad's lane order). A 4 x 4 transpose of i32 lanes within each
+    128-bit half (vpunpck*dq, vpunpck*qdq; zip on NEON). intdot.by_unit_into orders a token's xq alike."""
+    v = [b.bitcast(u, _V8I32) for u in us]
+    lo32, hi32 = _vec(_I32, [0, 8, 1, 9, 4, 12, 5, 13]), _vec(_I32, [2, 10, 3, 11, 6, 14, 7, 15])
+    lo64, hi64 = _vec(_I32, [0, 1, 8, 9, 4, 5, 12, 13]), _vec(_I32, [2, 3, 10, 11, 6, 7, 14, 15])
+    t0, t1 = b.shuffle_vector(v[0], v[1], lo32), b.shuffle_vector(v[2], v[3], lo32)
+    t2, t3 = b.shuffle_vector(v[0], v[1], hi32), b.shuffle_vector(v[2], v[3], hi32)
+    out = [b.shuffle_vector(t0, t1, lo64), b.shuffle_vector(t0, t1, hi64),
+           b.shuffle_vector(t2, t3, lo64), b.shuffle_vector(t2, t3, hi64)]
+    return [b.bitcast(o, _V32I8) for o in out]
 
 
 def _units(b, lanes):
@@ -385,13 +441,15 @@ def emit_rows(b: ir.IRBuilder, layout: Layout, name: str, rows, x, tab, nb, out)
 def emit_rows_tokens(b: ir.IRBuilder, layout: Layout, name: str, rows, x, ntok, tab, nb, acc, out) -> None:
     """out[t * R + r] = row r . token t for every t < ntok: R rows (addresses), x = (xq, dq, sq, xs)
     addresses of ntok Rounded tokens interleaved by quad (quad q of every token, in token order,
-    then quad q + 1: what the token loop of a quad reads is adjacent), acc a scratch of
-    ntok * R * 8 f32.
+    then quad q + 1: what the token loop of a quad reads is adjacent), each quad's xq `by_unit`;
+    acc a scratch of ntok * R * 8 f32.
 
-    For each (row, token) this is emit_rows's arithmetic op for op (the same integers, the same
-    f32 products and sums in the same order), so each result has the single-token bits; but a
+    For each (row, token) this is emit_rows's arithmetic (the same integers, the same f32
+    products and sums in the same order), so each result has the single-token bits; but a
     quad's codes and scales are unpacked once per row and applied to every token in turn, the
-    accumulators living in acc rather than registers (their count is not known here)."""
+    accumulators living in acc rather than registers (their count is not known here). The
+    codes are transposed `by_unit` once per row, so that each token's unit integers come from
+    four chained dot products alone, without emit_rows's gathering of lanes (_units)."""
     em = Emit(b, layout, name, tab)
     R = len(rows)
 
@@ -406,12 +464,15 @@ def emit_rows_tokens(b: ir.IRBuilder, layout: Layout, name: str, rows, x, ntok, 
     _loop(b, ntok, [], zero, "tok.zero")
 
     def apply(q, ws, _):
-        for r, w in enumerate(ws):
-            def each(t, _, r=r, w=w):
+        ws = [(by_unit(b, us), s, m) for us, s, m in ws]  # once per row, for every token
+
+        def each(t, _):  # the token's quad loaded once for all R rows
+            tok = em.token(x, b.add(b.mul(q, ntok), t))
+            for r, w in enumerate(ws):
                 p = acc_at(t, r)
-                b.store(em.quad(b.load(p, align=4), w, em.token(x, b.add(b.mul(q, ntok), t))), p, align=4)
-                return []
-            _loop(b, ntok, [], each, f"tok.row{r}")
+                b.store(em.quad_by_unit(b.load(p, align=4), w, tok), p, align=4)
+            return []
+        _loop(b, ntok, [], each, "tok.rows")
         return []
 
     _quads(b, em, rows, nb, [], apply, "tok")

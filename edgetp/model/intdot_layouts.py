@@ -76,6 +76,14 @@ class Layout:
         return any(ch.lo != ch.hi for ch in self.chunks)
 
     @property
+    def umax(self) -> int:
+        """The largest unsigned multiplicand a dot product takes: the largest code u, or 128 for
+        signed codes and a code book's values (|code| <= 128, multiplied as |code| x sign)."""
+        if self.signed or self.table is not None:
+            return 128
+        return max(sum(f.mask << f.pos for f in ch.code) for ch in self.chunks)
+
+    @property
     def slots(self) -> tuple[Scale, ...]:
         """The scales of a block in value order: one per chunk, or one per 16 values if split
         (1 for the 32-value types, 8 or 16 for the K-quants)."""

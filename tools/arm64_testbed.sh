@@ -313,10 +313,12 @@ run_tests() {
     kernels="$(kernel_tests)"
     # neon: test_quant's int8_kernels cases run the NEON decode (intdot, sdot) and prefill
     # (intgemm's neon tiles) in this process; test_intdot and test_intgemm_isa run a child
-    # per ISA (neon, generic) and hold their bits to each other and to numpy. The generic
+    # per ISA (neon, generic) and hold their bits to each other and to numpy; the several-token
+    # decode kernel (sdot chained into one accumulator) against each token alone. The generic
     # group runs the kernels of the generic ISA in-process (its children repeat the above).
     # shellcheck disable=SC2046
     phase "kernels neon" test_group kernels-neon "${PI5[@]}" -- $(kernel_tests test_intgemm_isa.py) \
+        /src/tests/test_batch_rows.py::test_several_token_kernel_is_each_tokens_canonical_bits \
         || failures=$((failures + 1))
     # shellcheck disable=SC2086
     phase "kernels generic" test_group kernels-generic EDGETP_ISA=generic -- $kernels || failures=$((failures + 1))

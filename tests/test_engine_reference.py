@@ -64,8 +64,17 @@ WIDE = 1e-3
 # straddle a rounding midpoint (about 1 in 1000 values: f32 error ~1e-6 against an f16 step
 # of ~1e-3) they land one f16 step apart, and attention carries that on through the layers.
 # Measured: at most 2.7e-4 (stories260K) and 5.5e-4 (SmolLM2 Q4_1) of the spread, where the
-# f16 rounding itself moves the logits 4.3e-4 and 1.0e-3 from the f32-cache math.
+# f16 rounding itself moves the logits 4.3e-4 and 1.0e-3 from the f32-cache math; but on a Zen 4
+# (AVX-512, other f32 errors, other straddles) SmolLM2 Q4_1 came to 1.8e-3 where the rounding
+# moves them 1.2e-3, while its f32 cache stayed 2.3e-6 from exact. So against the f16 math the
+# bound is relative: a straddled value is off by one f16 step where the rounding moves each by
+# up to half of one (KV16_STRADDLE); and our f16-cache logits are no further from the exact
+# f32-cache math than the f16 math itself is (KV16_ROUNDING): measured 0.80-1.05x on every model
+# here (Zen 4), where a writer that clears the last mantissa bit of every f16 gave 1.96-3.35x.
+# KV16 bounds the distance to llama.cpp beyond llama.cpp's own, as before.
 KV16 = 1e-3
+KV16_STRADDLE = 2.0
+KV16_ROUNDING = 1.25
 # A q8_0 cache rounds every key and value to a step of its block of 32 (d = amax / 127, an f16),
 # and the float64 math (kv_type "q8_0") rounds its own the same way (gguf-py's Q8_0). Where our
 # f32 value and the float64 one straddle a rounding midpoint (f32 error ~1e-6 of the block's
@@ -140,11 +149,23 @@ def test_logits_at_every_position_equal_the_exact_float64_math(which, kv_type, s
     path, text = _models(which, stories_path, smollm2_path, requantized, synth_model)
     ids = Tokenizer.from_metadata(gguf.open_model(path).metadata).encode(text, parse_special=True)
     exact = reference.exact_logits(path, ids, kv_type)
-    err = _error(_ours(path, ids, kv_type), exact, _spread(exact))
-    assert err.max() <= BOUND[kv_type], f"max error {err.max():.2e} of the spread > {BOUND[kv_type]:.0e}"
+    ours = _ours(path, ids, kv_type)
+    spread = _spread(exact)
+    err = _error(ours, exact, spread)
+    if kv_type == "f32":
+        assert err.max() <= EXACT, f"max error {err.max():.2e} of the spread > {EXACT:.0e}"
+        return
+    f32 = reference.exact_logits(path, ids, "f32")
+    rounding = _error(exact, f32, spread).max()  # how far the cache's rounding moves the exact logits
     if kv_type == "q8_0":  # never further than q8_0's own rounding moves the exact logits
-        rounding = _error(exact, reference.exact_logits(path, ids, "f32"), _spread(exact)).max()
+        assert err.max() <= KV8, f"max error {err.max():.2e} of the spread > {KV8:.0e}"
         assert err.max() <= rounding, f"max error {err.max():.2e} > the q8_0 rounding's own {rounding:.2e}"
+        return
+    assert err.max() <= KV16_STRADDLE * rounding + EXACT, (
+        f"max error {err.max():.2e} > {KV16_STRADDLE} x the f16 rounding's own {rounding:.2e}")
+    moved = _error(ours, f32, spread).max()
+    assert moved <= KV16_ROUNDING * rounding + EXACT, (
+        f"our f16 cache moves the logits {moved:.2e} from the f32-cache math, the f16 math {rounding:.2e}")
 
 
 @pytest.mark.parametrize("which,kv_type", KV)

@@ -2,8 +2,11 @@
 
     python tools/membw.py [--mb 512] [--threads 1]
 
-Reads a buffer far larger than the caches with a numba loop of 8 independent
-uint64 sums (no stores), best of several passes.
+Reads a buffer far larger than the caches, each thread summing contiguous pieces of it
+with a plain compiled loop of uint64 adds (no stores; LLVM vectorizes it), best of several passes.
+The loop is a function of its own: written inside the prange body (as it was until 2026-11-25),
+numba left it scalar, and on a Zen 4 it read 4.9 GB/s where this reads 34 (numpy's sum: 31), so
+every decode there looked faster than memory.
 """
 
 from __future__ import annotations
@@ -16,21 +19,28 @@ import numpy as np
 from numba import njit, prange
 
 
+PIECE = 1 << 15  # uint64 words a thread sums at a time (256 KiB)
+
+
+@njit(cache=True, nogil=True)
+def _sum(words):  # a contiguous piece: the sum of its words
+    s = np.uint64(0)
+    for i in range(words.shape[0]):
+        s += words[i]
+    return s
+
+
 @njit(parallel=True, cache=True, nogil=True)
-def _read(buf):  # buf: (n, 8) uint64; sum of every word, lanes independent
+def _read(buf):  # buf: (n * PIECE,) uint64; the sum of every word
     total = np.uint64(0)
-    for c in prange(buf.shape[0] // 4096):
-        acc = np.zeros(8, np.uint64)
-        for i in range(c * 4096, (c + 1) * 4096):
-            for j in range(8):
-                acc[j] += buf[i, j]
-        total += acc.sum()
+    for c in prange(buf.shape[0] // PIECE):
+        total += _sum(buf[c * PIECE : (c + 1) * PIECE])
     return total
 
 
 def read_bandwidth(threads: int = 1, mb: int = 512, passes: int = 5) -> float:
     """Bytes per second a plain read of `mb` MB reaches on `threads` threads (best of `passes`)."""
-    buf = np.ones((mb * (1 << 20) // 64 // 4096 * 4096, 8), np.uint64)
+    buf = np.ones(mb * (1 << 20) // 8 // PIECE * PIECE, np.uint64)
     prev = numba.get_num_threads()
     numba.set_num_threads(threads)
     try:

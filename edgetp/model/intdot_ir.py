@@ -328,7 +328,7 @@ def by_unit(b, us):
     """A quad's 4 chunks (<32 x i8>, chunk c's values in order: its first 16 in lanes 0-3 of 4
     bytes, its last 16 in lanes 4-7) -> 4 vectors v_j whose lane l holds bytes 4j..4j+3 of unit l
     (chunk l % 4, half l // 4: the quad's lane order). A 4 x 4 transpose of i32 lanes within each
-    128-bit half (vpunpck*dq, vpunpck*qdq; zip on NEON). intdot.by_unit_into orders a token's xq alike."""
+    128-bit half (vpunpck*dq, vpunpck*qdq; zip on NEON). intdot._by_quad_units orders a token's xq alike."""
     v = [b.bitcast(u, _V8I32) for u in us]
     lo32, hi32 = _vec(_I32, [0, 8, 1, 9, 4, 12, 5, 13]), _vec(_I32, [2, 10, 3, 11, 6, 14, 7, 15])
     lo64, hi64 = _vec(_I32, [0, 1, 8, 9, 4, 5, 12, 13]), _vec(_I32, [2, 3, 10, 11, 6, 7, 14, 15])

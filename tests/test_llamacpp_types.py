@@ -52,7 +52,7 @@ from edgetp.model import gguf
 from edgetp.model import quant as Q
 from edgetp.model.generate import LocalRunner
 from tests import reference
-from tests.test_engine_reference import FOX, INT8_VS_CPP, KV16, QUESTION
+from tests.test_engine_reference import FOX, INT8_VS_CPP, KV16, QUESTION, _error, _spread
 
 pytestmark = pytest.mark.llamacpp
 
@@ -142,10 +142,10 @@ def check_logits_against_exact_math_and_llamacpp(path, text: str) -> None:
     exact = reference.exact_logits(path, ids, "f16")
     cpp = reference.logits(path, ids, "f16")
     ours = LocalRunner(gguf.open_model(path), 256).logits(ids, 0)
-    spread = exact.max(axis=1) - exact.min(axis=1)
-    ours_vs_exact = np.abs(ours - exact).max(axis=1) / spread
-    ours_vs_cpp = np.abs(ours - cpp).max(axis=1) / spread
-    cpp_vs_exact = np.abs(cpp - exact).max(axis=1) / spread
+    spread = _spread(exact)
+    ours_vs_exact = _error(ours, exact, spread)
+    ours_vs_cpp = _error(ours, cpp, spread)
+    cpp_vs_exact = _error(cpp, exact, spread)
     assert ours_vs_exact.max() <= KV16, f"max error {ours_vs_exact.max():.2e} of the spread > {KV16:.0e}"
     assert ours_vs_cpp.max() <= CPP_ROUNDING, f"ours vs llama.cpp {ours_vs_cpp.max():.2f} of the spread"
     worst = int(np.argmax(ours_vs_cpp - cpp_vs_exact))
@@ -187,9 +187,9 @@ def test_integer_prefill_of_llamacpp_files_is_as_close_to_exact_as_llamacpp(sour
     path = quantized(smollm2_path if source == "smollm2" else synth_model(source, "f16"), ftype)
     ids = reference.tokenize(path, QUESTION if source == "smollm2" else FOX, special=True)
     exact = reference.exact_logits(path, ids)  # the integer kernels' rounding alone: f32 caches
-    spread = exact.max(axis=1) - exact.min(axis=1)
+    spread = _spread(exact)
     ours = LocalRunner(gguf.open_model(path), 256, kv_type="f32").logits(ids, 0)
     cpp = reference.logits(path, ids)
-    ours_err = (np.abs(ours - exact).max(axis=1) / spread).mean()
-    cpp_err = (np.abs(cpp - exact).max(axis=1) / spread).mean()
+    ours_err = _error(ours, exact, spread).mean()
+    cpp_err = _error(cpp, exact, spread).mean()
     assert 1e-3 < ours_err <= INT8_VS_CPP * cpp_err, f"mean error {ours_err:.2e} vs llama.cpp's {cpp_err:.2e}"

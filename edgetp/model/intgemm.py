@@ -122,18 +122,11 @@ TYPES = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q2_K, QT.Q3_K, QT.Q4_K,
          QT.IQ4_NL, QT.IQ4_XS)
 
 
-def _code_bits(ch: IL.Chunk) -> int:
-    u = 0
-    for f in ch.code:
-        u |= f.mask << f.pos
-    return u
-
-
 def _kind(qtype: int) -> Kind:
     L = IL.LAYOUTS[qtype]
     assert L.values % 32 == 0, qtype
     signed = L.signed or L.table is not None  # the panel holds int8 weights
-    umax = max(_code_bits(ch) for ch in L.chunks)
+    umax = L.umax  # the largest unsigned code (128 for signed ones, which the panel holds as int8: 127 below)
     units = 2 if L.split else 1
     halves = sorted({s.d for s in L.slots} | {s.m for s in L.slots if s.m is not None})
     assert not signed or qtype in WIDE, qtype

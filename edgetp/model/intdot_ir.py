@@ -14,6 +14,8 @@ IQ4's table lookup is the ISA's byte shuffle (vpshufb, tbl; generic: selects).
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 from llvmlite import ir
 
 from edgetp.model.intdot_layouts import Field, Layout
@@ -118,14 +120,46 @@ def _lookup_generic(b, table, idx):
     return v
 
 
-# isa -> (dot, lookup, f16 by fpext (else a table))
+class Ops(NamedTuple):
+    dot: Callable  # the _dot_* of the ISA
+    lookup: Callable  # the _lookup_* of the ISA
+    fpext: bool  # f16 by fpext (vcvtph2ps, fcvtl), else a table
+    wide_u8: bool  # dot takes unsigned bytes to 255 (see in_place)
+    word_permute: bool  # a 64-byte vector of 32 words permutes in one instruction (vpermw, vpermt2w)
+
+
 ISA_OPS = {
-    "avx2": (_dot_avx2, _lookup_x86, True),
-    "avxvnni": (_dot_vnni, _lookup_x86, True),
-    "avx512vnni": (_dot_vnni, _lookup_x86, True),
-    "neon": (_dot_neon, _lookup_neon, True),
-    "generic": (_dot_generic, _lookup_generic, False),
+    "avx2": Ops(_dot_avx2, _lookup_x86, True, False, False),  # vpmaddubsw's i16 pairs would saturate
+    "avxvnni": Ops(_dot_vnni, _lookup_x86, True, True, False),
+    "avx512vnni": Ops(_dot_vnni, _lookup_x86, True, True, True),
+    "neon": Ops(_dot_neon, _lookup_neon, True, False, False),  # sdot's bytes are signed
+    "generic": Ops(_dot_generic, _lookup_generic, False, False, False),
 }
+
+
+def in_place(layout: Layout) -> tuple[int, ...] | None:
+    """Each quad lane's shift k when a layout's codes can be multiplied where they lie in their
+    byte, u * 2^k (byte & (mask << k)), the unit's integer then shifted right by k, exactly (it
+    is a multiple of 2^k): a nibble or 2-bit plane without its shift. Layouts whose every chunk
+    is one such field (Q4_0, Q4_1, Q4_K, Q2_K), the shift the same over each 16 values and the
+    same for every quad; else None. Only for a dot product that takes u8 to 255 (VNNI)."""
+    if layout.signed or layout.table is not None:
+        return None
+    quads = [layout.chunks[i : i + 4] for i in range(0, len(layout.chunks), 4)]
+    lanes = set()
+    for chunks in quads:
+        ks = []
+        for ch in chunks:
+            if len(ch.code) != 1 or ch.code[0].pos or ch.code[0].mask == 1:
+                return None
+            f = ch.code[0]
+            halves = (set(f.shift[:16]), set(f.shift[16:]))
+            if any(len(h) != 1 for h in halves) or f.mask << max(f.shift) > 255:
+                return None
+            ks.append(tuple(h.pop() for h in halves))
+        ks = ks * (4 // len(ks))  # a 32-value layout: one chunk, four times a quad
+        lanes.add(tuple(ks[l % 4][l // 4] for l in range(8)))
+    return lanes.pop() if len(lanes) == 1 and any(next(iter(lanes))) else None
 
 
 # ---------------------------------------------------------------- layout rows -> IR
@@ -136,7 +170,8 @@ class Emit:
 
     def __init__(self, b: ir.IRBuilder, layout: Layout, name: str, tab):
         self.b, self.layout, self.tab = b, layout, tab
-        self.dot, self.lookup, self.fpext = ISA_OPS[name]
+        self.dot, self.lookup, self.fpext, wide, self.permute = ISA_OPS[name]
+        self.shifts = in_place(layout) if wide else None  # see in_place: quad32/quads256 codes only
 
     def f16(self, base, off):
         b = self.b
@@ -145,14 +180,16 @@ class Emit:
             return b.fpext(b.bitcast(h, ir.HalfType()), _F32)
         return _load(b, self.tab, b.mul(b.zext(h, _I64), ir.Constant(_I64, 4)), _F32, align=4)
 
-    def codes(self, base, fields: tuple[Field, ...]):
-        """<32 x i8> unsigned codes u of a chunk."""
+    def codes(self, base, fields: tuple[Field, ...], shifted=False):
+        """<32 x i8> unsigned codes u of a chunk; shifted: u * 2^k where they lie (see in_place)."""
         b, u = self.b, None
         for f in fields:
             n = next(n for n in (4, 16, 32) if max(f.idx) < n)
             raw = _load(b, base, f.off, ir.VectorType(_I8, n))
             g = raw if n == 32 and f.idx == tuple(range(32)) else b.shuffle_vector(raw, raw, _vec(_I32, f.idx))
-            if f.mask == 1:  # one bit: test it in place
+            if shifted:
+                v = b.and_(g, _vec(_I8, [f.mask << k for k in f.shift]))
+            elif f.mask == 1:  # one bit: test it in place
                 bit = b.and_(g, _vec(_I8, [1 << s for s in f.shift]))
                 v = b.select(b.icmp_unsigned("!=", bit, _splat8(0)), _splat8(1 << f.pos), _splat8(0))
             elif len(set(f.shift)) > 1 and all(len(set(f.shift[i : i + 4])) == 1 for i in range(0, 32, 4)) \
@@ -218,10 +255,10 @@ class Emit:
             return ws, None
         return ws, b.fneg(b.fmul(splat(self.f16(base, s0.m)), ints_f32(ints, range(n, 2 * n), 0)))
 
-    def chunk(self, base, ch):
+    def chunk(self, base, ch, shifted=False):
         """<32 x i8> integer codes of a chunk as `dot` takes them: u (a bias removed later), int8 or
-        a table's values."""
-        u = self.codes(base, ch.code)
+        a table's values; shifted: u * 2^k where they lie (in_place's layouts)."""
+        u = self.codes(base, ch.code, shifted)
         return self.lookup(self.b, self.layout.table, u) if self.layout.table is not None else u
 
     def quad32(self, row, q, valid=None):
@@ -237,7 +274,7 @@ class Emit:
             base = b.add(first, ir.Constant(_I64, i * L.nbytes)) if i else first
             if valid is not None and i:
                 base = b.select(valid[i], base, first)
-            u = self.chunk(base, ch)
+            u = self.chunk(base, ch, self.shifts is not None)
             hd = _load(b, base, ch.lo.d, _I16)
             hm = _load(b, base, ch.lo.m, _I16) if L.offset else None
             if valid is not None and i:  # f16 +0 is 0
@@ -247,7 +284,23 @@ class Emit:
             us.append(u)
             d.append(hd)
             m.append(hm)
+        if valid is None and self.permute:  # a whole quad: each scale field's four f16 at once
+            return us, self.words(first, ch.lo.d), (self.words(first, ch.lo.m) if L.offset else None)
         return us, self.halves(d), (self.halves(m) if L.offset else None)
+
+    def words(self, first, off):
+        """The f16 at `off` of a quad's 4 blocks from `first` (its whole 4 * nbytes are there) as
+        halves gives them: picked from one or two 64-byte loads by one word permutation, where
+        halves inserts them one by one. Field offsets are even (every 32-value layout's)."""
+        b, n = self.b, self.layout.nbytes
+        at = [i * n + off for i in range(4)]
+        hi = min([4 * n - 64] + [a for a in at if a + 2 > 64])  # the second load: no further than the quad's end
+        assert 4 * n >= 64 and all(a % 2 == 0 and (a + 2 <= 64 or hi <= a <= hi + 62) for a in at) and hi % 2 == 0
+        v32 = ir.VectorType(_I16, 32)
+        lo_v, hi_v = _load(b, first, 0, v32), (_load(b, first, hi, v32) if at[-1] + 2 > 64 else None)
+        idx = [a // 2 if a + 2 <= 64 else 32 + (a - hi) // 2 for a in at]
+        h = b.shuffle_vector(lo_v, hi_v if hi_v is not None else ir.Constant(v32, None), _vec(_I32, idx * 2))
+        return b.fpext(b.bitcast(h, ir.VectorType(ir.HalfType(), 8)), _V8F)
 
     def halves(self, f16s):
         """4 f16 bit patterns (i16) -> <8 x f32>: each chunk's value for both of its halves, in lane
@@ -273,7 +326,7 @@ class Emit:
         for h in range(2):
             chunks = L.chunks[4 * h : 4 * h + 4]
             sel = _vec(_I32, [(2 * (4 * h + l % 4) + l // 4) if L.split else 4 * h + l % 4 for l in range(8)])
-            out.append(([self.chunk(base, ch) for ch in chunks], b.shuffle_vector(ws, ws, sel),
+            out.append(([self.chunk(base, ch, self.shifts is not None) for ch in chunks], b.shuffle_vector(ws, ws, sel),
                         b.shuffle_vector(wm, wm, sel) if wm is not None else None))
         return out
 
@@ -293,7 +346,7 @@ class Emit:
         """acc + one quad of one row w = (codes, ws, wm) times one token tok (self.token)."""
         b, L = self.b, self.layout
         (us, ws, wm), (xvs, dq, corr, xs) = w, tok
-        units = _units(b, [self.dot(b, u, xv, L.signed or L.table is not None) for u, xv in zip(us, xvs)])
+        units = self._unshift(_units(b, [self.dot(b, u, xv, L.signed or L.table is not None) for u, xv in zip(us, xvs)]))
         units = b.sub(units, corr) if corr is not None else units
         return self._scaled(acc, units, ws, wm, dq, xs)
 
@@ -303,6 +356,8 @@ class Emit:
         b, L = self.b, self.layout
         (us, ws, wm), (xvs, dq, corr, xs) = w, tok
         signed = L.signed or L.table is not None
+        if corr is not None and self.shifts:  # seeded at -bias * S * 2^k, shifted back after the dots
+            corr = b.shl(corr, _vec(_I32, self.shifts))
         units = b.sub(ir.Constant(_V8I32, None), corr) if corr is not None else None
         if self.dot is _dot_avx2:  # vpmaddwd widens once per `group` dots, their pairs summed in i16
             group = 32767 // (2 * L.umax * 127)  # 8 for 4-bit codes, 4 for 5-bit, 2 for 6, 1 signed
@@ -315,7 +370,12 @@ class Emit:
         else:
             for u, xv in zip(us, xvs):
                 units = self.dot(b, u, xv, signed, units)
-        return self._scaled(acc, units, ws, wm, dq, xs)
+        return self._scaled(acc, self._unshift(units), ws, wm, dq, xs)
+
+    def _unshift(self, units):
+        """A quad's unit integers from codes multiplied in place (in_place): each shifted right by
+        its lane's k, exactly."""
+        return self.b.ashr(units, _vec(_I32, self.shifts)) if self.shifts else units
 
     def _scaled(self, acc, units, ws, wm, dq, xs):
         """acc + (ws * dq) * f32(units) (+ wm * xs): each rounded to f32 in that order."""

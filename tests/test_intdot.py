@@ -204,6 +204,56 @@ def test_compiled_kernel_uses_the_isas_multiply_instructions_and_no_fma(name, wa
         assert not any(f.startswith("vfmadd") for f in found), f"{qt} fuses multiply-adds: {found}"
 
 
+# ISA -> what its decode kernels must contain, compiled for test_intgemm_isa.CROSS's CPU: the ISA's
+# multiply (signed types as Q8_0: avx2 needs vpsignb there), its prefetch, and for avx512vnni the
+# word permutation that picks a quad's scales (vpermw, or vpermt2w/vpermi2w from two loads)
+DECODE_ASM = {
+    "avx512vnni": (["vpdpbusd", "prefetcht1"], ["vpermw", "vpermt2w", "vpermi2w"]),
+    "avxvnni": (["{vex}", "vpdpbusd", "prefetcht1"], []),
+    "avx2": (["vpmaddubsw", "vpmaddwd", "prefetcht1"], []),
+    "neon": (["sdot", "prfm\tpldl2keep"], []),
+    "generic": (["prefetcht1"], []),  # plain LLVM vectors: whatever x86-64 selects for them
+}
+
+
+@pytest.mark.parametrize("name", isa.ISAS)
+def test_every_isas_decode_kernels_compile_for_its_cpu_and_use_its_instructions(name):
+    # compile only: the single- and several-token kernels of ISAs this CPU lacks (avxvnni's VEX
+    # encoding, NEON) are valid IR that selects to their instructions; the bit tests run them where
+    # the CPU can (and tools/arm64_testbed.sh runs NEON under qemu)
+    import llvmlite.binding as llvm  # noqa: PLC0415
+    from llvmlite import ir  # noqa: PLC0415
+
+    from edgetp.model import intdot_ir  # noqa: PLC0415
+    from tests.test_intgemm_isa import CROSS  # noqa: PLC0415
+
+    llvm.initialize_all_targets()
+    llvm.initialize_all_asmprinters()
+    triple, cpu, _ = CROSS[name]
+    every, one_of = DECODE_ASM[name]
+    for qt in TYPES:
+        L, i64 = LAYOUTS[qt], ir.IntType(64)
+        mod = ir.Module(name="decode")
+        mod.triple = triple
+        one = ir.Function(mod, ir.FunctionType(ir.VoidType(), [i64] * 11), name="rows")
+        b = ir.IRBuilder(one.append_basic_block("entry"))
+        a = list(one.args)
+        intdot_ir.emit_rows(b, L, name, a[:4], a[4:8], a[8], a[9], a[10])
+        b.ret_void()
+        several = ir.Function(mod, ir.FunctionType(ir.VoidType(), [i64] * 13), name="tokens")
+        b = ir.IRBuilder(several.append_basic_block("entry"))
+        a = list(several.args)
+        intdot_ir.emit_rows_tokens(b, L, name, a[:4], a[4:8], a[8], a[9], a[10], a[11], a[12])
+        b.ret_void()
+        m = llvm.parse_assembly(str(mod))
+        m.verify()
+        asm = llvm.Target.from_triple(triple).create_target_machine(cpu=cpu, opt=3).emit_assembly(m)
+        for word in every:
+            assert word in asm, f"{name} {L.qtype.name}: no {word} in its decode code for {cpu}"
+        if one_of and L.values == 32:
+            assert any(w in asm for w in one_of), f"{name} {L.qtype.name}: none of {one_of} for {cpu}"
+
+
 def test_a_forced_isa_the_cpu_lacks_imports_quietly_and_leaves_the_kernels_off():
     lacking = next((n for n in isa.ISAS if n not in RUNNABLE), None)
     if lacking is None:  # pragma: no cover - a CPU that runs every ISA does not exist

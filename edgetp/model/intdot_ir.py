@@ -126,10 +126,11 @@ class Ops(NamedTuple):
     fpext: bool  # f16 by fpext (vcvtph2ps, fcvtl), else a table
     wide_u8: bool  # dot takes unsigned bytes to 255 (see in_place)
     word_permute: bool  # a 64-byte vector of 32 words permutes in one instruction (vpermw, vpermt2w)
+    pairs: tuple[Callable, Callable] | None = None  # dot = widen(pairs): several dots' i16 pairs may add first
 
 
 ISA_OPS = {
-    "avx2": Ops(_dot_avx2, _lookup_x86, True, False, False),  # vpmaddubsw's i16 pairs would saturate
+    "avx2": Ops(_dot_avx2, _lookup_x86, True, False, False, (_pairs_avx2, _widen_avx2)),  # i16 pairs: no u8 to 255
     "avxvnni": Ops(_dot_vnni, _lookup_x86, True, True, False),
     "avx512vnni": Ops(_dot_vnni, _lookup_x86, True, True, True),
     "neon": Ops(_dot_neon, _lookup_neon, True, False, False),  # sdot's bytes are signed
@@ -170,7 +171,7 @@ class Emit:
 
     def __init__(self, b: ir.IRBuilder, layout: Layout, name: str, tab):
         self.b, self.layout, self.tab = b, layout, tab
-        self.dot, self.lookup, self.fpext, wide, self.permute = ISA_OPS[name]
+        self.dot, self.lookup, self.fpext, wide, self.permute, self.pairs = ISA_OPS[name]
         self.shifts = in_place(layout) if wide else None  # see in_place: quad32/quads256 codes only
 
     def f16(self, base, off):
@@ -359,14 +360,15 @@ class Emit:
         if corr is not None and self.shifts:  # seeded at -bias * S * 2^k, shifted back after the dots
             corr = b.shl(corr, _vec(_I32, self.shifts))
         units = b.sub(ir.Constant(_V8I32, None), corr) if corr is not None else None
-        if self.dot is _dot_avx2:  # vpmaddwd widens once per `group` dots, their pairs summed in i16
+        if self.pairs:  # widened once per `group` dots (AVX2's vpmaddwd), their pairs summed in i16
+            pair, widen = self.pairs
             group = 32767 // (2 * L.umax * 127)  # 8 for 4-bit codes, 4 for 5-bit, 2 for 6, 1 signed
             for k in range(0, 4, group):
-                pairs = [_pairs_avx2(b, u, xv, signed) for u, xv in zip(us[k : k + group], xvs[k : k + group])]
+                pairs = [pair(b, u, xv, signed) for u, xv in zip(us[k : k + group], xvs[k : k + group])]
                 s16 = pairs[0]
                 for p in pairs[1:]:
                     s16 = b.add(s16, p)
-                units = _widen_avx2(b, s16, units)
+                units = widen(b, s16, units)
         else:
             for u, xv in zip(us, xvs):
                 units = self.dot(b, u, xv, signed, units)

@@ -50,6 +50,7 @@ from gguf import GGMLQuantizationType as QT  # noqa: E402
 from edgetp.model import deq as D  # noqa: E402
 from edgetp.model import intdot, intgemm  # noqa: E402
 from edgetp.model import kernels as K  # noqa: E402
+from edgetp.model.sampling import top_k  # noqa: E402
 
 # qtype -> (values per block, bytes per block)
 _BLOCK = {
@@ -272,8 +273,9 @@ def refine_top(w: Weight, x: np.ndarray, out: np.ndarray, k: int) -> None:
     k = min(k, w.rows)
     if k <= 0:
         return
-    rows = np.argpartition(out, w.rows - k)[w.rows - k :].astype(np.int64)
-    exact = np.empty(k, np.float32)
+    rows, vals = np.empty(k, np.int64), np.empty(k, np.float32)
+    rows = rows[: top_k(out, rows, vals)]  # fewer only where out holds NaN
+    exact = np.empty(rows.shape[0], np.float32)
     D.exact_dots(int(w.qtype), w.data, rows, np.ascontiguousarray(x, np.float32), _TAB16, _TABBF, exact)
     out[rows] = exact
 

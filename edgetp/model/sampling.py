@@ -99,11 +99,11 @@ def candidates(logits: np.ndarray, offset: int, history: Sequence[int], params: 
 
 
 @njit(cache=True, nogil=True)
-def _top_lse(x, idx, vals):  # pragma: no cover - compiled
-    # idx, vals (k,) = the k largest of x (f32), largest first, ties lower index first; returns
-    # top + log(sum of exp(f64(x - top))), top = max(x). One pass for the k best (an entry
-    # goes in only if strictly above the k-th so far, after its equals: ties keep index order),
-    # one for the sum: over a 128k vocabulary ~5x faster than argpartition, lexsort and numpy's exp.
+def top_k(x, idx, vals):  # pragma: no cover - compiled
+    # idx, vals (k,) = the k largest of x (f32), largest first, ties lower index first, in one
+    # pass: an entry goes in only if strictly above the k-th so far, after its equals (so ties
+    # keep index order). Over a 128k vocabulary with k = 64: ~0.1 ms, where argpartition takes
+    # ~1.2. NaN never enters. Returns how many were filled (k, or fewer entries than k).
     k, m = idx.shape[0], 0
     for i in range(x.shape[0]):
         v = x[i]
@@ -116,6 +116,14 @@ def _top_lse(x, idx, vals):  # pragma: no cover - compiled
             j -= 1
         vals[j], idx[j] = v, i
         m = min(m + 1, k)
+    return m
+
+
+@njit(cache=True, nogil=True)
+def _top_lse(x, idx, vals):  # pragma: no cover - compiled
+    # top_k, then top + log(sum of exp(f64(x - top))), top = max(x): over a 128k vocabulary
+    # ~5x faster than argpartition, lexsort and numpy's exp.
+    top_k(x, idx, vals)
     top = vals[0]
     s = 0.0
     for i in range(x.shape[0]):

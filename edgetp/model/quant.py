@@ -274,8 +274,8 @@ def refine_top(w: Weight, x: np.ndarray, out: np.ndarray, k: int) -> None:
     if k <= 0:
         return
     rows, vals = np.empty(k, np.int64), np.empty(k, np.float32)
-    rows = rows[: top_k(out, rows, vals)]  # fewer only where out holds NaN
-    exact = np.empty(rows.shape[0], np.float32)
+    top_k(out, rows, vals)
+    exact = np.empty(k, np.float32)
     D.exact_dots(int(w.qtype), w.data, rows, np.ascontiguousarray(x, np.float32), _TAB16, _TABBF, exact)
     out[rows] = exact
 

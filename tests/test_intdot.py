@@ -204,9 +204,9 @@ def test_compiled_kernel_uses_the_isas_multiply_instructions_and_no_fma(name, wa
         assert not any(f.startswith("vfmadd") for f in found), f"{qt} fuses multiply-adds: {found}"
 
 
-# ISA -> what its decode kernels must contain, compiled for test_intgemm_isa.CROSS's CPU: the ISA's
-# multiply (signed types as Q8_0: avx2 needs vpsignb there), its prefetch, and for avx512vnni the
-# word permutation that picks a quad's scales (vpermw, or vpermt2w/vpermi2w from two loads)
+# ISA -> (what each type's decode kernels must contain, compiled for test_intgemm_isa.CROSS's CPU:
+# the ISA's multiply and its prefetch; one of which a 32-value type's must: for avx512vnni the word
+# permutation that picks a quad's scales, vpermw, or vpermt2w/vpermi2w from two loads)
 DECODE_ASM = {
     "avx512vnni": (["vpdpbusd", "prefetcht1"], ["vpermw", "vpermt2w", "vpermi2w"]),
     "avxvnni": (["{vex}", "vpdpbusd", "prefetcht1"], []),

@@ -77,7 +77,7 @@ def _sum4(a0, a1, a2, a3):
 def _read_rows(w, out):
     # a plain read of a (rows, words) uint64 matrix in the decode kernels' order: four rows
     # SPREAD apart at a time
-    rows, n = w.shape
+    rows = w.shape[0]
     for c in numba.prange(spans(rows)):
         for r in range(c * 4 * SPREAD, min(rows, c * 4 * SPREAD + SPREAD)):
             r1, r2, r3 = partners(r, rows)

@@ -217,7 +217,12 @@ def worker():
 
 def test_a_two_process_cluster_runs_the_cache_type_it_was_given(worker, stories_path, monkeypatch):
     # both ends hold f32 (or f16) caches: the cluster's logits sit at f32 noise from a single
-    # node of the same type, much further from one of the other type
+    # node of the same type, much further from one of the other type. Measured as the mean
+    # distance, not the largest: the cluster's sums differ from one node's in their last bits,
+    # so now and then a key or value straddles an f16 rounding midpoint and lands one f16 step
+    # (~1e-3 relative) from the single node's, which attention carries on. On an Emerald Rapids
+    # one such straddle put a logit 1.3e-3 off (the largest), where the two cache types lie
+    # 8.1e-3 apart at most; the means were 3.3e-5 from its own type and 8.2e-4 from the other.
     from edgetp.model.generate import LocalRunner  # noqa: PLC0415
     from edgetp.net.loopthread import LoopThread  # noqa: PLC0415
     from edgetp.parallel.runner import ClusterRunner  # noqa: PLC0415
@@ -226,7 +231,7 @@ def test_a_two_process_cluster_runs_the_cache_type_it_was_given(worker, stories_
     mf = gguf.open_model(stories_path)
     ids = PROMPT * 4
     local = {t: LocalRunner(mf, 64, kv_type=t).logits(ids, 0) for t in ("f16", "f32")}
-    apart = np.abs(local["f16"] - local["f32"]).max()
+    apart = np.abs(local["f16"] - local["f32"]).mean()
     with LoopThread() as lt:
         for kv_type, other in (("f32", "f16"), ("f16", "f32")):
             runner = lt.run(ClusterRunner.connect(mf, [worker], ctx=64, weights=[1, 1], kv_type=kv_type), timeout=300)
@@ -239,7 +244,7 @@ def test_a_two_process_cluster_runs_the_cache_type_it_was_given(worker, stories_
                     runner.end()
             finally:
                 runner.close()
-            assert np.abs(got - local[kv_type]).max() < apart / 10 < np.abs(got - local[other]).max()
+            assert np.abs(got - local[kv_type]).mean() < apart / 10 < np.abs(got - local[other]).mean()
 
 
 def test_a_two_process_cluster_runs_a_q8_0_cache(worker, tiny_k, monkeypatch):

@@ -191,7 +191,8 @@ for qt in (QT.Q4_0, QT.Q8_0, QT.Q4_K):
 """
 
 
-@pytest.mark.parametrize("name, want", [("avx2", {"vpmaddubsw", "vpmaddwd"}), ("avx512vnni", {"vpdpbusd"})])
+@pytest.mark.parametrize("name, want", [("avx2", {"vpmaddubsw", "vpmaddwd"}), ("avxvnni", {"vpdpbusd"}),
+                                        ("avx512vnni", {"vpdpbusd"})])
 def test_compiled_kernel_uses_the_isas_multiply_instructions_and_no_fma(name, want, tmp_path):
     if name not in RUNNABLE:
         pytest.skip(f"{name} cannot run on this {HOST[0]} CPU: it needs {isa.WHERE[name]}")

@@ -270,22 +270,22 @@ class Emit:
         ch = L.chunks[0]
         assert not ch.lo.sc and not ch.lo.mn, "a 32-value layout's scales are plain f16 fields"
         first = b.add(row, b.mul(b.mul(q, ir.Constant(_I64, 4)), ir.Constant(_I64, L.nbytes)))
+        whole = valid is None and self.permute  # a whole quad: each scale field's four f16 at once (words)
         us, d, m = [], [], []
         for i in range(4):
             base = b.add(first, ir.Constant(_I64, i * L.nbytes)) if i else first
             if valid is not None and i:
                 base = b.select(valid[i], base, first)
             u = self.chunk(base, ch, self.shifts is not None)
-            hd = _load(b, base, ch.lo.d, _I16)
-            hm = _load(b, base, ch.lo.m, _I16) if L.offset else None
-            if valid is not None and i:  # f16 +0 is 0
-                zero = ir.Constant(_I16, 0)
-                u, hd = b.select(valid[i], u, ir.Constant(_V32I8, None)), b.select(valid[i], hd, zero)
-                hm = b.select(valid[i], hm, zero) if hm is not None else None
+            if valid is not None and i:
+                u = b.select(valid[i], u, ir.Constant(_V32I8, None))
             us.append(u)
-            d.append(hd)
-            m.append(hm)
-        if valid is None and self.permute:  # a whole quad: each scale field's four f16 at once
+            if whole:
+                continue
+            for off, into in ((ch.lo.d, d), *(((ch.lo.m, m),) if L.offset else ())):
+                h = _load(b, base, off, _I16)
+                into.append(b.select(valid[i], h, ir.Constant(_I16, 0)) if valid is not None and i else h)  # f16 +0 is 0
+        if whole:
             return us, self.words(first, ch.lo.d), (self.words(first, ch.lo.m) if L.offset else None)
         return us, self.halves(d), (self.halves(m) if L.offset else None)
 

@@ -320,16 +320,22 @@ class Emit:
 
     def quads256(self, row, k):
         """A 256-value layout's block k of one row: its two quads, each as quad32 gives one."""
+        blk = self.block256(row, k)
+        return [self.half256(blk, h) for h in range(2)]
+
+    def block256(self, row, k):
+        """Block k of one row of a 256-value layout: (its address, ws, wm), for half256."""
+        base = self.b.add(row, self.b.mul(k, ir.Constant(_I64, self.layout.nbytes)))
+        return (base, *self.slot_weights(base))
+
+    def half256(self, blk, h):
+        """Quad h (0, 1) of a block256: as quad32 gives one."""
         b, L = self.b, self.layout
-        base = b.add(row, b.mul(k, ir.Constant(_I64, L.nbytes)))
-        ws, wm = self.slot_weights(base)
-        out = []
-        for h in range(2):
-            chunks = L.chunks[4 * h : 4 * h + 4]
-            sel = _vec(_I32, [(2 * (4 * h + l % 4) + l // 4) if L.split else 4 * h + l % 4 for l in range(8)])
-            out.append(([self.chunk(base, ch, self.shifts is not None) for ch in chunks], b.shuffle_vector(ws, ws, sel),
-                        b.shuffle_vector(wm, wm, sel) if wm is not None else None))
-        return out
+        base, ws, wm = blk
+        chunks = L.chunks[4 * h : 4 * h + 4]
+        sel = _vec(_I32, [(2 * (4 * h + l % 4) + l // 4) if L.split else 4 * h + l % 4 for l in range(8)])
+        return ([self.chunk(base, ch, self.shifts is not None) for ch in chunks], b.shuffle_vector(ws, ws, sel),
+                b.shuffle_vector(wm, wm, sel) if wm is not None else None)
 
     def token(self, x, at):
         """One token's quad at quad index `at` of its (xq, dq, sq, xs) addresses: (4 chunks of xq,
@@ -505,6 +511,16 @@ def _prefetch(b: ir.IRBuilder, rows, off, step):
                         read, locality, data])
 
 
+def _barrier(b: ir.IRBuilder):
+    """A compiler barrier: no load or store moves across it (an empty asm that clobbers memory),
+    and no load after it is merged with one before. A 256-value block of four rows is 64
+    vectors of codes and scales; emitted all at once LLVM hoisted them ahead of their dot
+    products and kept ~45 on the stack. Behind a barrier per row, only one row's codes are
+    live, and the token's values are loaded again for each row (in L1; folded into the dot's
+    memory operand) instead of held in registers."""
+    b.asm(ir.FunctionType(ir.VoidType(), []), "", "~{memory}", [], True)
+
+
 def _hsum(b, acc):
     """((acc[0] + acc[1]) + acc[2]) + ... + acc[7]."""
     h = b.extract_element(acc, ir.Constant(_I32, 0))
@@ -517,12 +533,27 @@ def emit_rows(b: ir.IRBuilder, layout: Layout, name: str, rows, x, tab, nb, out)
     """out[0:R] = R rows (addresses) . the token x = (xq, dq, sq, xs addresses of a Rounded), nb blocks
     a row, on ISA `name`; the accumulators live in registers."""
     em = Emit(b, layout, name, tab)
+    zero = [ir.Constant(_V8F, None)] * len(rows)
+    if layout.values == 256:
+        def block(k, accs):  # a row at a time, both quads, behind a barrier (_barrier: why)
+            _prefetch(b, rows, b.mul(k, ir.Constant(_I64, layout.nbytes)), layout.nbytes)
+            out = []
+            for r, acc in zip(rows, accs):
+                _barrier(b)
+                blk = em.block256(r, k)
+                for h in range(2):
+                    acc = em.quad(acc, em.half256(blk, h), em.token(x, b.add(b.mul(k, ir.Constant(_I64, 2)),
+                                                                              ir.Constant(_I64, h))))
+                out.append(acc)
+            return out
 
-    def apply(q, ws, accs):
-        tok = em.token(x, q)
-        return [em.quad(a, w, tok) for a, w in zip(accs, ws)]
+        accs = _loop(b, nb, zero, block, "intdot")
+    else:
+        def apply(q, ws, accs):
+            tok = em.token(x, q)
+            return [em.quad(a, w, tok) for a, w in zip(accs, ws)]
 
-    accs = _quads(b, em, rows, nb, [ir.Constant(_V8F, None)] * len(rows), apply, "intdot")
+        accs = _quads(b, em, rows, nb, zero, apply, "intdot")
     for r, acc in enumerate(accs):
         b.store(_hsum(b, acc), _ptr(b, out, 4 * r, _F32), align=4)
 

@@ -22,6 +22,7 @@ from edgetp.parallel.profile import random_weight
 from edgetp.model import intdot, isa
 from edgetp.model import quant as Q
 from edgetp.model.kernels import SPREAD, partners, spans
+from membw import sum4  # tools/ is on the path of a script run from it
 
 
 def _time(fn, min_time=0.3) -> float:
@@ -59,20 +60,6 @@ def bench(qt: QT, rows: int, cols: int, threads: list[int], batch: int) -> None:
         )
 
 
-@numba.njit(cache=True, nogil=True)
-def _sum4(a0, a1, a2, a3):
-    # four rows read side by side, as the decode kernels walk them; a function of its own so
-    # that LLVM vectorizes it (inside the prange body numba leaves such a loop scalar, which
-    # read 7-9 GB/s where the kernels themselves stream 16-25: see tools/membw.py)
-    s0 = s1 = s2 = s3 = np.uint64(0)
-    for i in range(a0.shape[0]):
-        s0 += a0[i]
-        s1 += a1[i]
-        s2 += a2[i]
-        s3 += a3[i]
-    return s0 + s1 + s2 + s3
-
-
 @numba.njit(parallel=True, cache=True)
 def _read_rows(w, out):
     # a plain read of a (rows, words) uint64 matrix in the decode kernels' order: four rows
@@ -81,7 +68,7 @@ def _read_rows(w, out):
     for c in numba.prange(spans(rows)):
         for r in range(c * 4 * SPREAD, min(rows, c * 4 * SPREAD + SPREAD)):
             r1, r2, r3 = partners(r, rows)
-            out[r] = _sum4(w[r], w[r1], w[r2], w[r3])
+            out[r] = sum4(w[r], w[r1], w[r2], w[r3])
 
 
 def bench_intdot(types: list[str], threads: list[int]) -> None:

@@ -44,7 +44,7 @@ def _read(buf):  # buf: (n * PIECE,) uint64; the sum of every word
 
 
 @njit(cache=True, nogil=True)
-def _sum4(a, b, c, d):  # four pieces side by side
+def sum4(a, b, c, d):  # four pieces side by side (bench_kernels reads four rows with it too)
     s0 = s1 = s2 = s3 = np.uint64(0)
     for i in range(a.shape[0]):
         s0 += a[i]
@@ -60,7 +60,7 @@ def _read4(buf):  # buf: (4 * n * PIECE,) uint64; the sum of every word, four st
     total = np.uint64(0)
     for c in prange(q // PIECE):
         a = c * PIECE
-        total += _sum4(buf[a : a + PIECE], buf[q + a : q + a + PIECE], buf[2 * q + a : 2 * q + a + PIECE],
+        total += sum4(buf[a : a + PIECE], buf[q + a : q + a + PIECE], buf[2 * q + a : 2 * q + a + PIECE],
                        buf[3 * q + a : 3 * q + a + PIECE])
     return total
 

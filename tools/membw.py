@@ -7,8 +7,9 @@ compiled loop of uint64 adds (no stores; LLVM vectorizes it), best of several pa
 ways: one stream (contiguous pieces in order) and four streams (four pieces a quarter of the
 buffer apart, side by side, as the decode kernels walk four rows). The bandwidth is the better
 of the two. One stream alone is not the ceiling everywhere: on an Emerald Rapids VM it read
-8.9 GB/s where four streams read 20-28, and the decode kernels themselves streamed 11-12, so
-a decode measured against the one stream looked faster than memory (122-138%).
+8.9 GB/s at one hour, while bench_kernels' four-row read reached 20-28 and the decode kernels
+themselves streamed 11-12, so a decode measured against the one stream looked faster than
+memory (122-138%); four streams here read 14.8-15.8 beside other work.
 The loops are functions of their own: written inside the prange body (as it was until
 2026-11-25), numba left them scalar, and on a Zen 4 the one stream read 4.9 GB/s where this
 reads 34 (numpy's sum: 31).

@@ -156,27 +156,16 @@ def test_logits_at_every_position_equal_the_exact_float64_math(which, kv_type, s
         assert err.max() <= EXACT, f"max error {err.max():.2e} of the spread > {EXACT:.0e}"
         return
     f32 = reference.exact_logits(path, ids, "f32")
+    rounding = _error(exact, f32, spread).max()  # how far the cache's rounding moves the exact logits
     if kv_type == "q8_0":  # never further than q8_0's own rounding moves the exact logits
-        rounding = _error(exact, f32, spread).max()  # how far the cache's rounding moves the exact logits
         assert err.max() <= KV8, f"max error {err.max():.2e} of the spread > {KV8:.0e}"
         assert err.max() <= rounding, f"max error {err.max():.2e} > the q8_0 rounding's own {rounding:.2e}"
         return
-    check_f16_cache(ours, exact, f32)
-
-
-def check_f16_cache(ours: np.ndarray, exact: np.ndarray, f32: np.ndarray) -> float:
-    """Our logits with an f16 KV cache against the float64 math storing f16 (exact) and storing
-    f32 (f32), by the relative bounds above (KV16_STRADDLE, KV16_ROUNDING); returns how far the
-    f16 rounding itself moves the exact logits (of the spread), the unit of those bounds."""
-    spread = _spread(exact)
-    rounding = _error(exact, f32, spread).max()
-    err = _error(ours, exact, spread).max()
-    assert err <= KV16_STRADDLE * rounding + EXACT, (
-        f"max error {err:.2e} > {KV16_STRADDLE} x the f16 rounding's own {rounding:.2e}")
+    assert err.max() <= KV16_STRADDLE * rounding + EXACT, (
+        f"max error {err.max():.2e} > {KV16_STRADDLE} x the f16 rounding's own {rounding:.2e}")
     moved = _error(ours, f32, spread).max()
     assert moved <= KV16_ROUNDING * rounding + EXACT, (
         f"our f16 cache moves the logits {moved:.2e} from the f32-cache math, the f16 math {rounding:.2e}")
-    return rounding
 
 
 @pytest.mark.parametrize("which,kv_type", KV)

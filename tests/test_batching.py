@@ -16,7 +16,7 @@ import pytest
 
 from edgetp import events
 from edgetp.model import gguf, quant
-from edgetp.model.batch import PREFILL_CHUNK, Scheduler, Seq
+from edgetp.model.batch import PATIENCE, PREFILL_CHUNK, Scheduler, Seq
 from edgetp.model.generate import LocalRunner, generate
 from edgetp.model.sampling import SamplingParams
 from edgetp.model.tokenizer import Tokenizer
@@ -189,6 +189,64 @@ def test_the_scheduler_reuses_whole_chunks_only_and_frees_the_least_recently_use
     assert (slot_c, cached) == (slot_a, PREFILL_CHUNK)
     slot_d, cached = run(ids[:PREFILL_CHUNK])  # the last token must be computed: no whole chunk before it
     assert cached == 0 and slot_d == slot_b  # least recently used without a prefix to offer
+
+
+def _fed_until_done(sched, seq, each_step, limit=400):
+    """Step sched until seq is done, calling each_step() before every step: seq's fed position after each."""
+    fed = []
+    for _ in range(limit):
+        if seq.done:
+            return fed
+        each_step()
+        sched.step()
+        fed.append(seq.fed)
+    raise AssertionError(f"not done within {limit} steps")
+
+
+def test_a_short_prompt_arriving_while_a_long_one_is_read_answers_at_the_next_step(stories):
+    mf, tok = stories
+    long_ids = tok.encode(" ".join([LONG] * 2), add_special=True)
+    short_ids = tok.encode("The little dog", add_special=True)
+    assert len(long_ids) > 3 * PREFILL_CHUNK
+    want = [[ev.token_id for ev in generate(LocalRunner(mf, 1024), tok, ids, GREEDY, 6)]
+            for ids in (long_ids, short_ids)]
+    sched = Scheduler(LocalRunner(mf, 1024, 2), tok)
+    long, short = Seq(long_ids, GREEDY, 6), Seq(short_ids, GREEDY, 6)
+    got: dict[int, list[int]] = {id(long): [], id(short): []}
+    sched.admit(long)
+    sched.step()  # the long prompt's first chunk
+    assert long.fed == PREFILL_CHUNK
+    sched.admit(short)
+    answered = sched.step()  # the short prompt whole, ahead of the rest of the long one
+    assert [(seq is short, ev.index) for seq, ev in answered] == [(True, 0)]
+    assert long.fed == PREFILL_CHUNK
+    got[id(short)].append(answered[0][1].token_id)
+    for _ in range(100):
+        if long.done and short.done:
+            break
+        for seq, ev in sched.step():
+            got[id(seq)].append(ev.token_id)
+    assert [got[id(long)], got[id(short)]] == want  # the order of reading changes no token
+
+
+def test_a_stream_of_short_prompts_never_starves_a_long_one(stories):
+    mf, tok = stories
+    long_ids = tok.encode(" ".join([LONG] * 2), add_special=True)
+    n_chunks = -(-len(long_ids) // PREFILL_CHUNK)
+    sched = Scheduler(LocalRunner(mf, 1024, 3), tok)
+    long = Seq(long_ids, GREEDY, 1)
+    sched.admit(long)
+    shorts = iter(range(1000))
+
+    def another_short():  # one token each: it is answered, and gone, in the step that reads its prompt
+        while sched.free:
+            sched.admit(Seq(tok.encode(PROMPTS[next(shorts) % len(PROMPTS)], add_special=True), GREEDY, 1))
+
+    fed = _fed_until_done(sched, long, another_short)
+    # a short prompt is always waiting, yet the long one is read at least every PATIENCE + 1 steps
+    moved = [k for k in range(len(fed)) if fed[k] != (fed[k - 1] if k else 0)]
+    assert len(moved) == n_chunks and len(fed) <= n_chunks * (PATIENCE + 1)
+    assert max(b - a for a, b in zip([-1, *moved], moved)) == PATIENCE + 1, fed
 
 
 def _run_together(sched, seqs, limit=4000):

@@ -5,8 +5,13 @@ cache. Every `step()` runs, in one pass through the runner,
   1. the decode rows: the pending token of every sequence that is decoding
      (in a cluster its all-reduces carry the whole batch, so the round trips
      are paid once for all of them);
-  2. one prefill chunk of the oldest sequence still reading its prompt, so
-     a long prompt is read between the tokens of the streams already running.
+  2. one prefill chunk of the sequence with the least of its prompt left to
+     read, so a long prompt is read between the tokens of the streams already
+     running, and a short prompt arriving meanwhile is read at the next step
+     instead of after the whole long one (its first token comes a step or two
+     later, not a whole long prompt later). A sequence passed over PATIENCE
+     steps in a row is read next whatever its length, so a stream of short
+     prompts never starves a long one.
 A step with both is one `runner.mixed` call: each all-reduce carries the
 decode rows and the chunk's rows together (`Shard.forward_mixed`), so the
 chunk adds no round trip of its own. A step with one kind only calls
@@ -40,6 +45,7 @@ from edgetp.model.llama import STEP_ROWS
 from edgetp.model.sampling import Candidates, SamplingParams
 
 PREFILL_CHUNK = 128  # prompt tokens per prefill step; chunk boundaries sit at multiples of it
+PATIENCE = 4         # steps a prompt may be passed over for shorter ones before it is read next
 MAX_RECOVERIES = 3
 
 
@@ -114,6 +120,7 @@ class Seq:
     slot: int = -1
     fed: int = 0                    # positions of the slot that hold this sequence's tokens
     cached: int = 0                 # prompt tokens taken from the prefix cache
+    passed: int = 0                 # prefill steps in a row that read another prompt while this one waited
     index: int = 0                  # tokens answered so far
     pending: int | None = None      # the answered token to feed next
     finish_reason: str | None = None
@@ -262,7 +269,7 @@ class Scheduler:
         self.last = []
         decoding = [s for s in self.seqs if s.pending is not None]
         rows = [Row(s.slot, s.fed, s.pending, s.history, s.params) for s in decoding]
-        filling = next((s for s in self.seqs if s.pending is None and not s.done), None)
+        filling = self._next_to_fill()
         chunk = None
         if filling is not None:
             a, b = next(chunks(filling.fed, len(filling.prompt), self.chunk))
@@ -299,6 +306,18 @@ class Scheduler:
             if ev.finish_reason is not None:
                 self.drop(s)
         return out
+
+    def _next_to_fill(self) -> Seq | None:
+        """The sequence whose prompt the next chunk reads: the least left to read (the oldest among equals),
+        unless one has been passed over PATIENCE times (the oldest such)."""
+        waiting = [s for s in self.seqs if s.pending is None and not s.done]
+        if not waiting:
+            return None
+        pick = next((s for s in waiting if s.passed >= PATIENCE), None) or min(
+            waiting, key=lambda s: len(s.prompt) - s.fed)
+        for s in waiting:
+            s.passed = 0 if s is pick else s.passed + 1
+        return pick
 
     def _answer(self, s: Seq, cand: Candidates) -> TokenEvent:
         tid = self._samplers[id(s)].pick(cand)

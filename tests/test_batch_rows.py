@@ -10,7 +10,6 @@ intdot.reference (the canonical arithmetic in numpy) and the single-token kernel
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,15 +22,13 @@ from edgetp.model import decode, gguf, intdot, isa, llama, quant
 from edgetp.model.intdot_layouts import LAYOUTS
 from edgetp.model.kernels import SPREAD
 from tools import synth_gguf
+from tests.isas import child_env, child_timeout, skip_unless_runnable
 
 REPO = Path(__file__).resolve().parent.parent
 TYPES = sorted(LAYOUTS, key=lambda t: LAYOUTS[t].qtype.name)
 IDS = [LAYOUTS[t].qtype.name for t in TYPES]
 SLOTS = 8
-HOST = isa.host_features()
-RUNNABLE = isa.usable(*HOST)
-# seconds for a child that compiles every several-token kernel of its ISA; the arm64 test bed raises it
-CHILD_TIMEOUT = float(os.environ.get("EDGETP_TEST_CHILD_TIMEOUT", "1200"))
+CHILD_TIMEOUT = child_timeout(1200)
 PROMPTS = [[1, 17, 42], [5, 9, 200, 31, 7, 64, 3], [2], [300, 301], [11, 12, 13, 14, 15],
            [99, 98, 97, 96, 95, 94, 93, 92, 91], [4, 8], [250, 6, 77, 120]]  # one per slot: different lengths
 # a layer of a llama.cpp file mixes types: every integer layout family, an F16 k among them
@@ -269,17 +266,13 @@ np.savez(sys.argv[1] + "/out.npz", isa=np.array(isa.current()), **res)
 @pytest.mark.parametrize("name", [n for n in isa.ISAS if n != isa.current()])
 def test_several_token_kernel_on_every_other_isa_gives_the_same_bits(name, tmp_path):
     # the ISA in use runs in this process (above); each other one this CPU runs, in a child as a user forces it
-    if name not in RUNNABLE:
-        pytest.skip(f"{name} cannot run on this {HOST[0]} CPU: it needs {isa.WHERE[name]}")
+    skip_unless_runnable(name)
     arrays = {}
     for i, qt in enumerate(TYPES):
         w, x = _inputs(qt, 4 * SPREAD + 5, 2, 5, 60 + i)
         arrays[f"w{int(qt)}"], arrays[f"x{int(qt)}"] = w, x
     np.savez(tmp_path / "in.npz", **arrays)
-    env = dict(os.environ, EDGETP_ISA=name, PYTHONPATH=str(REPO))
-    env.pop("NUMBA_CPU_NAME", None)  # the child's ISA sets its own target
-    env.pop("NUMBA_CPU_FEATURES", None)
-    subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), str(tmp_path / "in.npz")], check=True, env=env,
+    subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), str(tmp_path / "in.npz")], check=True, env=child_env(name),
                    cwd=REPO, timeout=CHILD_TIMEOUT)
     got = np.load(tmp_path / "out.npz")
     assert str(got["isa"]) == name
@@ -307,9 +300,7 @@ print("q8_0 blocks are gguf-py's")
 
 def test_rows_equal_each_sequence_alone_on_the_generic_isa(mixed_path):
     # with an f16 and a q8_0 cache: the f16 conversions are integer code on this ISA
-    env = dict(os.environ, EDGETP_ISA="generic", EDGETP_INT8="1", PYTHONPATH=str(REPO))
-    env.pop("NUMBA_CPU_NAME", None)
-    env.pop("NUMBA_CPU_FEATURES", None)
+    env = child_env("generic", EDGETP_INT8="1")
     res = subprocess.run([sys.executable, "-c", STEPS_CHILD, str(REPO / "tests"), str(mixed_path)], env=env, cwd=REPO,
                          capture_output=True, text=True, timeout=1800)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -8,7 +8,6 @@ shown with real child processes, one per ISA (EDGETP_ISA in their environment).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from gguf import quants
 
 from edgetp.model import intdot, isa
 from edgetp.model.intdot_layouts import LAYOUTS, decode
+from tests.isas import HOST, RUNNABLE, child_env, child_timeout, skip_unless_runnable
 
 REPO = Path(__file__).resolve().parent.parent
 TYPES = sorted(LAYOUTS, key=lambda t: LAYOUTS[t].qtype.name)
@@ -122,18 +122,7 @@ for k in inp.files:
         np.save(d + f"/out{qt}.npy", out)
 json.dump({"isa": isa.current()}, open(d + "/isa.json", "w"))
 """
-HOST = isa.host_features()
-RUNNABLE = isa.usable(*HOST)
-# seconds for a child that compiles every kernel of its ISA; the arm64 test bed raises it (qemu-user)
-CHILD_TIMEOUT = float(os.environ.get("EDGETP_TEST_CHILD_TIMEOUT", "900"))
-
-
-def _child_env(name: str) -> dict[str, str]:
-    env = dict(os.environ, EDGETP_ISA=name, PYTHONPATH=str(REPO))
-    if name != isa.current():  # a numba target set for this process's ISA is not the child's
-        env.pop("NUMBA_CPU_NAME", None)
-        env.pop("NUMBA_CPU_FEATURES", None)
-    return env
+CHILD_TIMEOUT = child_timeout(900)
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +138,7 @@ def isa_outputs(tmp_path_factory):
     for name in RUNNABLE:
         d = base / name
         d.mkdir()
-        subprocess.run([sys.executable, "-c", CHILD, str(d), str(base / "inputs.npz")], check=True, env=_child_env(name), cwd=REPO, timeout=CHILD_TIMEOUT)
+        subprocess.run([sys.executable, "-c", CHILD, str(d), str(base / "inputs.npz")], check=True, env=child_env(name), cwd=REPO, timeout=CHILD_TIMEOUT)
         assert json.loads((d / "isa.json").read_text())["isa"] == name
         results[name] = {int(qt): np.load(d / f"out{int(qt)}.npy") for qt in TYPES}
     return arrays, results
@@ -167,8 +156,7 @@ def test_every_isa_this_cpu_runs_returns_the_same_bits(isa_outputs):
 
 @pytest.mark.parametrize("name", isa.ISAS)
 def test_isa_returns_the_canonical_bits_of_the_numpy_reference(name, isa_outputs):
-    if name not in RUNNABLE:
-        pytest.skip(f"{name} cannot run on this {HOST[0]} CPU: it needs {isa.WHERE[name]}")
+    skip_unless_runnable(name)
     arrays, results = isa_outputs
     for qt in TYPES:
         w = arrays[f"w{int(qt)}"]
@@ -194,9 +182,8 @@ for qt in (QT.Q4_0, QT.Q8_0, QT.Q4_K):
 @pytest.mark.parametrize("name, want", [("avx2", {"vpmaddubsw", "vpmaddwd"}), ("avxvnni", {"vpdpbusd"}),
                                         ("avx512vnni", {"vpdpbusd"})])
 def test_compiled_kernel_uses_the_isas_multiply_instructions_and_no_fma(name, want, tmp_path):
-    if name not in RUNNABLE:
-        pytest.skip(f"{name} cannot run on this {HOST[0]} CPU: it needs {isa.WHERE[name]}")
-    env = dict(_child_env(name), NUMBA_CACHE_DIR=str(tmp_path))  # a fresh cache: numba shows no asm of cached code
+    skip_unless_runnable(name)
+    env = dict(child_env(name), NUMBA_CACHE_DIR=str(tmp_path))  # a fresh cache: numba shows no asm of cached code
     res = subprocess.run([sys.executable, "-c", ASM_CHILD], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     for line in res.stdout.splitlines():
@@ -264,6 +251,6 @@ def test_a_forced_isa_the_cpu_lacks_imports_quietly_and_leaves_the_kernels_off()
         "assert not intdot.available(2)\n"
         "try:\n    isa.require()\nexcept isa.IsaError as e:\n    print(e)\nelse:\n    raise SystemExit('no IsaError')\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_child_env(lacking), cwd=REPO, timeout=300)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(lacking), cwd=REPO, timeout=300)
     assert res.returncode == 0, res.stderr
     assert f"EDGETP_ISA={lacking} cannot run" in res.stdout

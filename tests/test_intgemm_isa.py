@@ -24,7 +24,6 @@ import os
 import subprocess
 import sys
 from fractions import Fraction
-from pathlib import Path
 
 import gguf.quants
 import numpy as np
@@ -32,12 +31,9 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from edgetp.model import intdot_layouts, intgemm, isa
+from tests.isas import HOST, REPO, RUNNABLE, child_env, child_timeout
 
-REPO = Path(__file__).resolve().parent.parent
-HOST = isa.host_features()
-RUNNABLE = isa.usable(*HOST)
-# seconds for a child that compiles every kernel of its ISA; the arm64 test bed raises it (qemu-user)
-CHILD_TIMEOUT = float(os.environ.get("EDGETP_TEST_CHILD_TIMEOUT", "900"))
+CHILD_TIMEOUT = child_timeout(900)
 QTYPES = sorted(intgemm.KINDS)  # Q4_0..Q8_0, Q2_K..Q6_K
 ROWS, NB, TOKENS = 37, 24, intgemm.PAD + 5  # rows past 16-row panels, tokens past every tile; 3 K blocks
 
@@ -66,11 +62,8 @@ BORROWED = {"avxvnni": "avx512vnni"}
 
 
 def _child_env(name: str) -> dict[str, str]:
-    env = dict(os.environ, EDGETP_ISA=name, PYTHONPATH=str(REPO))
+    env = child_env(name)
     env.pop("EDGETP_INT8", None)
-    if name != isa.current():  # a numba target set for this process's ISA is not the child's
-        env.pop("NUMBA_CPU_NAME", None)
-        env.pop("NUMBA_CPU_FEATURES", None)
     return env
 
 

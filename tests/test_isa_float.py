@@ -17,7 +17,6 @@ weights, and prefill logits that differ by float rounding (~1e-6 relative).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,11 +25,10 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from edgetp.model import isa
+from tests.isas import RUNNABLE, child_env
 from tests.test_quant import REL_TOL, random_raw, reference
 
 REPO = Path(__file__).resolve().parent.parent
-RUNNABLE = isa.usable(*isa.host_features())
 DECODE = [QT.F32, QT.F16, QT.BF16, QT.Q4_K, QT.Q8_0]  # Q4_K, Q8_0: float kernels under EDGETP_INT8=0
 PREFILL = [QT.F16, QT.Q4_K, QT.Q6_K, QT.Q5_0]
 ROWS, COLS, TOKENS = 97, 512, 9
@@ -63,10 +61,8 @@ def outputs(tmp_path_factory):
     for name in RUNNABLE:
         d = base / name
         d.mkdir()
-        env = {**os.environ, "EDGETP_ISA": name, "EDGETP_INT8": "0", "PYTHONPATH": str(REPO)}
-        env.pop("NUMBA_CPU_NAME", None)
-        env.pop("NUMBA_CPU_FEATURES", None)
-        subprocess.run([sys.executable, "-c", CHILD, str(d), str(base / "in.npz")], check=True, env=env,
+        subprocess.run([sys.executable, "-c", CHILD, str(d), str(base / "in.npz")], check=True,
+                       env=child_env(name, EDGETP_INT8="0"),
                        cwd=REPO, timeout=900)
         got[name] = {(kind, qt): np.load(d / f"{kind}{qt}.npy") for qt in raws for kind in ("dec", "pre")}
     return x, raws, got

@@ -12,7 +12,6 @@ test_batching.py and test_parallel.py.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ from edgetp.model.generate import LocalRunner, generate
 from edgetp.net.loopthread import LoopThread
 from edgetp.parallel.runner import ClusterRunner
 from edgetp.serve.spawn import start_worker, stop
+from tests.isas import child_env
 from tests.test_batch_rows import MIXED, Recorder, _bits
 from tools import synth_gguf
 
@@ -316,9 +316,7 @@ print("mixed equals separate")
 
 
 def test_a_mixed_pass_is_the_bits_of_the_two_passes_on_the_generic_isa(mixed_path):
-    env = dict(os.environ, EDGETP_ISA="generic", EDGETP_INT8="1", PYTHONPATH=str(REPO))
-    env.pop("NUMBA_CPU_NAME", None)
-    env.pop("NUMBA_CPU_FEATURES", None)
+    env = child_env("generic", EDGETP_INT8="1")
     res = subprocess.run([sys.executable, "-c", GENERIC_CHILD, str(REPO / "tests"), str(mixed_path)], env=env,
                          cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert res.returncode == 0, res.stderr[-3000:]

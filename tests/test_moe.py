@@ -27,6 +27,7 @@ import pytest
 from edgetp.model import gguf, llama
 from edgetp.model.generate import LocalRunner
 from tests import reference
+from tests.isas import child_env
 from tests.test_cli_errors import ask, assert_one_line_error
 from tests.test_decode_fast import _same
 from tests.test_engine_reference import _error, _spread
@@ -230,7 +231,6 @@ def test_the_generic_isa_routes_as_avx2_does_and_decodes_as_close_to_exact_as_ll
     # h after an all-reduce is the same bits on every node, and the router's exact kernel makes its
     # choice the same on every ISA: a mixed cluster routes alike. (Whole logits are not bit-equal
     # across ISAs, for dense models either: the float steps between the integer kernels differ.)
-    import os  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
@@ -240,9 +240,7 @@ def test_the_generic_isa_routes_as_avx2_does_and_decodes_as_close_to_exact_as_ll
     monkeypatch.delenv("EDGETP_INT8", raising=False)
     path = moe("mixtral", "q4_0")
     ids = _ids(path)
-    env = dict(os.environ, EDGETP_ISA="generic", EDGETP_INT8="1", PYTHONPATH=str(REPO))
-    env.pop("NUMBA_CPU_NAME", None)
-    env.pop("NUMBA_CPU_FEATURES", None)
+    env = child_env("generic", EDGETP_INT8="1")
     res = subprocess.run([sys.executable, "-c", ISA_CHILD, str(path), ",".join(map(str, ids)), str(tmp_path / "g.npz")],
                          env=env, cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert res.returncode == 0, res.stderr[-3000:]

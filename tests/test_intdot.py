@@ -8,6 +8,7 @@ shown with real child processes, one per ISA (EDGETP_ISA in their environment).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -240,6 +241,8 @@ def test_every_isas_decode_kernels_compile_for_its_cpu_and_use_its_instructions(
             assert word in asm, f"{name} {L.qtype.name}: no {word} in its decode code for {cpu}"
         if one_of and L.values == 32:
             assert any(w in asm for w in one_of), f"{name} {L.qtype.name}: none of {one_of} for {cpu}"
+        if name == "avx512vnni":  # the several-token kernel takes two rows a 512-bit dot (the one-token one, none)
+            assert re.search(r"vpdpbusd\s[^\n]*%zmm", asm), f"{L.qtype.name}: no 512-bit vpdpbusd for {cpu}"
 
 
 def test_a_forced_isa_the_cpu_lacks_imports_quietly_and_leaves_the_kernels_off():

@@ -5,7 +5,8 @@ the bias removed afterwards as bias * s4) or signed codes (Q8_0, IQ4):
   avx2        vpmaddubsw (u8 x s8 -> pairs in i16) then vpmaddwd by 1 (-> fours in i32);
               signed codes as |code| x sign(xq, code) (vpabsb, vpsignb), as llama.cpp does
   avxvnni,
-  avx512vnni  vpdpbusd (u8 x s8, four products per i32 lane), 256 bits wide
+  avx512vnni  vpdpbusd (u8 x s8, four products per i32 lane), 256 bits wide; the several-token
+              kernel takes two rows in one 512-bit vpdpbusd (Emit.quad_by_unit_rows2)
   neon        sdot (s8 x s8, four products per i32 lane), two 128-bit halves
   generic     sign-extend to i32, multiply, add even and odd products (LLVM forms
               pmaddwd from that on any x86), then adjacent pairs: plain LLVM vectors
@@ -27,6 +28,7 @@ _I1, _I8, _I16, _I32, _I64 = (ir.IntType(n) for n in (1, 8, 16, 32, 64))
 _F32 = ir.FloatType()
 _V32I8, _V16I8, _V16I16, _V8I32, _V4I32, _V8F = (ir.VectorType(t, n) for t, n in
                                                  ((_I8, 32), (_I8, 16), (_I16, 16), (_I32, 8), (_I32, 4), (_F32, 8)))  # fmt: skip
+_V64I8, _V16I32, _V16F = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
 
 
 def _splat8(v):
@@ -71,6 +73,16 @@ def _dot_vnni(b, u, x, signed, acc=None):
             b.call(_decl(b.module, "llvm.x86.avx2.psign.b", _V32I8, [_V32I8] * 2), [x, u])
     fn = _decl(b.module, "llvm.x86.avx512.vpdpbusd.256", _V8I32, [_V8I32] * 3)
     return b.call(fn, [acc or ir.Constant(_V8I32, None), b.bitcast(u, _V8I32), b.bitcast(x, _V8I32)])
+
+
+def _dot_vnni512(b, u, x, signed, acc=None):
+    """_dot_vnni on <64 x i8> (two rows' chunks): AVX-512 has no vpsignb, so the sign of a signed
+    code moves to xq by a select (where the code is 0 the product is 0 either way)."""
+    if signed:
+        x = b.select(b.icmp_signed("<", u, ir.Constant(_V64I8, None)), b.sub(ir.Constant(_V64I8, None), x), x)
+        u = b.call(_decl(b.module, "llvm.abs.v64i8", _V64I8, [_V64I8, _I1]), [u, ir.Constant(_I1, 0)])
+    fn = _decl(b.module, "llvm.x86.avx512.vpdpbusd.512", _V16I32, [_V16I32] * 3)
+    return b.call(fn, [acc or ir.Constant(_V16I32, None), b.bitcast(u, _V16I32), b.bitcast(x, _V16I32)])
 
 
 def _dot_neon(b, u, x, signed, acc=None):
@@ -127,12 +139,13 @@ class Ops(NamedTuple):
     wide_u8: bool  # dot takes unsigned bytes to 255 (see in_place)
     word_permute: bool  # a 64-byte vector of 32 words permutes in one instruction (vpermw, vpermt2w)
     pairs: tuple[Callable, Callable] | None = None  # dot = widen(pairs): several dots' i16 pairs may add first
+    rows512: bool = False  # the several-token kernel takes two rows a 512-bit vector (quad_by_unit_rows2)
 
 
 ISA_OPS = {
     "avx2": Ops(_dot_avx2, _lookup_x86, True, False, False, (_pairs_avx2, _widen_avx2)),  # i16 pairs: no u8 to 255
     "avxvnni": Ops(_dot_vnni, _lookup_x86, True, True, False),
-    "avx512vnni": Ops(_dot_vnni, _lookup_x86, True, True, True),
+    "avx512vnni": Ops(_dot_vnni, _lookup_x86, True, True, True, None, True),
     "neon": Ops(_dot_neon, _lookup_neon, True, False, False),  # sdot's bytes are signed
     "generic": Ops(_dot_generic, _lookup_generic, False, False, False),
 }
@@ -171,7 +184,7 @@ class Emit:
 
     def __init__(self, b: ir.IRBuilder, layout: Layout, name: str, tab):
         self.b, self.layout, self.tab = b, layout, tab
-        self.dot, self.lookup, self.fpext, wide, self.permute, self.pairs = ISA_OPS[name]
+        self.dot, self.lookup, self.fpext, wide, self.permute, self.pairs, self.rows512 = ISA_OPS[name]
         self.shifts = in_place(layout) if wide else None  # see in_place: quad32/quads256 codes only
 
     def f16(self, base, off):
@@ -380,6 +393,31 @@ class Emit:
                 units = self.dot(b, u, xv, signed, units)
         return self._scaled(acc, self._unshift(units), ws, wm, dq, xs)
 
+    def quad_by_unit_rows2(self, acc, wa, wb, tok):
+        """quad_by_unit of two rows at once, in 512-bit vectors: lanes 0-7 row wa's, 8-15 row wb's
+        (acc <16 x f32>). Every operation is lane by lane and the same as quad_by_unit's on each
+        half (vpdpbusd's integers, then the f32 products and sums in the same order), so each half
+        has quad_by_unit's bits; the dot products and f32 steps are half as many instructions."""
+        b, L = self.b, self.layout
+        (ua, wsa, wma), (ub, wsb, wmb) = wa, wb
+        xvs, dq, corr, xs = tok
+
+        def cat(p, q):
+            return b.shuffle_vector(p, q, _vec(_I32, range(2 * p.type.count)))
+
+        def twice(v):
+            return b.shuffle_vector(v, v, _vec(_I32, list(range(v.type.count)) * 2))
+
+        if corr is not None and self.shifts:
+            corr = b.shl(corr, _vec(_I32, self.shifts))
+        units = b.sub(ir.Constant(_V16I32, None), twice(corr)) if corr is not None else None
+        for u, xv in zip(map(cat, ua, ub), map(twice, xvs)):
+            units = _dot_vnni512(b, u, xv, L.signed or L.table is not None, units)
+        if self.shifts:
+            units = b.ashr(units, _vec(_I32, self.shifts * 2))
+        acc = b.fadd(acc, b.fmul(b.fmul(cat(wsa, wsb), twice(dq)), b.sitofp(units, _V16F)))
+        return b.fadd(acc, b.fmul(cat(wma, wmb), twice(xs))) if wma is not None else acc
+
     def _unshift(self, units):
         """A quad's unit integers from codes multiplied in place (in_place): each shifted right by
         its lane's k, exactly."""
@@ -573,8 +611,8 @@ def emit_rows_tokens(b: ir.IRBuilder, layout: Layout, name: str, rows, x, ntok, 
     em = Emit(b, layout, name, tab)
     R = len(rows)
 
-    def acc_at(t, r):
-        return _ptr(b, acc, b.mul(b.add(b.mul(t, ir.Constant(_I64, R)), ir.Constant(_I64, r)), ir.Constant(_I64, 32)), _V8F)
+    def acc_at(t, r, ty=_V8F):  # row r's 8 f32 of token t; ty _V16F: rows r and r + 1's
+        return _ptr(b, acc, b.mul(b.add(b.mul(t, ir.Constant(_I64, R)), ir.Constant(_I64, r)), ir.Constant(_I64, 32)), ty)
 
     def zero(t, _):
         for r in range(R):
@@ -588,9 +626,16 @@ def emit_rows_tokens(b: ir.IRBuilder, layout: Layout, name: str, rows, x, ntok, 
 
         def each(t, _):  # the token's quad loaded once for all R rows
             tok = em.token(x, b.add(b.mul(q, ntok), t))
-            for r, w in enumerate(ws):
-                p = acc_at(t, r)
-                b.store(em.quad_by_unit(b.load(p, align=4), w, tok), p, align=4)
+            r = 0
+            while r < R:
+                if em.rows512 and r + 1 < R:
+                    p = acc_at(t, r, _V16F)
+                    b.store(em.quad_by_unit_rows2(b.load(p, align=4), ws[r], ws[r + 1], tok), p, align=4)
+                    r += 2
+                else:
+                    p = acc_at(t, r)
+                    b.store(em.quad_by_unit(b.load(p, align=4), ws[r], tok), p, align=4)
+                    r += 1
             return []
         _loop(b, ntok, [], each, "tok.rows")
         return []

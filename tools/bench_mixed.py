@@ -26,11 +26,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import re
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -40,10 +37,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tools.bench_local import BUILTIN, ModelSpec, bench_dir, cpu_line, resolve_model  # noqa: E402
-from tools.bench_serve import (FIRST_ID, ID_SPAN, PROMPT_TOKENS, Daemon, Stream, add_daemon_args, child_env,  # noqa: E402
-                               commit, get_json, ms, one_stream, pct, plan_line, prompt_ids, serve_flags, setups_of,
-                               start_setup)
+from tools.bench_local import BUILTIN, ModelSpec  # noqa: E402
+from tools.bench_serve import (FIRST_ID, ID_SPAN, PROMPT_TOKENS, Daemon, Stream, add_daemon_args,  # noqa: E402
+                               get_json, markdown, models_of, ms, one_stream, pct, plan_line, preamble, prompt_ids,
+                               serve_flags, serving_setup, setups_of)
 
 WARM_TOKENS = 8      # tokens each running stream has streamed before the long prompt is sent
 STREAM_TOKENS = 128  # tokens each running stream asks for
@@ -120,12 +117,8 @@ def run_setup(setup: str, spec: ModelSpec, path: Path, args: argparse.Namespace,
     ns = argparse.Namespace(clients=[args.streams + 1], slots=args.streams + 1, threads=args.threads,
                             start_timeout=args.start_timeout)
     try:
-        with tempfile.TemporaryDirectory(prefix="edgetp-bench-mixed-") as tmp:
-            key = Path(tmp) / "cluster.key"
-            subprocess.run([sys.executable, "-m", "edgetp", "keygen", str(key)], check=True, capture_output=True,
-                           timeout=60, env=os.environ | child_env(), cwd=ROOT)
-            root = start_setup(setup, path, key, ns, flags, daemons, ctx,
-                               ["--parallel", args.parallel] if setup == "two" else [])
+        with serving_setup(setup, path, ns, flags, daemons, ctx,
+                           ["--parallel", args.parallel] if setup == "two" else []) as root:
             model = get_json(root.url, "/v1/models")["data"][0]["id"]
             warm = asyncio.run(scenario(root.url, model, args.streams, args.long, args.limit, seed=1))
             if warm.error:
@@ -135,9 +128,6 @@ def run_setup(setup: str, spec: ModelSpec, path: Path, args: argparse.Namespace,
     except Exception as exc:  # noqa: BLE001 - one failed setup is reported, the others still run
         tails = "; ".join(line for d in daemons for line in list(d.tail)[-3:])
         return f"FAILED: {exc} {tails}", Result(None, None, None, None, None, None, None, str(exc))
-    finally:
-        for d in daemons:
-            d.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,27 +146,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.streams < 1 or args.long < 2:
         ap.error("--streams must be at least 1 and --long at least 2")
     flags = serve_flags()
-    load = os.getloadavg()
-    print(f"# streams while a long prompt arrives\n\n- {cpu_line()}, {os.cpu_count()} CPUs, load average at start "
-          f"{load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}\n- commit {commit()}; {time.strftime('%Y-%m-%d %H:%M')}\n"
-          f"- {args.streams} running stream(s) of {STREAM_TOKENS} tokens, then one prompt of {args.long} token ids; "
+    print(preamble("streams while a long prompt arrives") +
+          f"\n- {args.streams} running stream(s) of {STREAM_TOKENS} tokens, then one prompt of {args.long} token ids; "
           f"{args.threads} thread(s) per daemon; the window: that request sent -> its first token\n", flush=True)
     head = ["model", "setup", "steps", "rounds/step", "TBT p50 ms", "TBT p95 ms", "TBT max ms", "p50 outside ms",
             "long TTFT ms", "notes"]
     body = []
-    cache = bench_dir(args.cache_dir)
-    for name in (m.strip() for m in args.models.split(",") if m.strip()):
-        spec = BUILTIN.get(name) or ModelSpec(Path(name).stem, Path(name).name, path=Path(name))
-        path = resolve_model(spec, cache, lambda m: print(m, file=sys.stderr, flush=True))
+    for spec, path in models_of(args.models, args.cache_dir):
         for setup in setups:
             print(f"{spec.label}, {setup} ...", file=sys.stderr, flush=True)
             plan, r = run_setup(setup, spec, path, args, flags)
             per = "-" if not r.steps or r.rounds is None else f"{r.rounds / r.steps:.1f} ({r.rounds}/{r.steps})"
             body.append([spec.label, setup, "-" if r.steps is None else str(r.steps), per, ms(r.tbt50), ms(r.tbt95),
                          ms(r.tbt_max), ms(r.tbt50_outside), ms(r.long_ttft), r.error or plan])
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
-    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    print("\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, body)]), flush=True)
+    print(markdown(head, body), flush=True)
     return 0
 
 

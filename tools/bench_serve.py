@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import json
 import math
 import os
@@ -42,7 +43,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -139,6 +140,22 @@ def start_setup(setup: str, model: Path, key: Path, args: argparse.Namespace, fl
         wait_until(lambda: sum(n["state"] == "ready" for n in get_json(root.url, "/v1/cluster")["nodes"]) == 2,
                    60, "both nodes ready in the root's view")
     return root
+
+
+@contextlib.contextmanager
+def serving_setup(setup: str, model: Path, args: argparse.Namespace, flags: set[str], daemons: list[Daemon],
+                  ctx: int = CTX, more: Sequence[str] = ()) -> Iterator[Daemon]:
+    """start_setup on a fresh cluster key (`edgetp keygen`); every daemon in `daemons` (the caller's
+    list, so it can read their output after a failure) is stopped on leaving, whatever happens."""
+    try:
+        with tempfile.TemporaryDirectory(prefix="edgetp-bench-") as tmp:
+            key = Path(tmp) / "cluster.key"
+            subprocess.run([sys.executable, "-m", "edgetp", "keygen", str(key)], check=True, capture_output=True,
+                           timeout=60, env=os.environ | child_env(), cwd=ROOT)
+            yield start_setup(setup, model, key, args, flags, daemons, ctx, more)
+    finally:
+        for d in daemons:
+            d.stop()
 
 
 def plan_line(url: str) -> str:
@@ -276,10 +293,30 @@ def table(title: str, rows: list[Row], max_tokens: int) -> str:
                      ratio(r.tbt95, base.tbt95 if base else None), ms(r.tbt_max), ms(r.ttft50), ms(r.ttft_max),
                      str(r.tokens),
                      "; ".join(notes)])
+    return f"### {title}\n\n" + markdown(head, body)
+
+
+def markdown(head: list[str], body: list[list[str]]) -> str:
+    """A markdown table, its columns padded to their widest cell."""
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    return "\n".join([f"### {title}", "", line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|",
-                      *map(line, body)])
+    return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, body)])
+
+
+def preamble(title: str) -> str:
+    """A bench's heading and its first lines: the CPU, the load, the commit and the time."""
+    load = os.getloadavg()
+    return (f"# {title}\n\n- {cpu_line()}, {os.cpu_count()} CPUs, load average at start "
+            f"{load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}\n- commit {commit()}; {time.strftime('%Y-%m-%d %H:%M')}")
+
+
+def models_of(text: str, cache_dir: str | None) -> Iterator[tuple[ModelSpec, Path]]:
+    """Each comma-separated model (a built-in name or a .gguf path) and its file, found or built
+    as tools/bench_local.py does."""
+    cache = bench_dir(cache_dir)
+    for name in (m.strip() for m in text.split(",") if m.strip()):
+        spec = BUILTIN.get(name) or ModelSpec(Path(name).stem, Path(name).name, path=Path(name))
+        yield spec, resolve_model(spec, cache, lambda m: print(m, file=sys.stderr, flush=True))
 
 
 # --------------------------------------------------------------------------- main
@@ -303,11 +340,7 @@ def run_setup(setup: str, spec: ModelSpec, path: Path, args: argparse.Namespace,
     plan = ""
     title = f"{spec.label}, {'one node' if setup == 'one' else 'self-formed 2-node cluster'}"
     try:
-        with tempfile.TemporaryDirectory(prefix="edgetp-bench-serve-") as tmp:
-            key = Path(tmp) / "cluster.key"
-            subprocess.run([sys.executable, "-m", "edgetp", "keygen", str(key)], check=True, capture_output=True,
-                           timeout=60, env=os.environ | child_env(), cwd=ROOT)
-            root = start_setup(setup, path, key, args, flags, daemons)
+        with serving_setup(setup, path, args, flags, daemons) as root:
             model = get_json(root.url, "/v1/models")["data"][0]["id"]
             # as many streams as the most clients, so every batch shape's kernels are loaded before timing
             log(f"  warm-up ({setup}, {spec.key}, {max(args.clients)} streams of 8 tokens) ...")
@@ -322,9 +355,6 @@ def run_setup(setup: str, spec: ModelSpec, path: Path, args: argparse.Namespace,
     except Exception as exc:  # noqa: BLE001 - one failed setup is reported, the others still run
         tails = "\n".join(f"    {d.node_id}: {line}" for d in daemons for line in list(d.tail)[-5:])
         return f"### {title}\n\nFAILED: {exc}\n{tails}"
-    finally:
-        for d in daemons:
-            d.stop()
     return table(title, rows, args.max_tokens) + f"\n\n{plan}"
 
 
@@ -381,9 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             ap.error(f"unknown model {name!r}: use {', '.join(BUILTIN)} or a .gguf path")
     flags = serve_flags()
-    load = os.getloadavg()
-    print(f"# edgetp serving benchmark\n\n- {cpu_line()}, {os.cpu_count()} CPUs, load average at start "
-          f"{load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}\n- commit {commit()}; {time.strftime('%Y-%m-%d %H:%M')}"
+    print(preamble("edgetp serving benchmark") +
           f"\n- {args.threads} thread(s) per daemon, ctx {CTX}, prompt {PROMPT_TOKENS} token ids, "
           f"{args.max_tokens} tokens asked per stream, greedy; the daemons "
           f"{'take --slots' if '--slots' in flags else 'have no --slots (one request at a time)'}"

@@ -28,11 +28,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import re
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -43,9 +40,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tools.bench_local import BUILTIN, ModelSpec, bench_dir, cpu_line, resolve_model  # noqa: E402
-from tools.bench_serve import (FIRST_ID, ID_SPAN, PROMPT_TOKENS, Daemon, add_daemon_args, child_env,  # noqa: E402
-                               commit, get_json, ms, pct, plan_line, serve_flags, setups_of, start_setup)
+from tools.bench_local import BUILTIN  # noqa: E402
+from tools.bench_serve import (FIRST_ID, ID_SPAN, PROMPT_TOKENS, Daemon, add_daemon_args,  # noqa: E402
+                               get_json, markdown, models_of, ms, pct, plan_line, preamble, serve_flags,
+                               serving_setup, setups_of)
 
 SLOTS = 2            # the long prompt and one short request; the chat's turn and nothing else
 TURN_ANSWER = 16     # tokens answered in each chat turn
@@ -168,20 +166,13 @@ def run_setup(setup: str, path: Path, args: argparse.Namespace, flags: set[str])
     ctx = -(-(max(args.long, args.chat + TURN_MORE + TURN_ANSWER, PROMPT_TOKENS + 200) + 16) // 64) * 64
     ns = argparse.Namespace(clients=[SLOTS], slots=SLOTS, threads=args.threads, start_timeout=args.start_timeout)
     try:
-        with tempfile.TemporaryDirectory(prefix="edgetp-bench-ttft-") as tmp:
-            key = Path(tmp) / "cluster.key"
-            subprocess.run([sys.executable, "-m", "edgetp", "keygen", str(key)], check=True, capture_output=True,
-                           timeout=60, env=os.environ | child_env(), cwd=ROOT)
-            root = start_setup(setup, path, key, ns, flags, daemons, ctx,
-                               ["--parallel", args.parallel] if setup == "two" else [])
+        with serving_setup(setup, path, ns, flags, daemons, ctx,
+                           ["--parallel", args.parallel] if setup == "two" else []) as root:
             result = asyncio.run(scenarios(root.url, args))
             return plan_line(root.url), result
     except Exception as exc:  # noqa: BLE001 - one failed setup is reported, the others still run
         tails = "; ".join(line for d in daemons for line in list(d.tail)[-3:])
         return "", Result(error=f"FAILED: {exc} {tails}".strip())
-    finally:
-        for d in daemons:
-            d.stop()
 
 
 def row(label: str, setup: str, r: Result, plan: str) -> list[str]:
@@ -210,25 +201,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.long and args.long <= PROMPT_TOKENS + 200:
         ap.error(f"--long must exceed {PROMPT_TOKENS + 200} token ids (more than two prefill chunks)")
     flags = serve_flags()
-    load = os.getloadavg()
-    print(f"# time to first token\n\n- {cpu_line()}, {os.cpu_count()} CPUs, load average at start "
-          f"{load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}\n- commit {commit()}; {time.strftime('%Y-%m-%d %H:%M')}\n"
-          f"- {args.threads} thread(s) per daemon, {SLOTS} slots; short requests: {PROMPT_TOKENS} ids, one token; "
+    print(preamble("time to first token") +
+          f"\n- {args.threads} thread(s) per daemon, {SLOTS} slots; short requests: {PROMPT_TOKENS} ids, one token; "
           f"long prompt: {args.long} ids; chat: {args.chat} ids, then {TURN_MORE} more\n", flush=True)
     head = ["model", "setup", "short alone ms", "short behind long p50 / max ms (n)", "long TTFT ms",
             "turn 2 cold ms", "turn 2 warm ms", "cached warm / cold", "cold / warm", "notes"]
     body = []
-    cache = bench_dir(args.cache_dir)
-    for name in (m.strip() for m in args.models.split(",") if m.strip()):
-        spec = BUILTIN.get(name) or ModelSpec(Path(name).stem, Path(name).name, path=Path(name))
-        path = resolve_model(spec, cache, lambda m: print(m, file=sys.stderr, flush=True))
+    for spec, path in models_of(args.models, args.cache_dir):
         for setup in setups:
             print(f"{spec.label}, {setup} ...", file=sys.stderr, flush=True)
             plan, r = run_setup(setup, path, args, flags)
             body.append(row(spec.label, setup, r, plan))
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
-    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    print("\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, body)]), flush=True)
+    print(markdown(head, body), flush=True)
     return 0
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,9 +21,8 @@ from edgetp.model import decode, gguf, intdot, isa, llama, quant
 from edgetp.model.intdot_layouts import LAYOUTS
 from edgetp.model.kernels import SPREAD
 from tools import synth_gguf
-from tests.isas import child_env, child_timeout, skip_unless_runnable
+from tests.isas import REPO, child_env, child_timeout, skip_unless_runnable
 
-REPO = Path(__file__).resolve().parent.parent
 TYPES = sorted(LAYOUTS, key=lambda t: LAYOUTS[t].qtype.name)
 IDS = [LAYOUTS[t].qtype.name for t in TYPES]
 SLOTS = 8
@@ -272,8 +270,8 @@ def test_several_token_kernel_on_every_other_isa_gives_the_same_bits(name, tmp_p
         w, x = _inputs(qt, 4 * SPREAD + 5, 2, 5, 60 + i)
         arrays[f"w{int(qt)}"], arrays[f"x{int(qt)}"] = w, x
     np.savez(tmp_path / "in.npz", **arrays)
-    subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), str(tmp_path / "in.npz")], check=True, env=child_env(name),
-                   cwd=REPO, timeout=CHILD_TIMEOUT)
+    subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), str(tmp_path / "in.npz")], check=True,
+                   env=child_env(name), cwd=REPO, timeout=CHILD_TIMEOUT)
     got = np.load(tmp_path / "out.npz")
     assert str(got["isa"]) == name
     for qt in TYPES:

@@ -11,7 +11,6 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,9 +19,8 @@ from gguf import quants
 
 from edgetp.model import intdot, isa
 from edgetp.model.intdot_layouts import LAYOUTS, decode
-from tests.isas import HOST, RUNNABLE, child_env, child_timeout, skip_unless_runnable
+from tests.isas import HOST, REPO, RUNNABLE, child_env, child_timeout, skip_unless_runnable
 
-REPO = Path(__file__).resolve().parent.parent
 TYPES = sorted(LAYOUTS, key=lambda t: LAYOUTS[t].qtype.name)
 IDS = [LAYOUTS[t].qtype.name for t in TYPES]
 # where the f16 "d" of each type with an offset sits: a block with d zeroed dequantizes to its offsets alone

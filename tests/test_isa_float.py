@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from tests.isas import RUNNABLE, child_env
+from tests.isas import REPO, RUNNABLE, child_env
 from tests.test_quant import REL_TOL, random_raw, reference
 
-REPO = Path(__file__).resolve().parent.parent
 DECODE = [QT.F32, QT.F16, QT.BF16, QT.Q4_K, QT.Q8_0]  # Q4_K, Q8_0: float kernels under EDGETP_INT8=0
 PREFILL = [QT.F16, QT.Q4_K, QT.Q6_K, QT.Q5_0]
 ROWS, COLS, TOKENS = 97, 512, 9

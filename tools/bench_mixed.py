@@ -38,9 +38,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tools.bench_local import BUILTIN, ModelSpec  # noqa: E402
-from tools.bench_serve import (FIRST_ID, ID_SPAN, PROMPT_TOKENS, Daemon, Stream, add_daemon_args,  # noqa: E402
+from tools.bench_serve import (PROMPT_TOKENS, Daemon, Stream, add_daemon_args,  # noqa: E402
                                get_json, markdown, models_of, ms, one_stream, pct, plan_line, preamble, prompt_ids,
-                               serve_flags, serving_setup, setups_of)
+                               serve_flags, serving_setup, setups_of, token_ids)
 
 WARM_TOKENS = 8      # tokens each running stream has streamed before the long prompt is sent
 STREAM_TOKENS = 128  # tokens each running stream asks for
@@ -56,10 +56,6 @@ class Result:
     tbt50_outside: float | None
     long_ttft: float | None
     error: str | None = None
-
-
-def long_ids(n: int, seed: int) -> list[int]:
-    return [FIRST_ID + (seed * 7919 + k * 104729) % ID_SPAN for k in range(n)]
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -89,7 +85,7 @@ async def scenario(url: str, model: str, streams: int, long: int, limit: float, 
                 await asyncio.sleep(0.01)
             before = await asyncio.to_thread(scrape, url)
             sent = time.perf_counter()
-            first = await one_stream(client, model, long_ids(long, seed), 1)
+            first = await one_stream(client, model, token_ids(long, seed), 1)
             after = await asyncio.to_thread(scrape, url)
             await asyncio.wait_for(asyncio.gather(*tasks), limit)
         finally:

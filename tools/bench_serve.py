@@ -192,6 +192,11 @@ def prompt_ids(level: int, client: int) -> list[int]:
     return [FIRST_ID + (seed + 104729 * k * (client + 3)) % ID_SPAN for k in range(PROMPT_TOKENS)]
 
 
+def token_ids(n: int, seed: int) -> list[int]:
+    """n ordinary token ids; prompts of different seeds (below ID_SPAN apart) share no first id."""
+    return [FIRST_ID + (seed * 7919 + k * 104729) % ID_SPAN for k in range(n)]
+
+
 async def one_stream(client: Any, model: str, ids: list[int], max_tokens: int, s: Stream | None = None) -> Stream:
     """One streamed completion; its arrivals go into `s` (a new Stream unless given) as they come."""
     s = s or Stream(time.perf_counter())

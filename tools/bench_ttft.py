@@ -41,19 +41,14 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tools.bench_local import BUILTIN  # noqa: E402
-from tools.bench_serve import (FIRST_ID, ID_SPAN, PROMPT_TOKENS, Daemon, add_daemon_args,  # noqa: E402
+from tools.bench_serve import (PROMPT_TOKENS, Daemon, add_daemon_args,  # noqa: E402
                                get_json, markdown, models_of, ms, pct, plan_line, preamble, serve_flags,
-                               serving_setup, setups_of)
+                               serving_setup, setups_of, token_ids)
 
 SLOTS = 2            # the long prompt and one short request; the chat's turn and nothing else
 TURN_ANSWER = 16     # tokens answered in each chat turn
 TURN_MORE = 48       # ids turn 2 adds to turn 1's prompt
 POLL = 0.02          # s between looks at /metrics
-
-
-def ids_of(n: int, seed: int) -> list[int]:
-    """n ordinary token ids; a different seed shares no prefix."""
-    return [FIRST_ID + (seed * 7919 + k * 104729 + (k * k) % 97) % ID_SPAN for k in range(n)]
 
 
 @dataclass
@@ -101,12 +96,12 @@ class Result:
 async def short_behind_long(client: Any, url: str, model: str, long: int, shorts: int, limit: float,
                             out: Result) -> None:
     seed = 100
-    alone = await ask(client, model, ids_of(PROMPT_TOKENS, seed), 1)
+    alone = await ask(client, model, token_ids(PROMPT_TOKENS, seed), 1)
     if alone.error:
         raise RuntimeError(f"short request alone: {alone.error}")
     out.alone = alone.ttft
     before = await asyncio.to_thread(prefill_steps, url)
-    long_task = asyncio.create_task(ask(client, model, ids_of(long, seed + 1), 1))
+    long_task = asyncio.create_task(ask(client, model, token_ids(long, seed + 1), 1))
     try:
         deadline = time.monotonic() + limit
         while await asyncio.to_thread(prefill_steps, url) <= before:  # its first chunk is read
@@ -117,7 +112,7 @@ async def short_behind_long(client: Any, url: str, model: str, long: int, shorts
         for k in range(shorts):
             if long_task.done():
                 break
-            r = await ask(client, model, ids_of(PROMPT_TOKENS, seed + 2 + k), 1)
+            r = await ask(client, model, token_ids(PROMPT_TOKENS, seed + 2 + k), 1)
             if r.error:
                 raise RuntimeError(f"short request behind the long prompt: {r.error}")
             behind.append(r.ttft)
@@ -132,14 +127,14 @@ async def short_behind_long(client: Any, url: str, model: str, long: int, shorts
 
 
 async def second_turn(client: Any, model: str, chat: int, out: Result) -> None:
-    turn1 = ids_of(chat, 200)
-    turn2 = turn1 + ids_of(TURN_MORE, 201)
+    turn1 = token_ids(chat, 200)
+    turn2 = turn1 + token_ids(TURN_MORE, 201)
     first = await ask(client, model, turn1, TURN_ANSWER)
     if first.error:
         raise RuntimeError(f"turn 1: {first.error}")
     out.warm = await ask(client, model, turn2, TURN_ANSWER)
     for k in range(SLOTS):  # each takes the least recently used slot: every slot is taken once
-        r = await ask(client, model, ids_of(PROMPT_TOKENS, 300 + k), 1)
+        r = await ask(client, model, token_ids(PROMPT_TOKENS, 300 + k), 1)
         if r.error:
             raise RuntimeError(f"evicting: {r.error}")
     out.cold = await ask(client, model, turn2, TURN_ANSWER)
@@ -151,7 +146,7 @@ async def scenarios(url: str, args: argparse.Namespace) -> Result:
     out = Result()
     model = get_json(url, "/v1/models")["data"][0]["id"]
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=args.limit) as client:
-        warm = await ask(client, model, ids_of(PROMPT_TOKENS + 200, 1), 2)  # a whole chunk and decode rows
+        warm = await ask(client, model, token_ids(PROMPT_TOKENS + 200, 1), 2)  # a whole chunk and decode rows
         if warm.error:
             raise RuntimeError(f"warm-up: {warm.error}")
         if args.long:

@@ -291,6 +291,11 @@ def recv_frame(sock: socket.socket, into: bytearray | None = None, max_frame: in
     prefix = bytearray(PREFIX.size)
     if not _recv_exactly(sock, memoryview(prefix), allow_eof=True):
         return None, into
+    return _rest_of_frame(sock, prefix, into, max_frame, cipher, plain)
+
+
+def _rest_of_frame(sock: socket.socket, prefix: bytearray, into: bytearray | None, max_frame: int,
+                   cipher: Cipher | None, plain: bytearray | None) -> tuple[Frame, bytearray | None]:
     kind, flags, hlen, plen = parse_prefix(prefix, max_frame)
     n = body_bytes(flags, hlen, plen, cipher)
     buf, body = recv_growing(sock, n, into)
@@ -298,10 +303,71 @@ def recv_frame(sock: socket.socket, into: bytearray | None = None, max_frame: in
     return Frame(kind, header, payload, flags, PREFIX.size + n), buf
 
 
+# --------------------------------------------------------------------------- bare frames: the hot path
+#
+# A decode step's all-reduce sends frames of one type, an empty header and a payload whose size the
+# plan fixes, two per layer and link. Their prefix is known before they are sent or received, so
+# it is made once (Bare) and compared, not parsed: the same bytes on the wire as send_frame and
+# recv_frame, with a fraction of the Python around each (tools/bench_allreduce.py).
+
+EMPTY_HEADER = msgpack.packb({}, use_bin_type=True)
+
+
+@dataclass(frozen=True)
+class Bare:
+    """The fixed parts of a frame of type `type`, an empty header and `plen` payload bytes."""
+
+    type: FrameType
+    plen: int
+    sealed: bool
+    prefix: bytes  # the 16 bytes that start it
+    head: bytes    # prefix + empty header: what precedes a plain payload
+
+    @classmethod
+    def of(cls, ftype: FrameType, plen: int, sealed: bool) -> "Bare":
+        prefix = PREFIX.pack(MAGIC, PROTOCOL_VERSION, int(ftype), SEALED if sealed else 0, len(EMPTY_HEADER), plen)
+        return cls(FrameType(ftype), plen, sealed, prefix, prefix + EMPTY_HEADER)
+
+    @property
+    def body(self) -> int:
+        return len(EMPTY_HEADER) + self.plen + (TAG_BYTES if self.sealed else 0)
+
+
+def send_bare(sock: socket.socket, bare: Bare, payload: Buffer, cipher: Cipher | None = None) -> int:
+    """send_frame(sock, bare.type, {}, payload, cipher), its prefix made once: the same bytes."""
+    if len(payload) != bare.plen or (cipher is not None) != bare.sealed:
+        raise ValueError(f"a {len(payload)}-byte payload, {'' if cipher else 'un'}sealed, does not fit {bare}")
+    if cipher is not None:
+        return _sendmsg_all(sock, [bare.prefix, cipher.seal(bare.prefix, EMPTY_HEADER, payload)])
+    return _sendmsg_all(sock, [bare.head, payload])
+
+
+def recv_bare(sock: socket.socket, bare: Bare, into: bytearray | None = None, max_frame: int = MAX_FRAME,
+              cipher: Cipher | None = None, plain: bytearray | None = None) -> tuple[Frame | None, bytearray | None]:
+    """recv_frame, expecting a frame of `bare`'s kind: when the 16 bytes that arrive are its prefix the
+    body is read and opened with no parsing; any other frame (an ERROR, a protocol error) is received
+    and checked as recv_frame does, for the caller to see."""
+    prefix = bytearray(PREFIX.size)
+    if not _recv_exactly(sock, memoryview(prefix), allow_eof=True):
+        return None, into
+    if prefix != bare.prefix or (cipher is not None) != bare.sealed:
+        return _rest_of_frame(sock, prefix, into, max_frame, cipher, plain)
+    buf, body = recv_growing(sock, bare.body, into)
+    opened = cipher.open(prefix, body, plain) if cipher is not None else body
+    if opened[: len(EMPTY_HEADER)] != EMPTY_HEADER:
+        raise FrameError(f"a {bare.type.name} frame's one-byte header is not an empty map")
+    return Frame(bare.type, {}, opened[len(EMPTY_HEADER):], SEALED if bare.sealed else 0, PREFIX.size + bare.body), buf
+
+
 def send_frame(sock: socket.socket, ftype: FrameType, header: dict[str, Any] | None = None,
                payload: Buffer | np.ndarray = b"", cipher: Cipher | None = None) -> int:
     """Encode (and seal) one frame and send it with sendmsg (no join of a plain payload); bytes sent."""
-    parts = [memoryview(p).cast("B") for p in encode_frame(ftype, header, payload, cipher=cipher)]
+    return _sendmsg_all(sock, encode_frame(ftype, header, payload, cipher=cipher))
+
+
+def _sendmsg_all(sock: socket.socket, buffers: list[Buffer]) -> int:
+    """Every byte of buffers, in order, by sendmsg (a gather: no join); bytes sent."""
+    parts = [memoryview(p).cast("B") for p in buffers]
     total = sum(len(p) for p in parts)
     while parts:
         sent = sock.sendmsg(parts)

@@ -108,6 +108,7 @@ class Link:
         self._rx: frames.Cipher | None = None  # opens what we receive
         self._buf: bytearray | None = None     # reused receive buffers for blocking-mode frames
         self._plain: bytearray | None = None
+        self._bare: dict[tuple[int, int], frames.Bare] = {}  # the hot path's frame kinds, made once
 
     @property
     def sealed(self) -> bool:
@@ -307,9 +308,26 @@ class Link:
 
     def recv_blocking(self, ftype: FrameType) -> Frame:
         """The next frame (must be ftype). Its payload may view a reused buffer: use it before the next receive."""
+        return self._recv_with(ftype, frames.recv_frame)
+
+    def send_bare_blocking(self, ftype: FrameType, payload: memoryview) -> None:
+        """send_blocking(ftype, {}, payload), the hot path's way (frames.send_bare): the same bytes."""
         t0 = time.perf_counter()
         try:
-            frame, self._buf = frames.recv_frame(self.sock, self._buf, self.limit, self._rx, self._plain)
+            self.counters.sent += frames.send_bare(self.sock, self._bare_of(ftype, len(payload)), payload, self._tx)
+        except OSError as exc:
+            raise self._closed(f"send failed ({exc})") from None
+        self.counters.send_s += time.perf_counter() - t0
+
+    def recv_bare_blocking(self, ftype: FrameType, plen: int) -> Frame:
+        """recv_blocking(ftype) of a frame with an empty header and plen payload bytes, the hot path's
+        way (frames.recv_bare); any other frame is refused as recv_blocking refuses it."""
+        return self._recv_with(ftype, frames.recv_bare, self._bare_of(ftype, plen))
+
+    def _recv_with(self, ftype: FrameType, recv, *lead: Any) -> Frame:
+        t0 = time.perf_counter()
+        try:
+            frame, self._buf = recv(self.sock, *lead, self._buf, self.limit, self._rx, self._plain)
         except socket.timeout:
             raise self._closed(f"no frame within {self.timeout:.0f} s") from None
         except FrameError as exc:
@@ -323,6 +341,12 @@ class Link:
         self.counters.received += frame.size
         self.counters.recv_s += time.perf_counter() - t0
         return self._check(frame, ftype)
+
+    def _bare_of(self, ftype: FrameType, plen: int) -> frames.Bare:
+        bare = self._bare.get((ftype, plen))
+        if bare is None or bare.sealed != (self._tx is not None):
+            bare = self._bare[ftype, plen] = frames.Bare.of(ftype, plen, self._tx is not None)
+        return bare
 
     # ------------------------------------------------------------------ common
     def _check(self, frame: Frame, ftype: FrameType) -> Frame:

@@ -78,6 +78,19 @@ class Hot:
             return self.link.recv_blocking(ftype)
         return asyncio.run_coroutine_threadsafe(self.link.expect(ftype), self.loop).result()
 
+    def send_sync(self, ftype: FrameType, wire: memoryview) -> None:
+        """One all-reduce frame: an empty header and the sync payload (the blocking links' bare frames)."""
+        if self.link.mode == BLOCKING:
+            self.link.send_bare_blocking(ftype, wire)
+        else:
+            self.send(ftype, {}, wire)
+
+    def recv_sync(self, ftype: FrameType, nbytes: int) -> Frame:
+        """One all-reduce frame of nbytes payload (decode_sync checks the size either way)."""
+        if self.link.mode == BLOCKING:
+            return self.link.recv_bare_blocking(ftype, nbytes)
+        return self.recv(ftype)
+
 
 class RootReduce:
     """The root's side of the star: gathers partials, sums in node order, sends the total."""
@@ -99,13 +112,14 @@ class RootReduce:
             self._sum(p.out[:, cols])
 
     def _sum(self, partial: np.ndarray) -> None:
+        nbytes = sync_bytes(partial.size, self.sync)
         for w in self.workers:
-            partial += decode_sync(w.recv(FrameType.PARTIAL), partial.shape, self.sync)
+            partial += decode_sync(w.recv_sync(FrameType.PARTIAL, nbytes), partial.shape, self.sync)
         wire = encode_sync(partial, self.sync)
         if self.sync != "f32":  # apply exactly what the workers will apply
             partial[...] = quant.dequantize_q8_0(np.frombuffer(wire, np.uint8), partial.size).reshape(partial.shape)
         for w in self.workers:
-            w.send(FrameType.REDUCED, {}, wire)
+            w.send_sync(FrameType.REDUCED, wire)
 
 
 class WorkerReduce:
@@ -116,18 +130,20 @@ class WorkerReduce:
         self.sync = sync
 
     def __call__(self, partial: np.ndarray) -> None:
-        self.root.send(FrameType.PARTIAL, {}, encode_sync(partial, self.sync))
-        partial[...] = decode_sync(self.root.recv(FrameType.REDUCED), partial.shape, self.sync)
+        self.root.send_sync(FrameType.PARTIAL, encode_sync(partial, self.sync))
+        reduced = self.root.recv_sync(FrameType.REDUCED, sync_bytes(partial.size, self.sync))
+        partial[...] = decode_sync(reduced, partial.shape, self.sync)
 
     def pieces(self, p: Pieces) -> None:
         """Send each piece as soon as it is computed (a few KB: the socket takes it at once, and the
         root reads it while we compute the next), then take the totals."""
         for k, cols in enumerate(_columns(p)):
             p.fill(k)
-            self.root.send(FrameType.PARTIAL, {}, encode_sync(p.out[:, cols], self.sync))
+            self.root.send_sync(FrameType.PARTIAL, encode_sync(p.out[:, cols], self.sync))
         for cols in _columns(p):
             piece = p.out[:, cols]
-            piece[...] = decode_sync(self.root.recv(FrameType.REDUCED), piece.shape, self.sync)
+            reduced = self.root.recv_sync(FrameType.REDUCED, sync_bytes(piece.size, self.sync))
+            piece[...] = decode_sync(reduced, piece.shape, self.sync)
 
 
 def _columns(p: Pieces) -> list[slice]:

@@ -322,24 +322,22 @@ class Bare:
     sealed: bool
     prefix: bytes  # the 16 bytes that start it
     head: bytes    # prefix + empty header: what precedes a plain payload
+    body: int      # bytes after the prefix: the header, the payload and, sealed, the tag
 
     @classmethod
     def of(cls, ftype: FrameType, plen: int, sealed: bool) -> "Bare":
         prefix = PREFIX.pack(MAGIC, PROTOCOL_VERSION, int(ftype), SEALED if sealed else 0, len(EMPTY_HEADER), plen)
-        return cls(FrameType(ftype), plen, sealed, prefix, prefix + EMPTY_HEADER)
-
-    @property
-    def body(self) -> int:
-        return len(EMPTY_HEADER) + self.plen + (TAG_BYTES if self.sealed else 0)
+        return cls(FrameType(ftype), plen, sealed, prefix, prefix + EMPTY_HEADER,
+                   len(EMPTY_HEADER) + plen + (TAG_BYTES if sealed else 0))
 
 
 def send_bare(sock: socket.socket, bare: Bare, payload: Buffer, cipher: Cipher | None = None) -> int:
     """send_frame(sock, bare.type, {}, payload, cipher), its prefix made once: the same bytes."""
     if len(payload) != bare.plen or (cipher is not None) != bare.sealed:
         raise ValueError(f"a {len(payload)}-byte payload, {'' if cipher else 'un'}sealed, does not fit {bare}")
-    if cipher is not None:
-        return _sendmsg_all(sock, [bare.prefix, cipher.seal(bare.prefix, EMPTY_HEADER, payload)])
-    return _sendmsg_all(sock, [bare.head, payload])
+    parts = [bare.prefix, cipher.seal(bare.prefix, EMPTY_HEADER, payload)] if cipher is not None else [bare.head, payload]
+    sent = sock.sendmsg(parts)  # all of it at once, the usual case; else the rest follows
+    return sent if sent == PREFIX.size + bare.body else _sendmsg_all(sock, parts, sent)
 
 
 def recv_bare(sock: socket.socket, bare: Bare, into: bytearray | None = None, max_frame: int = MAX_FRAME,
@@ -348,15 +346,22 @@ def recv_bare(sock: socket.socket, bare: Bare, into: bytearray | None = None, ma
     body is read and opened with no parsing; any other frame (an ERROR, a protocol error) is received
     and checked as recv_frame does, for the caller to see."""
     prefix = bytearray(PREFIX.size)
-    if not _recv_exactly(sock, memoryview(prefix), allow_eof=True):
+    got = sock.recv_into(prefix)
+    if got == 0:
         return None, into
+    if got < PREFIX.size:
+        _recv_exactly(sock, memoryview(prefix)[got:])
     if prefix != bare.prefix or (cipher is not None) != bare.sealed:
         return _rest_of_frame(sock, prefix, into, max_frame, cipher, plain)
-    buf, body = recv_growing(sock, bare.body, into)
+    buf = into if into is not None and len(into) >= bare.body else bytearray(bare.body)
+    body = memoryview(buf)[: bare.body]
+    got = sock.recv_into(body)
+    if got < bare.body:
+        _recv_exactly(sock, body[got:])
     opened = cipher.open(prefix, body, plain) if cipher is not None else body
-    if opened[: len(EMPTY_HEADER)] != EMPTY_HEADER:
+    if opened[0] != EMPTY_HEADER[0]:
         raise FrameError(f"a {bare.type.name} frame's one-byte header is not an empty map")
-    return Frame(bare.type, {}, opened[len(EMPTY_HEADER):], SEALED if bare.sealed else 0, PREFIX.size + bare.body), buf
+    return Frame(bare.type, {}, opened[1:], SEALED if bare.sealed else 0, PREFIX.size + bare.body), buf
 
 
 def send_frame(sock: socket.socket, ftype: FrameType, header: dict[str, Any] | None = None,
@@ -365,15 +370,17 @@ def send_frame(sock: socket.socket, ftype: FrameType, header: dict[str, Any] | N
     return _sendmsg_all(sock, encode_frame(ftype, header, payload, cipher=cipher))
 
 
-def _sendmsg_all(sock: socket.socket, buffers: list[Buffer]) -> int:
-    """Every byte of buffers, in order, by sendmsg (a gather: no join); bytes sent."""
+def _sendmsg_all(sock: socket.socket, buffers: list[Buffer], sent: int = 0) -> int:
+    """Every byte of buffers, in order, by sendmsg (a gather: no join), the first `sent` of them
+    already sent; the bytes of them all."""
     parts = [memoryview(p).cast("B") for p in buffers]
     total = sum(len(p) for p in parts)
-    while parts:
-        sent = sock.sendmsg(parts)
+    while True:
         while parts and sent >= len(parts[0]):
             sent -= len(parts[0])
             parts.pop(0)
-        if parts and sent:
+        if not parts:
+            return total
+        if sent:
             parts[0] = parts[0][sent:]
-    return total
+        sent = sock.sendmsg(parts)

@@ -108,7 +108,7 @@ class Link:
         self._rx: frames.Cipher | None = None  # opens what we receive
         self._buf: bytearray | None = None     # reused receive buffers for blocking-mode frames
         self._plain: bytearray | None = None
-        self._bare: dict[tuple[int, int], frames.Bare] = {}  # the hot path's frame kinds, made once
+        self._bare: dict[tuple[int, int, bool], frames.Bare] = {}  # the hot path's frame kinds, made once
 
     @property
     def sealed(self) -> bool:
@@ -343,9 +343,10 @@ class Link:
         return self._check(frame, ftype)
 
     def _bare_of(self, ftype: FrameType, plen: int) -> frames.Bare:
-        bare = self._bare.get((ftype, plen))
-        if bare is None or bare.sealed != (self._tx is not None):
-            bare = self._bare[ftype, plen] = frames.Bare.of(ftype, plen, self._tx is not None)
+        key = (ftype, plen, self._tx is not None)
+        bare = self._bare.get(key)
+        if bare is None:
+            bare = self._bare[key] = frames.Bare.of(ftype, plen, self._tx is not None)
         return bare
 
     # ------------------------------------------------------------------ common

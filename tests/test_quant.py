@@ -299,6 +299,48 @@ def test_prefill_activation_rounding_is_the_documented_formula(wide, int8_prefil
         np.testing.assert_array_equal(sums16[:13], want.reshape(13, 20, 16).sum(axis=2))
 
 
+@settings(max_examples=60, deadline=None)
+@given(hnp.arrays(np.float32, st.integers(1, 8).map(lambda b: b * 32), elements=finite_f32))
+def test_quantize_q8_0_back_and_dequantize_add_are_ggmls_values(x):
+    # the all-reduce's fused forms: the root replaced by the rounded total it sends, a partial added
+    # straight from the blocks; both against gguf-py's (ggml's) quantize and dequantize
+    values = gguf.quants.dequantize(gguf.quants.quantize(x.reshape(-1, 32), QT.Q8_0), QT.Q8_0).reshape(-1)
+    y = x.copy()
+    wire = Q.quantize_q8_0(y, back=True)
+    np.testing.assert_array_equal(wire, Q.quantize_q8_0(x))
+    np.testing.assert_array_equal(y, values)
+    base = np.random.default_rng(x.size).standard_normal(x.size).astype(np.float32)
+    out = base.copy()
+    Q.dequantize_q8_0(wire, x.size, out, add=True)
+    np.testing.assert_array_equal(out, base + values)
+    with pytest.raises(ValueError, match="not the Q8_0 blocks"):
+        Q.dequantize_q8_0(wire[:-1], x.size)
+
+
+def test_q8_0_scales_round_to_f16_as_numpy_does_at_every_edge():
+    # the scale's f16 bits are made in the kernel (kernels.half_bits): against numpy's astype over the
+    # subnormal halves, the normal/subnormal boundary, ties, the largest half and overflow to inf
+    from numba import njit  # noqa: PLC0415
+
+    from edgetp.model import kernels  # noqa: PLC0415
+
+    @njit(cache=False)
+    def bits(u, out):
+        for i in range(u.shape[0]):
+            out[i] = kernels.half_bits(np.int64(u[i]))
+
+    u = np.concatenate([np.arange(0x32FF0000, 0x39000000, 3, dtype=np.uint32),  # 0 .. subnormal .. normal
+                        np.arange(0x477F0000, 0x47810000, dtype=np.uint32),       # 65504, the tie, inf
+                        np.arange(0x3F7FE000, 0x3F802000, dtype=np.uint32),       # around 1.0
+                        np.array([0, 0x7F800000, 0x7F7FFFFF, 1], np.uint32)])
+    u = np.concatenate([u, u | np.uint32(0x80000000)])
+    got = np.empty(u.shape[0], np.uint16)
+    bits(u, got)
+    with np.errstate(over="ignore"):
+        want = u.view(np.float32).astype(np.float16).view(np.uint16)
+    np.testing.assert_array_equal(got, want)
+
+
 def test_quantize_q8_0_handles_all_zero_and_tie_values():
     x = np.zeros(64, np.float32)
     x[32:] = np.arange(32, dtype=np.float32) - 15.5  # scale 16.5/127: ties and near-ties

@@ -401,11 +401,38 @@ def matvec_q6_k(w, tab, x, out):
 
 
 @njit(**_OPTS)
-def quantize_q8_0_into(x, d, out):  # pragma: no cover - compiled
-    # x: (nb*32,) f32; d: (nb,) f32 block scales (max|x|/127, computed here); out: (nb*34,) uint8
-    # q = roundf(x/d), half away from zero, exactly as ggml's quantize_row_q8_0 (scale bytes filled by the caller)
+def half_bits(u):  # pragma: no cover - compiled
+    # the bits of the IEEE half nearest the f32 whose bits are u (an int64), ties to even, as numpy's
+    # astype(float16) and F16C's vcvtps2ph round; too large for a half: infinity; NaN: a quiet NaN
+    sign = (u >> 16) & 0x8000
+    a = u & 0x7FFFFFFF
+    if a > 0x7F800000:
+        return sign | 0x7E00
+    if a >= 0x477FF000:  # from halfway between 65504 and 2^16 up (a tie goes to the even 2^16): inf
+        return sign | 0x7C00
+    if a < 0x38800000:  # below 2^-14: a subnormal half, in units of 2^-24
+        if a <= 0x33000000:  # up to 2^-25, half a unit (a tie goes to the even 0)
+            return sign
+        e = a >> 23
+        m = (a & 0x7FFFFF) | 0x800000
+        shift = 126 - e  # m * 2^(e - 150) in units of 2^-24: 14 to 24 bits dropped
+        q, rest, half = m >> shift, m & ((1 << shift) - 1), 1 << (shift - 1)
+    else:
+        q, rest, half = (((a >> 23) - 112) << 10) | ((a & 0x7FFFFF) >> 13), a & 0x1FFF, 0x1000
+    if rest > half or (rest == half and q & 1):
+        q += 1  # a carry into the exponent is the right result, up to infinity
+    return sign | q
+
+
+@njit(**_OPTS)
+def quantize_q8_0_blocks(x, tab16, out, back):  # pragma: no cover - compiled
+    # x: (nb*32,) f32 -> out: (nb*34,) uint8, ggml's Q8_0 blocks as quantize_row_q8_0 makes them:
+    # d = max|x|/127 stored as f16, q = roundf(x/d) (half away from zero). back: then x[i] = f32(d16) * q[i],
+    # what dequantizing the block gives (deq.deq_row's Q8_0 arithmetic)
     nb = x.shape[0] // 32
     q = out.view(np.int8)
+    d = np.empty(1, np.float32)
+    bits = d.view(np.uint32)
     for b in range(nb):
         amax = np.float32(0.0)
         for j in range(32):
@@ -413,7 +440,10 @@ def quantize_q8_0_into(x, d, out):  # pragma: no cover - compiled
             if v > amax:
                 amax = v
         db = amax / np.float32(127.0)
-        d[b] = db
+        d[0] = db
+        h = half_bits(np.int64(bits[0]))
+        out[b * 34] = h & 0xFF
+        out[b * 34 + 1] = h >> 8
         inv = np.float32(1.0) / db if db != 0 else np.float32(0.0)
         for j in range(32):
             v = x[b * 32 + j] * inv
@@ -421,3 +451,19 @@ def quantize_q8_0_into(x, d, out):  # pragma: no cover - compiled
             whole = np.floor(a)
             r = whole + np.floor(np.float32(2.0) * (a - whole))
             q[b * 34 + 2 + j] = np.int8(-r if v < 0 else r)
+        if back:
+            d16 = tab16[h]
+            for j in range(32):
+                x[b * 32 + j] = np.float32(q[b * 34 + 2 + j]) * d16
+
+
+@njit(**_OPTS)
+def q8_0_values(buf, tab16, out, add):  # pragma: no cover - compiled
+    # out: (nb*32,) f32 = (add: +=) the values of the Q8_0 blocks buf (nb*34,) uint8, f32(d16) * q each
+    # (deq.deq_row's Q8_0 arithmetic), added in f32 as numpy's += adds
+    qi = buf.view(np.int8)
+    for b in range(out.shape[0] // 32):
+        d16 = tab16[np.int64(buf[b * 34]) | (np.int64(buf[b * 34 + 1]) << 8)]
+        for j in range(32):
+            v = np.float32(qi[b * 34 + 2 + j]) * d16
+            out[b * 32 + j] = out[b * 32 + j] + v if add else v

@@ -396,26 +396,31 @@ def slice_cols(w: Weight, start: int, stop: int) -> Weight:
 # ---------------------------------------------------------------- Q8_0 codec for activations
 
 
-def quantize_q8_0(x: np.ndarray) -> np.ndarray:
+def quantize_q8_0(x: np.ndarray, back: bool = False) -> np.ndarray:
     """f32 (n,) with n % 32 == 0 -> (n//32*34,) uint8, byte-identical to ggml's quantize_row_q8_0.
 
     Per block: d = max|x|/127 (stored as f16), q = roundf(x/d) (half away from zero).
-    Blocks whose max |x| is below ~1e-36 make 1/d overflow, as in ggml.
+    Blocks whose max |x| is below ~1e-36 make 1/d overflow, as in ggml. back: x (C-contiguous)
+    is then replaced by what dequantize_q8_0 gives for the blocks (an all-reduce's root applies
+    the rounded total it sends), in the same pass.
     """
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 1 or x.shape[0] % 32:
         raise ValueError(f"quantize_q8_0 needs a 1-D array whose length is a multiple of 32, got {x.shape}")
-    nb = x.shape[0] // 32
-    out = np.empty(nb * 34, np.uint8)
-    d = np.empty(nb, np.float32)
-    with np.errstate(divide="ignore", over="ignore"):
-        K.quantize_q8_0_into(x, d, out)
-    out.reshape(nb, 34)[:, :2] = d.astype(np.float16).view(np.uint8).reshape(nb, 2)
+    out = np.empty(x.shape[0] // 32 * 34, np.uint8)
+    K.quantize_q8_0_blocks(x, _TAB16, out, back)
     return out
 
 
-def dequantize_q8_0(buf: np.ndarray, n: int) -> np.ndarray:
-    """(n//32*34,) uint8 Q8_0 blocks -> f32 (n,)."""
-    out = np.empty((1, n), np.float32)
-    D.dequant_rows(int(QT.Q8_0), np.frombuffer(buf, np.uint8).reshape(1, -1), _TAB16, _TABBF, out)
-    return out[0]
+def dequantize_q8_0(buf: np.ndarray, n: int, out: np.ndarray | None = None, add: bool = False) -> np.ndarray:
+    """(n//32*34,) uint8 Q8_0 blocks -> f32 (n,): into `out` (C-contiguous f32, n values) when given, added
+    to what it holds when `add` (f32 sums, as numpy's +=)."""
+    buf = np.frombuffer(buf, np.uint8)
+    if n % 32 or buf.shape[0] != n // 32 * 34:
+        raise ValueError(f"{buf.shape[0]} bytes are not the Q8_0 blocks of {n} values")
+    if out is None:
+        out = np.zeros(n, np.float32)
+    elif out.dtype != np.float32 or out.size != n or not out.flags.c_contiguous:
+        raise ValueError(f"out must be C-contiguous float32 of {n} values, got {out.dtype} {out.shape}")
+    K.q8_0_values(buf, _TAB16, out.reshape(-1), add)
+    return out.reshape(-1)

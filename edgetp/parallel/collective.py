@@ -52,7 +52,22 @@ def decode_sync(frame: Frame, shape: tuple[int, int], sync: str) -> np.ndarray:
         raise ValueError(f"sync payload of {len(frame.payload)} bytes, expected {expected} for {shape} {sync}")
     if sync == "f32":
         return np.frombuffer(frame.payload, np.float32).reshape(shape)
-    return quant.dequantize_q8_0(np.frombuffer(frame.payload, np.uint8), n).reshape(shape)
+    return quant.dequantize_q8_0(frame.payload, n).reshape(shape)
+
+
+def apply_sync(frame: Frame, partial: np.ndarray, sync: str, add: bool) -> None:
+    """partial = (add: +=) decode_sync(frame, ...): Q8_0 blocks straight into a C-contiguous partial."""
+    if sync == "f32" or not partial.flags.c_contiguous:
+        values = decode_sync(frame, partial.shape, sync)
+        if add:
+            partial += values
+        else:
+            partial[...] = values
+        return
+    expected = sync_bytes(partial.size, sync)
+    if len(frame.payload) != expected:
+        raise ValueError(f"sync payload of {len(frame.payload)} bytes, expected {expected} for {partial.shape} {sync}")
+    quant.dequantize_q8_0(frame.payload, partial.size, partial, add)
 
 
 def sync_bytes(n_values: int, sync: str) -> int:
@@ -114,10 +129,14 @@ class RootReduce:
     def _sum(self, partial: np.ndarray) -> None:
         nbytes = sync_bytes(partial.size, self.sync)
         for w in self.workers:
-            partial += decode_sync(w.recv_sync(FrameType.PARTIAL, nbytes), partial.shape, self.sync)
-        wire = encode_sync(partial, self.sync)
-        if self.sync != "f32":  # apply exactly what the workers will apply
-            partial[...] = quant.dequantize_q8_0(np.frombuffer(wire, np.uint8), partial.size).reshape(partial.shape)
+            apply_sync(w.recv_sync(FrameType.PARTIAL, nbytes), partial, self.sync, add=True)
+        if self.sync == "f32":
+            wire = encode_sync(partial, self.sync)
+        elif partial.flags.c_contiguous:  # quantized, and replaced by exactly what the workers will apply
+            wire = memoryview(quant.quantize_q8_0(partial.reshape(-1), back=True)).cast("B")
+        else:
+            wire = encode_sync(partial, self.sync)
+            partial[...] = quant.dequantize_q8_0(wire, partial.size).reshape(partial.shape)
         for w in self.workers:
             w.send_sync(FrameType.REDUCED, wire)
 
@@ -132,7 +151,7 @@ class WorkerReduce:
     def __call__(self, partial: np.ndarray) -> None:
         self.root.send_sync(FrameType.PARTIAL, encode_sync(partial, self.sync))
         reduced = self.root.recv_sync(FrameType.REDUCED, sync_bytes(partial.size, self.sync))
-        partial[...] = decode_sync(reduced, partial.shape, self.sync)
+        apply_sync(reduced, partial, self.sync, add=False)
 
     def pieces(self, p: Pieces) -> None:
         """Send each piece as soon as it is computed (a few KB: the socket takes it at once, and the
@@ -143,7 +162,7 @@ class WorkerReduce:
         for cols in _columns(p):
             piece = p.out[:, cols]
             reduced = self.root.recv_sync(FrameType.REDUCED, sync_bytes(piece.size, self.sync))
-            piece[...] = decode_sync(reduced, piece.shape, self.sync)
+            apply_sync(reduced, piece, self.sync, add=False)
 
 
 def _columns(p: Pieces) -> list[slice]:

@@ -341,10 +341,12 @@ def send_bare(sock: socket.socket, bare: Bare, payload: Buffer, cipher: Cipher |
 
 
 def recv_bare(sock: socket.socket, bare: Bare, into: bytearray | None = None, max_frame: int = MAX_FRAME,
-              cipher: Cipher | None = None, plain: bytearray | None = None) -> tuple[Frame | None, bytearray | None]:
+              cipher: Cipher | None = None,
+              plain: bytearray | None = None) -> tuple[memoryview | Frame | None, bytearray | None]:
     """recv_frame, expecting a frame of `bare`'s kind: when the 16 bytes that arrive are its prefix the
-    body is read and opened with no parsing; any other frame (an ERROR, a protocol error) is received
-    and checked as recv_frame does, for the caller to see."""
+    body is read and opened with no parsing, and its payload (a view, as recv_frame's) comes back
+    alone; any other frame (an ERROR, a protocol error) is received and checked as recv_frame does
+    and comes back whole, a Frame, for the caller to see. None: a clean close."""
     prefix = bytearray(PREFIX.size)
     got = sock.recv_into(prefix)
     if got == 0:
@@ -361,7 +363,7 @@ def recv_bare(sock: socket.socket, bare: Bare, into: bytearray | None = None, ma
     opened = cipher.open(prefix, body, plain) if cipher is not None else body
     if opened[0] != EMPTY_HEADER[0]:
         raise FrameError(f"a {bare.type.name} frame's one-byte header is not an empty map")
-    return Frame(bare.type, {}, opened[1:], SEALED if bare.sealed else 0, PREFIX.size + bare.body), buf
+    return opened[1:], buf
 
 
 def send_frame(sock: socket.socket, ftype: FrameType, header: dict[str, Any] | None = None,

@@ -308,7 +308,7 @@ class Link:
 
     def recv_blocking(self, ftype: FrameType) -> Frame:
         """The next frame (must be ftype). Its payload may view a reused buffer: use it before the next receive."""
-        return self._recv_with(ftype, frames.recv_frame)
+        return self._check(self._received(frames.recv_frame), ftype)
 
     def send_bare_blocking(self, ftype: FrameType, payload: memoryview) -> None:
         """send_blocking(ftype, {}, payload), the hot path's way (frames.send_bare): the same bytes."""
@@ -319,28 +319,40 @@ class Link:
             raise self._closed(f"send failed ({exc})") from None
         self.counters.send_s += time.perf_counter() - t0
 
-    def recv_bare_blocking(self, ftype: FrameType, plen: int) -> Frame:
-        """recv_blocking(ftype) of a frame with an empty header and plen payload bytes, the hot path's
-        way (frames.recv_bare); any other frame is refused as recv_blocking refuses it."""
-        return self._recv_with(ftype, frames.recv_bare, self._bare_of(ftype, plen))
+    def recv_bare_blocking(self, ftype: FrameType, plen: int) -> memoryview:
+        """The payload of the next frame, which must be ftype with an empty header, received the hot
+        path's way (frames.recv_bare): a view, as recv_blocking's. An ERROR or a frame of another
+        type is refused as recv_blocking refuses it; one of this type but another size is handed on
+        (the caller checks the size it needs)."""
+        bare = self._bare_of(ftype, plen)
+        got = self._received(frames.recv_bare, bare)
+        if isinstance(got, Frame):
+            return self._check(got, ftype).payload
+        size = frames.PREFIX.size + bare.body
+        if self._rx is not None and (self._plain is None or len(self._plain) < size):
+            self._plain = bytearray(size)  # the next one opens in place
+        self.counters.received += size
+        return got
 
-    def _recv_with(self, ftype: FrameType, recv, *lead: Any) -> Frame:
+    def _received(self, recv, *lead: Any) -> Frame | memoryview:
+        """recv(sock, *lead, buffers...)'s frame or payload; a closed link, a timeout or a bad frame as LinkClosed."""
         t0 = time.perf_counter()
         try:
-            frame, self._buf = recv(self.sock, *lead, self._buf, self.limit, self._rx, self._plain)
+            got, self._buf = recv(self.sock, *lead, self._buf, self.limit, self._rx, self._plain)
         except socket.timeout:
             raise self._closed(f"no frame within {self.timeout:.0f} s") from None
         except FrameError as exc:
             raise self._closed(f"bad frame ({exc})") from None
         except OSError as exc:
             raise self._closed(f"receive failed ({exc})") from None
-        if frame is None:
+        if got is None:
             raise self._closed("connection closed by peer")
-        if self._rx is not None and (self._plain is None or len(self._plain) < frame.size):
-            self._plain = bytearray(frame.size)  # the next sealed frame of this size opens in place
-        self.counters.received += frame.size
+        if isinstance(got, Frame):
+            if self._rx is not None and (self._plain is None or len(self._plain) < got.size):
+                self._plain = bytearray(got.size)  # the next sealed frame of this size opens in place
+            self.counters.received += got.size
         self.counters.recv_s += time.perf_counter() - t0
-        return self._check(frame, ftype)
+        return got
 
     def _bare_of(self, ftype: FrameType, plen: int) -> frames.Bare:
         key = (ftype, plen, self._tx is not None)

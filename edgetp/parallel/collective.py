@@ -45,29 +45,30 @@ def encode_sync(x: np.ndarray, sync: str) -> memoryview:
     return memoryview(wire).cast("B")
 
 
-def decode_sync(frame: Frame, shape: tuple[int, int], sync: str) -> np.ndarray:
+def decode_sync(payload: memoryview, shape: tuple[int, int], sync: str) -> np.ndarray:
+    """The (n, dim) f32 values a sync payload carries."""
     n = shape[0] * shape[1]
     expected = sync_bytes(n, sync)
-    if len(frame.payload) != expected:
-        raise ValueError(f"sync payload of {len(frame.payload)} bytes, expected {expected} for {shape} {sync}")
+    if len(payload) != expected:
+        raise ValueError(f"sync payload of {len(payload)} bytes, expected {expected} for {shape} {sync}")
     if sync == "f32":
-        return np.frombuffer(frame.payload, np.float32).reshape(shape)
-    return quant.dequantize_q8_0(frame.payload, n).reshape(shape)
+        return np.frombuffer(payload, np.float32).reshape(shape)
+    return quant.dequantize_q8_0(payload, n).reshape(shape)
 
 
-def apply_sync(frame: Frame, partial: np.ndarray, sync: str, add: bool) -> None:
-    """partial = (add: +=) decode_sync(frame, ...): Q8_0 blocks straight into a C-contiguous partial."""
+def apply_sync(payload: memoryview, partial: np.ndarray, sync: str, add: bool) -> None:
+    """partial = (add: +=) decode_sync(payload, ...): Q8_0 blocks straight into a C-contiguous partial."""
     if sync == "f32" or not partial.flags.c_contiguous:
-        values = decode_sync(frame, partial.shape, sync)
+        values = decode_sync(payload, partial.shape, sync)
         if add:
             partial += values
         else:
             partial[...] = values
         return
     expected = sync_bytes(partial.size, sync)
-    if len(frame.payload) != expected:
-        raise ValueError(f"sync payload of {len(frame.payload)} bytes, expected {expected} for {partial.shape} {sync}")
-    quant.dequantize_q8_0(frame.payload, partial.size, partial, add)
+    if len(payload) != expected:
+        raise ValueError(f"sync payload of {len(payload)} bytes, expected {expected} for {partial.shape} {sync}")
+    quant.dequantize_q8_0(payload, partial.size, partial, add)
 
 
 def sync_bytes(n_values: int, sync: str) -> int:
@@ -100,11 +101,11 @@ class Hot:
         else:
             self.send(ftype, {}, wire)
 
-    def recv_sync(self, ftype: FrameType, nbytes: int) -> Frame:
-        """One all-reduce frame of nbytes payload (decode_sync checks the size either way)."""
+    def recv_sync(self, ftype: FrameType, nbytes: int) -> memoryview:
+        """The payload of one all-reduce frame, nbytes expected (decode_sync checks the size)."""
         if self.link.mode == BLOCKING:
             return self.link.recv_bare_blocking(ftype, nbytes)
-        return self.recv(ftype)
+        return self.recv(ftype).payload
 
 
 class RootReduce:

@@ -42,6 +42,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 from dataclasses import dataclass  # noqa: E402
+from typing import Any  # noqa: E402
 
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
@@ -412,8 +413,8 @@ def quantize_q8_0(x: np.ndarray, back: bool = False) -> np.ndarray:
     return out
 
 
-def dequantize_q8_0(buf: np.ndarray, n: int, out: np.ndarray | None = None, add: bool = False) -> np.ndarray:
-    """(n//32*34,) uint8 Q8_0 blocks -> f32 (n,): into `out` (C-contiguous f32, n values) when given, added
+def dequantize_q8_0(buf: Any, n: int, out: np.ndarray | None = None, add: bool = False) -> np.ndarray:
+    """(n//32*34,) uint8 Q8_0 blocks (an array or any bytes-like buffer) -> f32 (n,): into `out` (C-contiguous f32, n values) when given, added
     to what it holds when `add` (f32 sums, as numpy's +=)."""
     buf = np.frombuffer(buf, np.uint8)
     if n % 32 or buf.shape[0] != n // 32 * 34:

@@ -45,12 +45,17 @@ def encode_sync(x: np.ndarray, sync: str) -> memoryview:
     return memoryview(wire).cast("B")
 
 
+def _sized(payload: memoryview, shape: tuple[int, ...], sync: str) -> int:
+    """The values of `shape`; ValueError if the payload is not their size in this sync type."""
+    n = shape[0] * shape[1]
+    if len(payload) != sync_bytes(n, sync):
+        raise ValueError(f"sync payload of {len(payload)} bytes, expected {sync_bytes(n, sync)} for {shape} {sync}")
+    return n
+
+
 def decode_sync(payload: memoryview, shape: tuple[int, int], sync: str) -> np.ndarray:
     """The (n, dim) f32 values a sync payload carries."""
-    n = shape[0] * shape[1]
-    expected = sync_bytes(n, sync)
-    if len(payload) != expected:
-        raise ValueError(f"sync payload of {len(payload)} bytes, expected {expected} for {shape} {sync}")
+    n = _sized(payload, shape, sync)
     if sync == "f32":
         return np.frombuffer(payload, np.float32).reshape(shape)
     return quant.dequantize_q8_0(payload, n).reshape(shape)
@@ -65,10 +70,7 @@ def apply_sync(payload: memoryview, partial: np.ndarray, sync: str, add: bool) -
         else:
             partial[...] = values
         return
-    expected = sync_bytes(partial.size, sync)
-    if len(payload) != expected:
-        raise ValueError(f"sync payload of {len(payload)} bytes, expected {expected} for {partial.shape} {sync}")
-    quant.dequantize_q8_0(payload, partial.size, partial, add)
+    quant.dequantize_q8_0(payload, _sized(payload, partial.shape, sync), partial, add)
 
 
 def sync_bytes(n_values: int, sync: str) -> int:

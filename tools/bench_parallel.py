@@ -750,18 +750,15 @@ def pingpong(n: int = 1000, size: int = 2346) -> tuple[float, float, float]:
     The floor of one all-reduce here; on a machine shared with other jobs the mean shows
     how long a woken process waits for its core.
     """
+    from tools.bench_allreduce import echo  # noqa: PLC0415
+
     a, b = socket.socketpair()
     pid = os.fork()
     if pid == 0:  # child: echo, pinned to core 1; never returns into the caller's code
         try:
             os.sched_setaffinity(0, {1})
             a.close()
-            buf = memoryview(bytearray(size))
-            for _ in range(n):
-                got = 0
-                while got < size:
-                    got += b.recv_into(buf[got:])
-                b.sendall(buf)
+            echo(b, size, n)
         finally:
             os._exit(0)
     b.close()

@@ -4,7 +4,9 @@ general encoder, read back by either receiver, and every other frame still seen 
 from __future__ import annotations
 
 import socket
+import struct
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -147,3 +149,39 @@ def test_a_link_reports_the_peers_error_in_place_of_a_bare_frame_and_closes(seal
     finally:
         root.close()
         worker.close()
+
+
+def test_a_blocking_receive_gives_up_after_the_links_timeout_with_a_clear_reason():
+    # the wait is bounded in the kernel (SO_RCVTIMEO), not by a poll before each call: measured by the clock
+    with socket.create_server(("127.0.0.1", 0)) as lst:
+        b = socket.create_connection(lst.getsockname(), timeout=10)
+        a = lst.accept()[0]
+    link, silent = Link(a, "worker", timeout=1.0), b
+    link.trust()
+    link.enter_blocking()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(LinkClosed, match="link worker: no frame within 1 s"):
+            link.recv_bare_blocking(FrameType.PARTIAL, 16)
+        assert 0.9 <= time.monotonic() - t0 < 5
+        assert link.closed
+    finally:
+        link.close()
+        silent.close()
+
+
+def test_a_link_back_in_asyncio_mode_has_no_kernel_timeout_left():
+    with socket.create_server(("127.0.0.1", 0)) as lst:
+        b = socket.create_connection(lst.getsockname(), timeout=10)
+        a = lst.accept()[0]
+    link = Link(a, "peer", timeout=2.5)
+    try:
+        link.enter_blocking()
+        assert struct.unpack("ll", a.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16)) == (2, 500000)
+        assert a.gettimeout() is None  # no Python-level poll before each call
+        link.leave_blocking()
+        assert struct.unpack("ll", a.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16)) == (0, 0)
+        assert struct.unpack("ll", a.getsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, 16)) == (0, 0)
+    finally:
+        link.close()
+        b.close()

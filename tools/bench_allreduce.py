@@ -21,7 +21,7 @@ SmolLM2 (576) and the 1B shape (2048), f32 and q8_0 sync, plain and sealed (a cl
     python tools/bench_allreduce.py
     python tools/bench_allreduce.py --dims 576 --rounds 5000
 
-Every child is waited for; every loop is bounded in count (and each socket has a timeout).
+Every child is waited for; every loop is bounded in count (and each socket's waits in time).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ os.environ.setdefault("NUMBA_NUM_THREADS", "1")  # before numba loads: one threa
 import argparse  # noqa: E402
 import json  # noqa: E402
 import socket  # noqa: E402
+import struct  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -69,8 +70,13 @@ def _pair() -> tuple[socket.socket, int]:
 
 
 def _tcp(sock: socket.socket) -> socket.socket:
+    """A blocking TCP socket as the product's links set theirs in blocking mode: TCP_NODELAY, and waits
+    bounded in the kernel (SO_RCVTIMEO, SO_SNDTIMEO), no poll before each call."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.settimeout(TIMEOUT)
+    sock.settimeout(None)
+    tv = struct.pack("ll", int(TIMEOUT), 0)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
     return sock
 
 

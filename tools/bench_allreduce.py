@@ -194,6 +194,25 @@ def product(dim: int, rows: int, sync: str, sealed: bool, rounds: int) -> list[f
     return _rounds(stamps)
 
 
+HEAD = ("| dim | sync | sealed | bytes a frame | raw round trip µs (median / p90) | edgetp all-reduce µs "
+        "(median / p90) | beyond raw µs | beyond ÷ raw (target ≤ 1) |\n|---:|---|---|---:|---:|---:|---:|---:|")
+
+
+def case(dim: int, rows: int, sync: str, sealed: bool, rounds: int, blocks: int) -> tuple[str, float]:
+    """One case's table row and its beyond ÷ raw: raw and edgetp in turn, `blocks` blocks of rounds each
+    (so that both see the same load)."""
+    size = frame_bytes(dim, rows, sync, sealed)
+    ours, floor = [], []
+    for _ in range(blocks):
+        floor += raw(size, rounds // blocks)
+        ours += product(dim, rows, sync, sealed, rounds // blocks)
+    (r50, r90), (p50, p90) = ((_p(g, 0.5), _p(g, 0.9)) for g in (floor, ours))
+    ratio = (p50 - r50) / r50
+    mark = "**" if ratio > 1 else ""
+    return (f"| {dim} | {sync} | {'yes' if sealed else 'no'} | {size:,} | {r50:.0f} / {r90:.0f} | {p50:.0f} / "
+            f"{p90:.0f} | {p50 - r50:.0f} | {mark}{ratio:.2f}{mark} |"), ratio
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dims", default="576,2048", help="partial widths (model dims), comma-separated")
@@ -220,24 +239,14 @@ def main(argv: list[str] | None = None) -> int:
     print(preamble("One all-reduce beyond the socket round trip (tools/bench_allreduce.py)"))
     print(f"- 2 processes, root on core 0, worker on core 1, TCP loopback with TCP_NODELAY; {args.rounds} "
           f"rounds a case in {args.blocks} blocks, raw and edgetp in turn; {args.rows} row(s) a partial\n")
-    print("| dim | sync | sealed | bytes a frame | raw round trip µs (median / p90) | edgetp all-reduce µs "
-          "(median / p90) | beyond raw µs | beyond ÷ raw (target ≤ 1) |")
-    print("|---:|---|---|---:|---:|---:|---:|---:|")
+    print(HEAD)
     worst = 0.0
     for dim in dims:
         for sync in syncs:
             for sealed in (False, True):
-                size = frame_bytes(dim, args.rows, sync, sealed)
-                ours, floor = [], []
-                for _ in range(args.blocks):  # in turn, so that both see the same load
-                    floor += raw(size, args.rounds // args.blocks)
-                    ours += product(dim, args.rows, sync, sealed, args.rounds // args.blocks)
-                (r50, r90), (p50, p90) = ((_p(g, 0.5), _p(g, 0.9)) for g in (floor, ours))
-                ratio = (p50 - r50) / r50
+                row, ratio = case(dim, args.rows, sync, sealed, args.rounds, args.blocks)
                 worst = max(worst, ratio)
-                print(f"| {dim} | {sync} | {'yes' if sealed else 'no'} | {size:,} | {r50:.0f} / {r90:.0f} "
-                      f"| {p50:.0f} / {p90:.0f} | {p50 - r50:.0f} | {'**' if ratio > 1 else ''}{ratio:.2f}"
-                      f"{'**' if ratio > 1 else ''} |", flush=True)
+                print(row, flush=True)
     print(f"\nworst beyond ÷ raw: {worst:.2f} ({'met' if worst <= 1 else 'NOT MET'}: target ≤ 1)")
     return 0
 

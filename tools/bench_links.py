@@ -7,7 +7,8 @@ jitter and rate), its decode tok/s measured over a greedy run and printed beside
 what parallel/cost.py predicts from the same run's measured speeds and links. The
 row `auto` would choose (pipeline.choose over the measured figures, one stream)
 is marked; with 8 streams, the aggregate tok/s of the kinds that matter is
-printed too.
+printed too. After that table, one all-reduce's cost beyond the raw socket round trip
+at each model's width (tools/bench_allreduce.py's measure, f32 sync).
 
     python tools/bench_links.py                      # SmolLM2 and the 1B shape Q8_0, every profile
     python tools/bench_links.py --model smollm2 --profile wifi --tokens 16
@@ -46,6 +47,7 @@ from edgetp.parallel import cost, pipeline, profile  # noqa: E402
 from edgetp.parallel.runner import ClusterRunner  # noqa: E402
 from tools.bench_local import cpu_line  # noqa: E402
 from edgetp.serve.spawn import start_worker, stop  # noqa: E402
+from tools import bench_allreduce as allreduce  # noqa: E402
 from tools import netns  # noqa: E402
 from tools.netns import read_line  # noqa: E402
 from tools.relay import PROFILES  # noqa: E402
@@ -332,6 +334,17 @@ def main(argv: list[str] | None = None) -> int:
           f"wifi 4 +- 1 ms / 100 Mbit, mixed = worker 1 ethernet, worker 2 wifi\n")
     print(table(["model", "profile", "nodes", "kind", "plan", "predicted tok/s", "measured tok/s", "error",
                  "sync share (pred)", f"{args.streams} streams tok/s", "planner"], rows))
+    print("\n## One all-reduce beyond the raw socket round trip (tools/bench_allreduce.py: root on core 0, "
+          "worker on core 1, loopback, f32 sync, 2,000 rounds in 5 blocks, raw and edgetp in turn)\n")
+    print(allreduce.HEAD)
+    cpus = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {0})  # the root's side here, the worker's pinned to core 1 by the tool
+    try:
+        for m in chosen_models:
+            dim = gguf.open_model(models[m][1]).config.dim
+            print(allreduce.case(dim, 1, "f32", False, 2000, 5)[0], flush=True)
+    finally:
+        os.sched_setaffinity(0, cpus)
     if args.cap_mb:
         with LoopThread() as control:
             big = run_too_big(control, models["1b-q8_0"][1], models["1b-q8_0"][0], args)

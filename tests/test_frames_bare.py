@@ -126,11 +126,16 @@ def test_a_tampered_or_unsealed_bare_frame_on_a_sealed_stream_is_refused():
                 recv_bare(b, bare, None, cipher=Cipher(KEY))
 
 
+def tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """Two ends of a loopback TCP connection (a Link sets TCP_NODELAY: not on a socketpair)."""
+    with socket.create_server(("127.0.0.1", 0)) as lst:
+        b = socket.create_connection(lst.getsockname(), timeout=10)
+        return lst.accept()[0], b
+
+
 @pytest.mark.parametrize("sealed", [False, True])
 def test_a_link_reports_the_peers_error_in_place_of_a_bare_frame_and_closes(sealed):
-    with socket.create_server(("127.0.0.1", 0)) as lst:  # a Link is TCP (it sets TCP_NODELAY)
-        b = socket.create_connection(lst.getsockname(), timeout=10)
-        a = lst.accept()[0]
+    a, b = tcp_pair()
     root, worker = Link(a, "worker"), Link(b, "root")
     root.trust((KEY, KEY[::-1]) if sealed else None)
     worker.trust((KEY[::-1], KEY) if sealed else None)
@@ -153,9 +158,7 @@ def test_a_link_reports_the_peers_error_in_place_of_a_bare_frame_and_closes(seal
 
 def test_a_blocking_receive_gives_up_after_the_links_timeout_with_a_clear_reason():
     # the wait is bounded in the kernel (SO_RCVTIMEO), not by a poll before each call: measured by the clock
-    with socket.create_server(("127.0.0.1", 0)) as lst:
-        b = socket.create_connection(lst.getsockname(), timeout=10)
-        a = lst.accept()[0]
+    a, b = tcp_pair()
     link, silent = Link(a, "worker", timeout=1.0), b
     link.trust()
     link.enter_blocking()
@@ -171,9 +174,7 @@ def test_a_blocking_receive_gives_up_after_the_links_timeout_with_a_clear_reason
 
 
 def test_a_link_back_in_asyncio_mode_has_no_kernel_timeout_left():
-    with socket.create_server(("127.0.0.1", 0)) as lst:
-        b = socket.create_connection(lst.getsockname(), timeout=10)
-        a = lst.accept()[0]
+    a, b = tcp_pair()
     link = Link(a, "peer", timeout=2.5)
     try:
         link.enter_blocking()

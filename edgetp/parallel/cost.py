@@ -49,7 +49,9 @@ class LinkCost:
 class Overheads:
     """What the arithmetic above does not see: software costs per message and per extra row."""
 
-    message_s: float = 60e-6  # one message handed between two processes beyond the wire's round trip
+    # one all-reduce (a message each way) beyond the wire's round trip: tools/bench_allreduce.py measured
+    # 55-62 us with every frame through the general codec, 28-35 us with bare frames (f32 sync, loopback)
+    message_s: float = 30e-6
     row_cost: float = 0.7     # an extra row of a step, relative to the first (weights read once, math per row)
     # a layer beyond its weight reads: SmolLM2 Q4_1 on one core of the AMD EPYC here decoded a token
     # in 12.1 ms where its weights over the profiled speed took 9.4 ms, 90 us for each of 30 layers

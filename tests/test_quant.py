@@ -315,6 +315,8 @@ def test_quantize_q8_0_back_and_dequantize_add_are_ggmls_values(x):
     np.testing.assert_array_equal(out, base + values)
     with pytest.raises(ValueError, match="not the Q8_0 blocks"):
         Q.dequantize_q8_0(wire[:-1], x.size)
+    with pytest.raises(ValueError, match="writes into x"):  # a copy would take the values, not x
+        Q.quantize_q8_0(np.stack([x, x], 1)[:, 0], back=True)
 
 
 def test_q8_0_scales_round_to_f16_as_numpy_does_at_every_edge():

@@ -405,9 +405,12 @@ def quantize_q8_0(x: np.ndarray, back: bool = False) -> np.ndarray:
     is then replaced by what dequantize_q8_0 gives for the blocks (an all-reduce's root applies
     the rounded total it sends), in the same pass.
     """
+    given = x
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 1 or x.shape[0] % 32:
         raise ValueError(f"quantize_q8_0 needs a 1-D array whose length is a multiple of 32, got {x.shape}")
+    if back and x is not given:
+        raise ValueError("quantize_q8_0(back=True) writes into x: it must be C-contiguous float32 itself")
     out = np.empty(x.shape[0] // 32 * 34, np.uint8)
     K.quantize_q8_0_blocks(x, _TAB16, out, back)
     return out

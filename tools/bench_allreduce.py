@@ -33,7 +33,6 @@ os.environ.setdefault("NUMBA_NUM_THREADS", "1")  # before numba loads: one threa
 import argparse  # noqa: E402
 import json  # noqa: E402
 import socket  # noqa: E402
-import struct  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -47,7 +46,7 @@ import numpy as np  # noqa: E402
 
 from edgetp.net import frames  # noqa: E402
 from edgetp.net.frames import FrameType  # noqa: E402
-from edgetp.net.link import Link  # noqa: E402
+from edgetp.net.link import Link, kernel_timeouts  # noqa: E402
 from edgetp.parallel import collective  # noqa: E402
 from tools.bench_serve import preamble  # noqa: E402
 
@@ -71,12 +70,10 @@ def _pair() -> tuple[socket.socket, int]:
 
 def _tcp(sock: socket.socket) -> socket.socket:
     """A blocking TCP socket as the product's links set theirs in blocking mode: TCP_NODELAY, and waits
-    bounded in the kernel (SO_RCVTIMEO, SO_SNDTIMEO), no poll before each call."""
+    bounded in the kernel (link.kernel_timeouts), no poll before each call."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.settimeout(None)
-    tv = struct.pack("ll", int(TIMEOUT), 0)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+    kernel_timeouts(sock, TIMEOUT)
     return sock
 
 
@@ -133,26 +130,39 @@ def echo(sock: socket.socket, size: int, rounds: int) -> None:
     sock.close()
 
 
-def raw(size: int, rounds: int) -> list[float]:
-    """A ping-pong of `size` bytes each way on bare sockets: the µs of each round."""
+def _timed(case: dict, rounds: int, side) -> list[float]:
+    """The µs of each of `rounds` rounds at the root: side(accepted socket) -> (one round, close), the
+    worker side of `case` in a child process (_child)."""
     lst, port = _pair()
-    proc = _child(port, dict(kind="raw", size=size, rounds=rounds))
+    proc = _child(port, dict(case, rounds=rounds))
     stamps = []
     try:
         lst.settimeout(TIMEOUT)
-        sock = _tcp(lst.accept()[0])
-        buf = memoryview(bytearray(size))
+        one, close = side(lst.accept()[0])
         for _ in range(rounds):
-            sock.sendall(buf)
-            got = 0
-            while got < size:
-                got += sock.recv_into(buf[got:])
+            one()
             stamps.append(time.perf_counter())
-        sock.close()
+        close()
     finally:
         lst.close()
         _wait(proc)
     return _rounds(stamps)
+
+
+def raw(size: int, rounds: int) -> list[float]:
+    """A ping-pong of `size` bytes each way on bare sockets: the µs of each round."""
+    def side(sock: socket.socket):
+        sock = _tcp(sock)
+        buf = memoryview(bytearray(size))
+
+        def one() -> None:
+            sock.sendall(buf)
+            got = 0
+            while got < size:
+                got += sock.recv_into(buf[got:])
+        return one, sock.close
+
+    return _timed(dict(kind="raw", size=size), rounds, side)
 
 
 def _link(sock: socket.socket, name: str, keys: tuple[bytes, bytes] | None) -> collective.Hot:
@@ -175,23 +185,17 @@ def worker(sock: socket.socket, dim: int, rows: int, sync: str, sealed: bool, ro
 
 def product(dim: int, rows: int, sync: str, sealed: bool, rounds: int) -> list[float]:
     """RootReduce against WorkerReduce on blocking Links: the µs of each round."""
-    lst, port = _pair()
-    proc = _child(port, dict(kind="product", dim=dim, rows=rows, sync=sync, sealed=sealed, rounds=rounds))
-    stamps = []
-    try:
-        lst.settimeout(TIMEOUT)
-        hot = _link(lst.accept()[0], "worker", KEYS if sealed else None)
+    def side(sock: socket.socket):
+        hot = _link(sock, "worker", KEYS if sealed else None)
         reduce = collective.RootReduce([hot], sync)
         partial = np.random.default_rng(0).standard_normal((rows, dim)).astype(np.float32)
-        for _ in range(rounds):
+
+        def one() -> None:
             reduce(partial)
-            partial *= np.float32(0.5)
-            stamps.append(time.perf_counter())
-        hot.link.close()
-    finally:
-        lst.close()
-        _wait(proc)
-    return _rounds(stamps)
+            partial[...] *= np.float32(0.5)
+        return one, hot.link.close
+
+    return _timed(dict(kind="product", dim=dim, rows=rows, sync=sync, sealed=sealed), rounds, side)
 
 
 HEAD = ("| dim | sync | sealed | bytes a frame | raw round trip µs (median / p90) | edgetp all-reduce µs "

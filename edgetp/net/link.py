@@ -296,11 +296,11 @@ class Link:
         waits that long fails with EAGAIN), not by Python's socket timeout, which polls before
         every call: one system call fewer per frame on the all-reduce's path."""
         self.sock.setblocking(True)
-        _kernel_timeouts(self.sock, self.timeout)
+        kernel_timeouts(self.sock, self.timeout)
         self.mode = BLOCKING
 
     def leave_blocking(self) -> None:
-        _kernel_timeouts(self.sock, 0.0)
+        kernel_timeouts(self.sock, 0.0)
         self.sock.setblocking(False)
         self.mode = ASYNC
 
@@ -400,8 +400,9 @@ class Link:
         return self.sock.fileno() < 0
 
 
-def _kernel_timeouts(sock: socket.socket, seconds: float) -> None:
-    """Bound each blocking receive and send on sock by `seconds` in the kernel (0: no bound)."""
+def kernel_timeouts(sock: socket.socket, seconds: float) -> None:
+    """Bound each blocking receive and send on sock by `seconds` in the kernel (0: no bound): a call
+    that waits that long fails with EAGAIN (BlockingIOError), with no poll before each call."""
     whole = int(seconds)
     tv = struct.pack("ll", whole, int(round((seconds - whole) * 1e6)))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)

@@ -34,6 +34,15 @@ def test_the_runtime_figure_grows_by_what_the_process_allocates_and_not_by_mappe
     del mapped
 
 
+def test_without_smaps_rollup_the_status_counters_are_read(tmp_path):
+    status = tmp_path / "status"
+    status.write_text("VmRSS:\t  9000 kB\nRssAnon:\t  3000 kB\nRssFile:\t  5000 kB\nRssShmem:\t  1000 kB\n")
+    assert profile.runtime_bytes(rollup=str(tmp_path / "absent"), status=str(status)) == 4000 * 1024
+    status.write_text("VmRSS:\t  9000 kB\n")
+    with pytest.raises(OSError, match="has no RssAnon line"):
+        profile.runtime_bytes(rollup=str(tmp_path / "absent"), status=str(status))
+
+
 def test_a_cap_below_the_runtime_offers_nothing(no_cap):
     profile.limit_memory(profile.runtime_bytes() // 2)
     assert profile.memory_free() == 0

@@ -37,7 +37,7 @@ SYNC_TYPES = ("f32", "q8_0")
 # the running daemon after the profile's warm-up (parallel/profile.py), when the interpreter, numba
 # and the compiled kernels are already resident and no longer in MemAvailable; counting them here
 # again would refuse shares that fit. Measured growth from profile to a loaded, warmed-up whole
-# model (RssAnon, x86-64): 12 MiB for stories260K, 28 MiB for SmolLM2-135M Q4_1.
+# model (anonymous memory, x86-64): 12 MiB for stories260K, 28 MiB for SmolLM2-135M Q4_1.
 DEFAULT_OVERHEAD = 64 * 2**20
 
 Range = tuple[int, int]

@@ -114,18 +114,33 @@ def cgroup_room(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgr
     return min(rooms) if rooms else None
 
 
-def runtime_bytes(status: str = "/proc/self/status") -> int:
-    """This process's resident memory that no file backs (RssAnon + RssShmem): the interpreter, numba and
-    its compiled kernels, buffers. Mapped model pages (RssFile) are page cache and not in it."""
+def runtime_bytes(rollup: str = "/proc/self/smaps_rollup", status: str = "/proc/self/status") -> int:
+    """This process's resident memory that no file backs: the interpreter, numba and its compiled
+    kernels, buffers. Mapped model pages are page cache and not in it.
+
+    Read from smaps_rollup (Anonymous + Pss_Shmem), which walks the page tables and is exact.
+    /proc/self/status's RssAnon is the kernel's per-CPU-batched counter, read without its
+    per-CPU parts (proc(5): "some of these values are inaccurate ... use smaps or smaps_rollup");
+    on a CI host it missed a whole 64 MiB allocation. It is the fallback for a kernel without
+    smaps_rollup (before 4.14)."""
+    try:
+        path, anon, found = rollup, "Anonymous", _kib_fields(rollup, {"Anonymous", "Pss_Shmem"})
+    except FileNotFoundError:
+        path, anon, found = status, "RssAnon", _kib_fields(status, {"RssAnon", "RssShmem"})
+    if anon not in found:
+        raise OSError(f"{path} has no {anon} line")
+    return sum(found.values())
+
+
+def _kib_fields(path: str, names: set[str]) -> dict[str, int]:
+    """The `Name:  N kB` lines of a /proc file that `names` asks for, in bytes."""
     found = {}
-    with open(status) as f:
+    with open(path) as f:
         for line in f:
             name, _, rest = line.partition(":")
-            if name in ("RssAnon", "RssShmem"):
+            if name in names:
                 found[name] = int(rest.split()[0]) * 1024
-    if "RssAnon" not in found:
-        raise OSError(f"{status} has no RssAnon line")
-    return sum(found.values())
+    return found
 
 
 _cap_lock = threading.Lock()

@@ -10,12 +10,14 @@ from pathlib import Path
 
 from edgetp import commands
 from edgetp.model import isa
+from edgetp.parallel.experts import MODES as EXPERT_MODES
 
 
 _PARALLEL_HELP = ("plan kind: auto (default: the cheapest plan the cost model finds from measured speeds and links, "
                   "for --slots streams), tp (every node splits every layer) or pp (a pipeline, one stage per node)")
 _EXPERTS_HELP = ("a mixture of experts: auto (default: the cost model picks), columns (every node its columns of "
-                 "every expert) or place (whole experts per node, sized by speed and memory)")
+                 "every expert), place (whole experts per node, sized by speed and memory) or mixed (groups of "
+                 "nodes, each a range of experts split among its nodes by columns)")
 _PIECES_HELP = ("send each decode step's all-reduce partials in this many pieces, each while the next computes "
                 "(default 1: whole; the same bits either way; pays where transfer time shows, costs on loopback)")
 
@@ -82,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="all-reduce payload: exact f32 or Q8_0 blocks (3.8x fewer bytes)")
     ask.add_argument("--sync-pieces", type=_positive, default=1, help=_PIECES_HELP)
     ask.add_argument("--parallel", choices=("tp", "pp", "auto"), default="auto", help=_PARALLEL_HELP)
-    ask.add_argument("--experts", choices=("auto", "columns", "place"), default="auto", help=_EXPERTS_HELP)
+    ask.add_argument("--experts", choices=EXPERT_MODES, default="auto", help=_EXPERTS_HELP)
     ask.add_argument("--key", default=os.environ.get("EDGETP_KEY_FILE"), help="cluster key file")
     ask.add_argument("--api-key", **_API_KEY)
     ask.add_argument("--url", default=os.environ.get("EDGETP_URL"),
@@ -129,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--sync", choices=("f32", "q8_0"), default=None)
     srv.add_argument("--sync-pieces", type=_positive, default=None, help=_PIECES_HELP)
     srv.add_argument("--parallel", choices=("tp", "pp", "auto"), default=None, help=_PARALLEL_HELP)
-    srv.add_argument("--experts", choices=("auto", "columns", "place"), default=None, help=_EXPERTS_HELP)
+    srv.add_argument("--experts", choices=EXPERT_MODES, default=None, help=_EXPERTS_HELP)
     srv.add_argument("--ctx", type=_positive, default=None)
     srv.add_argument("--threads", type=_positive, default=None)
     srv.add_argument("--slots", type=_positive, default=None,

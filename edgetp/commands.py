@@ -215,7 +215,8 @@ def expert_lines(nodes: list[dict]) -> list[str]:
             continue
         a, b = n["experts"]
         hits = " ".join(f"{a + i}:{h}" for i, h in enumerate(n.get("expert_hits") or ()))
-        whole = "whole" if tuple(n["ffn_cols"]) == (0, max(m["ffn_cols"][1] for m in nodes)) else "columns"
+        c0, c1 = n["ffn_cols"]
+        whole = "whole" if (c0, c1) == (0, max(m["ffn_cols"][1] for m in nodes)) else f"columns {c0}-{c1}"
         out.append(f"experts {n['node_id']:<16} {a}-{b} ({whole})  hits {hits or '-'}")
     return out
 

@@ -120,7 +120,8 @@ class Settings:
     parallel: str = "auto"                  # plan kind: "auto" (the cost model picks over measured links), "tp"
                                             # (every node splits every layer) or "pp" (a pipeline of single-node stages)
     experts: str = "auto"                   # a mixture of experts: "auto" (the cost model picks), "columns" (every
-                                            # node its columns of every expert) or "place" (whole experts per node)
+                                            # node its columns of every expert), "place" (whole experts per node) or
+                                            # "mixed" (groups of nodes splitting ranges of experts by columns)
     api_tokens: tuple[str, ...] = ()        # bearer tokens the OpenAI API accepts; () means none needed
     max_memory_mb: int | None = None        # use at most this much memory for edgetp (runtime included); None: no cap
     slice_cache_mb: int = 4096              # model slices kept on disk (cache_dir/shards), least recently used out first

@@ -70,7 +70,7 @@ class ServeOptions:
     slots: int = 4                  # sequences decoded at once (the planner may give fewer)
     kv_type: str = "f16"            # what every node's KV caches hold: "f16", "f32" or "q8_0"
     parallel: str = "auto"          # plan kind: "auto", "tp" or "pp" (parallel/pipeline.py)
-    experts: str = "auto"           # a mixture's experts: "auto", "columns" or "place" (parallel/experts.py)
+    experts: str = "auto"           # a mixture's experts: "auto", "columns", "place" or "mixed" (parallel/experts.py)
     threads: int | None = None
     key: bytes | None = None
     queue_size: int = 8

@@ -169,7 +169,7 @@ def test_an_unsupported_architecture_is_named_with_the_list_including_the_mixtur
 # ---------------------------------------------------------------- expert placement
 
 
-def test_whole_experts_placed_by_speed_give_the_tokens_of_column_splitting_and_of_one_node(
+def test_experts_placed_whole_or_mixed_with_columns_give_the_tokens_of_column_splitting_and_of_one_node(
         float_workers, control, moe, float_kernels):
     from edgetp.parallel.runner import ClusterRunner  # noqa: PLC0415
     from tests.test_parallel import greedy  # noqa: PLC0415
@@ -177,17 +177,23 @@ def test_whole_experts_placed_by_speed_give_the_tokens_of_column_splitting_and_o
     path = moe("mixtral", "q8_0")  # 16 experts top-4 over 3 processes of speeds 3 : 1 : 2
     ids = _ids(path)
     expected = greedy(LocalRunner(gguf.open_model(path), 256), ids, 64)
-    for mode in ("place", "columns"):
+    for mode in ("place", "mixed", "columns"):
         runner = control.run(ClusterRunner.connect(gguf.open_model(path), float_workers, ctx=256, weights=[3, 1, 2],
                                                    experts=mode), timeout=300)
         try:
             held = [s.experts for s in runner.plan.shares]
+            cols = [s.ffn_cols for s in runner.plan.shares]
             if mode == "place":
                 sizes = [b - a for a, b in held]
                 assert sum(sizes) == 16 and sizes[1] < sizes[2] < sizes[0], f"experts by speed: {held}"
+                assert cols == [(0, 224)] * 3
+            elif mode == "mixed":  # one node alone with whole experts, two splitting the rest by columns
+                ranges = sorted(set(held))
+                assert len(ranges) == 2 and ranges[0][0] == 0 and ranges[0][1] == ranges[1][0] and ranges[1][1] == 16
+                assert sorted(cols).count((0, 224)) == 1 and len(set(cols)) == 3, f"{held} {cols}"
             else:
                 assert held == [None] * 3
-            assert greedy(runner, ids, 64) == expected, f"{mode}: {held}"
+            assert greedy(runner, ids, 64) == expected, f"{mode}: {held} {cols}"
             assert_status_shows_experts_and_hits(runner, len(ids) + 63)
         finally:
             runner.close()
@@ -203,11 +209,13 @@ def assert_status_shows_experts_and_hits(runner, tokens: int) -> None:
     view = cluster_view(runner, "mixtral")
     for node, share in zip(view.nodes, runner.plan.shares):
         assert node.experts == (share.experts or (0, 16)) and len(node.expert_hits) == node.experts[1] - node.experts[0]
-    placed = runner.plan.shares[0].experts is not None
-    total = sum(sum(n.expert_hits) for n in view.nodes) if placed else sum(view.nodes[0].expert_hits)
-    assert total == tokens * 4 * 3
+    held = {n.experts: n.expert_hits for n in view.nodes}  # nodes splitting one range by columns count it once
+    assert sum(sum(h) for h in held.values()) == tokens * 4 * 3
     lines = expert_lines(to_dict(view)["nodes"])
-    assert len(lines) == 3 and all(("whole" if placed else "columns") in line for line in lines)
+    assert len(lines) == 3
+    for line, share in zip(lines, runner.plan.shares):
+        whole = share.experts is not None and share.ffn_cols == (0, 224)
+        assert ("(whole)" if whole else f"(columns {share.ffn_cols[0]}-{share.ffn_cols[1]})") in line, line
 
 
 ISA_CHILD = """

@@ -95,3 +95,73 @@ def test_a_forced_choice_is_taken_and_a_dense_model_is_left_alone():
     assert experts.choose(packing.make_plan(dense, NODES), LINKS, mode="place").shares[0].experts is None
     with pytest.raises(ValueError, match="experts must be one of"):
         experts.choose(plan, LINKS, mode="rows")
+
+
+# ---------------------------------------------------------------- groups: whole experts mixed with columns
+
+
+def test_the_expected_wait_of_nodes_sharing_a_groups_experts_is_the_hand_count():
+    # 8 experts top-2, group 0 (node 0) holds 4 whole, group 1 (nodes 1, 2) splits the other 4 by
+    # columns, nodes 1 and 2 taking 1.0 and 0.5 a hit. C(8,2) = 28 routings:
+    # both in group 0 (6): node 0 waits 2; one each (16): max(1, 1, 0.5) = 1; both in group 1 (6): 2.
+    assert expected_max([4, 4], [1.0, 1.0, 0.5], 2, group=[0, 1, 1]) == pytest.approx((6 * 2 + 16 * 1 + 6 * 2) / 28)
+    # a node's fixed part (its piece of a shared expert) adds before the max: node 2 waits 3 + 0.5 * hits
+    # of group 1, so 3, 3.5 and 4 over the same three kinds of routing
+    assert expected_max([4, 4], [1.0, 1.0, 0.5], 2, [0.0, 0.0, 3.0], [0, 1, 1]) == pytest.approx(
+        (6 * 3 + 16 * 3.5 + 6 * 4) / 28)
+
+
+def test_a_mixed_layout_tiles_experts_by_group_and_columns_by_speed_within_each():
+    shape = _shape(128, 128)
+    plan = experts.place(packing.make_plan(shape, NODES), {0: (1, 2)})  # root alone; b and c together
+    root, b, c = plan.shares
+    assert root.ffn_cols == (0, 128) and b.experts == c.experts and root.experts[1] == b.experts[0]
+    assert (root.experts[0], b.experts[1]) == (0, 16)
+    # experts by the groups' speeds, 3 : (1 + 2): the best split of 16 is 8 / 8
+    assert root.experts == (0, 8)
+    # the pair's columns by speed 1 : 2 in blocks of 32: 128 columns, the best split 32 / 96
+    assert (b.ffn_cols, c.ffn_cols) == ((0, 32), (32, 128))
+    # what each holds: its experts' part of its columns, so the stage's FFN bytes add up to every expert's
+    ffn_only = [replace(x, kv_groups=(0, 0), vocab_rows=(0, 0)) for x in plan.shares]
+    assert sum(shape.share_work(x) for x in ffn_only) == pytest.approx(16 * shape.expert_bytes, rel=1e-9)
+    assert shape.share_work(ffn_only[1]) == pytest.approx(8 * shape.expert_bytes / 4, rel=1e-9)
+    # the wait: every routing of 4 of 16 enumerated here, each node's hits of its group times its bytes
+    per_expert = [shape.expert_bytes * (x.ffn_cols[1] - x.ffn_cols[0]) / 128 / n.speed for x, n in zip(plan.shares, NODES)]
+    group = [0, 1, 1]
+    waits = []
+    for routing in itertools.combinations(range(16), 4):
+        hits = [sum(e < 8 for e in routing), sum(e >= 8 for e in routing)]
+        waits.append(max(hits[g] * t for g, t in zip(group, per_expert)))
+    rest = (max((x.kv_groups[1] - x.kv_groups[0]) * shape.group_bytes / n.speed for x, n in zip(plan.shares, NODES))
+            + max((x.vocab_rows[1] - x.vocab_rows[0]) * shape.vocab_row_bytes / n.speed
+                  for x, n in zip(plan.shares, NODES)))
+    assert plan.makespan - rest == pytest.approx(sum(waits) / len(waits), rel=1e-9)
+
+
+def test_a_layout_that_does_not_tile_is_refused():
+    plan = experts.place(packing.make_plan(_shape(128, 128), NODES), {0: (1, 2)})
+    root, b, c = plan.shares
+    with pytest.raises(ValueError, match="ffn_cols of experts"):
+        replace(plan, shares=(root, b, replace(c, ffn_cols=(32, 96))))
+    with pytest.raises(ValueError, match="must all hold that range"):
+        replace(plan, shares=(root, b, replace(c, experts=(9, 16))))
+    with pytest.raises(ValueError, match="do not split the 3 nodes"):
+        experts.place(packing.make_plan(_shape(128, 128), NODES), {0: (2, 2)})
+
+
+def test_the_choice_runs_between_columns_mixes_and_placement_as_experts_grow():
+    # Each expert run costs Overheads.expert_s (30 us) beyond its bytes. Columns make every node run
+    # all 4 of a token's experts; placement makes the busiest node run the most any one node holds of
+    # the 4, and a token waits for that node's bytes; a group of nodes in between. Tiny experts: the
+    # runs dominate and placement wins. Large ones: bytes dominate, and columns win (no routing
+    # imbalance). In between a mix: one group of two nodes routes more evenly than two nodes apart.
+    got = {dims: experts.layout(experts.choose(packing.make_plan(_shape(*dims), NODES), LINKS))
+           for dims in ((64, 32), (128, 128), (2048, 4096))}
+    assert got == {(64, 32): "place", (128, 128): "mixed", (2048, 4096): "columns"}
+    plan = packing.make_plan(_shape(128, 128), NODES)
+    steps = {mode: cost.predict(experts.choose(plan, LINKS, mode=mode), LINKS).step_s
+             for mode in ("columns", "place", "mixed")}
+    assert steps["mixed"] < min(steps["columns"], steps["place"])
+    two = packing.make_plan(_shape(128, 128), NODES[:2])  # two nodes: no layout mixes
+    with pytest.raises(PlanError, match="3 or more"):
+        experts.choose(two, {"b": LINKS["b"]}, mode="mixed")

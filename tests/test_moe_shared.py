@@ -172,6 +172,11 @@ def test_the_shared_experts_columns_tile_it_for_any_tiling_of_the_experts_column
         bounds = [0, *cuts.tolist(), total]
         parts = [c.shared_cols((0, c.ffn), (a, b)) if by_experts else c.shared_cols((a, b), None)
                  for a, b in zip(bounds, bounds[1:])]
+        mixed = [mix for a, b in zip(bounds, bounds[1:]) if by_experts  # each range of experts split by columns
+                 for mix in _split_by_columns(c, (a, b), rng)]
+        if mixed:  # in node order they tile the shared expert; each bound within 2 blocks of its exact place
+            assert mixed[0][0] == 0 and mixed[-1][1] == c.ffn_shared
+            assert all(p[1] == q[0] for p, q in zip(mixed, mixed[1:]))
         assert parts[0][0] == 0 and parts[-1][1] == c.ffn_shared, parts
         assert all(p[1] == q[0] for p, q in zip(parts, parts[1:])) and all(a <= b and a % 32 == 0 for a, b in parts)
         # each node's share of the shared expert is its share of the experts', within a block
@@ -179,10 +184,26 @@ def test_the_shared_experts_columns_tile_it_for_any_tiling_of_the_experts_column
             assert abs((y - x) / c.ffn_shared - (b - a) / total) <= 32 / c.ffn_shared
 
 
+def _split_by_columns(c, experts, rng):
+    """A range of experts split by columns among 1 to 3 nodes at random: each node's shared columns,
+    checked against the exact place of each bound (2 blocks: one rounding for the experts, one within)."""
+    n = int(rng.integers(1, 4))
+    bounds = [0, *(np.sort(rng.integers(0, c.ffn // 32 + 1, n - 1)) * 32).tolist(), c.ffn]
+    out = []
+    for a, b in zip(bounds, bounds[1:]):
+        x, y = c.shared_cols((a, b), experts)
+        for col, got in ((a, x), (b, y)):
+            exact = (experts[0] + (experts[1] - experts[0]) * col / c.ffn) / c.n_experts * c.ffn_shared
+            assert abs(got - exact) <= 2 * 32, (experts, (a, b), (x, y))
+        out.append((x, y))
+    return out
+
+
 @pytest.mark.parametrize("spec", [
     llama.ShardSpec((0, 1), (96, 224), (0, 600), None, None),  # columns: 4/7 of the experts' -> 6 of 11 blocks
     llama.ShardSpec((1, 2), (0, 224), (0, 600), None, (5, 11)),  # placed: 6 of 16 experts -> 5 of 11 blocks
     llama.ShardSpec((1, 2), (0, 224), (0, 0), None, (2, 2)),    # no expert, no shared column
+    llama.ShardSpec((1, 2), (96, 224), (0, 600), None, (5, 11)),  # mixed: blocks 3..8 of the experts, 4/7 of those
 ])
 def test_a_shard_file_holds_its_shared_columns_and_computes_bit_identical_outputs(qwen2moe, tmp_path, spec):
     from gguf import dequantize  # noqa: PLC0415
@@ -190,7 +211,10 @@ def test_a_shard_file_holds_its_shared_columns_and_computes_bit_identical_output
     mf = gguf.ModelFile(qwen2moe("16x4", "q8_0"))
     sf = gguf.ModelFile(write_shard(mf, spec, tmp_path / shard_name(mf.fingerprint, spec)))
     a, b = mf.config.shared_cols(spec.ffn_cols, spec.experts)
-    assert (a, b) == {(96, 224): (160, 352), (5, 11): (96, 256), (2, 2): (32, 32)}[spec.experts or spec.ffn_cols]
+    # blocks of 32 of the shared expert's 352: experts 5..11 of 16 -> blocks round(5 * 11 / 16) = 3 to
+    # round(11 * 11 / 16) = 8; columns 96..224 of 224 of those 5 blocks -> round(96 / 224 * 5) = 2 to 5
+    assert (a, b) == {((96, 224), None): (160, 352), ((0, 224), (5, 11)): (96, 256), ((0, 224), (2, 2)): (32, 32),
+                      ((96, 224), (5, 11)): (160, 256)}[spec.ffn_cols, spec.experts]
     for name in (f"blk.{i}.ffn_{w}_shexp.weight" for i in range(3) for w in ("gate", "up", "down")):
         src, got = mf.tensors[name], sf.tensors[name]
         want = dequantize(np.asarray(src.data), src.tensor_type)
@@ -226,6 +250,20 @@ def test_two_and_three_processes_placing_experts_or_splitting_columns_give_one_n
         assert (mode == "place") == all(e is not None for _, e in held), held
 
     assert_processes_match(control, path, float_workers, check, experts=mode)
+
+
+def test_three_processes_mixing_whole_experts_with_a_pair_splitting_columns_give_one_nodes_tokens(
+        float_workers, control, qwen2moe, float_kernels):
+    path = qwen2moe("16x4", "q8_0")
+    c = gguf.open_model(path).config
+
+    def check(plan):  # a node alone with whole experts, a pair splitting the other experts by columns
+        held = [(s.ffn_cols, s.experts) for s in plan.shares]
+        assert len({e for _, e in held}) == 2 and sorted(f for f, _ in held).count((0, c.ffn)) == 1, held
+        cols = sorted(c.shared_cols(f, e) for f, e in held)
+        assert cols[0][0] == 0 and cols[-1][1] == c.ffn_shared and all(p[1] == q[0] for p, q in zip(cols, cols[1:]))
+
+    assert_processes_match(control, path, float_workers, check, runs=((3, [3, 1, 2]),), experts="mixed")
 
 
 # ---------------------------------------------------------------- bad input
@@ -289,7 +327,8 @@ def test_the_plan_holds_and_reads_the_shared_expert_with_the_columns_or_experts_
 
 @pytest.mark.parametrize("spec", [None,  # one node
                                   llama.ShardSpec((0, 1), (64, 160), (0, 600), None, None),  # columns
-                                  llama.ShardSpec((1, 2), (0, 224), (0, 600), None, (2, 5))])  # placed experts
+                                  llama.ShardSpec((1, 2), (0, 224), (0, 600), None, (2, 5)),  # placed experts
+                                  llama.ShardSpec((1, 2), (64, 160), (0, 600), None, (2, 5))])  # mixed: their columns
 def test_rows_routed_together_through_the_experts_get_the_bits_of_each_token_alone(qwen2moe, int8, spec):
     mf = gguf.open_model(qwen2moe("8x2", "q8_0"))
     w = llama.load_weights(mf, spec)

@@ -156,13 +156,13 @@ def test_two_and_three_processes_with_uneven_weights_give_the_single_nodes_token
     assert_processes_match(control, synth_model("tiny-odd", "q8_0", arch="qwen3", head_dim=32), float_workers)
 
 
-def assert_processes_match(control, path, workers, check=None, **kw) -> None:
-    """2 and 3 real processes with uneven weights: the single node's 64 greedy tokens, the float64 logits.
-    kw goes to ClusterRunner.connect (experts=...); check(plan), if given, sees each plan first."""
+def assert_processes_match(control, path, workers, check=None, runs=((2, [1, 3]), (3, [3, 1, 2])), **kw) -> None:
+    """`runs` of real processes (default 2 and 3) with uneven weights: the single node's 64 greedy tokens,
+    the float64 logits. kw goes to ClusterRunner.connect (experts=...); check(plan), if given, sees each plan first."""
     ids = Tokenizer.from_metadata(gguf.open_model(path).metadata).encode(FOX)
     expected = greedy(LocalRunner(gguf.open_model(path), 256), ids, 64)
     exact = reference.exact_logits(path, ids, "f16")
-    for n, weights in ((2, [1, 3]), (3, [3, 1, 2])):
+    for n, weights in runs:
         runner = cluster(control, path, workers[: n - 1], weights, **kw)
         try:
             shares = [(s.kv_groups, s.ffn_cols, s.vocab_rows, s.experts) for s in runner.plan.shares]

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """A mixture of experts over 1 to 4 local processes: whole experts placed against every expert's
-columns split, measured decode tok/s and bytes per token beside the cost model's prediction, and
-the choice `experts="auto"` makes from the same run's measured speeds and links marked.
+columns split and (3 processes or more) the best mix of the two, measured decode tok/s and bytes
+per token beside the cost model's prediction, and the choice `experts="auto"` makes from the same
+run's measured speeds and links marked.
 
     python tools/bench_moe.py                          # qwen3moe 16 experts top-4 (0.5B) Q8_0, 2 and 4 processes
     python tools/bench_moe.py --model PATH.gguf --nodes 2,3 --tokens 16
@@ -48,7 +49,7 @@ def run(control: LoopThread, path: Path, n: int, args) -> list[list[str]]:
     rows, figures = [], {}
     with Procs() as procs:
         addrs = [procs.worker()[1] for _ in range(n - 1)]
-        for mode in ("columns", "place"):
+        for mode in ("columns", "place", "mixed")[:2 if n < 3 else 3]:
             runner = control.run(ClusterRunner.connect(mf, addrs, ctx=CTX, threads=1, experts=mode), timeout=900)
             try:
                 decode(runner, prompt, 2, args.limit)  # warm-up: kernels loaded, pages touched
@@ -56,15 +57,16 @@ def run(control: LoopThread, path: Path, n: int, args) -> list[list[str]]:
                 links = links_of(runner)
                 pred = cost.predict(runner.plan, links, 1)
                 sent = sum(c.sent + c.received for t in d.toks for c in t.links.values()) / max(len(d.toks), 1)
-                held = " ".join(f"{s.experts[0]}-{s.experts[1]}" if s.experts else f"c{s.ffn_cols[0]}-{s.ffn_cols[1]}"
-                                for s in runner.plan.shares)
+                held = " ".join((f"{s.experts[0]}-{s.experts[1]}" if s.experts else "")
+                                + ("" if s.experts and s.ffn_cols == (0, mf.config.ffn)
+                                   else f"c{s.ffn_cols[0]}-{s.ffn_cols[1]}") for s in runner.plan.shares)
                 figures[mode] = runner.plan, links
                 rows.append([path.name, str(n), mode, held, f"{pred.tok_s:.2f}", f"{d.tok_s:.2f}",
                              f"{sent / 1e3:.1f}", ""])
             finally:
                 runner.close()
     plan, links = figures["columns"]
-    auto = "place" if experts.choose(plan, links, 1).shares[0].experts is not None else "columns"
+    auto = experts.layout(experts.choose(plan, links, 1))
     for r in rows:
         if r[2] == auto:
             r[-1] = "**chosen**"
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     with LoopThread() as control:
         for n in (int(x) for x in args.nodes.split(",")):
             rows += run(control, path, n, args)
-    print(table(["model", "processes", "experts", "shares (experts, or c: columns)", "predicted tok/s",
+    print(table(["model", "processes", "experts", "shares (experts, c: their columns)", "predicted tok/s",
                  "measured tok/s", "kB/token on the links", "auto"], rows))
     return 0
 

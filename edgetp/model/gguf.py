@@ -91,13 +91,18 @@ class ModelConfig:
 
     def shared_cols(self, ffn_cols: tuple[int, int], experts: tuple[int, int] | None) -> tuple[int, int]:
         """The shared expert's columns of a shard that holds `ffn_cols` of the experts `experts` (None:
-        all): its part of the experts' columns (a column split) or of the experts (whole experts
-        placed), taken of the shared expert's width at shared_block boundaries, rounded half up.
-        Each bound maps alone by one increasing function, so the shares of a stage, which tile the
-        experts' columns or the experts, tile the shared expert as well."""
-        a, b, total = (*experts, self.n_experts) if experts is not None else (*ffn_cols, self.ffn)
+        all): the experts' part of the shared expert's width, then the columns' part of that,
+        each bound at shared_block boundaries, rounded half up. A column split (experts None) is the
+        second map alone, whole experts placed (every column) the first alone; a group of nodes
+        splitting a range of experts by columns (a mixed plan) both. Each bound maps alone by an
+        increasing function whose ends are the range's, so the shares of a stage, which tile the
+        experts x columns, tile the shared expert as well."""
+        def part(c: int, total: int, blocks: int) -> int:
+            return (2 * c * blocks + total) // (2 * total)
+
         blocks = self.ffn_shared // self.shared_block
-        return tuple((2 * c * blocks + total) // (2 * total) * self.shared_block for c in (a, b))  # type: ignore
+        a, b = (0, blocks) if experts is None else (part(e, self.n_experts, blocks) for e in experts)
+        return tuple((a + part(c, self.ffn, b - a)) * self.shared_block for c in ffn_cols)  # type: ignore
 
 
 def split_block(width: int, block: int) -> int:

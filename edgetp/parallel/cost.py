@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from edgetp.parallel.plan import Plan, _placed, expected_max
+from edgetp.parallel.plan import Plan, _placed, expected_max, expert_groups
 
 SYNC_BYTES = {"f32": 4.0, "q8_0": 34 / 32}  # bytes per value of an all-reduce payload
 HIDDEN_BYTES = 4.0  # the residual stream crosses a stage boundary as f32
@@ -86,12 +86,13 @@ def working_stages(plan: Plan) -> list[int]:
 
 def _expert_runs(plan: Plan, stage) -> float:
     """Experts the busiest node of a stage runs per layer and token: every node all k of them when
-    the stage splits columns, the most it holds of a token's k when it places whole experts; and
-    a shared expert's part on each."""
+    the stage splits columns, the most a group of nodes holds of a token's k when it places experts
+    (whole on a node, or split by columns within a group); and a shared expert's part on each."""
     k, shared = plan.shape.experts_used, float(plan.shape.shared_bpw > 0)
     if not plan.shape.n_experts or not _placed(stage):
         return k + shared
-    return expected_max([x.experts[1] - x.experts[0] for x in stage], [1.0] * len(stage), k) + shared
+    groups = expert_groups(stage)
+    return expected_max([g[0].experts[1] - g[0].experts[0] for g in groups], [1.0] * len(groups), k) + shared
 
 
 def predict(plan: Plan, links: Mapping[str, LinkCost], rows: int = 1, oh: Overheads = Overheads(),

@@ -10,7 +10,8 @@ Units of work, each counted in weight bytes over all layers:
                 experts_used of n_experts read per token; and its share of a
                 shared expert, read by every token)
     expert      a mixture's whole expert, every column (parallel/experts.py places
-                experts instead of splitting columns where the cost model says so)
+                experts, whole on a node or split by columns within a group of nodes,
+                instead of splitting every expert's columns where the cost model says so)
     vocab block vocab_block rows of the output (lm-head) matrix; the last
                 block may be short when vocab is not a multiple of it
 
@@ -178,9 +179,9 @@ class ModelShape:
         c0, c1 = share.ffn_cols
         r0, r1 = share.vocab_rows
         layered = (g1 - g0) * self.group_bytes + (c1 - c0) // self.ffn_block * self.ffn_block_bytes
-        if share.experts is not None:  # whole experts: their part of the columns' bytes
+        if share.experts is not None:  # a range of experts, its columns of each
             layered -= (c1 - c0) // self.ffn_block * self.ffn_block_bytes
-            layered += round((share.experts[1] - share.experts[0]) * self.expert_bytes)
+            layered += round((share.experts[1] - share.experts[0]) * self.expert_bytes * (c1 - c0) / self.ffn)
         return round(layered * self.layer_fraction(share)) + (r1 - r0) * self.vocab_row_bytes
 
     def share_memory(self, share: Share, overhead_bytes: int) -> int:
@@ -261,10 +262,15 @@ class Plan:
         for k, st in enumerate(stages):
             where = "" if len(stages) == 1 else f" of stage {k}"
             _check_tiling("kv_groups" + where, [x.kv_groups for x in st], s.n_kv_heads, 1, False)
-            if _placed(st):  # whole experts: each holds every column of its range of them
-                _check_tiling("experts" + where, [x.experts for x in st], s.n_experts, 1, False)
-                if any(x.ffn_cols != (0, s.ffn) for x in st):
-                    raise ValueError(f"shares placing whole experts{where} must hold every FFN column")
+            if _placed(st):  # groups of nodes, each a range of the experts split among its nodes by columns
+                groups = expert_groups(st)
+                _check_tiling("experts" + where, [g[0].experts for g in groups], s.n_experts, 1, False)
+                for g in groups:
+                    if any(x.experts != g[0].experts for x in g):
+                        raise ValueError(f"shares splitting experts {g[0].experts}{where} by columns must all hold "
+                                         f"that range, not {[x.experts for x in g]}")
+                    _check_tiling(f"ffn_cols of experts {g[0].experts}{where}", [x.ffn_cols for x in g],
+                                  s.ffn, s.ffn_block, False)
             else:
                 _check_tiling("ffn_cols" + where, [x.ffn_cols for x in st], s.ffn, s.ffn_block, False)
             vocab = s.vocab if k == len(stages) - 1 else 0  # the last stage ends the token
@@ -331,11 +337,14 @@ class Plan:
         total = 0.0
         total += max((sh.kv_groups[1] - sh.kv_groups[0]) * s.group_bytes * s.layer_fraction(sh) / speed[sh.node_id]
                      for sh in stage)
-        if _placed(stage):  # each token waits for the node holding the most of its experts
-            counts = [sh.experts[1] - sh.experts[0] for sh in stage]
-            per = [s.layer_fraction(sh) / speed[sh.node_id] for sh in stage]
+        if _placed(stage):  # each token waits for the node that takes longest over its experts' columns
+            groups = expert_groups(stage)
+            counts = [g[0].experts[1] - g[0].experts[0] for g in groups]
+            member = [j for j, g in enumerate(groups) for _ in g]
+            per = [s.layer_fraction(sh) * (sh.ffn_cols[1] - sh.ffn_cols[0]) / s.ffn / speed[sh.node_id]
+                   for sh in stage]
             total += expected_max(counts, [(s.expert_bytes - s.expert_shared) * p for p in per], s.experts_used,
-                                  [c * s.expert_shared * p for c, p in zip(counts, per)])
+                                  [counts[j] * s.expert_shared * p for j, p in zip(member, per)], member)
         else:
             unit = s.ffn_block_bytes / s.ffn_block * s.ffn_active
             total += max((sh.ffn_cols[1] - sh.ffn_cols[0]) * unit * s.layer_fraction(sh) / speed[sh.node_id]
@@ -345,8 +354,22 @@ class Plan:
 
 
 def _placed(stage: Sequence[Share]) -> bool:
-    """Whether a stage places whole experts (else it splits every expert's columns)."""
+    """Whether a stage places experts (else it splits every expert's columns)."""
     return any(x.experts is not None for x in stage)
+
+
+def expert_groups(stage: Sequence[Share]) -> list[list[Share]]:
+    """A placing stage's groups of nodes: consecutive shares that split one range of experts by
+    columns, each share's columns starting where the one before it ended (a group's first at 0, its
+    last ending at ffn > 0, so the next group starts anew). A node holding whole experts (every
+    column) is a group of one; a plan that mixes has some groups of several."""
+    out: list[list[Share]] = []
+    for x in stage:
+        if out and x.ffn_cols[0] == out[-1][-1].ffn_cols[1]:
+            out[-1].append(x)
+        else:
+            out.append([x])
+    return out
 
 
 EXACT_SUBSETS = 5000  # routings enumerated exactly up to this many; sampled (fixed seed) beyond
@@ -354,11 +377,12 @@ SAMPLED = 4096
 
 
 def expected_max(counts: Sequence[int], per_hit: Sequence[float], used: int,
-                 base: Sequence[float] | None = None) -> float:
-    """E[max_i base_i + hits_i * per_hit_i] when a token picks `used` distinct experts uniformly among
-    sum(counts), node i holding the next counts[i] of them in order: the time a token waits for
-    the slowest node under expert placement (per_hit = one expert's time on each node, base = the
-    time of what each node runs for every token, its part of a shared expert; 0 if not given).
+                 base: Sequence[float] | None = None, group: Sequence[int] | None = None) -> float:
+    """E[max_i base_i + hits_g(i) * per_hit_i] when a token picks `used` distinct experts uniformly
+    among sum(counts), group g holding the next counts[g] of them in order and node i belonging to
+    group g(i) = group[i] (each node its own group if not given): the time a token waits for the
+    slowest node under expert placement (per_hit = the time of one expert's columns on each node,
+    base = the time of what each node runs for every token, its part of a shared expert; 0 if not given).
 
     Pure: every routing enumerated when there are at most EXACT_SUBSETS, else SAMPLED routings
     of a generator with a fixed seed, so the same inputs give the same number."""
@@ -371,5 +395,6 @@ def expected_max(counts: Sequence[int], per_hit: Sequence[float], used: int,
     hits = np.zeros((picks.shape[0], len(counts)))
     for j in range(used):
         np.add.at(hits, (np.arange(picks.shape[0]), owner[picks[:, j]]), 1.0)
-    fixed = np.zeros(len(counts)) if base is None else np.asarray(base, np.float64)
-    return float((hits * np.asarray(per_hit, np.float64) + fixed).max(axis=1).mean())
+    nodes = hits if group is None else hits[:, np.asarray(group, np.int64)]
+    fixed = np.zeros(nodes.shape[1]) if base is None else np.asarray(base, np.float64)
+    return float((nodes * np.asarray(per_hit, np.float64) + fixed).max(axis=1).mean())

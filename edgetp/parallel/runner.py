@@ -112,7 +112,8 @@ class ClusterRunner:
         With `fetch_port` (our HTTP port, serving serve/weights.py) a worker
         without our model fetches its slice from us; `on_progress(node_id,
         done, total)` hears how far each such download got. `experts` (a mixture of experts):
-        "columns" splits every expert's columns, "place" places whole experts, "auto" lets the
+        "columns" splits every expert's columns, "place" places whole experts, "mixed" groups nodes
+        over ranges of experts split by columns, "auto" lets the
         cost model choose (parallel/experts.py). `sync_pieces` > 1 sends a decode step's partials in that
         many pieces, each while the next computes (passes.Pieces).
         """

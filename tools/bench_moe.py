@@ -54,19 +54,18 @@ def run(control: LoopThread, path: Path, n: int, args) -> list[list[str]]:
             try:
                 decode(runner, prompt, 2, args.limit)  # warm-up: kernels loaded, pages touched
                 d = decode(runner, prompt, args.tokens, args.limit)
-                links = links_of(runner)
-                pred = cost.predict(runner.plan, links, 1)
+                figures.setdefault("links", links_of(runner))  # one set of links for every prediction and the choice
+                pred = cost.predict(runner.plan, figures["links"], 1)
                 sent = sum(c.sent + c.received for t in d.toks for c in t.links.values()) / max(len(d.toks), 1)
                 held = " ".join((f"{s.experts[0]}-{s.experts[1]}" if s.experts else "")
                                 + ("" if s.experts and s.ffn_cols == (0, mf.config.ffn)
                                    else f"c{s.ffn_cols[0]}-{s.ffn_cols[1]}") for s in runner.plan.shares)
-                figures[mode] = runner.plan, links
+                figures[mode] = runner.plan
                 rows.append([path.name, str(n), mode, held, f"{pred.tok_s:.2f}", f"{d.tok_s:.2f}",
                              f"{sent / 1e3:.1f}", ""])
             finally:
                 runner.close()
-    plan, links = figures["columns"]
-    auto = experts.layout(experts.choose(plan, links, 1))
+    auto = experts.layout(experts.choose(figures["columns"], figures["links"], 1))
     for r in rows:
         if r[2] == auto:
             r[-1] = "**chosen**"

@@ -162,13 +162,13 @@ def kv_type(request):
 
 @pytest.fixture(scope="module")
 def float_workers():
-    """Two real `edgetp worker` processes on 127.0.0.1 running the float kernels (EDGETP_INT8=0): the
+    """Three real `edgetp worker` processes on 127.0.0.1 running the float kernels (EDGETP_INT8=0): the
     exact mode in which every plan must give the single node's tokens. Their addresses."""
     from edgetp.serve.spawn import start_worker, stop  # noqa: PLC0415
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("EDGETP_INT8", "0")
-        procs = [start_worker() for _ in range(2)]
+        procs = [start_worker() for _ in range(3)]
     try:
         yield [addr for _, addr in procs]
     finally:

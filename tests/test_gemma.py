@@ -137,7 +137,7 @@ def test_the_fused_decode_plan_gives_the_per_op_paths_bits(gemma, arch, wt, int8
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
-def test_two_and_three_processes_with_uneven_weights_give_the_single_nodes_tokens_and_the_exact_logits(
+def test_two_three_and_four_processes_with_uneven_weights_give_the_single_nodes_tokens_and_the_exact_logits(
         arch, float_workers, control, gemma, float_kernels):
     # 6 heads, 3 KV heads, FFN 7 blocks of 32: nothing divides evenly over 2 or 3 nodes
     assert_processes_match(control, gemma(arch, "q8_0", preset="tiny-odd", head_dim=32), float_workers)

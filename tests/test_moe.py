@@ -130,7 +130,7 @@ def test_several_rows_in_one_step_each_get_the_bits_of_their_token_alone(moe, in
 
 
 @pytest.mark.parametrize("arch", list(MOE))
-def test_two_and_three_processes_splitting_every_experts_columns_give_the_single_nodes_tokens_and_exact_logits(
+def test_two_three_and_four_processes_splitting_every_experts_columns_give_the_single_nodes_tokens_and_exact_logits(
         float_workers, control, moe, arch, float_kernels):
     assert_processes_match(control, moe(arch, "q8_0"), float_workers)
 

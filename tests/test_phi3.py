@@ -156,7 +156,7 @@ def test_the_fused_decode_plan_gives_the_per_op_paths_bits(phi3, wt, int8, kv_ty
 # ---------------------------------------------------------------- tensor parallel, real processes
 
 
-def test_two_and_three_processes_with_uneven_weights_give_the_single_nodes_tokens_and_the_exact_logits(
+def test_two_three_and_four_processes_with_uneven_weights_give_the_single_nodes_tokens_and_the_exact_logits(
         float_workers, control, phi3, float_kernels):
     # 6 heads, 3 KV heads, FFN 7 blocks of 32: nothing divides evenly over 2 or 3 nodes
     assert_processes_match(control, phi3("q8_0"), float_workers)

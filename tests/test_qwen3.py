@@ -150,14 +150,15 @@ def control():
     quant.set_threads(None)
 
 
-def test_two_and_three_processes_with_uneven_weights_give_the_single_nodes_tokens_and_the_exact_logits(
+def test_two_three_and_four_processes_with_uneven_weights_give_the_single_nodes_tokens_and_the_exact_logits(
         float_workers, control, synth_model, float_kernels):
     # 6 heads, 3 KV heads, FFN 7 blocks of 32: nothing divides evenly over 2 or 3 nodes
     assert_processes_match(control, synth_model("tiny-odd", "q8_0", arch="qwen3", head_dim=32), float_workers)
 
 
-def assert_processes_match(control, path, workers, check=None, runs=((2, [1, 3]), (3, [3, 1, 2])), **kw) -> None:
-    """`runs` of real processes (default 2 and 3) with uneven weights: the single node's 64 greedy tokens,
+def assert_processes_match(control, path, workers, check=None, runs=((2, [1, 3]), (3, [3, 1, 2]), (4, [2, 4, 1, 3])),
+                           **kw) -> None:
+    """`runs` of real processes (default 2, 3 and 4) with uneven weights: the single node's 64 greedy tokens,
     the float64 logits. kw goes to ClusterRunner.connect (experts=...); check(plan), if given, sees each plan first."""
     ids = Tokenizer.from_metadata(gguf.open_model(path).metadata).encode(FOX)
     expected = greedy(LocalRunner(gguf.open_model(path), 256), ids, 64)

@@ -102,9 +102,10 @@ BUILTIN = {
 }
 BUILTIN |= {f"{preset}-q4_0": ModelSpec(f"{preset}-q4_0", f"{label} Q4_0 (synthetic)", preset, "q4_0")
             for preset, label in (("qwen3-1.7b", "Qwen3-1.7B-shape"), ("gemma3-1b", "Gemma-3-1B-shape"),
+                                  ("gemma2-1b", "gemma2 at the Gemma-3-1B shape"),
                                   ("phi3-1b", "phi3 at the Llama-3.2-1B shape"))}
 DEFAULT_MODELS = ("smollm2", "smollm2-q4_k_m", "llama1b-q8_0", "llama1b-q4_0", "llama1b-q4_k_m")
-FAMILY_MODELS = ("qwen3-1.7b-q4_0", "gemma3-1b-q4_0", "phi3-1b-q4_0", "moe16x4-q8_0", "moe16x4-q4_0")
+FAMILY_MODELS = ("qwen3-1.7b-q4_0", "gemma3-1b-q4_0", "gemma2-1b-q4_0", "phi3-1b-q4_0", "moe16x4-q8_0", "moe16x4-q4_0")
 
 
 # --------------------------------------------------------------------------- workers (subprocess side)

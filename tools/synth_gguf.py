@@ -114,6 +114,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gemma3-1b": dict(dim=1152, n_layers=26, n_heads=4, n_kv_heads=1, head_dim=256, ffn=6912, vocab=262144,
                       ctx=32768, rope_theta=1e6, norm_eps=1e-6, tied=True, arch="gemma3", swa_window=512,
                       rope_theta_swa=10000.0),
+    # gemma2's smallest is 2B: its layers (soft-caps, a 4096 window every 2nd layer) at the Gemma 3 1B shape
+    "gemma2-1b": dict(dim=1152, n_layers=26, n_heads=4, n_kv_heads=1, head_dim=256, ffn=6912, vocab=256000,
+                      ctx=8192, rope_theta=10000.0, norm_eps=1e-6, tied=True, arch="gemma2", swa_window=4096),
     "phi3-1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64, ffn=8192, vocab=32064,
                     ctx=4096, rope_theta=10000.0, norm_eps=1e-5, tied=False, arch="phi3", rope_ctx_orig=4096,
                     name="synthetic-1b"),  # llama.cpp wants Phi-3's special tokens of a model named phi3

@@ -1,7 +1,7 @@
 """Integer decode kernels (out = W @ x for one token) for every quantized type, on every ISA.
 
 The activations are rounded once per token to int8 in blocks of 32, exactly as
-ggml's x86 quantize_row_q8_0 does (`vnni.q8_block`): xq (cols,) int8 and an f16-valued
+ggml's x86 quantize_row_q8_0 does (`vnni.q8_halves`): xq (cols,) int8 and an f16-valued
 f32 scale dx per 32 (`Rounded` keeps them with each 16 values' integer sum, by quad).
 Each weight type is a row of `intdot_layouts.LAYOUTS`: how the integer code of a
 value is formed and what f32 scale ws (and offset wm) each 16 values have.
@@ -55,7 +55,7 @@ from numba.extending import intrinsic  # noqa: E402
 from edgetp.model.intdot_ir import emit_rows, emit_rows_tokens  # noqa: E402
 from edgetp.model.intdot_layouts import LAYOUTS, decode  # noqa: E402
 from edgetp.model.kernels import SPREAD, claim, f16_table, partners, spans  # noqa: E402
-from edgetp.model.vnni import q8_block  # noqa: E402
+from edgetp.model.vnni import q8_halves  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -106,12 +106,13 @@ def round_into(x, xq, dq, sq, xs):
     f = np.empty(1, np.float32)
     u = f.view(np.uint32)
     nch = x.shape[0] // 32
+    if x.strides[0] != 4 or xq.strides[0] != 1:
+        raise ValueError("round_into reads contiguous f32 and writes contiguous int8")
+    xa, qa = x.ctypes.data, xq.ctypes.data
     for c in range(nch):
-        d, _ = q8_block(x[c * 32 : c * 32 + 32], xq[c * 32 : c * 32 + 32], f, u)
+        d, s0, s1 = q8_halves(xa + c * 128, qa + c * 32, f, u)
         for h in range(2):
-            s = 0
-            for j in range(16):
-                s += np.int32(xq[c * 32 + 16 * h + j])
+            s = s0 if h == 0 else s1
             i = c // 4 * 8 + 4 * h + c % 4
             dq[i] = d
             sq[i] = s

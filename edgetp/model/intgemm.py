@@ -36,7 +36,7 @@ order, so every ISA returns the same bits (tests/test_intgemm_isa.py holds each
 to a numpy evaluation of the definition).
 
 Activations are rounded per block of 32 columns:
-  int8 (every type but WIDE's) exactly as `vnni.q8_block` does (ggml's x86 quantize_row_q8_0),
+  int8 (every type but WIDE's) exactly as `vnni.q8_halves` does (ggml's x86 quantize_row_q8_0),
         as decode rounds them. Unsigned codes u = q + bias times x; the accumulator of a unit
         starts at -bias * sum(x) over it. On AVX2 the products go through 16 bits:
         `Kind.operands` bounds how many are summed there before vpmaddwd widens them (fewer
@@ -79,7 +79,7 @@ from numba.extending import intrinsic
 from edgetp.model import intdot_ir, isa, vnni
 from edgetp.model import intdot_layouts as IL
 from edgetp.model.kernels import f16_table
-from edgetp.model.vnni import _F32, _I32, _I64, _at, _decl, _vec, q8_block
+from edgetp.model.vnni import _F32, _I32, _I64, _at, _decl, _vec, q8_halves
 
 PAD = 8  # x is padded to a multiple of PAD tokens: whole tiles on every ISA
 _OPTS = dict(cache=True, nogil=True)
@@ -517,18 +517,18 @@ def quantize8(x, qx, dx, sums, sums16):
     """x (n, nb*32) f32 -> qx (n, nb*32) int8, dx (n, nb) f32 scales, sums (n, nb) and
     sums16 (n, 2 nb) int32: the sums of qx per 32 and per 16."""
     n, nb = x.shape[0], x.shape[1] // 32
+    if x.strides[1] != 4 or qx.strides[1] != 1:
+        raise ValueError("quantize8 reads rows of contiguous f32 and writes rows of contiguous int8")
     for t in prange(n):
         f = np.empty(1, np.float32)
         u = f.view(np.uint32)
+        xa, qa = x[t].ctypes.data, qx[t].ctypes.data
         for b in range(nb):
-            d, s = q8_block(x[t, b * 32 : b * 32 + 32], qx[t, b * 32 : b * 32 + 32], f, u)
+            d, s0, s1 = q8_halves(xa + b * 128, qa + b * 32, f, u)
             dx[t, b] = d
-            sums[t, b] = s
-            s0 = 0
-            for j in range(16):
-                s0 += qx[t, b * 32 + j]
+            sums[t, b] = s0 + s1
             sums16[t, 2 * b] = s0
-            sums16[t, 2 * b + 1] = s - s0
+            sums16[t, 2 * b + 1] = s1
 
 
 @njit(parallel=True, **_OPTS)

@@ -178,7 +178,7 @@ def test_experts_placed_whole_or_mixed_with_columns_give_the_tokens_of_column_sp
     ids = _ids(path)
     expected = greedy(LocalRunner(gguf.open_model(path), 256), ids, 64)
     for mode in ("place", "mixed", "columns"):
-        runner = control.run(ClusterRunner.connect(gguf.open_model(path), float_workers, ctx=256, weights=[3, 1, 2],
+        runner = control.run(ClusterRunner.connect(gguf.open_model(path), float_workers[:2], ctx=256, weights=[3, 1, 2],
                                                    experts=mode), timeout=300)
         try:
             held = [s.experts for s in runner.plan.shares]
@@ -268,7 +268,7 @@ def test_the_generic_isa_routes_as_avx2_does_and_decodes_as_close_to_exact_as_ll
 def test_edgetp_ask_places_whole_experts_when_told_and_names_them_in_its_stats(float_workers, moe):
     from tests.test_cli_errors import edgetp  # noqa: PLC0415
 
-    res = edgetp("ask", "--local", "--model", str(moe("mixtral", "q8_0")), "--workers", ",".join(float_workers),
+    res = edgetp("ask", "--local", "--model", str(moe("mixtral", "q8_0")), "--workers", ",".join(float_workers[:2]),
                  "--weights", "3,1,2", "--experts", "place", "--stats", "--max-tokens", "4", "hello", timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     nodes = [line for line in res.stderr.splitlines() if line.startswith("node ")]
@@ -285,7 +285,7 @@ def test_a_hybrid_plan_places_experts_inside_its_tensor_parallel_stage_and_gives
     path = moe("qwen3moe", "q8_0")
     ids = _ids(path)
     expected = greedy(LocalRunner(gguf.open_model(path), 256), ids, 64)
-    runner = control.run(ClusterRunner.connect(gguf.open_model(path), float_workers, ctx=256, weights=[2, 1, 1],
+    runner = control.run(ClusterRunner.connect(gguf.open_model(path), float_workers[:2], ctx=256, weights=[2, 1, 1],
                                                layout=[[0, 1], [2]], experts="place"), timeout=300)
     try:
         first, second = runner.plan.stages

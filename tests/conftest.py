@@ -12,6 +12,8 @@ import warnings
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
 
 import edgetp.model  # noqa: F401  numba's cache folder for this source (jitcache), inherited by every child
 
@@ -20,6 +22,11 @@ REPO = Path(__file__).resolve().parent.parent
 # that machinery expect; the planner's own choice ("auto", the product's default) is tested where it
 # is named: test_pipeline, test_cost, test_rebalance.
 os.environ.setdefault("EDGETP_PARALLEL", "tp")
+# Property tests draw the same examples on every run (a CI failure can be rerun and read); set
+# HYPOTHESIS_PROFILE=explore to draw fresh ones and hunt for new failures.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 SHARED_MODELS = REPO.parent / "shared" / "models"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

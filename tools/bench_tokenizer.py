@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""Prompt encoding time, edgetp's tokenizer beside llama.cpp's on the same file and text.
+
+    python tools/bench_tokenizer.py                      # stories260K and SmolLM2, 2,000 and 20,000 characters
+    python tools/bench_tokenizer.py --models smollm2 --chars 2000,100000
+
+A long prompt is tokenised before its first token can start, so encoding must stay well
+under prefill's own time (the old unit test's bound: 100 ms for 2,000 characters). The text
+is mixed English, digits, accents, CJK and an emoji. Each time is the best of ``--reps``
+encodes, the word cache cleared before each (a new prompt, not a repeat). The ids of both
+engines are compared; "same ids" must say yes.
+
+One run on a shared machine: read the figures as one sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from edgetp import store  # noqa: E402
+from edgetp.model import gguf  # noqa: E402
+from edgetp.model.tokenizer import Tokenizer  # noqa: E402
+
+LINE = "Once upon a time, in 1987, Ünal met 李雷 at café №9 — they said “don't panic!” 🙂\n"
+MODELS = {"stories": ROOT.parent / "shared" / "models" / "stories260K.gguf", "smollm2": "smollm2"}
+
+
+def best_of(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="stories,smollm2")
+    ap.add_argument("--chars", default="2000,20000")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args(argv)
+    import llama_cpp  # noqa: PLC0415  (the reference; installed by make)
+
+    print(f"| model | characters | edgetp ms | llama.cpp ms | ratio | same ids |\n|---|---:|---:|---:|---:|---|")
+    for name in args.models.split(","):
+        path = store.resolve(MODELS.get(name, name))
+        tok = Tokenizer.from_metadata(gguf.open_model(path).metadata)
+        ref = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+        for n in (int(c) for c in args.chars.split(",")):
+            text = (LINE * (n // len(LINE) + 1))[:n]
+
+            def ours():
+                tok._word_cache.clear()
+                return tok.encode(text)
+
+            def theirs():
+                return ref.tokenize(text.encode(), add_bos=True)
+
+            t_ours, t_ref = best_of(ours, args.reps), best_of(theirs, args.reps)
+            same = "yes" if ours() == theirs() else "NO"
+            print(f"| {name} | {n} | {t_ours * 1e3:.2f} | {t_ref * 1e3:.2f} | {t_ours / t_ref:.1f}× | {same} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -102,6 +102,24 @@ def weight(qt, rows=67, cols=512, seed=0) -> tuple[Q.Weight, np.ndarray]:
     return Q.Weight(int(qt), rows, cols, raw), reference(raw, qt, cols)
 
 
+@pytest.mark.parametrize("n", [1, 4, 7, 9])
+@pytest.mark.parametrize("qt", [QT.Q8_0, QT.Q4_K, QT.F16], ids=lambda t: t.name)
+def test_exact_products_are_column_order_float64_sums_for_every_token(qt, n):
+    # The reference: gguf-py's dequantized rows, each product taken in float64 (exact for two
+    # f32s) and summed left to right by numpy's cumsum, rounded once to f32. Token counts that
+    # are and are not multiples of the kernel's four side-by-side sums.
+    w, ref = weight(qt, rows=9, cols=512, seed=n)
+    x = np.random.default_rng(n).standard_normal((n, w.cols)).astype(np.float32)
+    want = np.cumsum(ref.astype(np.float64)[None] * x.astype(np.float64)[:, None], axis=2)[..., -1].astype(np.float32)
+    got = np.empty((n, w.rows), np.float32)
+    Q.exact_matmul(w, x, got)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    one = np.empty(w.rows, np.float32)
+    for b in range(n):
+        Q.exact_matvec(w, x[b], one)
+        np.testing.assert_array_equal(one.view(np.uint32), want[b].view(np.uint32))
+
+
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
 def test_dequantize_rows_is_bit_identical_to_gguf_reference(qt):
     w, ref = weight(qt)

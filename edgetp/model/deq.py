@@ -262,14 +262,29 @@ def dequant_rows_serial(kind, w, tab16, tabbf, out):
 @njit(**_OPTS)
 def exact_tokens(kind, w, x, tab16, tabbf, out):
     # out[b, i] = exact_dots' value of row i of W against token x[b]: each row dequantized once for
-    # all n tokens, each sum taken as exact_dots takes it (the same bits).
+    # all n tokens, each sum taken as exact_dots takes it (the same bits). Four tokens' sums run
+    # side by side, each still one float64 chain in column order: the chains no longer wait on
+    # each other's adds (a mixture's router over 256 tokens: 28 -> 7 ms a prefill).
     # w: (rows, row_bytes) uint8 of type kind; x: (n, cols) f32; out: (n, rows) f32
-    scratch = np.empty(x.shape[1], np.float32)
+    n, cols = x.shape
+    scratch = np.empty(cols, np.float32)
     for i in range(w.shape[0]):
         deq_row(kind, w[i], tab16, tabbf, scratch)
-        for b in range(x.shape[0]):
+        b = 0
+        while b + 4 <= n:
+            t0 = t1 = t2 = t3 = 0.0
+            for j in range(cols):
+                s = np.float64(scratch[j])
+                t0 += s * np.float64(x[b, j])
+                t1 += s * np.float64(x[b + 1, j])
+                t2 += s * np.float64(x[b + 2, j])
+                t3 += s * np.float64(x[b + 3, j])
+            out[b, i], out[b + 1, i] = np.float32(t0), np.float32(t1)
+            out[b + 2, i], out[b + 3, i] = np.float32(t2), np.float32(t3)
+            b += 4
+        for b in range(b, n):
             t = 0.0
-            for j in range(x.shape[1]):
+            for j in range(cols):
                 t += np.float64(scratch[j]) * np.float64(x[b, j])
             out[b, i] = np.float32(t)
 

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import gc
 import json
-import os
 import re
 import threading
 import time
@@ -25,6 +24,7 @@ from edgetp.model.generate import LocalRunner, generate
 from edgetp.model.sampling import SamplingParams
 from edgetp.model.tokenizer import Tokenizer
 from edgetp import events
+from edgetp.parallel import profile
 from edgetp.serve.api import make_app, serving
 from edgetp.serve.root import Engine
 
@@ -206,8 +206,7 @@ async def test_32_concurrent_clients_with_a_queue_of_4_are_each_answered_or_refu
 
 
 def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return profile.runtime_bytes()  # from the page tables: statm's counters are per-CPU batched, inexact
 
 
 async def test_memory_threads_and_tasks_stay_flat_over_200_short_requests(server):

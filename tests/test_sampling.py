@@ -39,3 +39,16 @@ def test_temperature_and_penalty_apply_before_the_selection():
     c = sampling.candidates(x, 0, [1], p)  # token 1 penalised: 3 / 2 = 1.5; all then / 0.5
     assert c.ids.tolist() == [3, 2, 1]
     assert c.logits.tolist() == [6.0, 4.0, 3.0]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("where", [2, 3999])
+def test_a_nan_logit_on_any_shard_is_refused_in_one_line(temperature, where):
+    params = sampling.SamplingParams(temperature=temperature, top_k=2)
+    x = np.linspace(-3, 3, 4000).astype(np.float32)[::-1].copy()  # best first: a NaN late is past the top 2
+    x[where] = np.nan  # np.argmax would pick the NaN
+    shards = [sampling.candidates(x[:2000], 0, [], params), sampling.candidates(x[2000:], 2000, [], params)]
+    with pytest.raises(ValueError, match=r"^the model's logits hold NaN( \(token (2|3999)\))?: its weights are corrupt"):
+        sampling.Sampler(params).pick(sampling.merge(shards))
+    clean = sampling.candidates(np.nan_to_num(x), 0, [], params)
+    assert sampling.Sampler(params).pick(clean) in (0, 1)

@@ -150,6 +150,13 @@ class Sampler:
         self.rng = np.random.default_rng(params.seed)
 
     def pick(self, c: Candidates) -> int:
+        # A NaN logit reaches here from any shard: np.argmax takes the first NaN as the best token, and
+        # top_k's first k keep one; a NaN anywhere makes the shard's log-sum-exp NaN.
+        nan = np.isnan(c.logits)
+        if nan.any() or np.isnan(c.lse):
+            where = f" (token {int(c.ids[np.flatnonzero(nan)[0]])})" if nan.any() else ""
+            raise ValueError(f"the model's logits hold NaN{where}: its weights are corrupt or do not hold what "
+                             "their type says")
         p = self.params
         if p.greedy:
             return int(c.ids[0])

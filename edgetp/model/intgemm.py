@@ -79,7 +79,7 @@ from numba.extending import intrinsic
 from edgetp.model import intdot_ir, isa, vnni
 from edgetp.model import intdot_layouts as IL
 from edgetp.model.kernels import f16_table
-from edgetp.model.vnni import _F32, _I32, _I64, _at, _decl, _vec, q8_halves
+from edgetp.model.vnni import _F32, _I32, _I64, _at, _decl, _splat, _vec, q8_halves
 
 PAD = 8  # x is padded to a multiple of PAD tokens: whole tiles on every ISA
 _OPTS = dict(cache=True, nogil=True)
@@ -288,11 +288,6 @@ assert all(PAD % s.nt == 0 for _, s in ISA_TILES.values())
 
 
 # ---------------------------------------------------------------- the tile
-
-
-def _splat(builder, value, vty):
-    v = builder.insert_element(ir.Constant(vty, None), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, v, _vec(_I32, [0] * vty.count))
 
 
 def _operands(builder, k: Kind, v, g, lanes):

@@ -40,6 +40,12 @@ def _vec(ty, vals):
     return ir.Constant(ir.VectorType(ty, len(vals)), [ir.Constant(ty, int(v)) for v in vals])
 
 
+def _splat(builder, value, vty):
+    """value (a scalar) in every lane of vector type vty."""
+    v = builder.insert_element(ir.Constant(vty, None), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, v, _vec(_I32, [0] * vty.count))
+
+
 def _decl(module, name, ret, args):
     fn = module.globals.get(name)
     return fn if fn is not None else ir.Function(module, ir.FunctionType(ret, args), name)
@@ -95,9 +101,7 @@ def _round32(typingctx, src, dst, inv):
     of the first and the last 16, packed (first in the low 32 bits)."""
     def codegen(context, builder, signature, args):
         s, d, k = args
-        y = builder.fmul(builder.load(_at(builder, s, 0, _V32F), align=4),
-                         builder.shuffle_vector(builder.insert_element(ir.Constant(_V32F, None), k, ir.Constant(_I32, 0)),
-                                                ir.Constant(_V32F, None), _vec(_I32, [0] * 32)))
+        y = builder.fmul(builder.load(_at(builder, s, 0, _V32F), align=4), _splat(builder, k, _V32F))
         magic = ir.Constant(_V32F, [ir.Constant(_F32, _MAGIC)] * 32)
         q = builder.fptosi(builder.fsub(builder.fadd(y, magic), magic), _V32I32)
         builder.store(builder.trunc(q, ir.VectorType(ir.IntType(8), 32)), _at(builder, d, 0, ir.VectorType(ir.IntType(8), 32)),

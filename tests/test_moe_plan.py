@@ -87,12 +87,17 @@ def test_small_experts_are_placed_whole_and_large_ones_split_by_columns():
     assert placed.makespan > large.makespan
 
 
-def test_a_forced_choice_is_taken_and_a_dense_model_is_left_alone():
+def test_a_forced_choice_is_taken_and_a_dense_model_is_left_alone(caplog):
     plan = packing.make_plan(_shape(2048, 4096), NODES)
     assert experts.choose(plan, LINKS, mode="place").shares[0].experts is not None
     assert experts.choose(packing.make_plan(_shape(64, 32), NODES), LINKS, mode="columns").shares[0].experts is None
+    assert not caplog.records
     dense = ModelShape(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn=64, vocab=640)
     assert experts.choose(packing.make_plan(dense, NODES), LINKS, mode="place").shares[0].experts is None
+    assert caplog.records[-1].getMessage() == "experts 'place' has nothing to lay out: the model has no experts"
+    one = packing.make_plan(_shape(64, 32), NODES[:1])
+    assert experts.choose(one, {}, mode="mixed") is one
+    assert "every stage of the plan is one node" in caplog.records[-1].getMessage()
     with pytest.raises(ValueError, match="experts must be one of"):
         experts.choose(plan, LINKS, mode="rows")
 

@@ -29,12 +29,15 @@ Overheads.expert_s per expert run) weighs them; `choose` keeps the cheapest.
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import replace
 from typing import Mapping, Sequence
 
 from edgetp.parallel import cost
 from edgetp.parallel.packing import _water_fill
 from edgetp.parallel.plan import Plan, PlanError, _placed
+
+log = logging.getLogger(__name__)
 
 MODES = ("auto", "columns", "place", "mixed")  # who decides: the cost model, or forced
 MAX_CANDIDATES = 256  # group layouts a stage's choice weighs at most (a stage of n nodes has 2^(n-1))
@@ -126,6 +129,10 @@ def choose(plan: Plan, links: Mapping[str, cost.LinkCost], rows: int = 1, mode: 
     if mode not in MODES:
         raise ValueError(f"experts must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "columns" or not plan.shape.n_experts or all(len(st) < 2 for st in plan.stages):
+        if mode in ("place", "mixed"):
+            why = "the model has no experts" if not plan.shape.n_experts else \
+                "every stage of the plan is one node, which holds all of its experts"
+            log.warning("experts %r has nothing to lay out: %s", mode, why)
         return plan
     root = plan.nodes[0].node_id
 

@@ -27,10 +27,12 @@ a thread blocked in a receive.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import socket
 import struct
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -110,6 +112,7 @@ class Link:
         self._buf: bytearray | None = None     # reused receive buffers for blocking-mode frames
         self._plain: bytearray | None = None
         self._bare: dict[tuple[int, int, bool], frames.Bare] = {}  # the hot path's frame kinds, made once
+        self._wire: dict[tuple[int, int], Any] = {}  # their compiled path's buffers (net/wire.py), made once
 
     @property
     def sealed(self) -> bool:
@@ -125,6 +128,7 @@ class Link:
         if keys is not None:
             self._tx, self._rx = frames.Cipher(keys[0]), frames.Cipher(keys[1])
         self.trusted = True
+        self._wire.clear()  # made for a plain link: sealed frames take frames.py's way
 
     # ------------------------------------------------------------------ asyncio mode
     @classmethod
@@ -344,6 +348,76 @@ class Link:
         self.counters.received += size
         return got
 
+    def recv_values_blocking(self, ftype: FrameType, dst: np.ndarray, add: bool) -> None:
+        """dst (2-D f32) += (add) or = the values of the next frame, which must be ftype with an empty
+        header and dst's size: recv_bare_blocking and the sum in one compiled call (net/wire.py),
+        the GIL released. A sealed link (or a system without the compiled path) takes
+        recv_bare_blocking's way."""
+        bufs = self._wire.get((ftype, dst.size)) or self._wire_buffers(ftype, dst.size)
+        if bufs is _SEALED:
+            self._recv_values_sealed(ftype, dst, add)
+            return
+        t0 = time.perf_counter()
+        got = _wire().recv_values(self.sock.fileno(), bufs.rx, dst, add, False)
+        while got == -errno.EINTR:  # a signal came first: Python ran its handler, the frame goes on
+            got = _wire().recv_values(self.sock.fileno(), bufs.rx, dst, add, True)
+        if got:
+            raise self._recv_failed(got, ftype, bufs)
+        self.counters.received += bufs.size
+        self.counters.recv_s += time.perf_counter() - t0
+
+    def send_values_blocking(self, ftype: FrameType, src: np.ndarray) -> None:
+        """send_bare_blocking(ftype, src's f32 bytes), built and sent in one compiled call
+        (net/wire.py), the GIL released; src 2-D f32 of any layout. A sealed link (or a system
+        without the compiled path) takes send_bare_blocking's way."""
+        bufs = self._wire.get((ftype, src.size)) or self._wire_buffers(ftype, src.size)
+        if bufs is _SEALED:
+            self.send_bare_blocking(ftype, memoryview(np.ascontiguousarray(src, np.float32)).cast("B"))
+            return
+        t0 = time.perf_counter()
+        got = _wire().send_values(self.sock.fileno(), bufs.tx, src, False)
+        while got == -errno.EINTR:
+            got = _wire().send_values(self.sock.fileno(), bufs.tx, src, True)
+        if got in (-errno.EAGAIN, -errno.EWOULDBLOCK):  # SO_SNDTIMEO ran out
+            raise self._closed(f"send failed (the peer took nothing for {self.timeout:g} s)")
+        if got:
+            raise self._closed(f"send failed ({os.strerror(-got)})")
+        self.counters.sent += bufs.size
+        self.counters.send_s += time.perf_counter() - t0
+
+    def _recv_values_sealed(self, ftype: FrameType, dst: np.ndarray, add: bool) -> None:
+        payload = self.recv_bare_blocking(ftype, 4 * dst.size)
+        if len(payload) != 4 * dst.size:
+            raise self._closed(f"protocol error: a {ftype.name} frame of {len(payload)} payload bytes, "
+                               f"expected {4 * dst.size}")
+        values = np.frombuffer(payload, np.float32).reshape(dst.shape)
+        if add:
+            dst += values
+        else:
+            dst[...] = values
+
+    def _recv_failed(self, got: int, ftype: FrameType, bufs: Any) -> LinkClosed:
+        wire = _wire()
+        if got == wire.NOT_OURS:  # an ERROR, say: read and refused as recv_bare_blocking refuses it
+            frame = self._check(self._received(frames._rest_of_frame, bytearray(bufs.prefix)), ftype)
+            return self._closed(f"protocol error: a {ftype.name} frame of {frame.size} bytes, expected {bufs.size}")
+        if got == wire.CLOSED:
+            return self._closed("bad frame (truncated: connection closed mid-frame)" if bufs.started
+                                else "connection closed by peer")
+        if got == wire.BAD_HEADER:
+            return self._closed(f"bad frame (a {ftype.name} frame's one-byte header is not an empty map)")
+        if got in (-errno.EAGAIN, -errno.EWOULDBLOCK):  # SO_RCVTIMEO ran out
+            return self._closed(f"no frame within {self.timeout:g} s")
+        return self._closed(f"receive failed ({os.strerror(-got)})")
+
+    def _wire_buffers(self, ftype: FrameType, values: int) -> Any:
+        """The compiled path's buffers for frames of ftype and `values` f32s, made at the first
+        use; _SEALED where frames take the Python way (sealed, or no compiled path here)."""
+        sealed = self._tx is not None or not wire_available()
+        bufs = _SEALED if sealed else _wire().Buffers(self._bare_of(ftype, 4 * values).head, values)
+        self._wire[(ftype, values)] = bufs
+        return bufs
+
     def _received(self, recv, *lead: Any) -> Frame | memoryview:
         """recv(sock, *lead, buffers...)'s frame or payload; a closed link, a timeout or a bad frame as LinkClosed."""
         t0 = time.perf_counter()
@@ -398,6 +472,22 @@ class Link:
     @property
     def closed(self) -> bool:
         return self.sock.fileno() < 0
+
+
+_SEALED = object()  # Link._wire's mark: this kind of frame goes through frames.py (Python)
+
+
+def _wire():
+    """net/wire.py, imported at the first use: it compiles with numba, which a link without a
+    generation (a CLI call, discovery) need not load."""
+    from edgetp.net import wire  # noqa: PLC0415
+
+    return wire
+
+
+def wire_available() -> bool:
+    """The compiled all-reduce path runs here (Linux: libc's names); net/wire.py."""
+    return sys.platform.startswith("linux")
 
 
 def kernel_timeouts(sock: socket.socket, seconds: float) -> None:

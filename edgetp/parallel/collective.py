@@ -17,7 +17,9 @@ value gets the same additions in the same order as whole, and Q8_0 blocks are
 the same blocks (pieces are cut at multiples of 32): the same bits.
 
 Calls come from the compute thread. On a link in blocking mode they use the
-socket directly; in asyncio mode they hop through the event loop.
+socket directly (f32 frames on a plain link: received and added, or built and
+sent, in one compiled call, net/wire.py); in asyncio mode they hop through the
+event loop.
 """
 
 from __future__ import annotations
@@ -103,6 +105,21 @@ class Hot:
         else:
             self.send(ftype, {}, wire)
 
+    def recv_values(self, ftype: FrameType, partial: np.ndarray, add: bool) -> None:
+        """partial (+)= the f32 values of one all-reduce frame: on a blocking link, received and
+        added in one compiled call (Link.recv_values_blocking)."""
+        if self.link.mode == BLOCKING:
+            self.link.recv_values_blocking(ftype, partial, add)
+        else:
+            apply_sync(self.recv(ftype).payload, partial, "f32", add)
+
+    def send_values(self, ftype: FrameType, partial: np.ndarray) -> None:
+        """One all-reduce frame of partial's f32 values (Link.send_values_blocking on a blocking link)."""
+        if self.link.mode == BLOCKING:
+            self.link.send_values_blocking(ftype, partial)
+        else:
+            self.send(ftype, {}, encode_sync(partial, "f32"))
+
     def recv_sync(self, ftype: FrameType, nbytes: int) -> memoryview:
         """The payload of one all-reduce frame, nbytes expected (decode_sync checks the size)."""
         if self.link.mode == BLOCKING:
@@ -130,12 +147,16 @@ class RootReduce:
             self._sum(p.out[:, cols])
 
     def _sum(self, partial: np.ndarray) -> None:
+        if self.sync == "f32":
+            for w in self.workers:
+                w.recv_values(FrameType.PARTIAL, partial, add=True)
+            for w in self.workers:
+                w.send_values(FrameType.REDUCED, partial)
+            return
         nbytes = sync_bytes(partial.size, self.sync)
         for w in self.workers:
             apply_sync(w.recv_sync(FrameType.PARTIAL, nbytes), partial, self.sync, add=True)
-        if self.sync == "f32":
-            wire = encode_sync(partial, self.sync)
-        elif partial.flags.c_contiguous:  # quantized, and replaced by exactly what the workers will apply
+        if partial.flags.c_contiguous:  # quantized, and replaced by exactly what the workers will apply
             wire = memoryview(quant.quantize_q8_0(partial.reshape(-1), back=True)).cast("B")
         else:
             wire = encode_sync(partial, self.sync)
@@ -152,6 +173,10 @@ class WorkerReduce:
         self.sync = sync
 
     def __call__(self, partial: np.ndarray) -> None:
+        if self.sync == "f32":
+            self.root.send_values(FrameType.PARTIAL, partial)
+            self.root.recv_values(FrameType.REDUCED, partial, add=False)
+            return
         self.root.send_sync(FrameType.PARTIAL, encode_sync(partial, self.sync))
         reduced = self.root.recv_sync(FrameType.REDUCED, sync_bytes(partial.size, self.sync))
         apply_sync(reduced, partial, self.sync, add=False)
@@ -161,11 +186,17 @@ class WorkerReduce:
         root reads it while we compute the next), then take the totals."""
         for k, cols in enumerate(_columns(p)):
             p.fill(k)
-            self.root.send_sync(FrameType.PARTIAL, encode_sync(p.out[:, cols], self.sync))
+            if self.sync == "f32":
+                self.root.send_values(FrameType.PARTIAL, p.out[:, cols])
+            else:
+                self.root.send_sync(FrameType.PARTIAL, encode_sync(p.out[:, cols], self.sync))
         for cols in _columns(p):
             piece = p.out[:, cols]
-            reduced = self.root.recv_sync(FrameType.REDUCED, sync_bytes(piece.size, self.sync))
-            apply_sync(reduced, piece, self.sync, add=False)
+            if self.sync == "f32":
+                self.root.recv_values(FrameType.REDUCED, piece, add=False)
+            else:
+                reduced = self.root.recv_sync(FrameType.REDUCED, sync_bytes(piece.size, self.sync))
+                apply_sync(reduced, piece, self.sync, add=False)
 
 
 def _columns(p: Pieces) -> list[slice]:

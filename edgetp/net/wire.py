@@ -1,0 +1,165 @@
+"""The all-reduce's plain f32 frames moved by compiled code: receive and add, or send, in one call.
+
+A decode step pays two all-reduce frames per layer and link, and the Python around each (the
+prefix checked, two receives, the payload wrapped, added by numpy, the frame sent) cost about
+as much as the socket round trip under it (tools/bench_allreduce.py). Here each is one numba
+call, with the GIL released, that makes the same system calls on the socket's descriptor
+(libc's recv and send, reached as external symbols from LLVM IR, so the compiled code is cached
+like every other kernel):
+
+* `recv_values`: the 16-byte prefix, compared with the one expected; the body (the empty
+  header's one byte and the payload), then its f32 values added into (or written over) an
+  array of any layout;
+* `send_values`: the prefix, the empty header and the array's values, in one buffer.
+
+The bytes on the wire are frames.send_bare's and recv_bare's. Only what they cannot decide is
+handed back to net/link.py, which knows what each means: another frame in the place of the one
+expected (an ERROR), a closed connection, or an error number (EAGAIN when SO_RCVTIMEO or
+SO_SNDTIMEO ran out, EINTR when a signal came first: the call is made again with `state`, the
+bytes already moved). Sealed frames do not come here: the cipher runs in Python (frames.Cipher).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+import edgetp.model  # noqa: F401  numba's cache folder (jitcache) before the decorators below
+
+OK, CLOSED, NOT_OURS, BAD_HEADER = 0, 1, 2, 3
+HEAD = 17  # a bare frame's 16-byte prefix and its empty header
+EMPTY_MAP = 0x80  # msgpack's {}: the one-byte header of every bare frame
+MSG_NOSIGNAL = 0x4000  # Linux's: libc's recv, send and __errno_location by those names (link.wire_available)
+
+_I32, _I64 = ir.IntType(32), ir.IntType(64)
+_PTR = ir.IntType(8).as_pointer()
+
+
+def _extern(module: ir.Module, name: str, ret: ir.Type, args: list[ir.Type]) -> ir.Function:
+    try:
+        return module.get_global(name)
+    except KeyError:
+        return ir.Function(module, ir.FunctionType(ret, args), name=name)
+
+
+def _syscall(name: str, flags: int):
+    """An intrinsic (fd, address, n) -> libc name(fd, address, n, flags): the count, or -errno."""
+
+    @intrinsic
+    def call(typingctx, fd, addr, n):
+        def codegen(context, builder, signature, args):
+            f, a, k = args
+            fn = _extern(builder.module, name, _I64, [_I32, _PTR, _I64, _I32])
+            got = builder.call(fn, [builder.trunc(f, _I32), builder.inttoptr(a, _PTR), k, ir.Constant(_I32, flags)])
+            where = builder.call(_extern(builder.module, "__errno_location", _I32.as_pointer(), []), [])
+            err = builder.sext(builder.neg(builder.load(where)), _I64)
+            return builder.select(builder.icmp_signed("<", got, ir.Constant(_I64, 0)), err, got)
+
+        return types.int64(types.int64, types.int64, types.int64), codegen
+
+    return call
+
+
+_recv = _syscall("recv", 0)
+_send = _syscall("send", MSG_NOSIGNAL)
+
+
+@njit(cache=True, nogil=True)
+def _fill(fd, buf, state, k):
+    # buf's bytes from state[k] on; OK, CLOSED (nothing more will come) or -errno
+    n = buf.shape[0]
+    while state[k] < n:
+        got = _recv(fd, buf.ctypes.data + state[k], n - state[k])
+        if got == 0:
+            return CLOSED
+        if got < 0:
+            return got
+        state[k] += got
+    return OK
+
+
+# A kind of frame's buffers, one uint8 array a direction (few arguments: numba's dispatch costs
+# per argument, and this runs twice a layer): to receive, the expected prefix, the prefix that
+# came, the progress (two int64: bytes of prefix and of body) and the body; to send, the progress
+# (one int64) and the frame itself, head then values.
+RX_EXPECT, RX_PREFIX, RX_STATE, RX_BODY = 0, 16, 32, 48
+TX_STATE, TX_FRAME = 0, 8
+
+
+@njit(cache=True, nogil=True)
+def recv_values(fd, rx, dst, add, resume):
+    """One frame whose prefix must be rx's expected one; dst (2-D f32, any layout) += its values (add)
+    or = them. resume: go on from rx's progress (after -EINTR), else from nothing. OK, CLOSED,
+    NOT_OURS (rx's prefix holds another frame's prefix, whole), BAD_HEADER, or -errno."""
+    state = rx[RX_STATE:RX_BODY].view(np.int64)
+    if not resume:
+        state[0] = 0
+        state[1] = 0
+    got = _fill(fd, rx[RX_PREFIX:RX_STATE], state, 0)
+    if got != OK:
+        return got
+    for i in range(16):
+        if rx[RX_PREFIX + i] != rx[RX_EXPECT + i]:
+            return NOT_OURS
+    body = rx[RX_BODY:]
+    got = _fill(fd, body, state, 1)
+    if got != OK:
+        return got
+    if body[0] != EMPTY_MAP:
+        return BAD_HEADER
+    vals = body[1:].view(np.float32)
+    rows, cols = dst.shape
+    for r in range(rows):
+        for c in range(cols):
+            if add:
+                dst[r, c] += vals[r * cols + c]
+            else:
+                dst[r, c] = vals[r * cols + c]
+    return OK
+
+
+@njit(cache=True, nogil=True)
+def send_values(fd, tx, src, resume):
+    """The frame (tx's head, then src's values: 2-D f32, any layout) built in tx and sent; resume:
+    go on from tx's progress (after -EINTR), else build and send from the start. OK or -errno."""
+    state = tx[TX_STATE:TX_FRAME].view(np.int64)
+    frame = tx[TX_FRAME:]
+    if not resume:
+        state[0] = 0
+        vals = frame[HEAD:].view(np.float32)
+        rows, cols = src.shape
+        for r in range(rows):
+            for c in range(cols):
+                vals[r * cols + c] = src[r, c]
+    n = frame.shape[0]
+    while state[0] < n:
+        sent = _send(fd, frame.ctypes.data + state[0], n - state[0])
+        if sent < 0:
+            return sent
+        state[0] += sent
+    return OK
+
+
+class Buffers:
+    """One kind of bare frame's buffers on a link (head: its 17 bytes before the payload)."""
+
+    def __init__(self, head: bytes, values: int) -> None:
+        if len(head) != HEAD:
+            raise ValueError(f"a bare frame's head is {HEAD} bytes, got {len(head)}")
+        self.size = HEAD + 4 * values  # bytes of the frame
+        self.rx = np.zeros(RX_BODY + 1 + 4 * values, np.uint8)
+        self.rx[RX_EXPECT:RX_EXPECT + 16] = np.frombuffer(head[:16], np.uint8)
+        self.tx = np.zeros(TX_FRAME + self.size, np.uint8)
+        self.tx[TX_FRAME:TX_FRAME + HEAD] = np.frombuffer(head, np.uint8)
+
+    @property
+    def prefix(self) -> bytes:
+        """The 16 bytes received where the expected prefix should have been."""
+        return self.rx[RX_PREFIX:RX_STATE].tobytes()
+
+    @property
+    def started(self) -> bool:
+        """Some of a frame had come when the receive stopped."""
+        return bool(self.rx[RX_STATE:RX_BODY].view(np.int64).any())

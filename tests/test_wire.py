@@ -1,0 +1,222 @@
+"""The all-reduce's compiled path (net/wire.py through Link.recv_values_blocking and
+send_values_blocking) against the general frame codec: the very bytes of frames.encode_frame on
+the wire, values read back from frames.send_frame's, and every failure named as the Python path
+names it. Real TCP sockets on loopback; signals from a real interval timer."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from edgetp.net.frames import PREFIX, FrameType, encode_frame, send_frame
+from edgetp.net.link import Link, LinkClosed
+
+KEY = bytes(range(32))
+
+
+def tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as lst:
+        b = socket.create_connection(lst.getsockname(), timeout=10)
+        return lst.accept()[0], b
+
+
+def blocking(sock: socket.socket, name: str, timeout: float = 10.0, keys: tuple[bytes, bytes] | None = None) -> Link:
+    link = Link(sock, name, timeout=timeout)
+    link.trust(keys)
+    link.enter_blocking()
+    return link
+
+
+def raw(values: np.ndarray) -> bytes:
+    """The payload of a sync frame: the f32 values' bytes alone (no dtype or shape: the plan fixes them)."""
+    return np.ascontiguousarray(values, np.float32).tobytes()
+
+
+def frame_bytes(ftype: FrameType, values: np.ndarray) -> bytes:
+    return b"".join(bytes(p) for p in encode_frame(ftype, {}, raw(values)))
+
+
+def read_all(sock: socket.socket, n: int) -> bytes:
+    got = bytearray()
+    while len(got) < n:
+        chunk = sock.recv(n - len(got))
+        assert chunk, "closed early"
+        got += chunk
+    return bytes(got)
+
+
+def test_the_bytes_sent_are_the_general_encoders_for_whole_arrays_and_column_slices():
+    a, b = tcp_pair()
+    link = blocking(a, "peer")
+    try:
+        x = np.random.default_rng(0).standard_normal((3, 40)).astype(np.float32)
+        for src in (x, x[:, 8:24], x[1:2]):
+            link.send_values_blocking(FrameType.PARTIAL, src)
+            want = frame_bytes(FrameType.PARTIAL, src)
+            assert read_all(b, len(want)) == want
+        assert link.counters.sent == sum(len(frame_bytes(FrameType.PARTIAL, s)) for s in (x, x[:, 8:24], x[1:2]))
+    finally:
+        link.close()
+        b.close()
+
+
+def test_values_from_the_general_encoder_are_added_or_written_exactly_and_nothing_else_moves():
+    a, b = tcp_pair()
+    link = blocking(a, "peer")
+    try:
+        rng = np.random.default_rng(1)
+        dst = rng.standard_normal((2, 64)).astype(np.float32)
+        before = dst.copy()
+        part = rng.standard_normal((2, 16)).astype(np.float32)
+        send_frame(b, FrameType.PARTIAL, {}, raw(part))
+        link.recv_values_blocking(FrameType.PARTIAL, dst[:, 16:32], add=True)
+        want = before.copy()
+        want[:, 16:32] += part  # numpy's f32 add: the bits every node must get
+        np.testing.assert_array_equal(dst.view(np.uint32), want.view(np.uint32))
+        send_frame(b, FrameType.REDUCED, {}, raw(part[:1]))
+        link.recv_values_blocking(FrameType.REDUCED, dst[1:2, :16], add=False)
+        want[1, :16] = part[0]
+        np.testing.assert_array_equal(dst.view(np.uint32), want.view(np.uint32))
+        assert link.counters.received == len(frame_bytes(FrameType.PARTIAL, part)) + len(frame_bytes(FrameType.REDUCED, part[:1]))
+    finally:
+        link.close()
+        b.close()
+
+
+@pytest.mark.parametrize("sealed", [False, True])
+def test_two_links_exchange_round_after_round_sealed_or_not(sealed):
+    a, b = tcp_pair()
+    root = blocking(a, "worker", keys=(KEY, KEY[::-1]) if sealed else None)
+    worker = blocking(b, "root", keys=(KEY[::-1], KEY) if sealed else None)
+    try:
+        total = np.zeros((1, 32), np.float32)
+        for k in range(5):
+            mine = np.full((1, 32), k, np.float32)
+            worker.send_values_blocking(FrameType.PARTIAL, mine + 1)
+            root.recv_values_blocking(FrameType.PARTIAL, total, add=True)
+            root.send_values_blocking(FrameType.REDUCED, total)
+            worker.recv_values_blocking(FrameType.REDUCED, mine, add=False)
+            np.testing.assert_array_equal(mine, total)
+        assert total[0, 0] == sum(range(1, 6))
+        assert root.counters.received == worker.counters.sent and worker.counters.received == root.counters.sent
+    finally:
+        root.close()
+        worker.close()
+
+
+def test_a_peers_error_in_place_of_the_frame_is_reported_and_the_link_closed():
+    a, b = tcp_pair()
+    link = blocking(a, "worker")
+    try:
+        send_frame(b, FrameType.ERROR, {"message": "boom"})
+        with pytest.raises(LinkClosed, match="link worker: peer reported: boom"):
+            link.recv_values_blocking(FrameType.PARTIAL, np.zeros((1, 8), np.float32), add=True)
+        assert link.closed
+    finally:
+        link.close()
+        b.close()
+
+
+def test_a_frame_of_another_size_or_header_is_refused_as_a_protocol_error():
+    for send, reason in ((lambda s: send_frame(s, FrameType.PARTIAL, {}, raw(np.zeros(4))), "protocol error"),
+                         (lambda s: send_frame(s, FrameType.PARTIAL, {"x": 1}, raw(np.zeros(8))), "protocol error"),
+                         (lambda s: send_frame(s, FrameType.REDUCED, {}, raw(np.zeros(8))), "expected PARTIAL, got REDUCED")):
+        a, b = tcp_pair()
+        link = blocking(a, "worker")
+        try:
+            send(b)
+            with pytest.raises(LinkClosed, match=reason):
+                link.recv_values_blocking(FrameType.PARTIAL, np.zeros((1, 8), np.float32), add=True)
+        finally:
+            link.close()
+            b.close()
+
+
+def test_a_peer_that_closes_before_or_inside_a_frame_is_named_for_each():
+    whole = frame_bytes(FrameType.PARTIAL, np.zeros((1, 8), np.float32))
+    for sent, reason in ((b"", "connection closed by peer"), (whole[:PREFIX.size + 5], "truncated")):
+        a, b = tcp_pair()
+        link = blocking(a, "worker")
+        try:
+            b.sendall(sent)
+            b.close()
+            with pytest.raises(LinkClosed, match=reason):
+                link.recv_values_blocking(FrameType.PARTIAL, np.zeros((1, 8), np.float32), add=True)
+        finally:
+            link.close()
+
+
+def test_a_receive_gives_up_after_the_links_timeout():
+    a, b = tcp_pair()
+    link = blocking(a, "worker", timeout=1.0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(LinkClosed, match="link worker: no frame within 1 s"):
+            link.recv_values_blocking(FrameType.PARTIAL, np.zeros((1, 8), np.float32), add=True)
+        assert 0.9 <= time.monotonic() - t0 < 5
+    finally:
+        link.close()
+        b.close()
+
+
+def _interrupted(run, then):
+    """run() on this (the main) thread while SIGALRM fires every 50 ms (a Python handler counting),
+    then() on another thread after 0.4 s; run()'s result and the signals handled meanwhile."""
+    seen = []
+    old = signal.signal(signal.SIGALRM, lambda *_: seen.append(1))
+    helper = threading.Timer(0.4, then)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
+        helper.start()
+        result = run()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0, 0)
+        signal.signal(signal.SIGALRM, old)
+        helper.join(10)
+    return result, len(seen)
+
+
+def test_signals_while_blocked_in_a_receive_run_their_handlers_and_the_frame_still_arrives():
+    a, b = tcp_pair()
+    link = blocking(a, "worker")
+    try:
+        part = np.arange(16, dtype=np.float32).reshape(1, 16)
+        dst = np.ones((1, 16), np.float32)
+        whole = frame_bytes(FrameType.PARTIAL, part)
+
+        def two_halves():
+            b.sendall(whole[:10])  # the prefix itself comes in two pieces, signals between
+            time.sleep(0.2)
+            b.sendall(whole[10:])
+
+        _, handled = _interrupted(lambda: link.recv_values_blocking(FrameType.PARTIAL, dst, add=True), two_halves)
+        np.testing.assert_array_equal(dst, part + 1)
+        assert handled >= 4
+    finally:
+        link.close()
+        b.close()
+
+
+def test_signals_while_blocked_in_a_send_run_their_handlers_and_every_byte_goes_once():
+    a, b = tcp_pair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
+    link = blocking(a, "worker")
+    src = np.random.default_rng(2).standard_normal((1, 2_000_000)).astype(np.float32)  # 8 MB: the send blocks
+    want = frame_bytes(FrameType.REDUCED, src)
+    got: list[bytes] = []
+    try:
+        _, handled = _interrupted(lambda: link.send_values_blocking(FrameType.REDUCED, src),
+                                  lambda: got.append(read_all(b, len(want))))
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert got and got[0] == want
+        assert handled >= 4
+    finally:
+        link.close()
+        b.close()

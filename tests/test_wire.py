@@ -220,3 +220,28 @@ def test_signals_while_blocked_in_a_send_run_their_handlers_and_every_byte_goes_
     finally:
         link.close()
         b.close()
+
+
+def test_q8_0_frames_decode_as_gguf_py_decodes_the_blocks_and_encoded_bytes_go_as_they_are():
+    import gguf  # noqa: PLC0415  (the reference decoder of GGUF blocks)
+    from gguf import GGMLQuantizationType as QT  # noqa: PLC0415
+
+    a, b = tcp_pair()
+    link = blocking(a, "peer")
+    try:
+        x = np.random.default_rng(3).standard_normal(96).astype(np.float32)
+        blocks = gguf.quants.quantize(x.reshape(1, -1), QT.Q8_0).reshape(-1)
+        values = gguf.quants.dequantize(blocks, QT.Q8_0).reshape(-1).astype(np.float32)
+        dst = np.ones(96, np.float32)
+        send_frame(b, FrameType.REDUCED, {}, blocks.tobytes())
+        link.recv_q8_blocking(FrameType.REDUCED, dst, add=True)
+        np.testing.assert_array_equal(dst.view(np.uint32), (values + np.float32(1)).view(np.uint32))
+        send_frame(b, FrameType.REDUCED, {}, blocks.tobytes())
+        link.recv_q8_blocking(FrameType.REDUCED, dst, add=False)
+        np.testing.assert_array_equal(dst.view(np.uint32), values.view(np.uint32))
+        link.send_bytes_blocking(FrameType.PARTIAL, memoryview(blocks).cast("B"))
+        want = b"".join(bytes(p) for p in encode_frame(FrameType.PARTIAL, {}, blocks.tobytes()))
+        assert read_all(b, len(want)) == want
+    finally:
+        link.close()
+        b.close()

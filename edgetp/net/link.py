@@ -353,31 +353,56 @@ class Link:
         header and dst's size: recv_bare_blocking and the sum in one compiled call (net/wire.py),
         the GIL released. A sealed link (or a system without the compiled path) takes
         recv_bare_blocking's way."""
-        bufs = self._wire.get((ftype, dst.size)) or self._wire_buffers(ftype, dst.size)
+        bufs = self._wire.get((ftype, 4 * dst.size)) or self._wire_buffers(ftype, 4 * dst.size)
         if bufs is _SEALED:
             self._recv_values_sealed(ftype, dst, add)
-            return
-        t0 = time.perf_counter()
-        got = _wire().recv_values(self.sock.fileno(), bufs.rx, dst, add, False)
-        while got == -errno.EINTR:  # a signal came first: Python ran its handler, the frame goes on
-            got = _wire().recv_values(self.sock.fileno(), bufs.rx, dst, add, True)
-        if got:
-            raise self._recv_failed(got, ftype, bufs)
-        self.counters.received += bufs.size
-        self.counters.recv_s += time.perf_counter() - t0
+        else:
+            self._recv_wire(ftype, bufs, _wire().recv_values, dst, add)
+
+    def recv_q8_blocking(self, ftype: FrameType, dst: np.ndarray, add: bool) -> None:
+        """recv_values_blocking for a frame of Q8_0 blocks (quant.dequantize_q8_0's values); dst
+        1-D f32, C-contiguous."""
+        plen = dst.size // 32 * 34
+        bufs = self._wire.get((ftype, plen)) or self._wire_buffers(ftype, plen)
+        if bufs is _SEALED:
+            quant = _quant()
+            quant.dequantize_q8_0(self.recv_bare_blocking(ftype, plen), dst.size, dst, add)
+        else:
+            self._recv_wire(ftype, bufs, _wire().recv_q8, dst, add, _quant()._TAB16)
 
     def send_values_blocking(self, ftype: FrameType, src: np.ndarray) -> None:
         """send_bare_blocking(ftype, src's f32 bytes), built and sent in one compiled call
         (net/wire.py), the GIL released; src 2-D f32 of any layout. A sealed link (or a system
         without the compiled path) takes send_bare_blocking's way."""
-        bufs = self._wire.get((ftype, src.size)) or self._wire_buffers(ftype, src.size)
+        bufs = self._wire.get((ftype, 4 * src.size)) or self._wire_buffers(ftype, 4 * src.size)
         if bufs is _SEALED:
             self.send_bare_blocking(ftype, memoryview(np.ascontiguousarray(src, np.float32)).cast("B"))
-            return
+        else:
+            self._send_wire(ftype, bufs, _wire().send_values, src)
+
+    def send_bytes_blocking(self, ftype: FrameType, payload: memoryview) -> None:
+        """send_values_blocking for a payload already encoded (bytes: Q8_0 blocks, say)."""
+        bufs = self._wire.get((ftype, len(payload))) or self._wire_buffers(ftype, len(payload))
+        if bufs is _SEALED:
+            self.send_bare_blocking(ftype, payload)
+        else:
+            self._send_wire(ftype, bufs, _wire().send_bytes, np.frombuffer(payload, np.uint8))
+
+    def _recv_wire(self, ftype: FrameType, bufs: Any, call, *args: Any) -> None:
         t0 = time.perf_counter()
-        got = _wire().send_values(self.sock.fileno(), bufs.tx, src, False)
+        got = call(self.sock.fileno(), bufs.rx, *args, False)
+        while got == -errno.EINTR:  # a signal came first: Python ran its handler, the frame goes on
+            got = call(self.sock.fileno(), bufs.rx, *args, True)
+        if got:
+            raise self._recv_failed(got, ftype, bufs)
+        self.counters.received += bufs.size
+        self.counters.recv_s += time.perf_counter() - t0
+
+    def _send_wire(self, ftype: FrameType, bufs: Any, call, *args: Any) -> None:
+        t0 = time.perf_counter()
+        got = call(self.sock.fileno(), bufs.tx, *args, False)
         while got == -errno.EINTR:
-            got = _wire().send_values(self.sock.fileno(), bufs.tx, src, True)
+            got = call(self.sock.fileno(), bufs.tx, *args, True)
         if got in (-errno.EAGAIN, -errno.EWOULDBLOCK):  # SO_SNDTIMEO ran out
             raise self._closed(f"send failed (the peer took nothing for {self.timeout:g} s)")
         if got:
@@ -387,8 +412,8 @@ class Link:
 
     def _recv_values_sealed(self, ftype: FrameType, dst: np.ndarray, add: bool) -> None:
         payload = self.recv_bare_blocking(ftype, 4 * dst.size)
-        if len(payload) != 4 * dst.size:
-            raise self._closed(f"protocol error: a {ftype.name} frame of {len(payload)} payload bytes, "
+        if len(payload) != 4 * dst.size:  # the same type, another size: as the compiled path says it
+            raise self._closed(f"protocol error: a {ftype.name} frame with a {len(payload)}-byte payload, "
                                f"expected {4 * dst.size}")
         values = np.frombuffer(payload, np.float32).reshape(dst.shape)
         if add:
@@ -410,12 +435,12 @@ class Link:
             return self._closed(f"no frame within {self.timeout:g} s")
         return self._closed(f"receive failed ({os.strerror(-got)})")
 
-    def _wire_buffers(self, ftype: FrameType, values: int) -> Any:
-        """The compiled path's buffers for frames of ftype and `values` f32s, made at the first
-        use; _SEALED where frames take the Python way (sealed, or no compiled path here)."""
+    def _wire_buffers(self, ftype: FrameType, plen: int) -> Any:
+        """The compiled path's buffers for frames of ftype and a plen-byte payload, made at the
+        first use; _SEALED where frames take the Python way (sealed, or no compiled path here)."""
         sealed = self._tx is not None or not wire_available()
-        bufs = _SEALED if sealed else _wire().Buffers(self._bare_of(ftype, 4 * values).head, values)
-        self._wire[(ftype, values)] = bufs
+        bufs = _SEALED if sealed else _wire().Buffers(self._bare_of(ftype, plen).head, plen)
+        self._wire[(ftype, plen)] = bufs
         return bufs
 
     def _received(self, recv, *lead: Any) -> Frame | memoryview:
@@ -483,6 +508,13 @@ def _wire():
     from edgetp.net import wire  # noqa: PLC0415
 
     return wire
+
+
+def _quant():
+    """edgetp.model.quant (Q8_0's codec), imported at the first use, as net/wire.py is."""
+    from edgetp.model import quant  # noqa: PLC0415
+
+    return quant
 
 
 def wire_available() -> bool:

@@ -7,16 +7,17 @@ call, with the GIL released, that makes the same system calls on the socket's de
 (libc's recv and send, reached as external symbols from LLVM IR, so the compiled code is cached
 like every other kernel):
 
-* `recv_values`: the 16-byte prefix, compared with the one expected; the body (the empty
-  header's one byte and the payload), then its f32 values added into (or written over) an
-  array of any layout;
-* `send_values`: the prefix, the empty header and the array's values, in one buffer.
+* `recv_values` / `recv_q8`: the 16-byte prefix, compared with the one expected; the body (the
+  empty header's one byte and the payload), then its values (f32, or Q8_0 blocks decoded by the
+  kernels' own q8_0_values) added into or written over an array;
+* `send_values` / `send_bytes`: the prefix, the empty header and an array's f32 values (or
+  bytes already encoded) in one buffer, sent.
 
 The bytes on the wire are frames.send_bare's and recv_bare's. Only what they cannot decide is
 handed back to net/link.py, which knows what each means: another frame in the place of the one
 expected (an ERROR), a closed connection, or an error number (EAGAIN when SO_RCVTIMEO or
-SO_SNDTIMEO ran out, EINTR when a signal came first: the call is made again with `state`, the
-bytes already moved). Sealed frames do not come here: the cipher runs in Python (frames.Cipher).
+SO_SNDTIMEO ran out, EINTR when a signal came first: the call is made again with `resume`, from
+the bytes already moved). Sealed frames do not come here: the cipher runs in Python (frames.Cipher).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 import edgetp.model  # noqa: F401  numba's cache folder (jitcache) before the decorators below
+from edgetp.model.kernels import q8_0_values
 
 OK, CLOSED, NOT_OURS, BAD_HEADER = 0, 1, 2, 3
 HEAD = 17  # a bare frame's 16-byte prefix and its empty header
@@ -89,10 +91,9 @@ TX_STATE, TX_FRAME = 0, 8
 
 
 @njit(cache=True, nogil=True)
-def recv_values(fd, rx, dst, add, resume):
-    """One frame whose prefix must be rx's expected one; dst (2-D f32, any layout) += its values (add)
-    or = them. resume: go on from rx's progress (after -EINTR), else from nothing. OK, CLOSED,
-    NOT_OURS (rx's prefix holds another frame's prefix, whole), BAD_HEADER, or -errno."""
+def _frame(fd, rx, resume):
+    # rx's frame: the prefix compared, the body received, its header checked (OK, CLOSED, NOT_OURS,
+    # BAD_HEADER or -errno)
     state = rx[RX_STATE:RX_BODY].view(np.int64)
     if not resume:
         state[0] = 0
@@ -103,13 +104,37 @@ def recv_values(fd, rx, dst, add, resume):
     for i in range(16):
         if rx[RX_PREFIX + i] != rx[RX_EXPECT + i]:
             return NOT_OURS
-    body = rx[RX_BODY:]
-    got = _fill(fd, body, state, 1)
+    got = _fill(fd, rx[RX_BODY:], state, 1)
     if got != OK:
         return got
-    if body[0] != EMPTY_MAP:
-        return BAD_HEADER
-    vals = body[1:].view(np.float32)
+    return OK if rx[RX_BODY] == EMPTY_MAP else BAD_HEADER
+
+
+@njit(cache=True, nogil=True)
+def _send_frame(fd, tx, resume):
+    # tx's frame sent from its progress on (from the start unless resume): OK or -errno
+    state = tx[TX_STATE:TX_FRAME].view(np.int64)
+    frame = tx[TX_FRAME:]
+    if not resume:
+        state[0] = 0
+    n = frame.shape[0]
+    while state[0] < n:
+        sent = _send(fd, frame.ctypes.data + state[0], n - state[0])
+        if sent < 0:
+            return sent
+        state[0] += sent
+    return OK
+
+
+@njit(cache=True, nogil=True)
+def recv_values(fd, rx, dst, add, resume):
+    """One frame whose prefix must be rx's expected one; dst (2-D f32, any layout) += its values (add)
+    or = them. resume: go on from rx's progress (after -EINTR), else from nothing. OK, CLOSED,
+    NOT_OURS (rx's prefix holds another frame's prefix, whole), BAD_HEADER, or -errno."""
+    got = _frame(fd, rx, resume)
+    if got != OK:
+        return got
+    vals = rx[RX_BODY + 1:].view(np.float32)
     rows, cols = dst.shape
     for r in range(rows):
         for c in range(cols):
@@ -121,35 +146,45 @@ def recv_values(fd, rx, dst, add, resume):
 
 
 @njit(cache=True, nogil=True)
+def recv_q8(fd, rx, dst, add, tab16, resume):
+    """recv_values for a frame of Q8_0 blocks: dst (1-D f32, C-contiguous) += (add) or = their
+    values, by kernels.q8_0_values (the arithmetic of quant.dequantize_q8_0). tab16: f16 -> f32."""
+    got = _frame(fd, rx, resume)
+    if got == OK:
+        q8_0_values(rx[RX_BODY + 1:], tab16, dst, add)
+    return got
+
+
+@njit(cache=True, nogil=True)
+def send_bytes(fd, tx, payload, resume):
+    """send_values for a payload already encoded (1-D uint8: Q8_0 blocks, say)."""
+    frame = tx[TX_FRAME:]
+    if not resume:
+        frame[HEAD:] = payload
+    return _send_frame(fd, tx, resume)
+
+
+@njit(cache=True, nogil=True)
 def send_values(fd, tx, src, resume):
     """The frame (tx's head, then src's values: 2-D f32, any layout) built in tx and sent; resume:
     go on from tx's progress (after -EINTR), else build and send from the start. OK or -errno."""
-    state = tx[TX_STATE:TX_FRAME].view(np.int64)
-    frame = tx[TX_FRAME:]
     if not resume:
-        state[0] = 0
-        vals = frame[HEAD:].view(np.float32)
+        vals = tx[TX_FRAME + HEAD:].view(np.float32)
         rows, cols = src.shape
         for r in range(rows):
             for c in range(cols):
                 vals[r * cols + c] = src[r, c]
-    n = frame.shape[0]
-    while state[0] < n:
-        sent = _send(fd, frame.ctypes.data + state[0], n - state[0])
-        if sent < 0:
-            return sent
-        state[0] += sent
-    return OK
+    return _send_frame(fd, tx, resume)
 
 
 class Buffers:
-    """One kind of bare frame's buffers on a link (head: its 17 bytes before the payload)."""
+    """One kind of bare frame's buffers on a link (head: its 17 bytes before the plen-byte payload)."""
 
-    def __init__(self, head: bytes, values: int) -> None:
+    def __init__(self, head: bytes, plen: int) -> None:
         if len(head) != HEAD:
             raise ValueError(f"a bare frame's head is {HEAD} bytes, got {len(head)}")
-        self.size = HEAD + 4 * values  # bytes of the frame
-        self.rx = np.zeros(RX_BODY + 1 + 4 * values, np.uint8)
+        self.size = HEAD + plen  # bytes of the frame
+        self.rx = np.zeros(RX_BODY + 1 + plen, np.uint8)
         self.rx[RX_EXPECT:RX_EXPECT + 16] = np.frombuffer(head[:16], np.uint8)
         self.tx = np.zeros(TX_FRAME + self.size, np.uint8)
         self.tx[TX_FRAME:TX_FRAME + HEAD] = np.frombuffer(head, np.uint8)

@@ -98,33 +98,32 @@ class Hot:
             return self.link.recv_blocking(ftype)
         return asyncio.run_coroutine_threadsafe(self.link.expect(ftype), self.loop).result()
 
-    def send_sync(self, ftype: FrameType, wire: memoryview) -> None:
-        """One all-reduce frame: an empty header and the sync payload (the blocking links' bare frames)."""
-        if self.link.mode == BLOCKING:
-            self.link.send_bare_blocking(ftype, wire)
-        else:
-            self.send(ftype, {}, wire)
-
-    def recv_values(self, ftype: FrameType, partial: np.ndarray, add: bool) -> None:
-        """partial (+)= the f32 values of one all-reduce frame: on a blocking link, received and
-        added in one compiled call (Link.recv_values_blocking)."""
-        if self.link.mode == BLOCKING:
+    def recv_partial(self, ftype: FrameType, partial: np.ndarray, sync: str, add: bool) -> None:
+        """partial (+)= the values of one all-reduce frame. On a blocking link the frame is received
+        and its values applied in one compiled call (net/wire.py, through Link)."""
+        if self.link.mode != BLOCKING:
+            apply_sync(self.recv(ftype).payload, partial, sync, add)
+        elif sync == "f32":
             self.link.recv_values_blocking(ftype, partial, add)
+        elif partial.flags.c_contiguous:
+            self.link.recv_q8_blocking(ftype, partial.reshape(-1), add)
         else:
-            apply_sync(self.recv(ftype).payload, partial, "f32", add)
+            apply_sync(self.link.recv_bare_blocking(ftype, sync_bytes(partial.size, sync)), partial, sync, add)
 
-    def send_values(self, ftype: FrameType, partial: np.ndarray) -> None:
-        """One all-reduce frame of partial's f32 values (Link.send_values_blocking on a blocking link)."""
-        if self.link.mode == BLOCKING:
+    def send_partial(self, ftype: FrameType, partial: np.ndarray, sync: str) -> None:
+        """One all-reduce frame of partial's values in the sync type."""
+        if sync == "f32" and self.link.mode == BLOCKING:
             self.link.send_values_blocking(ftype, partial)
         else:
-            self.send(ftype, {}, encode_sync(partial, "f32"))
+            self.send_encoded(ftype, encode_sync(partial, sync))
 
-    def recv_sync(self, ftype: FrameType, nbytes: int) -> memoryview:
-        """The payload of one all-reduce frame, nbytes expected (decode_sync checks the size)."""
+    def send_encoded(self, ftype: FrameType, wire: memoryview) -> None:
+        """One all-reduce frame whose payload is encoded already (an empty header, the blocking
+        links' bare frames)."""
         if self.link.mode == BLOCKING:
-            return self.link.recv_bare_blocking(ftype, nbytes)
-        return self.recv(ftype).payload
+            self.link.send_bytes_blocking(ftype, wire)
+        else:
+            self.send(ftype, {}, wire)
 
 
 class RootReduce:
@@ -147,22 +146,19 @@ class RootReduce:
             self._sum(p.out[:, cols])
 
     def _sum(self, partial: np.ndarray) -> None:
+        for w in self.workers:
+            w.recv_partial(FrameType.PARTIAL, partial, self.sync, add=True)
         if self.sync == "f32":
             for w in self.workers:
-                w.recv_values(FrameType.PARTIAL, partial, add=True)
-            for w in self.workers:
-                w.send_values(FrameType.REDUCED, partial)
+                w.send_partial(FrameType.REDUCED, partial, self.sync)
             return
-        nbytes = sync_bytes(partial.size, self.sync)
-        for w in self.workers:
-            apply_sync(w.recv_sync(FrameType.PARTIAL, nbytes), partial, self.sync, add=True)
         if partial.flags.c_contiguous:  # quantized, and replaced by exactly what the workers will apply
             wire = memoryview(quant.quantize_q8_0(partial.reshape(-1), back=True)).cast("B")
         else:
             wire = encode_sync(partial, self.sync)
             partial[...] = quant.dequantize_q8_0(wire, partial.size).reshape(partial.shape)
         for w in self.workers:
-            w.send_sync(FrameType.REDUCED, wire)
+            w.send_encoded(FrameType.REDUCED, wire)
 
 
 class WorkerReduce:
@@ -173,30 +169,17 @@ class WorkerReduce:
         self.sync = sync
 
     def __call__(self, partial: np.ndarray) -> None:
-        if self.sync == "f32":
-            self.root.send_values(FrameType.PARTIAL, partial)
-            self.root.recv_values(FrameType.REDUCED, partial, add=False)
-            return
-        self.root.send_sync(FrameType.PARTIAL, encode_sync(partial, self.sync))
-        reduced = self.root.recv_sync(FrameType.REDUCED, sync_bytes(partial.size, self.sync))
-        apply_sync(reduced, partial, self.sync, add=False)
+        self.root.send_partial(FrameType.PARTIAL, partial, self.sync)
+        self.root.recv_partial(FrameType.REDUCED, partial, self.sync, add=False)
 
     def pieces(self, p: Pieces) -> None:
         """Send each piece as soon as it is computed (a few KB: the socket takes it at once, and the
         root reads it while we compute the next), then take the totals."""
         for k, cols in enumerate(_columns(p)):
             p.fill(k)
-            if self.sync == "f32":
-                self.root.send_values(FrameType.PARTIAL, p.out[:, cols])
-            else:
-                self.root.send_sync(FrameType.PARTIAL, encode_sync(p.out[:, cols], self.sync))
+            self.root.send_partial(FrameType.PARTIAL, p.out[:, cols], self.sync)
         for cols in _columns(p):
-            piece = p.out[:, cols]
-            if self.sync == "f32":
-                self.root.recv_values(FrameType.REDUCED, piece, add=False)
-            else:
-                reduced = self.root.recv_sync(FrameType.REDUCED, sync_bytes(piece.size, self.sync))
-                apply_sync(reduced, piece, self.sync, add=False)
+            self.root.recv_partial(FrameType.REDUCED, p.out[:, cols], self.sync, add=False)
 
 
 def _columns(p: Pieces) -> list[slice]:

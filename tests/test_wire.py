@@ -169,7 +169,13 @@ def _interrupted(run, then):
     then() on another thread after 0.4 s; run()'s result and the signals handled meanwhile."""
     seen = []
     old = signal.signal(signal.SIGALRM, lambda *_: seen.append(1))
-    helper = threading.Timer(0.4, then)
+
+    def later():
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})  # the signals are for the blocked call
+        time.sleep(0.4)
+        then()
+
+    helper = threading.Thread(target=later)
     try:
         signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
         helper.start()

@@ -27,6 +27,7 @@ if str(ROOT) not in sys.path:
 from edgetp import store  # noqa: E402
 from edgetp.model import gguf  # noqa: E402
 from edgetp.model.tokenizer import Tokenizer  # noqa: E402
+from tools import bench_local  # noqa: E402  (cpu_line: the CPU and flags a table is measured on)
 
 LINE = "Once upon a time, in 1987, Ünal met 李雷 at café №9 — they said “don't panic!” 🙂\n"
 MODELS = {"stories": ROOT.parent / "shared" / "models" / "stories260K.gguf", "smollm2": "smollm2"}
@@ -49,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import llama_cpp  # noqa: PLC0415  (the reference; installed by make)
 
+    print(f"Prompt encoding on {bench_local.cpu_line()}, 1 thread, best of {args.reps}; llama-cpp-python "
+          f"{llama_cpp.__version__}\n")
     print(f"| model | characters | edgetp ms | llama.cpp ms | ratio | same ids |\n|---|---:|---:|---:|---:|---|")
     for name in args.models.split(","):
         path = store.resolve(MODELS.get(name, name))

@@ -17,9 +17,9 @@ value gets the same additions in the same order as whole, and Q8_0 blocks are
 the same blocks (pieces are cut at multiples of 32): the same bits.
 
 Calls come from the compute thread. On a link in blocking mode they use the
-socket directly (f32 frames on a plain link: received and added, or built and
-sent, in one compiled call, net/wire.py); in asyncio mode they hop through the
-event loop.
+socket directly (on a plain link each frame is received and its values
+applied, or built and sent, in one compiled call: net/wire.py); in asyncio mode
+they hop through the event loop.
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-
 import edgetp.model  # noqa: F401  numba's cache folder for this source (jitcache), inherited by every child
 
 REPO = Path(__file__).resolve().parent.parent

@@ -50,42 +50,49 @@ def read_all(sock: socket.socket, n: int) -> bytes:
     return bytes(got)
 
 
-def test_the_bytes_sent_are_the_general_encoders_for_whole_arrays_and_column_slices():
-    a, b = tcp_pair()
-    link = blocking(a, "peer")
-    try:
-        x = np.random.default_rng(0).standard_normal((3, 40)).astype(np.float32)
-        for src in (x, x[:, 8:24], x[1:2]):
-            link.send_values_blocking(FrameType.PARTIAL, src)
-            want = frame_bytes(FrameType.PARTIAL, src)
-            assert read_all(b, len(want)) == want
-        assert link.counters.sent == sum(len(frame_bytes(FrameType.PARTIAL, s)) for s in (x, x[:, 8:24], x[1:2]))
-    finally:
+@pytest.fixture
+def peer():
+    """make(timeout=10) -> a plain blocking Link named "worker" and the bare socket at its other end;
+    every pair made is closed after the test."""
+    made: list[tuple[Link, socket.socket]] = []
+
+    def make(timeout: float = 10.0) -> tuple[Link, socket.socket]:
+        a, b = tcp_pair()
+        made.append((blocking(a, "worker", timeout), b))
+        return made[-1]
+
+    yield make
+    for link, b in made:
         link.close()
         b.close()
 
 
-def test_values_from_the_general_encoder_are_added_or_written_exactly_and_nothing_else_moves():
-    a, b = tcp_pair()
-    link = blocking(a, "peer")
-    try:
-        rng = np.random.default_rng(1)
-        dst = rng.standard_normal((2, 64)).astype(np.float32)
-        before = dst.copy()
-        part = rng.standard_normal((2, 16)).astype(np.float32)
-        send_frame(b, FrameType.PARTIAL, {}, raw(part))
-        link.recv_values_blocking(FrameType.PARTIAL, dst[:, 16:32], add=True)
-        want = before.copy()
-        want[:, 16:32] += part  # numpy's f32 add: the bits every node must get
-        np.testing.assert_array_equal(dst.view(np.uint32), want.view(np.uint32))
-        send_frame(b, FrameType.REDUCED, {}, raw(part[:1]))
-        link.recv_values_blocking(FrameType.REDUCED, dst[1:2, :16], add=False)
-        want[1, :16] = part[0]
-        np.testing.assert_array_equal(dst.view(np.uint32), want.view(np.uint32))
-        assert link.counters.received == len(frame_bytes(FrameType.PARTIAL, part)) + len(frame_bytes(FrameType.REDUCED, part[:1]))
-    finally:
-        link.close()
-        b.close()
+def test_the_bytes_sent_are_the_general_encoders_for_whole_arrays_and_column_slices(peer):
+    link, b = peer()
+    x = np.random.default_rng(0).standard_normal((3, 40)).astype(np.float32)
+    for src in (x, x[:, 8:24], x[1:2]):
+        link.send_values_blocking(FrameType.PARTIAL, src)
+        want = frame_bytes(FrameType.PARTIAL, src)
+        assert read_all(b, len(want)) == want
+    assert link.counters.sent == sum(len(frame_bytes(FrameType.PARTIAL, s)) for s in (x, x[:, 8:24], x[1:2]))
+
+
+def test_values_from_the_general_encoder_are_added_or_written_exactly_and_nothing_else_moves(peer):
+    link, b = peer()
+    rng = np.random.default_rng(1)
+    dst = rng.standard_normal((2, 64)).astype(np.float32)
+    before = dst.copy()
+    part = rng.standard_normal((2, 16)).astype(np.float32)
+    send_frame(b, FrameType.PARTIAL, {}, raw(part))
+    link.recv_values_blocking(FrameType.PARTIAL, dst[:, 16:32], add=True)
+    want = before.copy()
+    want[:, 16:32] += part  # numpy's f32 add: the bits every node must get
+    np.testing.assert_array_equal(dst.view(np.uint32), want.view(np.uint32))
+    send_frame(b, FrameType.REDUCED, {}, raw(part[:1]))
+    link.recv_values_blocking(FrameType.REDUCED, dst[1:2, :16], add=False)
+    want[1, :16] = part[0]
+    np.testing.assert_array_equal(dst.view(np.uint32), want.view(np.uint32))
+    assert link.counters.received == len(frame_bytes(FrameType.PARTIAL, part)) + len(frame_bytes(FrameType.REDUCED, part[:1]))
 
 
 @pytest.mark.parametrize("sealed", [False, True])
@@ -109,59 +116,40 @@ def test_two_links_exchange_round_after_round_sealed_or_not(sealed):
         worker.close()
 
 
-def test_a_peers_error_in_place_of_the_frame_is_reported_and_the_link_closed():
-    a, b = tcp_pair()
-    link = blocking(a, "worker")
-    try:
-        send_frame(b, FrameType.ERROR, {"message": "boom"})
-        with pytest.raises(LinkClosed, match="link worker: peer reported: boom"):
-            link.recv_values_blocking(FrameType.PARTIAL, np.zeros((1, 8), np.float32), add=True)
-        assert link.closed
-    finally:
-        link.close()
-        b.close()
+def test_a_peers_error_in_place_of_the_frame_is_reported_and_the_link_closed(peer):
+    link, b = peer()
+    send_frame(b, FrameType.ERROR, {"message": "boom"})
+    with pytest.raises(LinkClosed, match="link worker: peer reported: boom"):
+        link.recv_values_blocking(FrameType.PARTIAL, np.zeros((1, 8), np.float32), add=True)
+    assert link.closed
 
 
-def test_a_frame_of_another_size_or_header_is_refused_as_a_protocol_error():
+def test_a_frame_of_another_size_or_header_is_refused_as_a_protocol_error(peer):
     for send, reason in ((lambda s: send_frame(s, FrameType.PARTIAL, {}, raw(np.zeros(4))), "protocol error"),
                          (lambda s: send_frame(s, FrameType.PARTIAL, {"x": 1}, raw(np.zeros(8))), "protocol error"),
                          (lambda s: send_frame(s, FrameType.REDUCED, {}, raw(np.zeros(8))), "expected PARTIAL, got REDUCED")):
-        a, b = tcp_pair()
-        link = blocking(a, "worker")
-        try:
-            send(b)
-            with pytest.raises(LinkClosed, match=reason):
-                link.recv_values_blocking(FrameType.PARTIAL, np.zeros((1, 8), np.float32), add=True)
-        finally:
-            link.close()
-            b.close()
+        link, b = peer()
+        send(b)
+        with pytest.raises(LinkClosed, match=reason):
+            link.recv_values_blocking(FrameType.PARTIAL, np.zeros((1, 8), np.float32), add=True)
 
 
-def test_a_peer_that_closes_before_or_inside_a_frame_is_named_for_each():
+def test_a_peer_that_closes_before_or_inside_a_frame_is_named_for_each(peer):
     whole = frame_bytes(FrameType.PARTIAL, np.zeros((1, 8), np.float32))
     for sent, reason in ((b"", "connection closed by peer"), (whole[:PREFIX.size + 5], "truncated")):
-        a, b = tcp_pair()
-        link = blocking(a, "worker")
-        try:
-            b.sendall(sent)
-            b.close()
-            with pytest.raises(LinkClosed, match=reason):
-                link.recv_values_blocking(FrameType.PARTIAL, np.zeros((1, 8), np.float32), add=True)
-        finally:
-            link.close()
-
-
-def test_a_receive_gives_up_after_the_links_timeout():
-    a, b = tcp_pair()
-    link = blocking(a, "worker", timeout=1.0)
-    try:
-        t0 = time.monotonic()
-        with pytest.raises(LinkClosed, match="link worker: no frame within 1 s"):
-            link.recv_values_blocking(FrameType.PARTIAL, np.zeros((1, 8), np.float32), add=True)
-        assert 0.9 <= time.monotonic() - t0 < 5
-    finally:
-        link.close()
+        link, b = peer()
+        b.sendall(sent)
         b.close()
+        with pytest.raises(LinkClosed, match=reason):
+            link.recv_values_blocking(FrameType.PARTIAL, np.zeros((1, 8), np.float32), add=True)
+
+
+def test_a_receive_gives_up_after_the_links_timeout(peer):
+    link, b = peer(1.0)
+    t0 = time.monotonic()
+    with pytest.raises(LinkClosed, match="link worker: no frame within 1 s"):
+        link.recv_values_blocking(FrameType.PARTIAL, np.zeros((1, 8), np.float32), add=True)
+    assert 0.9 <= time.monotonic() - t0 < 5
 
 
 def _interrupted(run, then):
@@ -187,67 +175,52 @@ def _interrupted(run, then):
     return result, len(seen)
 
 
-def test_signals_while_blocked_in_a_receive_run_their_handlers_and_the_frame_still_arrives():
-    a, b = tcp_pair()
-    link = blocking(a, "worker")
-    try:
-        part = np.arange(16, dtype=np.float32).reshape(1, 16)
-        dst = np.ones((1, 16), np.float32)
-        whole = frame_bytes(FrameType.PARTIAL, part)
+def test_signals_while_blocked_in_a_receive_run_their_handlers_and_the_frame_still_arrives(peer):
+    link, b = peer()
+    part = np.arange(16, dtype=np.float32).reshape(1, 16)
+    dst = np.ones((1, 16), np.float32)
+    whole = frame_bytes(FrameType.PARTIAL, part)
 
-        def two_halves():
-            b.sendall(whole[:10])  # the prefix itself comes in two pieces, signals between
-            time.sleep(0.2)
-            b.sendall(whole[10:])
+    def two_halves():
+        b.sendall(whole[:10])  # the prefix itself comes in two pieces, signals between
+        time.sleep(0.2)
+        b.sendall(whole[10:])
 
-        _, handled = _interrupted(lambda: link.recv_values_blocking(FrameType.PARTIAL, dst, add=True), two_halves)
-        np.testing.assert_array_equal(dst, part + 1)
-        assert handled >= 4
-    finally:
-        link.close()
-        b.close()
+    _, handled = _interrupted(lambda: link.recv_values_blocking(FrameType.PARTIAL, dst, add=True), two_halves)
+    np.testing.assert_array_equal(dst, part + 1)
+    assert handled >= 4
 
 
-def test_signals_while_blocked_in_a_send_run_their_handlers_and_every_byte_goes_once():
-    a, b = tcp_pair()
-    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
-    link = blocking(a, "worker")
+def test_signals_while_blocked_in_a_send_run_their_handlers_and_every_byte_goes_once(peer):
+    link, b = peer()
+    link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
     src = np.random.default_rng(2).standard_normal((1, 2_000_000)).astype(np.float32)  # 8 MB: the send blocks
     want = frame_bytes(FrameType.REDUCED, src)
     got: list[bytes] = []
-    try:
-        _, handled = _interrupted(lambda: link.send_values_blocking(FrameType.REDUCED, src),
-                                  lambda: got.append(read_all(b, len(want))))
-        deadline = time.monotonic() + 10
-        while not got and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert got and got[0] == want
-        assert handled >= 4
-    finally:
-        link.close()
-        b.close()
+    _, handled = _interrupted(lambda: link.send_values_blocking(FrameType.REDUCED, src),
+                              lambda: got.append(read_all(b, len(want))))
+    deadline = time.monotonic() + 10
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert got and got[0] == want
+    assert handled >= 4
 
 
-def test_q8_0_frames_decode_as_gguf_py_decodes_the_blocks_and_encoded_bytes_go_as_they_are():
+def test_q8_0_frames_decode_as_gguf_py_decodes_the_blocks_and_encoded_bytes_go_as_they_are(peer):
     import gguf  # noqa: PLC0415  (the reference decoder of GGUF blocks)
     from gguf import GGMLQuantizationType as QT  # noqa: PLC0415
 
-    a, b = tcp_pair()
-    link = blocking(a, "peer")
-    try:
-        x = np.random.default_rng(3).standard_normal(96).astype(np.float32)
-        blocks = gguf.quants.quantize(x.reshape(1, -1), QT.Q8_0).reshape(-1)
-        values = gguf.quants.dequantize(blocks, QT.Q8_0).reshape(-1).astype(np.float32)
-        dst = np.ones(96, np.float32)
-        send_frame(b, FrameType.REDUCED, {}, blocks.tobytes())
-        link.recv_q8_blocking(FrameType.REDUCED, dst, add=True)
-        np.testing.assert_array_equal(dst.view(np.uint32), (values + np.float32(1)).view(np.uint32))
-        send_frame(b, FrameType.REDUCED, {}, blocks.tobytes())
-        link.recv_q8_blocking(FrameType.REDUCED, dst, add=False)
-        np.testing.assert_array_equal(dst.view(np.uint32), values.view(np.uint32))
-        link.send_bytes_blocking(FrameType.PARTIAL, memoryview(blocks).cast("B"))
-        want = b"".join(bytes(p) for p in encode_frame(FrameType.PARTIAL, {}, blocks.tobytes()))
-        assert read_all(b, len(want)) == want
-    finally:
-        link.close()
-        b.close()
+    link, b = peer()
+    x = np.random.default_rng(3).standard_normal(96).astype(np.float32)
+    blocks = gguf.quants.quantize(x.reshape(1, -1), QT.Q8_0).reshape(-1)
+    values = gguf.quants.dequantize(blocks, QT.Q8_0).reshape(-1).astype(np.float32)
+    dst = np.ones(96, np.float32)
+    send_frame(b, FrameType.REDUCED, {}, blocks.tobytes())
+    link.recv_q8_blocking(FrameType.REDUCED, dst, add=True)
+    np.testing.assert_array_equal(dst.view(np.uint32), (values + np.float32(1)).view(np.uint32))
+    send_frame(b, FrameType.REDUCED, {}, blocks.tobytes())
+    link.recv_q8_blocking(FrameType.REDUCED, dst, add=False)
+    np.testing.assert_array_equal(dst.view(np.uint32), values.view(np.uint32))
+    link.send_bytes_blocking(FrameType.PARTIAL, memoryview(blocks).cast("B"))
+    want = b"".join(bytes(p) for p in encode_frame(FrameType.PARTIAL, {}, blocks.tobytes()))
+    assert read_all(b, len(want)) == want

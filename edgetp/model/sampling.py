@@ -152,9 +152,9 @@ class Sampler:
     def pick(self, c: Candidates) -> int:
         # A NaN logit reaches here from any shard: np.argmax takes the first NaN as the best token, and
         # top_k's first k keep one; a NaN anywhere makes the shard's log-sum-exp NaN.
-        nan = np.isnan(c.logits)
-        if nan.any() or np.isnan(c.lse):
-            where = f" (token {int(c.ids[np.flatnonzero(nan)[0]])})" if nan.any() else ""
+        nan = np.flatnonzero(np.isnan(c.logits))
+        if nan.size or np.isnan(c.lse):
+            where = f" (token {int(c.ids[nan[0]])})" if nan.size else ""
             raise ValueError(f"the model's logits hold NaN{where}: its weights are corrupt or do not hold what "
                              "their type says")
         p = self.params

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
 import os
 import socket
@@ -502,6 +503,7 @@ class Link:
 _SEALED = object()  # Link._wire's mark: this kind of frame goes through frames.py (Python)
 
 
+@functools.cache
 def _wire():
     """net/wire.py, imported at the first use: it compiles with numba, which a link without a
     generation (a CLI call, discovery) need not load."""
@@ -510,6 +512,7 @@ def _wire():
     return wire
 
 
+@functools.cache
 def _quant():
     """edgetp.model.quant (Q8_0's codec), imported at the first use, as net/wire.py is."""
     from edgetp.model import quant  # noqa: PLC0415

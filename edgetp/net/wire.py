@@ -29,21 +29,14 @@ from numba.extending import intrinsic
 
 import edgetp.model  # noqa: F401  numba's cache folder (jitcache) before the decorators below
 from edgetp.model.kernels import q8_0_values
+from edgetp.model.vnni import _I32, _I64, _decl
 
 OK, CLOSED, NOT_OURS, BAD_HEADER = 0, 1, 2, 3
 HEAD = 17  # a bare frame's 16-byte prefix and its empty header
 EMPTY_MAP = 0x80  # msgpack's {}: the one-byte header of every bare frame
 MSG_NOSIGNAL = 0x4000  # Linux's: libc's recv, send and __errno_location by those names (link.wire_available)
 
-_I32, _I64 = ir.IntType(32), ir.IntType(64)
 _PTR = ir.IntType(8).as_pointer()
-
-
-def _extern(module: ir.Module, name: str, ret: ir.Type, args: list[ir.Type]) -> ir.Function:
-    try:
-        return module.get_global(name)
-    except KeyError:
-        return ir.Function(module, ir.FunctionType(ret, args), name=name)
 
 
 def _syscall(name: str, flags: int):
@@ -53,9 +46,9 @@ def _syscall(name: str, flags: int):
     def call(typingctx, fd, addr, n):
         def codegen(context, builder, signature, args):
             f, a, k = args
-            fn = _extern(builder.module, name, _I64, [_I32, _PTR, _I64, _I32])
+            fn = _decl(builder.module, name, _I64, [_I32, _PTR, _I64, _I32])
             got = builder.call(fn, [builder.trunc(f, _I32), builder.inttoptr(a, _PTR), k, ir.Constant(_I32, flags)])
-            where = builder.call(_extern(builder.module, "__errno_location", _I32.as_pointer(), []), [])
+            where = builder.call(_decl(builder.module, "__errno_location", _I32.as_pointer(), []), [])
             err = builder.sext(builder.neg(builder.load(where)), _I64)
             return builder.select(builder.icmp_signed("<", got, ir.Constant(_I64, 0)), err, got)
 

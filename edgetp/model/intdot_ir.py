@@ -182,10 +182,12 @@ def in_place(layout: Layout) -> tuple[int, ...] | None:
 class Emit:
     """Emits one layout's block arithmetic for one ISA into a builder."""
 
-    def __init__(self, b: ir.IRBuilder, layout: Layout, name: str, tab):
+    def __init__(self, b: ir.IRBuilder, layout: Layout, name: str, tab, shifted: bool = True):
         self.b, self.layout, self.tab = b, layout, tab
         self.dot, self.lookup, self.fpext, wide, self.permute, self.pairs, self.rows512 = ISA_OPS[name]
-        self.shifts = in_place(layout) if wide else None  # see in_place: quad32/quads256 codes only
+        # see in_place: quad32/quads256 codes only; shifted=False unpacks every code (a kernel that
+        # reuses a quad's codes for several tokens saves the shift back of each product instead)
+        self.shifts = in_place(layout) if wide and shifted else None
 
     def f16(self, base, off):
         b = self.b
@@ -608,7 +610,7 @@ def emit_rows_tokens(b: ir.IRBuilder, layout: Layout, name: str, rows, x, ntok, 
     accumulators living in acc rather than registers (their count is not known here). The
     codes are transposed `by_unit` once per row, so that each token's unit integers come from
     four chained dot products alone, without emit_rows's gathering of lanes (_units)."""
-    em = Emit(b, layout, name, tab)
+    em = Emit(b, layout, name, tab, shifted=False)
     R = len(rows)
 
     def acc_at(t, r, ty=_V8F):  # row r's 8 f32 of token t; ty _V16F: rows r and r + 1's

@@ -52,7 +52,7 @@ import numpy as np  # noqa: E402
 from numba import get_num_threads, njit, prange, types  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-from edgetp.model.intdot_ir import emit_rows, emit_rows_tokens  # noqa: E402
+from edgetp.model.intdot_ir import emit_rows, emit_rows_tokens, seed_bias  # noqa: E402
 from edgetp.model.intdot_layouts import LAYOUTS, decode  # noqa: E402
 from edgetp.model.kernels import SPREAD, claim, f16_table, partners, spans  # noqa: E402
 from edgetp.model.vnni import q8_halves  # noqa: E402
@@ -264,20 +264,34 @@ def _by_quad(a, ntok, nq, out):
             out[(q * ntok + t) * m : (q * ntok + t + 1) * m] = a[t, q * m : (q + 1) * m]
 
 
+@njit(**_OPTS)
+def _by_quad_seed(sq, ntok, nq, shift, out):
+    """_by_quad for sq, each S written as -(S << shift): a unit's integer before its products
+    (-bias * S, bias = 2^shift), once per token rather than once per token and row pair."""
+    m = sq.shape[1] // nq
+    for q in range(nq):
+        for t in range(ntok):
+            for i in range(m):
+                out[(q * ntok + t) * m + i] = -(sq[t, q * m + i] << shift)
+
+
 @functools.cache
 def _kernel_tokens(kind: int, which: str):
     """_kernel for several tokens: each weight's rows read once for all of them, each
     (row, token) result the single-token kernel's bits (emit_rows_tokens)."""
+    bias = seed_bias(LAYOUTS[kind], which)
+    shift = bias.bit_length() - 1  # a power of two (emit_rows_tokens: seeded)
 
     @njit(parallel=True, **_OPTS)
     def matvec_tokens(ws, xq, dq, sq, xs, xi, di, si, zi, ntok, tab, nb, out, serial, workers):
         # as matvec_rows, for tokens 0..ntok-1: xq/dq/sq/xs (>= ntok, ...) Rounded.rows, C-contiguous,
-        # copied by quad into xi/di/si/zi (flat, as large); out (>= ntok, sum of rows) f32. A
-        # job's results go to out row by row after its call.
+        # copied by quad into xi/di/si/zi (flat, as large; si as each unit's seed); out (>= ntok, sum
+        # of rows) f32. A job's results go to out row by row after its call.
         nq = xq.shape[1] // 128
         _by_quad_units(xq, ntok, nq, xi)
         _by_quad(dq, ntok, nq, di)
-        _by_quad(sq, ntok, nq, si)
+        if bias:
+            _by_quad_seed(sq, ntok, nq, shift, si)
         _by_quad(xs, ntok, nq, zi)
         xa, da, sa, za, ta = xi.ctypes.data, di.ctypes.data, si.ctypes.data, zi.ctypes.data, tab.ctypes.data
         total = _jobs(ws)

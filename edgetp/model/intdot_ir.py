@@ -188,6 +188,11 @@ class Emit:
         # see in_place: quad32/quads256 codes only; shifted=False unpacks every code (a kernel that
         # reuses a quad's codes for several tokens saves the shift back of each product instead)
         self.shifts = in_place(layout) if wide and shifted else None
+        # the several-token kernels (shifted=False) on a dot product of u8 to 255 take signed codes
+        # (Q8_0, IQ4) as u = code + 128, the token's seed -128 * S taking the 128 off (seed_bias):
+        # no sign moved onto each token's xq
+        self.unsign = not shifted and wide and (layout.signed or layout.table is not None)
+        self.signed = (layout.signed or layout.table is not None) and not self.unsign
 
     def f16(self, base, off):
         b = self.b
@@ -196,31 +201,43 @@ class Emit:
             return b.fpext(b.bitcast(h, ir.HalfType()), _F32)
         return _load(b, self.tab, b.mul(b.zext(h, _I64), ir.Constant(_I64, 4)), _F32, align=4)
 
-    def codes(self, base, fields: tuple[Field, ...], shifted=False):
-        """<32 x i8> unsigned codes u of a chunk; shifted: u * 2^k where they lie (see in_place)."""
-        b, u = self.b, None
+    def codes(self, base, fields: tuple[Field, ...], shifted=False, other=None):
+        """<32 x i8> unsigned codes u of a chunk; shifted: u * 2^k where they lie (see in_place).
+        other: the same chunk of a second row, whose codes follow in one <64 x i8> (each step
+        on both rows' bytes at once; the same bytes as two calls)."""
+        b, u, k = self.b, None, 1 if other is None else 2
+        w = 32 * k
+
+        def splat(v):
+            return _vec(_I8, [v] * w)
+
         for f in fields:
             n = next(n for n in (4, 16, 32) if max(f.idx) < n)
             raw = _load(b, base, f.off, ir.VectorType(_I8, n))
-            g = raw if n == 32 and f.idx == tuple(range(32)) else b.shuffle_vector(raw, raw, _vec(_I32, f.idx))
+            idx, shift = f.idx, f.shift * k
+            if other is not None:
+                raw = b.shuffle_vector(raw, _load(b, other, f.off, ir.VectorType(_I8, n)), _vec(_I32, range(2 * n)))
+                idx = f.idx + tuple(i + n for i in f.idx)
+            g = raw if n == 32 and f.idx == tuple(range(32)) else b.shuffle_vector(raw, raw, _vec(_I32, idx))
             if shifted:
-                v = b.and_(g, _vec(_I8, [f.mask << k for k in f.shift]))
+                v = b.and_(g, _vec(_I8, [f.mask << s for s in shift]))
             elif f.mask == 1:  # one bit: test it in place
-                bit = b.and_(g, _vec(_I8, [1 << s for s in f.shift]))
-                v = b.select(b.icmp_unsigned("!=", bit, _splat8(0)), _splat8(1 << f.pos), _splat8(0))
+                bit = b.and_(g, _vec(_I8, [1 << s for s in shift]))
+                v = b.select(b.icmp_unsigned("!=", bit, splat(0)), splat(1 << f.pos), splat(0))
             elif len(set(f.shift)) > 1 and all(len(set(f.shift[i : i + 4])) == 1 for i in range(0, 32, 4)) \
                     and f.mask < 1 << (8 - max(f.shift)):  # a shift per 4 bytes (nibble halves): one i32 shift,
-                sh = _vec(_I32, f.shift[::4])  # the bits it pulls from a neighbour byte are masked off
-                v = b.and_(b.bitcast(b.lshr(b.bitcast(g, _V8I32), sh), _V32I8), _splat8(f.mask))
-                v = b.shl(v, _splat8(f.pos)) if f.pos else v
+                sh = _vec(_I32, shift[::4])  # the bits it pulls from a neighbour byte are masked off
+                v32 = ir.VectorType(_I32, 8 * k)
+                v = b.and_(b.bitcast(b.lshr(b.bitcast(g, v32), sh), ir.VectorType(_I8, w)), splat(f.mask))
+                v = b.shl(v, splat(f.pos)) if f.pos else v
             else:
-                part = {s: (b.lshr(g, _splat8(s)) if s else g) for s in sorted(set(f.shift))}
-                part = {s: (b.and_(p, _splat8(f.mask)) if f.mask != 255 else p) for s, p in part.items()}
+                part = {s: (b.lshr(g, splat(s)) if s else g) for s in sorted(set(f.shift))}
+                part = {s: (b.and_(p, splat(f.mask)) if f.mask != 255 else p) for s, p in part.items()}
                 v = part[f.shift[0]]
                 if len(part) == 2:  # two shifts (nibble pairs): take each value from its own
                     lo = f.shift[0]
-                    v = b.shuffle_vector(part[lo], part[max(part)], _vec(_I32, [j if f.shift[j] == lo else 32 + j for j in range(32)]))
-                v = b.shl(v, _splat8(f.pos)) if f.pos else v
+                    v = b.shuffle_vector(part[lo], part[max(part)], _vec(_I32, [j if shift[j] == lo else w + j for j in range(w)]))
+                v = b.shl(v, splat(f.pos)) if f.pos else v
             u = v if u is None else b.or_(u, v)
         return u
 
@@ -271,38 +288,74 @@ class Emit:
             return ws, None
         return ws, b.fneg(b.fmul(splat(self.f16(base, s0.m)), ints_f32(ints, range(n, 2 * n), 0)))
 
-    def chunk(self, base, ch, shifted=False):
+    def chunk(self, base, ch, shifted=False, other=None):
         """<32 x i8> integer codes of a chunk as `dot` takes them: u (a bias removed later), int8 or
-        a table's values; shifted: u * 2^k where they lie (in_place's layouts)."""
-        u = self.codes(base, ch.code, shifted)
-        return self.lookup(self.b, self.layout.table, u) if self.layout.table is not None else u
+        a table's values; shifted: u * 2^k where they lie (in_place's layouts); other: a second
+        row's chunk too, in one <64 x i8> (codes)."""
+        b, table = self.b, self.layout.table
+        u = self.codes(base, ch.code, shifted, other)
+        if table is not None and self.unsign:
+            table = [(t + 128) - 256 * (t >= 0) for t in table]  # code + 128, as a byte (i8 constants)
+        elif self.unsign:  # int8 codes: code + 128 is the byte with its top bit flipped
+            return b.xor(u, _vec(_I8, [-128] * u.type.count))
+        if table is None:
+            return u
+        if other is None:
+            return self.lookup(b, table, u)
+        assert self.rows512, "two rows' codes at once: AVX-512 only"
+        fn = _decl(b.module, "llvm.x86.avx512.pshuf.b.512", _V64I8, [_V64I8] * 2)  # per 128 bits, as vpshufb
+        return b.call(fn, [_vec(_I8, list(table) * 4), u])
 
-    def quad32(self, row, q, valid=None):
+    def quad32(self, row, q, valid=None, other=None):
         """A 32-value layout's quad q (blocks 4q..4q+3) of one row: (4 chunks' codes, ws and wm
         <8 x f32> in lane order, wm None without offsets). valid: None, or 4 i1 saying which blocks
-        exist (the row's last quad): the others read block 4q and give codes and scales of 0."""
+        exist (the row's last quad): the others read block 4q and give codes and scales of 0.
+        other: a second row, unpacked alongside: (4 <64 x i8>, <16 x f32>, <16 x f32> or None),
+        each the first row's then the second's, as `pair` would join them."""
         b, L = self.b, self.layout
         ch = L.chunks[0]
         assert not ch.lo.sc and not ch.lo.mn, "a 32-value layout's scales are plain f16 fields"
-        first = b.add(row, b.mul(b.mul(q, ir.Constant(_I64, 4)), ir.Constant(_I64, L.nbytes)))
-        whole = valid is None and self.permute  # a whole quad: each scale field's four f16 at once (words)
-        us, d, m = [], [], []
+        step = b.mul(b.mul(q, ir.Constant(_I64, 4)), ir.Constant(_I64, L.nbytes))
+        firsts = [b.add(r, step) for r in (row, other) if r is not None]
+
+        def block(first, i):
+            base = b.add(first, ir.Constant(_I64, i * L.nbytes)) if i else first
+            return b.select(valid[i], base, first) if valid is not None and i else base
+
+        us = []
+        for i in range(4):
+            bases = [block(f, i) for f in firsts]
+            u = self.chunk(bases[0], ch, self.shifts is not None, bases[1] if other is not None else None)
+            if valid is not None and i:
+                u = b.select(valid[i], u, ir.Constant(u.type, None))
+            us.append(u)
+        scales = [self._scales32(f, valid) for f in firsts]
+        if other is None:
+            return (us, *scales[0])
+        (wsa, wma), (wsb, wmb) = scales
+        return us, _cat(b, wsa, wsb), (_cat(b, wma, wmb) if wma is not None else None)
+
+    def _scales32(self, first, valid):
+        """quad32's (ws, wm) of the row whose quad starts at `first`."""
+        b, L = self.b, self.layout
+        ch = L.chunks[0]
+        if valid is None and self.permute:  # a whole quad: each scale field's four f16 at once (words)
+            return self.words(first, ch.lo.d), (self.words(first, ch.lo.m) if L.offset else None)
+        d, m = [], []
         for i in range(4):
             base = b.add(first, ir.Constant(_I64, i * L.nbytes)) if i else first
             if valid is not None and i:
                 base = b.select(valid[i], base, first)
-            u = self.chunk(base, ch, self.shifts is not None)
-            if valid is not None and i:
-                u = b.select(valid[i], u, ir.Constant(_V32I8, None))
-            us.append(u)
-            if whole:
-                continue
             for off, into in ((ch.lo.d, d), *(((ch.lo.m, m),) if L.offset else ())):
                 h = _load(b, base, off, _I16)
                 into.append(b.select(valid[i], h, ir.Constant(_I16, 0)) if valid is not None and i else h)  # f16 +0 is 0
-        if whole:
-            return us, self.words(first, ch.lo.d), (self.words(first, ch.lo.m) if L.offset else None)
-        return us, self.halves(d), (self.halves(m) if L.offset else None)
+        return self.halves(d), (self.halves(m) if L.offset else None)
+
+    def pair(self, wa, wb):
+        """Two rows' quads (codes, ws, wm) as one: each chunk's codes <64 x i8>, the scales <16 x f32>."""
+        b = self.b
+        (ua, wsa, wma), (ub, wsb, wmb) = wa, wb
+        return [_cat(b, x, y) for x, y in zip(ua, ub)], _cat(b, wsa, wsb), (_cat(b, wma, wmb) if wma is not None else None)
 
     def words(self, first, off):
         """The f16 at `off` of a quad's 4 blocks from `first` (its whole 4 * nbytes are there) as
@@ -352,15 +405,18 @@ class Emit:
         return ([self.chunk(base, ch, self.shifts is not None) for ch in chunks], b.shuffle_vector(ws, ws, sel),
                 b.shuffle_vector(wm, wm, sel) if wm is not None else None)
 
-    def token(self, x, at):
+    def token(self, x, at, seeded=False):
         """One token's quad at quad index `at` of its (xq, dq, sq, xs) addresses: (4 chunks of xq,
-        dq, the bias correction bias * sq or None, xs or None)."""
+        dq, the bias correction bias * sq or None, xs or None). seeded: sq holds -bias * S already
+        (intdot._by_quad_seed), returned in the correction's place."""
         b, L = self.b, self.layout
         xq, dq, sq, xs = x
         xvs = [_load(b, xq, b.add(b.mul(at, ir.Constant(_I64, 128)), ir.Constant(_I64, 32 * i)), _V32I8) for i in range(4)]
         off = b.mul(at, ir.Constant(_I64, 32))
         corr = None
-        if L.bias:
+        if seeded and seed_bias(L, self):
+            corr = _load(b, sq, off, _V8I32, 4)
+        elif L.bias and not seeded:
             corr = b.shl(_load(b, sq, off, _V8I32, 4), _vec(_I32, [L.bias.bit_length() - 1] * 8))
         return xvs, _load(b, dq, off, _V8F, 4), corr, (_load(b, xs, off, _V8F, 4) if L.offset else None)
 
@@ -374,13 +430,12 @@ class Emit:
 
     def quad_by_unit(self, acc, w, tok):
         """quad with the codes and the token's xq both `by_unit`: the four dot products add into one
-        vector whose lane l is unit l's integer at once (no lanes to gather), starting from -bias * S."""
+        vector whose lane l is unit l's integer at once (no lanes to gather), starting from the
+        token's seed -bias * S (token(seeded=True)). Codes unshifted (Emit(shifted=False))."""
         b, L = self.b, self.layout
-        (us, ws, wm), (xvs, dq, corr, xs) = w, tok
-        signed = L.signed or L.table is not None
-        if corr is not None and self.shifts:  # seeded at -bias * S * 2^k, shifted back after the dots
-            corr = b.shl(corr, _vec(_I32, self.shifts))
-        units = b.sub(ir.Constant(_V8I32, None), corr) if corr is not None else None
+        (us, ws, wm), (xvs, dq, units, xs) = w, tok
+        assert not self.shifts, "the several-token kernels unpack every code (Emit(shifted=False))"
+        signed = self.signed
         if self.pairs:  # widened once per `group` dots (AVX2's vpmaddwd), their pairs summed in i16
             pair, widen = self.pairs
             group = 32767 // (2 * L.umax * 127)  # 8 for 4-bit codes, 4 for 5-bit, 2 for 6, 1 signed
@@ -393,32 +448,27 @@ class Emit:
         else:
             for u, xv in zip(us, xvs):
                 units = self.dot(b, u, xv, signed, units)
-        return self._scaled(acc, self._unshift(units), ws, wm, dq, xs)
+        return self._scaled(acc, units, ws, wm, dq, xs)
 
-    def quad_by_unit_rows2(self, acc, wa, wb, tok):
-        """quad_by_unit of two rows at once, in 512-bit vectors: lanes 0-7 row wa's, 8-15 row wb's
-        (acc <16 x f32>). Every operation is lane by lane and the same as quad_by_unit's on each
-        half (vpdpbusd's integers, then the f32 products and sums in the same order), so each half
-        has quad_by_unit's bits; the dot products and f32 steps are half as many instructions."""
+    def quad_by_unit_rows2(self, acc, w2, tok):
+        """quad_by_unit of two rows at once, in 512-bit vectors: w2 = two rows' quads joined (`pair`,
+        quad32(other=)), codes `by_unit`; lanes 0-7 the first row's, 8-15 the second's (acc
+        <16 x f32>). Every operation is lane by lane and the same as quad_by_unit's on each half
+        (vpdpbusd's integers, then the f32 products and sums in the same order), so each half has
+        quad_by_unit's bits; the dot products and f32 steps are half as many instructions."""
         b, L = self.b, self.layout
-        (ua, wsa, wma), (ub, wsb, wmb) = wa, wb
-        xvs, dq, corr, xs = tok
-
-        def cat(p, q):
-            return b.shuffle_vector(p, q, _vec(_I32, range(2 * p.type.count)))
+        us, ws, wm = w2
+        xvs, dq, seed, xs = tok
 
         def twice(v):
             return b.shuffle_vector(v, v, _vec(_I32, list(range(v.type.count)) * 2))
 
-        if corr is not None and self.shifts:
-            corr = b.shl(corr, _vec(_I32, self.shifts))
-        units = b.sub(ir.Constant(_V16I32, None), twice(corr)) if corr is not None else None
-        for u, xv in zip(map(cat, ua, ub), map(twice, xvs)):
-            units = _dot_vnni512(b, u, xv, L.signed or L.table is not None, units)
-        if self.shifts:
-            units = b.ashr(units, _vec(_I32, self.shifts * 2))
-        acc = b.fadd(acc, b.fmul(b.fmul(cat(wsa, wsb), twice(dq)), b.sitofp(units, _V16F)))
-        return b.fadd(acc, b.fmul(cat(wma, wmb), twice(xs))) if wma is not None else acc
+        assert not self.shifts, "the several-token kernels unpack every code (Emit(shifted=False))"
+        units = twice(seed) if seed is not None else None
+        for u, xv in zip(us, map(twice, xvs)):
+            units = _dot_vnni512(b, u, xv, self.signed, units)
+        acc = b.fadd(acc, b.fmul(b.fmul(ws, twice(dq)), b.sitofp(units, _V16F)))
+        return b.fadd(acc, b.fmul(wm, twice(xs))) if wm is not None else acc
 
     def _unshift(self, units):
         """A quad's unit integers from codes multiplied in place (in_place): each shifted right by
@@ -432,19 +482,39 @@ class Emit:
         return b.fadd(acc, b.fmul(wm, xs)) if wm is not None else acc
 
 
+def seed_bias(layout: Layout, em: "Emit | str") -> int:
+    """The bias the several-token kernels' seed takes off each unit (-bias * S; intdot._by_quad_seed):
+    the layout's own (u = code + bias), 128 where Emit takes signed codes as code + 128, else 0.
+    em: an Emit(shifted=False), or an ISA's name."""
+    unsign = em.unsign if isinstance(em, Emit) else ISA_OPS[em].wide_u8 and (layout.signed or layout.table is not None)
+    return 128 if unsign else layout.bias
+
+
 def by_unit(b, us):
     """A quad's 4 chunks (<32 x i8>, chunk c's values in order: its first 16 in lanes 0-3 of 4
     bytes, its last 16 in lanes 4-7) -> 4 vectors v_j whose lane l holds bytes 4j..4j+3 of unit l
     (chunk l % 4, half l // 4: the quad's lane order). A 4 x 4 transpose of i32 lanes within each
-    128-bit half (vpunpck*dq, vpunpck*qdq; zip on NEON). intdot._by_quad_units orders a token's xq alike."""
-    v = [b.bitcast(u, _V8I32) for u in us]
-    lo32, hi32 = _vec(_I32, [0, 8, 1, 9, 4, 12, 5, 13]), _vec(_I32, [2, 10, 3, 11, 6, 14, 7, 15])
-    lo64, hi64 = _vec(_I32, [0, 1, 8, 9, 4, 5, 12, 13]), _vec(_I32, [2, 3, 10, 11, 6, 7, 14, 15])
+    128-bit half (vpunpck*dq, vpunpck*qdq; zip on NEON). intdot._by_quad_units orders a token's xq alike.
+    Two rows' chunks joined (<64 x i8>, `Emit.pair`) transpose alike, each row in its own 256 bits."""
+    n = us[0].type.count // 4  # i32 lanes: 8, or 16 for two rows
+    vi = ir.VectorType(_I32, n)
+    v = [b.bitcast(u, vi) for u in us]
+
+    def pattern(*offs):  # within each 128-bit group g of i32 lanes 4g..4g+3
+        return _vec(_I32, [o + 4 * g for g in range(n // 4) for o in offs])
+
+    lo32, hi32 = pattern(0, n, 1, n + 1), pattern(2, n + 2, 3, n + 3)
+    lo64, hi64 = pattern(0, 1, n, n + 1), pattern(2, 3, n + 2, n + 3)
     t0, t1 = b.shuffle_vector(v[0], v[1], lo32), b.shuffle_vector(v[2], v[3], lo32)
     t2, t3 = b.shuffle_vector(v[0], v[1], hi32), b.shuffle_vector(v[2], v[3], hi32)
     out = [b.shuffle_vector(t0, t1, lo64), b.shuffle_vector(t0, t1, hi64),
            b.shuffle_vector(t2, t3, lo64), b.shuffle_vector(t2, t3, hi64)]
-    return [b.bitcast(o, _V32I8) for o in out]
+    return [b.bitcast(o, us[0].type) for o in out]
+
+
+def _cat(b, p, q):
+    """p then q, one vector twice as long."""
+    return b.shuffle_vector(p, q, _vec(_I32, range(2 * p.type.count)))
 
 
 def _units(b, lanes):
@@ -501,23 +571,34 @@ def _when(b: ir.IRBuilder, cond, inits, body, name: str):
     return _joined(b, done, inits, entry, new, last)
 
 
-def _quads(b: ir.IRBuilder, em: Emit, rows, nb, accs, apply, name: str):
+def _quads(b: ir.IRBuilder, em: Emit, rows, nb, accs, apply, name: str, pairs: bool = False):
     """Walk a row's quads: apply(q, w, accs) -> accs for each quad q (an i64) with w the weights
     of every row there (em.quad32 or em.quads256 per row); the last, partial quad of a 32-value
-    layout with its missing blocks zeroed. accs: loop-carried values (possibly none)."""
+    layout with its missing blocks zeroed. accs: loop-carried values (possibly none). pairs: w
+    holds rows 0 and 1 joined, 2 and 3, ... (Emit.pair; a 32-value layout's unpacked together)."""
     L = em.layout
+    assert not pairs or len(rows) % 2 == 0
+
+    def joined(ws):
+        return [em.pair(ws[i], ws[i + 1]) for i in range(0, len(ws), 2)] if pairs else ws
+
     if L.values == 256:
         def block(k, vals):
             _prefetch(b, rows, b.mul(k, ir.Constant(_I64, L.nbytes)), L.nbytes)
             per_row = [em.quads256(r, k) for r in rows]
             for h in range(2):
-                vals = apply(b.add(b.mul(k, ir.Constant(_I64, 2)), ir.Constant(_I64, h)), [w[h] for w in per_row], vals)
+                vals = apply(b.add(b.mul(k, ir.Constant(_I64, 2)), ir.Constant(_I64, h)), joined([w[h] for w in per_row]), vals)
             return vals
         return _loop(b, nb, accs, block, name)
     full = b.lshr(nb, ir.Constant(_I64, 2))
 
+    def unpack(q, valid=None):
+        if pairs:
+            return [em.quad32(rows[i], q, valid, other=rows[i + 1]) for i in range(0, len(rows), 2)]
+        return [em.quad32(r, q, valid) for r in rows]
+
     def quad(q, vals):
-        ws = [em.quad32(r, q) for r in rows]
+        ws = unpack(q)
         _prefetch(b, rows, b.mul(q, ir.Constant(_I64, 4 * L.nbytes)), 4 * L.nbytes)
         return apply(q, ws, vals)
 
@@ -526,7 +607,7 @@ def _quads(b: ir.IRBuilder, em: Emit, rows, nb, accs, apply, name: str):
 
     def tail(vals):
         valid = [b.icmp_signed("<", ir.Constant(_I64, i), left) for i in range(4)]
-        return apply(full, [em.quad32(r, full, valid) for r in rows], vals)
+        return apply(full, unpack(full, valid), vals)
 
     return _when(b, b.icmp_signed("!=", left, ir.Constant(_I64, 0)), accs, tail, name + ".tail")
 
@@ -609,7 +690,15 @@ def emit_rows_tokens(b: ir.IRBuilder, layout: Layout, name: str, rows, x, ntok, 
     quad's codes and scales are unpacked once per row and applied to every token in turn, the
     accumulators living in acc rather than registers (their count is not known here). The
     codes are transposed `by_unit` once per row, so that each token's unit integers come from
-    four chained dot products alone, without emit_rows's gathering of lanes (_units)."""
+    four chained dot products alone, without emit_rows's gathering of lanes (_units).
+
+    What a token costs is what the token loop does per row, so everything else is done once
+    elsewhere: each unit's integer starts from the token's seed -bias * S, made once per token
+    (intdot._by_quad_seed); codes are unpacked whole (no in-place shifts to undo per product);
+    on a u8-to-255 dot product (VNNI) signed codes come as code + 128 (Emit.unsign), so no sign
+    moves onto the token's xq; on AVX-512 two rows share each 512-bit step and are unpacked
+    together (quad32(other=)). Per token and pair of rows that leaves four vpdpbusd and the
+    four f32 steps of the canonical arithmetic."""
     em = Emit(b, layout, name, tab, shifted=False)
     R = len(rows)
 
@@ -623,26 +712,25 @@ def emit_rows_tokens(b: ir.IRBuilder, layout: Layout, name: str, rows, x, ntok, 
 
     _loop(b, ntok, [], zero, "tok.zero")
 
+    pairs = em.rows512 and R % 2 == 0  # two rows a 512-bit vector (quad_by_unit_rows2)
+
     def apply(q, ws, _):
-        ws = [(by_unit(b, us), s, m) for us, s, m in ws]  # once per row, for every token
+        ws = [(by_unit(b, us), s, m) for us, s, m in ws]  # once per row (or pair), for every token
 
         def each(t, _):  # the token's quad loaded once for all R rows
-            tok = em.token(x, b.add(b.mul(q, ntok), t))
-            r = 0
-            while r < R:
-                if em.rows512 and r + 1 < R:
-                    p = acc_at(t, r, _V16F)
-                    b.store(em.quad_by_unit_rows2(b.load(p, align=4), ws[r], ws[r + 1], tok), p, align=4)
-                    r += 2
+            tok = em.token(x, b.add(b.mul(q, ntok), t), seeded=True)
+            for i, w in enumerate(ws):
+                if pairs:
+                    p = acc_at(t, 2 * i, _V16F)
+                    b.store(em.quad_by_unit_rows2(b.load(p, align=4), w, tok), p, align=4)
                 else:
-                    p = acc_at(t, r)
-                    b.store(em.quad_by_unit(b.load(p, align=4), ws[r], tok), p, align=4)
-                    r += 1
+                    p = acc_at(t, i)
+                    b.store(em.quad_by_unit(b.load(p, align=4), w, tok), p, align=4)
             return []
         _loop(b, ntok, [], each, "tok.rows")
         return []
 
-    _quads(b, em, rows, nb, [], apply, "tok")
+    _quads(b, em, rows, nb, [], apply, "tok", pairs)
 
     def finish(t, _):
         for r in range(R):

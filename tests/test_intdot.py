@@ -172,7 +172,8 @@ from gguf import GGMLQuantizationType as QT
 for qt in (QT.Q4_0, QT.Q8_0, QT.Q4_K):
     w = intdot.random_blocks(qt, 8, 1, np.random.default_rng(0))
     intdot.matvec(qt, w, intdot.rounded(np.ones(intdot.LAYOUTS[qt].values, np.float32)), np.empty(8, np.float32))
-    k = intdot._kernel(int(qt), intdot.isa.current())
+    by_tokens = int(qt) in intdot.ONE_BY_TOKENS.get(intdot.isa.current(), ())  # the kernel matvec ran
+    k = (intdot._kernel_tokens if by_tokens else intdot._kernel)(int(qt), intdot.isa.current())
     asm = k.inspect_asm(k.signatures[0])
     print(qt.name, " ".join(sorted(set(re.findall(r"\\b(vpmaddubsw|vpmaddwd|vpdpbusd|vpsignb|sdot|vfmadd\\w*)\\b", asm)))))
 """

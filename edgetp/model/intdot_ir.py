@@ -191,7 +191,7 @@ class Emit:
         # the several-token kernels (shifted=False) on a dot product of u8 to 255 take signed codes
         # (Q8_0, IQ4) as u = code + 128, the token's seed -128 * S taking the 128 off (seed_bias):
         # no sign moved onto each token's xq
-        self.unsign = not shifted and wide and (layout.signed or layout.table is not None)
+        self.unsign = not shifted and _unsigned(layout, name)
         self.signed = (layout.signed or layout.table is not None) and not self.unsign
 
     def f16(self, base, off):
@@ -414,7 +414,7 @@ class Emit:
         xvs = [_load(b, xq, b.add(b.mul(at, ir.Constant(_I64, 128)), ir.Constant(_I64, 32 * i)), _V32I8) for i in range(4)]
         off = b.mul(at, ir.Constant(_I64, 32))
         corr = None
-        if seeded and seed_bias(L, self):
+        if seeded and (self.unsign or L.bias):
             corr = _load(b, sq, off, _V8I32, 4)
         elif L.bias and not seeded:
             corr = b.shl(_load(b, sq, off, _V8I32, 4), _vec(_I32, [L.bias.bit_length() - 1] * 8))
@@ -482,12 +482,17 @@ class Emit:
         return b.fadd(acc, b.fmul(wm, xs)) if wm is not None else acc
 
 
-def seed_bias(layout: Layout, em: "Emit | str") -> int:
-    """The bias the several-token kernels' seed takes off each unit (-bias * S; intdot._by_quad_seed):
-    the layout's own (u = code + bias), 128 where Emit takes signed codes as code + 128, else 0.
-    em: an Emit(shifted=False), or an ISA's name."""
-    unsign = em.unsign if isinstance(em, Emit) else ISA_OPS[em].wide_u8 and (layout.signed or layout.table is not None)
-    return 128 if unsign else layout.bias
+def _unsigned(layout: Layout, name: str) -> bool:
+    """Signed codes (Q8_0, IQ4) on an ISA whose dot product takes u8 to 255: the several-token
+    kernels take them as code + 128 (Emit.unsign)."""
+    return ISA_OPS[name].wide_u8 and (layout.signed or layout.table is not None)
+
+
+def seed_bias(layout: Layout, name: str) -> int:
+    """The bias the several-token kernels' seed takes off each unit on ISA `name` (-bias * S;
+    intdot._by_quad_seed): 128 where they take signed codes as code + 128, else the layout's own
+    (u = code + bias, or 0)."""
+    return 128 if _unsigned(layout, name) else layout.bias
 
 
 def by_unit(b, us):

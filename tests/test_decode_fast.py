@@ -67,7 +67,7 @@ def _same(mf, spec=None, biases=False, kv_type="f16"):
 
 
 def _integer_products(shard) -> int:
-    return sum(len(m.products) for plan in shard._plans.values() for p in plan.layers
+    return sum(len(m.products) + len(m.kept) for plan in shard._plans.values() for p in plan.layers
                for m in (p.qkv, p.o, p.gate_up, p.down) if m is not None)
 
 

@@ -40,7 +40,7 @@ ROWS, NB, TOKENS = 37, 24, intgemm.PAD + 5  # rows past 16-row panels, tokens pa
 CHILD = """
 import json, os, sys
 import numpy as np
-from edgetp.model import intgemm, isa
+from edgetp.model import intdot, intgemm, isa
 from edgetp.model.kernels import f16_table
 d, inp = sys.argv[1], np.load(sys.argv[2])
 x = inp["x"]
@@ -52,7 +52,14 @@ for which in [None, *sys.argv[3:]]:  # this process's ISA, then any other named 
         xq = intgemm.quantized(x, intgemm.wide(qt))
         out = np.full((x.shape[0], w.shape[0]), np.nan, np.float32)
         intgemm.matmul(qt, w, f16_table(), xq, out, which)
-        np.savez(at + f"/out{qt}.npz", out=out, qx=xq[0], dx=xq[1], sums=xq[2])
+        kept = {}
+        if qt in intgemm.KEPT:  # decode on kept panels: tokens 1, 2..4 and all of them, rounded as decode rounds
+            p = intgemm.pack(qt, w, f16_table(), which)
+            for n in (1, 3, x.shape[0]):
+                got = np.full((n, w.shape[0]), np.nan, np.float32)
+                intgemm.Kept(qt, [p], intdot.rounded_rows(x[-n:]), got, [0], which)(n, n == 1)
+                kept[f"kept{n}"] = got
+        np.savez(at + f"/out{qt}.npz", out=out, qx=xq[0], dx=xq[1], sums=xq[2], **kept)
 json.dump({"isa": isa.current(), "available": intgemm.available()}, open(d + "/isa.json", "w"))
 """
 # ISAs this CPU lacks whose tiles another ISA's process can still execute: avxvnni's 256-bit
@@ -162,6 +169,22 @@ def test_prefill_tiles_of_each_isa_return_the_bits_of_the_numpy_definition(name,
         bad = got.view(np.uint32) != want.view(np.uint32)
         assert not bad.any(), (f"{QT(qt).name}: {bad.sum()} of {bad.size} differ, "
                                f"max {np.abs(got - want)[bad].max()}")
+
+
+@pytest.mark.parametrize("name", isa.ISAS)
+def test_decode_on_kept_panels_gives_each_token_its_prefill_bits_on_each_isa(name, isa_outputs):
+    """Decode of a KEPT type (Q4_0) reads panels packed once: one token, or several, each
+    token's row is what prefill computes for it, so a sequence's text does not depend on
+    how its tokens were batched, and (test above) that is the numpy definition's."""
+    _, results = isa_outputs
+    if name not in results:
+        pytest.skip(f"{name} cannot run on this {HOST[0]} CPU: it needs {isa.WHERE[name]}")
+    assert intgemm.KEPT
+    for qt in intgemm.KEPT:
+        r = results[name][qt]
+        for n in (1, 3, TOKENS):
+            got, want = r[f"kept{n}"], r["out"][TOKENS - n : TOKENS]
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), f"{QT(qt).name}, {n} tokens"
 
 
 def test_every_isa_this_cpu_runs_gives_the_same_prefill_bits(isa_outputs):

@@ -403,3 +403,57 @@ def test_wrong_shapes_or_dtypes_are_refused_before_any_kernel_runs():
         Q.matvec(w, np.zeros(64, np.float64), np.zeros(8, np.float32))
     with pytest.raises(ValueError, match="out must be"):
         Q.matmul(w, np.zeros((3, 64), np.float32), np.zeros((3, 7), np.float32))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kept_weights_decode_each_token_with_the_bits_prefill_gives_it(threads, int8_kernels):
+    """Q4_0 (intgemm.KEPT) decode and prefill read the same panels, packed once: a token's
+    products are the same bits alone (matvec), beside 8 others (matmul) and in any subset of
+    them (decode.matvec_rows), at any thread count."""
+    from edgetp.model import decode, intgemm  # noqa: PLC0415
+
+    w, ref = weight(QT.Q4_0, rows=301, cols=512)
+    if not Q.kept(w):
+        pytest.skip("EDGETP_INT8=0: Q4_0 runs on the float kernels" if int8_kernels == "float"
+                    else "kept panels did not pass their probe here")
+    assert int(QT.Q4_0) in intgemm.KEPT
+    x = np.random.default_rng(6).standard_normal((9, w.cols)).astype(np.float32)
+    Q.set_threads(threads)
+    try:
+        mm, rows = np.empty((9, w.rows), np.float32), np.empty((3, w.rows), np.float32)
+        Q.matmul(w, x, mm)
+        decode.matvec_rows(w, x[2:5], rows)
+        for i in range(9):
+            mv = np.empty(w.rows, np.float32)
+            Q.matvec(w, x[i], mv)
+            if intgemm.available():  # prefill runs on the panels too (the generic ISA's prefill is sgemm's)
+                np.testing.assert_array_equal(mv.view(np.uint32), mm[i].view(np.uint32))
+            assert_product_close(mv, ref, as_computed(QT.Q4_0, x[i], int8_kernels))
+        np.testing.assert_array_equal(rows, np.stack([_matvec(w, x[i]) for i in (2, 3, 4)]))
+    finally:
+        Q.set_threads(2)
+
+
+def _matvec(w: Q.Weight, x: np.ndarray) -> np.ndarray:
+    out = np.empty(w.rows, np.float32)
+    Q.matvec(w, x, out)
+    return out
+
+
+def test_a_piece_of_a_kept_weight_reads_the_whole_weights_panels():
+    """decode's pieces of o and down (quant.row_piece) view the whole weight's panels, so a
+    weight is held packed once, and each piece's rows are the whole weight's bits."""
+    from edgetp.model import intgemm  # noqa: PLC0415
+
+    w, _ = weight(QT.Q4_0, rows=200, cols=512)
+    if not Q.kept(w):
+        pytest.skip("kept panels are off (EDGETP_INT8=0) or did not pass their probe here")
+    p = intgemm.panel_rows()
+    piece = Q.row_piece(w, 2 * p, 2 * p + 37)
+    assert np.shares_memory(Q.panels(piece).q, Q.panels(w).q)
+    assert np.shares_memory(Q.panels(piece).d, Q.panels(w).d)
+    x = np.random.default_rng(7).standard_normal(w.cols).astype(np.float32)
+    np.testing.assert_array_equal(_matvec(piece, x), _matvec(w, x)[2 * p : 2 * p + 37])
+    odd = Q.row_piece(w, 5, 60)  # not at a panel's start: packed on its own, the same bits
+    assert not np.shares_memory(Q.panels(odd).q, Q.panels(w).q)
+    np.testing.assert_array_equal(_matvec(odd, x), _matvec(w, x)[5:60])

@@ -67,7 +67,9 @@ dropped), ran the same or slower; 2 x 3 spills.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import gguf.quants
 import numpy as np
@@ -76,7 +78,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from edgetp.model import intdot_ir, isa, vnni
+from edgetp.model import intdot, intdot_ir, isa, vnni
 from edgetp.model import intdot_layouts as IL
 from edgetp.model.kernels import f16_table
 from edgetp.model.vnni import _F32, _I32, _I64, _at, _decl, _splat, _vec, q8_halves
@@ -135,6 +137,29 @@ def _kind(qtype: int) -> Kind:
 
 
 KINDS: dict[int, Kind] = {int(qt): _kind(qt) for qt in TYPES}
+
+# Types whose panel is no larger than their GGUF blocks: Q4_0's nibbles and one f16 scale per 32
+# values, 18 bytes either way. Their panels are packed once per weight (`Panels`) and kept, and
+# decode reads them too (`Kept`): one token or several, each token's row the bits prefill gives
+# it. Rows in lanes take one float step per 32 values for a whole panel of rows, where the decode
+# kernels (intdot) take four per pair of rows, so several tokens cost less (Emerald Rapids, one
+# core, 65536 x 2048 from RAM: 8 tokens 8.8 ms against 12.6, one token 6.4 against 6.0 with f32
+# scales). The other types' panels grow (f32 scales and offsets; one code a byte for 5 to 8 bits,
+# or where each 16 values have a scale) and their products take int16 activations (WIDE), so
+# their decode stays on intdot.
+KEPT = frozenset({int(QT.Q4_0)})
+
+
+# bytes ahead of a kept panel's codes to prefetch (its scales: intdot_ir.PREFETCH). Emerald Rapids, one
+# core, 65536 x 2048 Q4_0 from RAM, min of 40, one token / 8 tokens (ms): 1 KiB 7.8 / 10.9,
+# 2 KiB 5.7 / 8.2, 4 KiB 5.4 / 7.7, 8 KiB 5.3 / 8.0; the scales not prefetched, 5-10% slower.
+KEPT_PREFETCH = 4096
+
+
+def half(qtype: int, which: str) -> bool:
+    """Whether qtype's panels hold f16 scales on ISA `which` (KEPT, and the ISA converts f16 in
+    registers); f32 otherwise (the generic ISA, which converts through a table)."""
+    return qtype in KEPT and intdot_ir.ISA_OPS[which].fpext
 
 _I8, _I16 = ir.IntType(8), ir.IntType(16)
 
@@ -317,7 +342,7 @@ def _operands(builder, k: Kind, v, g, lanes):
     return out
 
 
-def _emit_tile(builder, qtype: int, which: str, args) -> None:
+def _emit_tile(builder, qtype: int, which: str, args, tokens: int | None = None) -> None:
     """One panel (shape.rows rows, one vector) times shape.nt tokens over all nb blocks,
     stored to out, with ISA `which`'s products. The float steps, per unit (a block of 32, or
     each 16 of it where the type scales each 16: its own acc, d and m), row and token, are
@@ -327,7 +352,7 @@ def _emit_tile(builder, qtype: int, which: str, args) -> None:
     groups, wide, bias, units = k.groups, k.wide, k.bias, k.units
     per = groups // units  # packed vectors per unit
     ops, shape = ISA_TILES[which]
-    L, nt = shape.rows, shape.nt
+    L, nt = shape.rows, tokens or shape.nt
     vi, vf = _vty(L), _vty(L, _F32)
     mac = ops(builder, L, wide)
     pq, pd, pm, nb, xa, xs, da, sa, s16, ds, oa, ostride, m, ntv = args
@@ -349,6 +374,10 @@ def _emit_tile(builder, qtype: int, which: str, args) -> None:
     acc = [builder.phi(vf) for _ in range(nt)]
     b4 = builder.mul(b, c(4))
     qb = builder.add(pq, builder.mul(b, c(4 * L * groups)))
+    if qtype in KEPT:  # packed at load, so read from RAM: ask ahead, as the decode kernels do
+        intdot_ir._prefetch(builder, [qb], c(KEPT_PREFETCH - intdot_ir.PREFETCH), 4 * L * groups)
+        dstep = 2 * L if half(qtype, which) else 4 * L
+        intdot_ir._prefetch(builder, [builder.add(pd, builder.mul(b, c(dstep)))], c(0), dstep)
     xrows = [builder.add(builder.add(xa, builder.mul(xs, c(t))), builder.mul(b, c(64 if wide else 32)))
              for t in range(nt)]
     dxs = [scalar(da, t, b4, _F32) for t in range(nt)]
@@ -377,7 +406,11 @@ def _emit_tile(builder, qtype: int, which: str, args) -> None:
                     ints[t][j % chains] = mac.mac(ints[t][j % chains], w, x)
             totals = [mac.end(functools.reduce(builder.add, i), tot) for i, tot in zip(ints, totals)]
         at = builder.mul(b, c(4 * L * units))
-        d = builder.load(_at(builder, builder.add(pd, at), 4 * L * u, vf), align=4)
+        if half(qtype, which):  # f16 scales (KEPT), exact in f32
+            h = builder.load(_at(builder, builder.add(pd, builder.mul(b, c(2 * L))), 0, _vty(L, _I16)), align=2)
+            d = builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), L)), vf)
+        else:
+            d = builder.load(_at(builder, builder.add(pd, at), 4 * L * u, vf), align=4)
         new = [builder.call(fma, [builder.fmul(builder.sitofp(totals[t], vf), _splat(builder, dxs[t], vf)), d, new[t]])
                for t in range(nt)]
         if k.offset:
@@ -441,10 +474,14 @@ def _emit_pack(builder, qtype: int, which: str, args) -> None:
     em = intdot_ir.Emit(builder, L, which, tab)
     stride = builder.mul(P, ir.Constant(_I64, 4))  # bytes from one panel vector to the next
 
-    def store(base, j, v):
-        builder.store(v, _at(builder, builder.add(base, builder.mul(ir.Constant(_I64, j), stride)), 0, v.type), align=4)
+    def store(base, j, v, step=stride):
+        builder.store(v, _at(builder, builder.add(base, builder.mul(ir.Constant(_I64, j), step)), 0, v.type),
+                      align=v.type.width // 8 if isinstance(v.type, ir.IntType) else 4)
 
-    if L.values == 32:
+    if half(qtype, which):  # the block's f16 scale as it is (KEPT: no offset, one unit)
+        store(pd, 0, intdot_ir._load(builder, src, L.chunks[0].lo.d, _I16), builder.mul(P, ir.Constant(_I64, 2)))
+        ws, wm = [], None
+    elif L.values == 32:
         ch = L.chunks[0]
         ws, wm = [em.f16(src, ch.lo.d)], [em.f16(src, ch.lo.m)] if k.offset else None
     else:
@@ -511,6 +548,187 @@ def _gemm(qtype: int, which: str):
                       oa + t * os_ + r0 * 4, os_, m, min(NTI, n - t))
 
     return gemm
+
+
+# ---------------------------------------------------------------- kept panels (KEPT): decode and prefill
+
+
+@intrinsic
+def _tile_n(typingctx, kind, which, nt, pq, pd, pm, nb, xa, xs, da, sa, s16, ds, oa, ostride, m):
+    """_tile for exactly nt (a literal) tokens: a step of n tokens runs tiles of the shape's nt and of
+    the powers of two below it, each token's lanes the same float steps whatever tile holds it."""
+    if not all(isinstance(a, lit) for a, lit in ((kind, types.IntegerLiteral), (which, types.StringLiteral),
+                                                  (nt, types.IntegerLiteral))):
+        return None
+    k, name, n = kind.literal_value, which.literal_value, nt.literal_value
+
+    def codegen(context, builder, signature, args):
+        _emit_tile(builder, k, name, [*args[3:], ir.Constant(_I64, n)], n)
+        return context.get_dummy_value()
+
+    return types.void(kind, which, nt, *([types.int64] * 13)), codegen
+
+
+def panel_rows(which: str | None = None) -> int:
+    """Rows per panel on ISA `which` (default: the one in use)."""
+    return ISA_TILES[which or isa.current()][1].rows
+
+
+class Panels(NamedTuple):
+    """A weight of a KEPT type packed once into panels of `rows` rows (`pack`)."""
+
+    q: np.ndarray  # (panels, blocks * groups * P) uint32
+    d: np.ndarray  # (panels, blocks * units * P): f16 bits as uint16 (`half`), else f32
+    m: np.ndarray  # (panels, blocks * units * P) f32 offsets, or (panels, 1) unused
+    rows: int  # of the weight; the last panel repeats its last row
+    nb: int  # blocks of 32 per row
+
+    def sliced(self, start: int, stop: int, per: int) -> "Panels":
+        """Rows start..stop (start a multiple of `per`, the panel's rows): views, no copy."""
+        a, b = start // per, -(-stop // per)
+        return Panels(self.q[a:b], self.d[a:b], self.m[a:b], stop - start, self.nb)
+
+
+@functools.cache
+def _packer(qtype: int, which: str):
+    shape = ISA_TILES[which][1]
+    P, k = shape.rows, KINDS[qtype]
+    KIND, BSZ, SUB, GROUPS, UNITS = qtype, k.nbytes, k.sub, k.groups, k.units
+    DB = 2 if half(qtype, which) else 4
+
+    @njit(parallel=True, **_OPTS)
+    def pack(w, tab, pq, pd, pm):
+        rows = w.shape[0]
+        nblk = w.shape[1] // BSZ
+        for p in prange(pq.shape[0]):
+            a, b, c = pq[p].ctypes.data, pd[p].ctypes.data, pm[p].ctypes.data
+            for i in range(P):
+                src = w.ctypes.data + min(p * P + i, rows - 1) * w.shape[1]
+                for kb in range(nblk):
+                    at = kb * SUB * UNITS * P + i
+                    _pack_block(KIND, which, src + kb * BSZ, a + (kb * SUB * GROUPS * P + i) * 4, b + at * DB,
+                                c + at * 4, P, tab.ctypes.data)
+
+    return pack
+
+
+def pack(qtype: int, data: np.ndarray, tab: np.ndarray, which: str | None = None) -> Panels:
+    """The panels of W's raw (rows, row_bytes) GGUF blocks of a KEPT type, for ISA `which`."""
+    which = which or isa.current()
+    k, P = KINDS[qtype], ISA_TILES[which][1].rows
+    rows, nb = data.shape[0], data.shape[1] // k.nbytes * k.sub
+    n = -(-rows // P)
+    q = np.empty((n, nb * k.groups * P), np.uint32)
+    d = np.empty((n, nb * k.units * P), np.uint16 if half(qtype, which) else np.float32)
+    m = np.empty((n, nb * k.units * P if k.offset else 1), np.float32)
+    if rows:
+        _packer(qtype, which)(data, tab, q, d, m)
+    return Panels(q, d, m, rows, nb)
+
+
+@functools.cache
+def _kept(qtype: int, which: str):
+    """The products of kept panels and n tokens, one kernel call for several weights."""
+    NT = ISA_TILES[which][1].nt
+    P = ISA_TILES[which][1].rows
+    KIND = qtype
+
+    @njit(**_OPTS)
+    def panel(table, j, qa, xs, da, sa, s16, ds, oa, os_, n, nb):
+        i = 0
+        while j >= table[i, 5] + table[i, 4]:
+            i += 1
+        p = j - table[i, 5]
+        pq, pd, pm, rows = table[i, 0] + p * table[i, 6], table[i, 1] + p * table[i, 7], table[i, 2] + p * table[i, 8], table[i, 3]
+        m = min(P, rows - p * P)
+        o = oa + (table[i, 9] + p * P) * 4
+        t = 0
+        while n - t >= NT:
+            _tile_n(KIND, which, NT, pq, pd, pm, nb, qa + t * xs, xs, da + t * ds, sa + t * ds, s16 + 2 * t * ds, ds,
+                    o + t * os_, os_, m)
+            t += NT
+        if NT > 4 and n - t >= 4:
+            _tile_n(KIND, which, 4, pq, pd, pm, nb, qa + t * xs, xs, da + t * ds, sa + t * ds, s16 + 2 * t * ds, ds,
+                    o + t * os_, os_, m)
+            t += 4
+        if n - t >= 2:
+            _tile_n(KIND, which, 2, pq, pd, pm, nb, qa + t * xs, xs, da + t * ds, sa + t * ds, s16 + 2 * t * ds, ds,
+                    o + t * os_, os_, m)
+            t += 2
+        if n - t >= 1:
+            _tile_n(KIND, which, 1, pq, pd, pm, nb, qa + t * xs, xs, da + t * ds, sa + t * ds, s16 + 2 * t * ds, ds,
+                    o + t * os_, os_, m)
+
+    @njit(parallel=True, **_OPTS)
+    def run(table, qx, dq, sq, dx, sums, sums16, n, nb, out, serial, rounded):
+        # out[t, table[i, 9] + r] = W_i[r] . x[t] for t < n; x as quantize8 left it (qx, dx, sums, sums16),
+        # or, if rounded, qx/dq/sq as intdot.Rounded.rows holds it: dx, sums and sums16 (n or more
+        # rows) are then filled from dq and sq (quad lane order) first
+        if rounded:
+            for t in range(n):
+                for c in range(nb):
+                    i = c // 4 * 8 + c % 4
+                    dx[t, c] = dq[t, i]
+                    sums16[t, 2 * c] = sq[t, i]
+                    sums16[t, 2 * c + 1] = sq[t, i + 4]
+                    sums[t, c] = sq[t, i] + sq[t, i + 4]
+        xs, ds, os_ = qx.shape[1] * qx.itemsize, dx.shape[1] * 4, out.shape[1] * 4
+        qa, da, sa, s16, oa = qx.ctypes.data, dx.ctypes.data, sums.ctypes.data, sums16.ctypes.data, out.ctypes.data
+        total = table[-1, 5] + table[-1, 4]
+        if serial:
+            for j in range(total):
+                panel(table, j, qa, xs, da, sa, s16, ds, oa, os_, n, nb)
+        else:
+            for j in prange(total):
+                panel(table, j, qa, xs, da, sa, s16, ds, oa, os_, n, nb)
+
+    return run
+
+
+class Kept:
+    """out[t, starts[i] : starts[i] + rows_i] = W_i . x[t] for t < n, for weights of one KEPT type
+    that read the same tokens (q, k and v; gate and up), from their panels, in one kernel call.
+    x is an intdot.Rounded.rows (decode: the rounding steps fill it) or quantized()'s tuple
+    (prefill). The panels, x and out must outlive it; each token's row is the same bits
+    whichever n, and the bits prefill (matmul) gives it."""
+
+    def __init__(self, qtype: int, panels: list[Panels], x: tuple[np.ndarray, ...], out: np.ndarray,
+                 starts: list[int], which: str | None = None) -> None:
+        which = which or isa.current()
+        nb = panels[0].nb
+        cols = nb * 32
+        self.rounded = isinstance(x, intdot.Rounded)  # else quantized()'s (qx, dx, sums, sums16)
+        self.n = min(x[0].shape[0], out.shape[0])
+        if any(p.nb != nb for p in panels) or x[0].shape[1] < cols or out.dtype != np.float32 or out.ndim != 2 \
+                or not out.flags.c_contiguous or out.shape[0] < self.n:
+            raise ValueError(f"kept panels of {[p.nb * 32 for p in panels]} columns do not match x {x[0].shape} "
+                             f"and out {out.dtype} {out.shape}")
+        for p, a in zip(panels, starts, strict=True):
+            if not 0 <= a <= a + p.rows <= out.shape[1]:
+                raise ValueError(f"out {out.shape} does not hold rows {a}:{a + p.rows}")
+        table = np.zeros((len(panels), 10), np.int64)
+        first = 0
+        for i, (p, a) in enumerate(zip(panels, starts)):
+            table[i] = (p.q.ctypes.data, p.d.ctypes.data, p.m.ctypes.data, p.rows, p.q.shape[0], first,
+                        p.q.strides[0], p.d.strides[0], p.m.strides[0], a)
+            first += p.q.shape[0]
+        if self.rounded:  # dx, sums and sums16 filled from x by each call
+            xq, dq, sq = x[0], x[1], x[2]
+            dx, sums, sums16 = (np.empty((self.n, nb), np.float32), np.empty((self.n, nb), np.int32),
+                                np.empty((self.n, 2 * nb), np.int32))
+        else:
+            xq, (dx, sums, sums16) = x[0], x[1:4]
+            dq, sq = dx, sums
+        self._keep = (panels, x, out)
+        self._args = (table, xq, dq, sq, dx, sums, sums16)
+        self._out, self._nb = out, nb
+        self._kernel = _kept(qtype, which)
+
+    def __call__(self, n: int, serial: bool) -> None:
+        """Tokens 0..n-1; serial (one thread) skips the parallel launch, with the same bits."""
+        if not 0 < n <= self.n:
+            raise ValueError(f"{n} tokens: these products hold 1 to {self.n}")
+        self._kernel(*self._args, n, self._nb, self._out, serial, self.rounded)
 
 
 # ---------------------------------------------------------------- activations
@@ -580,6 +798,9 @@ def matmul(qtype: int, data: np.ndarray, tab: np.ndarray, xq: tuple[np.ndarray, 
     """out (n, rows) = x @ W.T; xq = quantized(x, wide(qtype)), W's raw (rows, row_bytes) blocks.
     which: the ISA whose tiles to run (default: the one in use); compiled for this process's target,
     so it must be one this CPU can execute (avxvnni's 256-bit VNNI tiles run on AVX-512 VNNI, EVEX-encoded)."""
+    if qtype in KEPT:
+        Kept(qtype, [pack(qtype, data, tab, which)], xq, out, [0], which)(out.shape[0], False)
+        return
     _gemm(qtype, which or isa.current())(data, tab, *xq, out.shape[0], out)
 
 
@@ -617,6 +838,46 @@ def _probe(tab: np.ndarray) -> bool:
 @functools.cache
 def _probed(which: str) -> bool:
     return vnni.checked(lambda: _probe(f16_table()), f"integer prefill kernels ({which})")
+
+
+def _probe_kept(qtype: int, tab: np.ndarray) -> bool:
+    """Kept panels of qtype on an odd shape: one token (decode's rounding) and several
+    (prefill's), each the bits of the other, and near gguf-py's dequantized weights."""
+    rng = np.random.default_rng(12)
+    k = KINDS[qtype]
+    rows, cols, n = 37, 512, PAD + 3
+    w = rng.integers(0, 256, (rows, cols // (32 * k.sub), k.nbytes), dtype=np.uint8)
+    for at in k.halves:
+        w[:, :, at : at + 2] = np.full((rows, w.shape[1], 1), 0.25, np.float16).view(np.uint8)
+    w = w.reshape(rows, -1)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    xq = quantized(x, k.wide)
+    many = np.full((n, rows), np.nan, np.float32)
+    p = pack(qtype, w, tab)
+    Kept(qtype, [p], xq, many, [0])(n, False)
+    one = np.full((1, rows), np.nan, np.float32)
+    Kept(qtype, [p], intdot.rounded_rows(x[n - 1 :]), one, [0])(1, True)
+    xr = xq[0][:n].astype(np.float64) * np.repeat(xq[1][:n], 32, axis=1)
+    wr = gguf.quants.dequantize(w, QT(qtype)).reshape(rows, cols).astype(np.float64)
+    return (np.array_equal(one.view(np.uint32), many[n - 1 :].view(np.uint32))
+            and bool(np.all(np.abs(many - xr @ wr.T) <= 1e-5 * (np.abs(xr) @ np.abs(wr).T))))
+
+
+def kept(qtype: int) -> bool:
+    """True when qtype is KEPT and its panels run here, for decode and prefill alike: EDGETP_INT8
+    is not 0, the ISA in use is one this CPU runs (generic too: decode's bits are then the same on
+    every ISA), and a probe passes."""
+    if qtype not in KEPT or os.environ.get("EDGETP_INT8", "1") == "0":
+        return False
+    try:
+        return _kept_probed(isa.current(), qtype)
+    except isa.IsaError:
+        return False
+
+
+@functools.cache
+def _kept_probed(which: str, qtype: int) -> bool:
+    return vnni.checked(lambda: _probe_kept(qtype, f16_table()), f"kept {QT(qtype).name} panels ({which})")
 
 
 def available() -> bool:

@@ -30,6 +30,7 @@ import ctypes
 import functools
 import os
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -220,13 +221,50 @@ def int8_decode() -> bool:
     return os.environ.get("EDGETP_INT8", "1") != "0"
 
 
+_PANELS: weakref.WeakKeyDictionary[Weight, intgemm.Panels] = weakref.WeakKeyDictionary()
+_panels_lock = threading.Lock()
+
+
+def kept(w: Weight) -> bool:
+    """True when w's products, decode's and prefill's alike, run on panels packed once and kept
+    (intgemm.KEPT: Q4_0, whose panels are no larger than its blocks)."""
+    return int8_decode() and intgemm.kept(w.qtype)
+
+
+def panels(w: Weight) -> intgemm.Panels:
+    """w's kept panels, packed on first use and held as long as w is."""
+    with _panels_lock:
+        p = _PANELS.get(w)
+        if p is None:
+            p = _PANELS[w] = intgemm.pack(w.qtype, w.data, _TAB16)
+        return p
+
+
+def row_piece(w: Weight, start: int, stop: int) -> Weight:
+    """slice_rows(w, start, stop) for a piece of a weight that runs whole as well (decode's
+    pieces of o and down): where w is kept and start begins a panel, the piece's panels are
+    views of w's, not a second copy."""
+    piece = slice_rows(w, start, stop)
+    if kept(w) and start % intgemm.panel_rows() == 0:
+        whole = panels(w)
+        with _panels_lock:
+            _PANELS[piece] = whole.sliced(start, stop, intgemm.panel_rows())
+    return piece
+
+
+def _kept_one(w: Weight, x: intdot.Rounded, out: np.ndarray) -> None:
+    intgemm.Kept(w.qtype, [panels(w)], intdot.Rounded(*(a[None] for a in x)), out[None], [0])(1, threads() == 1)
+
+
 def matvec(w: Weight, x: np.ndarray | Batch, out: np.ndarray) -> None:
     """out (rows,) = W @ x, all f32; x (cols,), or a Batch of one token."""
     batch = x if isinstance(x, Batch) else None
     x = x.x[0] if batch is not None else x
     check_io(w, x, out, None)
     use_threads()
-    if int8_kernel(w, int8_decode()):
+    if kept(w):
+        _kept_one(w, (batch or Batch(x[None])).token(), out)
+    elif int8_kernel(w, int8_decode()):
         intdot.matvec(w.qtype, w.data, (batch or Batch(x[None])).token(), out, threads() == 1)
     else:
         float_matvec(w, x, out)
@@ -324,6 +362,9 @@ def matmul(w: Weight, x: np.ndarray | Batch, out: np.ndarray) -> None:
     use_threads()
     # attention's BLAS products follow, on either path: OpenBLAS's own threads would fight ours
     _openblas_single_thread()
+    if kept(w) and intgemm.available():  # decode's bits for each token (generic: sgemm, as for every type)
+        intgemm.Kept(w.qtype, [panels(w)], (batch or Batch(x)).ints(False), out, [0])(x.shape[0], threads() == 1)
+        return
     if w.qtype in intgemm.KINDS and intgemm.available():  # every ISA: the same bits on each
         xq = (batch or Batch(x)).ints(intgemm.wide(w.qtype))
         intgemm.matmul(w.qtype, w.data, _TAB16, xq, out)

@@ -3,6 +3,9 @@
     python tools/bench_kernels.py [--rows 4096 --cols 4096 --threads 1,2 --types Q8_0,Q4_0 --batch 64]
     python tools/bench_kernels.py --intdot [--threads 1 --types Q4_0,Q8_0,Q4_K]   (EDGETP_ISA=generic for the plain code)
 
+--intdot also runs Q4_0's kept panels (intgemm.KEPT): one token, and 8 tokens beside the
+several-token kernel, both from RAM.
+
 GB/s counts the GGUF bytes of the type (what a model file costs to stream).
 "cold" cycles through enough copies of the matrix to exceed the L3 cache, so
 weights come from RAM.
@@ -19,9 +22,9 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from edgetp.parallel.profile import random_weight
-from edgetp.model import intdot, isa
+from edgetp.model import intdot, intgemm, isa
 from edgetp.model import quant as Q
-from edgetp.model.kernels import SPREAD, partners, spans
+from edgetp.model.kernels import SPREAD, f16_table, partners, spans
 from membw import sum4  # tools/ is on the path of a script run from it
 
 
@@ -105,6 +108,8 @@ def bench_intdot(types: list[str], threads: list[int]) -> None:
                     hot = _time(lambda: intdot.matvec(qt, base, xr, out))
                     cold = _time(lambda: intdot.matvec(qt, ws[next(it) % len(ws)], xr, out))
                     row += f"  int hot {base.nbytes / hot / 1e9:6.2f} cold {base.nbytes / cold / 1e9:6.2f} GB/s"
+                if intgemm.kept(int(qt)):  # the kept panels (Q4_0): one token, then 8 beside intdot's several-token kernel
+                    row += _kept_columns(int(qt), ws, x, out, nt == 1, rng)
                 if int(qt) in Q.SUPPORTED:  # quant.matvec on its float kernels (EDGETP_INT8=0)
                     wq = [Q.Weight(int(qt), rows, cols, w) for w in ws]
                     was = os.environ.get("EDGETP_INT8")
@@ -114,6 +119,25 @@ def bench_intdot(types: list[str], threads: list[int]) -> None:
                     os.environ.pop("EDGETP_INT8") if was is None else os.environ.update(EDGETP_INT8=was)
                     row += f"  float hot {base.nbytes / hot / 1e9:6.2f} cold {base.nbytes / cold / 1e9:6.2f} GB/s"
                 print(row, flush=True)
+
+
+def _kept_columns(qt: int, ws: list[np.ndarray], x: np.ndarray, out: np.ndarray, serial: bool,
+                  rng: np.random.Generator) -> str:
+    """Cold GB/s of one token on kept panels (intgemm.Kept), and the ms of 8 tokens there and
+    on intdot's several-token kernel, every weight copy packed once beforehand."""
+    ps = [intgemm.pack(qt, w, f16_table()) for w in ws]
+    one = intdot.rounded_rows(x[None])
+    k1 = [intgemm.Kept(qt, [p], one, out[None], [0]) for p in ps]
+    it = iter(range(1 << 62))
+    cold = _time(lambda: k1[next(it) % len(k1)](1, serial))
+    x8 = intdot.rounded_rows(rng.standard_normal((8, x.shape[0])).astype(np.float32))
+    o8 = np.empty((8, out.shape[0]), np.float32)
+    k8 = [intgemm.Kept(qt, [p], x8, o8, [0]) for p in ps]
+    t8 = [intdot.TokenProducts(qt, [w], x8, o8, [0]) for w in ws]
+    kept8 = _time(lambda: k8[next(it) % len(k8)](8, serial))
+    int8 = _time(lambda: t8[next(it) % len(t8)](8, serial))
+    return (f"  kept cold {ws[0].nbytes / cold / 1e9:6.2f} GB/s; 8 tokens cold: int {int8 * 1e3:6.2f} ms,"
+            f" kept {kept8 * 1e3:6.2f} ms")
 
 
 def main() -> None:

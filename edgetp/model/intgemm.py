@@ -23,6 +23,13 @@ the same activations, broadcast from memory. A block of 32 columns goes into one
 integer accumulator per token; only then is it converted and scaled, once per
 block for all rows: sum = fma(float(acc) * dx[t, b], d[b], sum).
 
+Kept panels (KEPT: Q4_0). A type whose panel is no larger than its GGUF blocks is packed once
+per weight (`pack`, `Panels`; its scales stay f16 where the ISA converts f16 in registers) and
+decode reads the panels too (`Kept`): one token or several, in tiles of exactly that many tokens
+(`_tile_n`), each token's row the float steps above whatever tile holds it. So a token's products
+are the same bits in decode, in a batched decode step and in prefill, and a batch of decode
+tokens costs one float step per 32 values for a whole panel of rows.
+
 The tile is written once (`_emit_tile`); an ISA only says how its lanes multiply
 (`_Mac` and its subclasses, `ISA_TILES`):
   avx512vnni  vpdpbusd / vpdpwssd, 512 bits

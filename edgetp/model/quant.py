@@ -2,8 +2,11 @@
 
 A `Weight` is a (rows, row_bytes) uint8 view of the bytes exactly as the
 GGUF file stores them (usually a read-only memmap), tagged with its qtype.
-Kernels in `kernels.py` compute on those bytes directly; `deq.py` dequantizes
-rows of any type (prefill, and products of types without a decode kernel).
+Kernels in `kernels.py` and `intdot.py` compute on those bytes directly; `deq.py`
+dequantizes rows of any type (prefill, and products of types without a decode
+kernel). Q4_0 weights are also packed once into panels (`panels`, intgemm.KEPT),
+which its decode and prefill both read: a second copy in memory of the same size,
+while the file's pages stay in the page cache, clean and reclaimable.
 
 Block formats (ggml), per row of `cols` values:
   F32 / F16 / BF16   1 value per "block", 4 / 2 / 2 bytes

@@ -74,7 +74,6 @@ dropped), ran the same or slower; 2 x 3 spills.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -703,11 +702,10 @@ class Kept:
                  starts: list[int], which: str | None = None) -> None:
         which = which or isa.current()
         nb = panels[0].nb
-        cols = nb * 32
         self.rounded = isinstance(x, intdot.Rounded)  # else quantized()'s (qx, dx, sums, sums16)
         self.n = min(x[0].shape[0], out.shape[0])
-        if any(p.nb != nb for p in panels) or x[0].shape[1] < cols or out.dtype != np.float32 or out.ndim != 2 \
-                or not out.flags.c_contiguous or out.shape[0] < self.n:
+        if any(p.nb != nb for p in panels) or x[0].shape[1] < nb * 32 or out.dtype != np.float32 or out.ndim != 2 \
+                or not out.flags.c_contiguous:
             raise ValueError(f"kept panels of {[p.nb * 32 for p in panels]} columns do not match x {x[0].shape} "
                              f"and out {out.dtype} {out.shape}")
         for p, a in zip(panels, starts, strict=True):
@@ -871,10 +869,10 @@ def _probe_kept(qtype: int, tab: np.ndarray) -> bool:
 
 
 def kept(qtype: int) -> bool:
-    """True when qtype is KEPT and its panels run here, for decode and prefill alike: EDGETP_INT8
-    is not 0, the ISA in use is one this CPU runs (generic too: decode's bits are then the same on
-    every ISA), and a probe passes."""
-    if qtype not in KEPT or os.environ.get("EDGETP_INT8", "1") == "0":
+    """True when qtype is KEPT and its panels run here, for decode and prefill alike: the ISA in
+    use is one this CPU runs (generic too: decode's bits are then the same on every ISA) and a
+    probe passes. EDGETP_INT8=0 is quant.kept's to honour (quant.int8_decode)."""
+    if qtype not in KEPT:
         return False
     try:
         return _kept_probed(isa.current(), qtype)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import subprocess
+import sys
 from dataclasses import replace
 
 import numpy as np
@@ -13,6 +15,8 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from edgetp.model import decode, gguf, kvcache, llama, ops, quant
+from tests import isas
+from tests.isas import RUNNABLE
 from tools import synth_gguf
 
 PROMPT = [1, 17, 42, 99, 7]
@@ -122,10 +126,25 @@ def test_the_plan_keeps_no_reference_to_a_returned_hidden_state(mixed_path):
     assert isinstance(shard._plans[quant.int8_decode()], decode.Plan)
 
 
+def _lane_dots(qh, k):
+    """q . each row of k (rows, hd) in the order ops.attention promises (edgetp/model/lanes.py):
+    16 lanes from +0.0, lane l adding the f32 products of d = l, l + 16, ... in turn, then the
+    lanes folded in halves (l += l + 8, + 4, + 2, + 1)."""
+    prod = (qh[None, :] * k).astype(np.float32)
+    lanes = np.zeros((k.shape[0], 16), np.float32)
+    for d0 in range(0, k.shape[1], 16):
+        c = prod[:, d0 : d0 + 16]
+        lanes[:, : c.shape[1]] = lanes[:, : c.shape[1]] + c
+    while lanes.shape[1] > 1:
+        w = lanes.shape[1] // 2
+        lanes = lanes[:, :w] + lanes[:, w:]
+    return lanes[:, 0]
+
+
 def _attention_reference(q, kc, vc, pos, group):
     """One token's attention in plain float32 steps, in the order the kernel promises:
-    each score one chain over the head dimension, softmax sums and each output value one
-    chain over positions, e**x from the C library's expf (what numba's math.exp calls)."""
+    each score _lane_dots times the scale, softmax sums and each output value one chain over
+    positions, e**x from the C library's expf (what numba's math.exp calls)."""
     expf = ctypes.CDLL(ctypes.util.find_library("m")).expf
     expf.restype, expf.argtypes = ctypes.c_float, [ctypes.c_float]
     n_kv, _, hd = kc.shape
@@ -133,10 +152,7 @@ def _attention_reference(q, kc, vc, pos, group):
     scale = np.float32(1.0 / np.sqrt(np.float64(hd)))
     for h in range(n_kv * group):
         k, v, qh = kc[h // group, : pos + 1], vc[h // group, : pos + 1], q[0, h * hd : (h + 1) * hd]
-        acc = np.zeros(pos + 1, np.float32)
-        for d in range(hd):
-            acc = acc + qh[d] * k[:, d]
-        scores = acc * scale
+        scores = _lane_dots(qh, k) * scale
         e = np.array([expf(float(s - scores.max())) for s in scores], np.float32)
         total = np.float32(0.0)
         for x in e:
@@ -147,6 +163,73 @@ def _attention_reference(q, kc, vc, pos, group):
             o = o + p[s] * v[s]
         out[0, h * hd : (h + 1) * hd] = o
     return out
+
+
+@pytest.mark.parametrize("hd", [8, 16, 24, 40, 64, 96, 128])  # stories260K's 8, SmolLM2's 64, Phi-3's 96 ...
+@pytest.mark.parametrize("serial", [True, False])
+def test_decode_attention_scores_fold_sixteen_lanes_for_any_head_size(hd, serial):
+    rng = np.random.default_rng(hd)
+    n_kv, group, pos = 2, 2, 9
+    kc = rng.standard_normal((n_kv, 16, hd)).astype(np.float32)
+    vc = rng.standard_normal((n_kv, 16, hd)).astype(np.float32)
+    kc[1, 3, hd // 2] = -0.0
+    q = rng.standard_normal((1, n_kv * group * hd)).astype(np.float32) * 4
+    out = np.empty_like(q)
+    ops.attention(q, kc, vc, pos, group, out, serial)
+    assert np.array_equal(out.view(np.uint32), _attention_reference(q, kc, vc, pos, group).view(np.uint32))
+
+
+ATTENTION_CHILD = """
+import sys
+import numpy as np
+from edgetp.model import isa, kvcache, ops
+d, inp = sys.argv[1], np.load(sys.argv[2])
+for hd in (24, 64):
+    q, kc, vc = inp[f"q{hd}"], inp[f"k{hd}"], inp[f"v{hd}"]
+    for kind in ("f32", "f16"):
+        k, v = (kc, vc) if kind == "f32" else (kc.astype(np.float16), vc.astype(np.float16))
+        out = np.empty_like(q)
+        ops.attention(q, kvcache.kernel_view(k), kvcache.kernel_view(v), 11, 2, out, True)
+        np.save(d + f"/{kind}{hd}.npy", out)
+open(d + "/isa", "w").write(isa.current())
+"""
+
+
+def test_decode_attention_gives_the_reference_bits_on_every_isa_this_cpu_runs(tmp_path):
+    # one child per ISA (EDGETP_ISA, as a user forces it): 16 lanes are one AVX-512 register, two
+    # AVX2 ones or sixteen scalars on the generic ISA, whose f16 cache is read in integer code
+    rng = np.random.default_rng(5)
+    arrays = {}
+    for hd in (24, 64):
+        arrays[f"q{hd}"] = rng.standard_normal((1, 2 * 2 * hd)).astype(np.float32)
+        arrays[f"k{hd}"] = (rng.standard_normal((2, 16, hd)) * 2).astype(np.float32)
+        arrays[f"v{hd}"] = rng.standard_normal((2, 16, hd)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", **arrays)
+    assert len(RUNNABLE) >= 2 or isas.HOST[0] not in ("x86_64", "aarch64"), f"only {RUNNABLE} run here"
+    for name in RUNNABLE:
+        d = tmp_path / name
+        d.mkdir()
+        subprocess.run([sys.executable, "-c", ATTENTION_CHILD, str(d), str(tmp_path / "in.npz")], check=True,
+                       env=isas.child_env(name), cwd=isas.REPO, timeout=isas.child_timeout(600))
+        assert (d / "isa").read_text() == name
+        for hd in (24, 64):
+            q, kc, vc = arrays[f"q{hd}"], arrays[f"k{hd}"], arrays[f"v{hd}"]
+            for kind in ("f32", "f16"):
+                k, v = (kc, vc) if kind == "f32" else (kc.astype(np.float16).astype(np.float32),
+                                                       vc.astype(np.float16).astype(np.float32))
+                want = _attention_reference(q, k, v, 11, 2)
+                got = np.load(d / f"{kind}{hd}.npy")
+                assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), f"{name}, {kind} cache, hd {hd}"
+
+
+def test_the_lane_order_differs_from_one_chain_so_the_reference_can_tell_them_apart():
+    # guards the test above: on these values a single chain over d gives other bits than the lanes
+    rng = np.random.default_rng(7)
+    qh, k = rng.standard_normal(64).astype(np.float32), rng.standard_normal((32, 64)).astype(np.float32)
+    chain = np.zeros(32, np.float32)
+    for d in range(64):
+        chain = chain + qh[d] * k[:, d]
+    assert not np.array_equal(chain, _lane_dots(qh, k))
 
 
 @pytest.mark.parametrize("pos", [0, 2, 3, 4, 37])  # around the four scores the kernel runs side by side

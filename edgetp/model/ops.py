@@ -12,6 +12,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from edgetp.model import lanes
 from edgetp.model.kvcache import _f32_bits, kv_rows, kv_values
 
 _JIT = dict(cache=True, nogil=True, fastmath=False)
@@ -124,10 +125,11 @@ def attention(q, k_cache, v_cache, pos0, group, out, serial, scale=0.0, window=0
 
 @njit(**_JIT)
 def attend_head(q, k_cache, v_cache, pos0, group, out, job, scale=0.0, window=0, cap=0.0):  # pragma: no cover
-    # one (token, query head) of `attention`. Each score is one chain over d in order, each
-    # output value one chain over s in order; four scores run side by side (independent
-    # chains, the same bits) rather than one long dependency at a time. A cache that is not
-    # float32 is decoded (kv_rows) a few rows at a time into f32 first: the same values, any type.
+    # one (token, query head) of `attention`. Each score is lanes.dot of q and the key (16 lanes,
+    # folded in halves: one order on every ISA), times the scale; softmax's sum is one chain over
+    # positions in order, and so is each output value, four positions a step (the same chain). A
+    # cache that is not float32 is decoded (kv_rows) four rows at a time into f32 first: the same
+    # values, any type.
     n_kv = k_cache.shape[0]
     n_heads = n_kv * group
     hd = q.shape[1] // n_heads
@@ -138,30 +140,20 @@ def attend_head(q, k_cache, v_cache, pos0, group, out, job, scale=0.0, window=0,
     last = pos0 + t  # attends to first .. last
     first = max(0, last - window + 1) if window > 0 else 0
     scores = np.empty(last + 1, dtype=np.float32)
-    qh = q[t, h * hd : h * hd + hd]
+    qh = np.empty(hd, dtype=np.float32)  # contiguous, for lanes.dot
+    qh[:] = q[t, h * hd : h * hd + hd]
     kc, vc = k_cache[kv], v_cache[kv]
     scratch = np.empty((4, hd), dtype=np.float32)
     s0 = first
-    while s0 + 4 <= last + 1:  # four scores at a time: four independent chains
-        keys = kv_rows(kc, s0, 4, scratch)
-        a0 = a1 = a2 = a3 = np.float32(0.0)
-        for d in range(hd):
-            qd = qh[d]
-            a0 += qd * keys[0, d]
-            a1 += qd * keys[1, d]
-            a2 += qd * keys[2, d]
-            a3 += qd * keys[3, d]
-        scores[s0] = a0 * sc
-        scores[s0 + 1] = a1 * sc
-        scores[s0 + 2] = a2 * sc
-        scores[s0 + 3] = a3 * sc
-        s0 += 4
-    for s in range(s0, last + 1):
-        keys = kv_rows(kc, s, 1, scratch)
-        acc = np.float32(0.0)
-        for d in range(hd):
-            acc += qh[d] * keys[0, d]
-        scores[s] = acc * sc
+    while s0 <= last:
+        m = min(4, last + 1 - s0)
+        keys = kv_rows(kc, s0, m, scratch)
+        if keys.strides[1] != 4:  # a float32 cache whose rows are not contiguous
+            scratch[:m] = keys
+            keys = scratch[:m]
+        for r in range(m):
+            scores[s0 + r] = lanes.dot(qh.ctypes.data, keys.ctypes.data + r * keys.strides[0], hd) * sc
+        s0 += m
     if cap > 0.0:
         softcap(scores[first:], cap)
     top = np.float32(-np.inf)
@@ -175,7 +167,20 @@ def attend_head(q, k_cache, v_cache, pos0, group, out, job, scale=0.0, window=0,
         total += e
     inv = np.float32(1.0) / total
     o = np.zeros(hd, dtype=np.float32)
-    for s in range(first, last + 1):
+    s0 = first
+    while s0 + 4 <= last + 1:  # o[d] += p_s v_s[d] for four s in order: one load and store of o
+        values = kv_rows(vc, s0, 4, scratch)
+        p0, p1 = scores[s0] * inv, scores[s0 + 1] * inv
+        p2, p3 = scores[s0 + 2] * inv, scores[s0 + 3] * inv
+        for d in range(hd):
+            x = o[d]
+            x += p0 * values[0, d]
+            x += p1 * values[1, d]
+            x += p2 * values[2, d]
+            x += p3 * values[3, d]
+            o[d] = x
+        s0 += 4
+    for s in range(s0, last + 1):
         p = scores[s] * inv
         values = kv_rows(vc, s, 1, scratch)
         for d in range(hd):

@@ -385,7 +385,8 @@ class Products:
         if self._tokens is not None:
             self._tokens(1, serial)
             return
-        self._kernel(*self._args, serial, get_num_threads())  # the calling thread's count, as prange's
+        # the calling thread's count, as prange's; not asked when serial (numba takes two locks to say)
+        self._kernel(*self._args, serial, 1 if serial else get_num_threads())
 
 
 class TokenProducts:
@@ -416,7 +417,7 @@ class TokenProducts:
         """Tokens 0..ntok-1 (ntok <= n); serial (one thread) skips the parallel launch, with the same bits."""
         if not 0 < ntok <= self.n:
             raise ValueError(f"{ntok} tokens: these products hold 1 to {self.n}")
-        self._kernel(self._table, *self._x, ntok, *self._tail, serial, get_num_threads())
+        self._kernel(self._table, *self._x, ntok, *self._tail, serial, 1 if serial else get_num_threads())
 
 
 def matvec_tokens(qtype: int, w: np.ndarray, x: Rounded, out: np.ndarray, serial: bool = False) -> None:

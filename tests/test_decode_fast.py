@@ -209,7 +209,7 @@ def test_decode_attention_gives_the_reference_bits_on_every_isa_this_cpu_runs(tm
 
 
 def test_the_lane_order_differs_from_one_chain_so_the_reference_can_tell_them_apart():
-    # guards the test above: on these values a single chain over d gives other bits than the lanes
+    # guards the tests of the lane order: on these values one chain over d gives other bits than the lanes
     rng = np.random.default_rng(7)
     qh, k = rng.standard_normal(64).astype(np.float32), rng.standard_normal((32, 64)).astype(np.float32)
     chain = np.zeros(32, np.float32)
@@ -233,6 +233,19 @@ def test_decode_attention_is_the_canonical_float32_order_bit_for_bit(pos, hd, se
     out = np.empty_like(q)
     ops.attention(q, kc, vc, pos, group, out, serial)
     assert np.array_equal(out.view(np.uint32), _attention_reference(q, kc, vc, pos, group).view(np.uint32))
+
+
+def test_decode_attention_reads_a_float32_cache_whose_rows_are_not_contiguous():
+    # lanes.dot reads addresses, so keys with a stride between values are copied into rows first
+    rng = np.random.default_rng(11)
+    n_kv, group, hd, pos = 2, 2, 24, 9
+    wide = rng.standard_normal((n_kv, 16, 2 * hd)).astype(np.float32)
+    kc, vc = wide[:, :, ::2], rng.standard_normal((n_kv, 16, hd)).astype(np.float32)
+    q = rng.standard_normal((1, n_kv * group * hd)).astype(np.float32)
+    out = np.empty_like(q)
+    ops.attention(q, kc, vc, pos, group, out, True)
+    want = _attention_reference(q, np.ascontiguousarray(kc), vc, pos, group)
+    assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
 
 
 @pytest.mark.parametrize("pos", [0, 5, 37])

@@ -405,18 +405,19 @@ def test_wrong_shapes_or_dtypes_are_refused_before_any_kernel_runs():
         Q.matmul(w, np.zeros((3, 64), np.float32), np.zeros((3, 7), np.float32))
 
 
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_K])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_kept_weights_decode_each_token_with_the_bits_prefill_gives_it(threads, int8_kernels):
-    """Q4_0 (intgemm.KEPT) decode and prefill read the same panels, packed once: a token's
+def test_kept_weights_decode_each_token_with_the_bits_prefill_gives_it(threads, qtype, int8_kernels):
+    """Q4_0 and Q4_K (intgemm.KEPT) decode and prefill read the same panels, packed once: a token's
     products are the same bits alone (matvec), beside 8 others (matmul) and in any subset of
     them (decode.matvec_rows), at any thread count."""
     from edgetp.model import decode, intgemm  # noqa: PLC0415
 
-    w, ref = weight(QT.Q4_0, rows=301, cols=512)
+    w, ref = weight(qtype, rows=301, cols=512)
     if not Q.kept(w):
-        pytest.skip("EDGETP_INT8=0: Q4_0 runs on the float kernels" if int8_kernels == "float"
+        pytest.skip(f"EDGETP_INT8=0: {qtype.name} runs on the float kernels" if int8_kernels == "float"
                     else "kept panels did not pass their probe here")
-    assert int(QT.Q4_0) in intgemm.KEPT
+    assert int(qtype) in intgemm.KEPT
     x = np.random.default_rng(6).standard_normal((9, w.cols)).astype(np.float32)
     Q.set_threads(threads)
     try:
@@ -428,10 +429,28 @@ def test_kept_weights_decode_each_token_with_the_bits_prefill_gives_it(threads, 
             Q.matvec(w, x[i], mv)
             if intgemm.available():  # prefill runs on the panels too (the generic ISA's prefill is sgemm's)
                 np.testing.assert_array_equal(mv.view(np.uint32), mm[i].view(np.uint32))
-            assert_product_close(mv, ref, as_computed(QT.Q4_0, x[i], int8_kernels))
+            assert_product_close(mv, ref, as_computed(qtype, x[i], int8_kernels))
         np.testing.assert_array_equal(rows, np.stack([_matvec(w, x[i]) for i in (2, 3, 4)]))
     finally:
         Q.set_threads(2)
+
+
+@pytest.mark.parametrize("which", ["avx512vnni", "avx2", "neon", "generic"])
+def test_kept_panels_are_about_the_size_of_the_blocks_they_replace(which):
+    """A kept weight is held twice (its file pages, reclaimable, and its panels), so its panels
+    must not grow it: Q4_0's 18 bytes per 32 values stay 18 where the ISA converts f16 (20 with
+    f32 scales on generic); Q4_K's 144 per 256 become 148 (d, dmin and a byte per 6-bit scale
+    and min: 128 + 20), 192 on generic (f32 d * sc and -(dmin * mn) per 32: 128 + 64)."""
+    from edgetp.model import intgemm  # noqa: PLC0415
+
+    P = intgemm.panel_rows(which)
+    rows, cols = 4 * P, 1024  # whole panels: no repeated rows
+    want = {QT.Q4_0: (18 if which != "generic" else 20) / 32, QT.Q4_K: (148 if which != "generic" else 192) / 256}
+    for qt, per_value in want.items():
+        w, _ = weight(qt, rows=rows, cols=cols)
+        p = intgemm.pack(int(qt), w.data, Q._TAB16, which)  # packing runs anywhere: it only moves bytes
+        used = p.q.nbytes + p.d.nbytes + (p.m.nbytes if p.m.size > p.q.shape[0] else 0)
+        assert used == rows * cols * per_value, (qt.name, used, rows * cols * per_value)
 
 
 def _matvec(w: Q.Weight, x: np.ndarray) -> np.ndarray:

@@ -23,9 +23,10 @@ the same activations, broadcast from memory. A block of 32 columns goes into one
 integer accumulator per token; only then is it converted and scaled, once per
 block for all rows: sum = fma(float(acc) * dx[t, b], d[b], sum).
 
-Kept panels (KEPT: Q4_0). A type whose panel is no larger than its GGUF blocks is packed once
-per weight (`pack`, `Panels`; its scales stay f16 where the ISA converts f16 in registers) and
-decode reads the panels too (`Kept`): one token or several, in tiles of exactly that many tokens
+Kept panels (KEPT: Q4_0, Q4_K). A type whose panel is about as large as its GGUF blocks is packed
+once per weight (`pack`, `Panels`; where the ISA converts f16 in registers, Q4_0's scales stay f16
+and Q4_K's stay as its blocks have them, d and dmin in f16 and a byte per 6-bit scale and min:
+`compact`) and decode reads the panels too (`Kept`): one token or several, in tiles of exactly that many tokens
 (`_tile_n`), each token's row the float steps above whatever tile holds it. So a token's products
 are the same bits in decode, in a batched decode step and in prefill, and a batch of decode
 tokens costs one float step per 32 values for a whole panel of rows.
@@ -144,16 +145,21 @@ def _kind(qtype: int) -> Kind:
 
 KINDS: dict[int, Kind] = {int(qt): _kind(qt) for qt in TYPES}
 
-# Types whose panel is no larger than their GGUF blocks: Q4_0's nibbles and one f16 scale per 32
-# values, 18 bytes either way. Their panels are packed once per weight (`Panels`) and kept, and
-# decode reads them too (`Kept`): one token or several, each token's row the bits prefill gives
-# it. Rows in lanes take one float step per 32 values for a whole panel of rows, where the decode
-# kernels (intdot) take four per pair of rows, so several tokens cost less (Emerald Rapids, one
-# core, 65536 x 2048 from RAM: 8 tokens 8.8 ms against 12.6, one token 6.4 against 6.0 with f32
-# scales). The other types' panels grow (f32 scales and offsets; one code a byte for 5 to 8 bits,
-# or where each 16 values have a scale) and their products take int16 activations (WIDE), so
-# their decode stays on intdot.
-KEPT = frozenset({int(QT.Q4_0)})
+# Types whose panel is about the size of their GGUF blocks: Q4_0's nibbles and one f16 scale per 32
+# values, 18 bytes either way; Q4_K's nibbles and its block's scales unpacked to bytes (`compact`),
+# 148 bytes per 256 values where the block has 144. Their panels are packed once per weight
+# (`Panels`) and kept, and decode reads them too (`Kept`): one token or several, each token's row
+# the bits prefill gives it. Rows in lanes take one float step per 32 values for a whole panel of
+# rows, where the decode kernels (intdot) take four per pair of rows, so several tokens cost less
+# (Emerald Rapids, one core, 65536 x 2048 Q4_0 from RAM: 8 tokens 8.8 ms against 12.6, one token
+# 6.4 against 6.0 with f32 scales), and on a Zen 4 one token does too (one core, 8192 x 2048 and
+# 2048 x 8192 from RAM, tools/bench_kernels.py --intdot: Q4_K 28.8 and 25.8 GB/s against intdot's
+# 15.9 and 17.4; 8 tokens 0.91 ms against 1.77). The other types' panels grow (one code a byte
+# for 5 to 8 bits, or where each 16 values have a scale) and their products take int16
+# activations (WIDE), so their decode stays on intdot. (The generic ISA, which converts f16
+# through a table, keeps Q4_K's panels with f32 d * sc and -(dmin * mn), 192 bytes per 256 values:
+# 1.33x its blocks in memory, for decode bits the same as every other ISA's.)
+KEPT = frozenset({int(QT.Q4_0), int(QT.Q4_K)})
 
 
 # bytes ahead of a kept panel's codes to prefetch (its scales: intdot_ir.PREFETCH). Emerald Rapids, one
@@ -163,9 +169,24 @@ KEPT_PREFETCH = 4096
 
 
 def half(qtype: int, which: str) -> bool:
-    """Whether qtype's panels hold f16 scales on ISA `which` (KEPT, and the ISA converts f16 in
-    registers); f32 otherwise (the generic ISA, which converts through a table)."""
-    return qtype in KEPT and intdot_ir.ISA_OPS[which].fpext
+    """Whether qtype's panels hold its f16 scale per 32 values as it is on ISA `which` (Q4_0, KEPT,
+    and the ISA converts f16 in registers); f32 otherwise (the generic ISA converts through a table)."""
+    return qtype in KEPT and KINDS[qtype].sub == 1 and intdot_ir.ISA_OPS[which].fpext
+
+
+def compact(qtype: int, which: str) -> bool:
+    """Whether qtype's panels keep a K-quant block's scales as the block has them, unpacked on
+    ISA `which`: per 256 values and row, f16 d and dmin and each 32 values' 6-bit scale and min
+    in a byte (20 bytes, where the f32 d * sc and -(dmin * mn) of each 32 take 64), the tile
+    forming d * sc and -(dmin * mn) in registers, the same f32 products the packer forms
+    (Q4_K, KEPT, on an ISA that converts f16 in registers)."""
+    L = IL.LAYOUTS[qtype]
+    s0 = L.slots[0]
+    return (qtype in KEPT and L.values == 256 and not L.split and KINDS[qtype].nibbles and s0.mn != ()
+            and not s0.sc_bias and not s0.sc_int8 and intdot_ir.ISA_OPS[which].fpext)
+
+
+CB = 20  # bytes of a compact panel's scales per 256 values and row: d, dmin (f16), 8 scales, 8 mins (u8)
 
 _I8, _I16 = ir.IntType(8), ir.IntType(16)
 
@@ -382,7 +403,7 @@ def _emit_tile(builder, qtype: int, which: str, args, tokens: int | None = None)
     qb = builder.add(pq, builder.mul(b, c(4 * L * groups)))
     if qtype in KEPT:  # packed at load, so read from RAM: ask ahead, as the decode kernels do
         intdot_ir._prefetch(builder, [qb], c(KEPT_PREFETCH - intdot_ir.PREFETCH), 4 * L * groups)
-        dstep = 2 * L if half(qtype, which) else 4 * L
+        dstep = 2 * L if half(qtype, which) else CB * L // 8 if compact(qtype, which) else 4 * L
         intdot_ir._prefetch(builder, [builder.add(pd, builder.mul(b, c(dstep)))], c(0), dstep)
     xrows = [builder.add(builder.add(xa, builder.mul(xs, c(t))), builder.mul(b, c(64 if wide else 32)))
              for t in range(nt)]
@@ -412,15 +433,19 @@ def _emit_tile(builder, qtype: int, which: str, args, tokens: int | None = None)
                     ints[t][j % chains] = mac.mac(ints[t][j % chains], w, x)
             totals = [mac.end(functools.reduce(builder.add, i), tot) for i, tot in zip(ints, totals)]
         at = builder.mul(b, c(4 * L * units))
+        mw = None
         if half(qtype, which):  # f16 scales (KEPT), exact in f32
             h = builder.load(_at(builder, builder.add(pd, builder.mul(b, c(2 * L))), 0, _vty(L, _I16)), align=2)
             d = builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), L)), vf)
+        elif compact(qtype, which):  # d * sc and -(dmin * mn) of this 32 of its K block, as the packer forms them
+            d, mw = _compact_scales(builder, pd, b, L)
         else:
             d = builder.load(_at(builder, builder.add(pd, at), 4 * L * u, vf), align=4)
         new = [builder.call(fma, [builder.fmul(builder.sitofp(totals[t], vf), _splat(builder, dxs[t], vf)), d, new[t]])
                for t in range(nt)]
         if k.offset:
-            mw = builder.load(_at(builder, builder.add(pm, at), 4 * L * u, vf), align=4)
+            if mw is None:
+                mw = builder.load(_at(builder, builder.add(pm, at), 4 * L * u, vf), align=4)
             for t in range(nt):
                 sx = builder.fmul(dxs[t], builder.sitofp(su[t], _F32))
                 new[t] = builder.call(fma, [_splat(builder, sx, vf), mw, new[t]])
@@ -440,6 +465,25 @@ def _emit_tile(builder, qtype: int, which: str, args, tokens: int | None = None)
         with builder.if_then(builder.icmp_signed("<", c(t), ntv)):
             p = builder.inttoptr(builder.add(oa, builder.mul(ostride, c(t))), i8p)
             builder.call(store, [new[t], p, ir.Constant(_I32, 4), valid])
+
+
+def _compact_scales(builder, pd, b, L: int):
+    """Block b of 32 (of a compact panel, `compact`): (d * sc, -(dmin * mn)) of its L rows, <L x f32>
+    each, from the scales of its K block: d at 0, dmin at 2L, sc of 32-block j at 4L + jL, mn at
+    12L + jL (bytes, L rows each)."""
+    vf, c = _vty(L, _F32), (lambda v: ir.Constant(_I64, v))
+    base = builder.add(pd, builder.mul(builder.lshr(b, c(3)), c(CB * L)))
+    j = builder.mul(builder.and_(b, c(7)), c(L))
+
+    def f16(off):
+        h = builder.load(_at(builder, base, off, _vty(L, _I16)), align=2)
+        return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), L)), vf)
+
+    def byte(off):
+        v = builder.load(_at(builder, builder.add(base, j), off, _vty(L, _I8)), align=1)
+        return builder.uitofp(v, vf)
+
+    return builder.fmul(f16(0), byte(4 * L)), builder.fneg(builder.fmul(f16(2 * L), byte(12 * L)))
 
 
 def _emitted(kind, which, emit, nargs: int):
@@ -487,6 +531,9 @@ def _emit_pack(builder, qtype: int, which: str, args) -> None:
     if half(qtype, which):  # the block's f16 scale as it is (KEPT: no offset, one unit)
         store(pd, 0, intdot_ir._load(builder, src, L.chunks[0].lo.d, _I16), builder.mul(P, ir.Constant(_I64, 2)))
         ws, wm = [], None
+    elif compact(qtype, which):  # pd: this block's scale bytes in the panel, pm: the row (`compact`)
+        _pack_compact(builder, em, src, pd, pm, P)
+        ws, wm = [], None
     elif L.values == 32:
         ch = L.chunks[0]
         ws, wm = [em.f16(src, ch.lo.d)], [em.f16(src, ch.lo.m)] if k.offset else None
@@ -508,6 +555,23 @@ def _emit_pack(builder, qtype: int, which: str, args) -> None:
         words = builder.bitcast(u, ir.VectorType(_I32, k.groups))
         for g in range(k.groups):
             store(pq, c * k.groups + g, builder.extract_element(words, ir.Constant(_I32, g)))
+
+
+def _pack_compact(builder, em, src, pd, row, P) -> None:
+    """A K block's scales into its compact panel entry (`_compact_scales` reads them) for one row."""
+    L, c = em.layout, (lambda v: ir.Constant(_I64, v))
+    s0 = L.slots[0]
+
+    def put(off, v):
+        builder.store(v, _at(builder, builder.add(builder.add(pd, off), row), 0, v.type), align=1)
+
+    for k, f in enumerate((s0.d, s0.m)):  # f16 at pd + 2 k P + 2 row
+        h = intdot_ir._load(builder, src, f, _I16)
+        builder.store(h, _at(builder, builder.add(builder.add(pd, builder.mul(P, c(2 * k))), builder.mul(row, c(2))), 0, _I16),
+                      align=2)
+    ints = em.slot_ints(src, [s.sc for s in L.slots] + [s.mn for s in L.slots], False)
+    for j in range(16):  # sc of 32-block j at 4P + jP, its mn at 12P + jP
+        put(builder.mul(P, c(4 + j)), builder.trunc(builder.extract_element(ints, ir.Constant(_I32, j)), _I8))
 
 
 @intrinsic
@@ -584,7 +648,7 @@ class Panels(NamedTuple):
     """A weight of a KEPT type packed once into panels of `rows` rows (`pack`)."""
 
     q: np.ndarray  # (panels, blocks * groups * P) uint32
-    d: np.ndarray  # (panels, blocks * units * P): f16 bits as uint16 (`half`), else f32
+    d: np.ndarray  # (panels, blocks * units * P): f16 bits as uint16 (`half`), else f32; `compact`: uint8
     m: np.ndarray  # (panels, blocks * units * P) f32 offsets, or (panels, 1) unused
     rows: int  # of the weight; the last panel repeats its last row
     nb: int  # blocks of 32 per row
@@ -601,6 +665,7 @@ def _packer(qtype: int, which: str):
     P, k = shape.rows, KINDS[qtype]
     KIND, BSZ, SUB, GROUPS, UNITS = qtype, k.nbytes, k.sub, k.groups, k.units
     DB = 2 if half(qtype, which) else 4
+    PACKED = compact(qtype, which)
 
     @njit(parallel=True, **_OPTS)
     def pack(w, tab, pq, pd, pm):
@@ -612,8 +677,12 @@ def _packer(qtype: int, which: str):
                 src = w.ctypes.data + min(p * P + i, rows - 1) * w.shape[1]
                 for kb in range(nblk):
                     at = kb * SUB * UNITS * P + i
-                    _pack_block(KIND, which, src + kb * BSZ, a + (kb * SUB * GROUPS * P + i) * 4, b + at * DB,
-                                c + at * 4, P, tab.ctypes.data)
+                    if PACKED:  # the block's scale bytes, and the row (_pack_compact)
+                        sd, sm = b + kb * CB * P, i
+                    else:
+                        sd, sm = b + at * DB, c + at * 4
+                    _pack_block(KIND, which, src + kb * BSZ, a + (kb * SUB * GROUPS * P + i) * 4, sd, sm, P,
+                                tab.ctypes.data)
 
     return pack
 
@@ -625,8 +694,11 @@ def pack(qtype: int, data: np.ndarray, tab: np.ndarray, which: str | None = None
     rows, nb = data.shape[0], data.shape[1] // k.nbytes * k.sub
     n = -(-rows // P)
     q = np.empty((n, nb * k.groups * P), np.uint32)
-    d = np.empty((n, nb * k.units * P), np.uint16 if half(qtype, which) else np.float32)
-    m = np.empty((n, nb * k.units * P if k.offset else 1), np.float32)
+    if compact(qtype, which):
+        d, m = np.empty((n, nb // k.sub * CB * P), np.uint8), np.empty((n, 1), np.float32)
+    else:
+        d = np.empty((n, nb * k.units * P), np.uint16 if half(qtype, which) else np.float32)
+        m = np.empty((n, nb * k.units * P if k.offset else 1), np.float32)
     if rows:
         _packer(qtype, which)(data, tab, q, d, m)
     return Panels(q, d, m, rows, nb)

@@ -3,7 +3,7 @@
     python tools/bench_kernels.py [--rows 4096 --cols 4096 --threads 1,2 --types Q8_0,Q4_0 --batch 64]
     python tools/bench_kernels.py --intdot [--threads 1 --types Q4_0,Q8_0,Q4_K]   (EDGETP_ISA=generic for the plain code)
 
---intdot also runs the kept panels of Q4_0 and Q4_K (intgemm.KEPT): one token, and 8 tokens beside the
+--intdot also runs the kept panels of Q4_0, Q4_K and Q6_K (intgemm.KEPT): one token, and 8 tokens beside the
 several-token kernel, both from RAM.
 
 GB/s counts the GGUF bytes of the type (what a model file costs to stream).
@@ -108,7 +108,7 @@ def bench_intdot(types: list[str], threads: list[int]) -> None:
                     hot = _time(lambda: intdot.matvec(qt, base, xr, out))
                     cold = _time(lambda: intdot.matvec(qt, ws[next(it) % len(ws)], xr, out))
                     row += f"  int hot {base.nbytes / hot / 1e9:6.2f} cold {base.nbytes / cold / 1e9:6.2f} GB/s"
-                if intgemm.kept(int(qt)):  # the kept panels (Q4_0, Q4_K): one token, then 8 beside intdot's several-token kernel
+                if intgemm.kept(int(qt)):  # the kept panels (Q4_0, Q4_K, Q6_K): one token, then 8 beside intdot's several-token kernel
                     row += _kept_columns(int(qt), ws, x, out, nt == 1, rng)
                 if int(qt) in Q.SUPPORTED:  # quant.matvec on its float kernels (EDGETP_INT8=0)
                     wq = [Q.Weight(int(qt), rows, cols, w) for w in ws]

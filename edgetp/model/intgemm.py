@@ -12,7 +12,8 @@ Here the lanes of a register are rows, not columns. A panel of rows (16 on
 avx512vnni, 8 elsewhere: `Shape`) is packed once per batch (`_emit_pack`, from the
 type's intdot_layouts row through the decode kernels' emitter, so decode and prefill
 read one description of each block):
-  q: per block of 32 values, 4 (codes of at most 4 bits: nibbles) or 8 (bytes) vectors;
+  q: per block of 32 values, 4 (codes of at most 4 bits: nibbles) or 8 (bytes) vectors, or 6
+     for Q6_K (`PLANES`: 4 of its low nibbles, 2 of its top 2 bits, as its blocks hold them);
      vector g holds the g-th 4 bytes of the block for each row of the panel;
   d: per unit, the rows' scales (f32), and for the offset types m, their offsets. A unit
      is a block of 32 values, or each 16 of it where the type scales each 16 (Q2_K, Q3_K,
@@ -23,10 +24,10 @@ the same activations, broadcast from memory. A block of 32 columns goes into one
 integer accumulator per token; only then is it converted and scaled, once per
 block for all rows: sum = fma(float(acc) * dx[t, b], d[b], sum).
 
-Kept panels (KEPT: Q4_0, Q4_K). A type whose panel is about as large as its GGUF blocks is packed
-once per weight (`pack`, `Panels`; where the ISA converts f16 in registers, Q4_0's scales stay f16
-and Q4_K's stay as its blocks have them, d and dmin in f16 and a byte per 6-bit scale and min:
-`compact`) and decode reads the panels too (`Kept`): one token or several, in tiles of exactly that many tokens
+Kept panels (KEPT: Q4_0, Q4_K, Q6_K). A type whose panel is about as large as its GGUF blocks is
+packed once per weight (`pack`, `Panels`; where the ISA converts f16 in registers, Q4_0's scales
+stay f16 and the K-quants' stay as their blocks have them, d (and dmin) in f16 and a byte per
+scale (and min): `compact`) and decode reads the panels too (`Kept`): one token or several, in tiles of exactly that many tokens
 (`_tile_n`), each token's row the float steps above whatever tile holds it. So a token's products
 are the same bits in decode, in a batched decode step and in prefill, and a batch of decode
 tokens costs one float step per 32 values for a whole panel of rows.
@@ -109,10 +110,11 @@ class Kind:
     offset: bool  # values are d * q + m: the panel carries m
     umax: int  # the largest unsigned code
     halves: tuple[int, ...]  # where a GGUF block keeps its f16 scales and offsets
+    planes: bool = False  # 6-bit codes as a nibble plane (4 vectors, as nibbles) and a 2-bit plane (2): Q6_K
 
     @property
     def groups(self) -> int:
-        return 4 if self.nibbles else 8
+        return 6 if self.planes else 4 if self.nibbles else 8
 
     @property
     def operands(self) -> int:
@@ -131,6 +133,11 @@ TYPES = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q2_K, QT.Q3_K, QT.Q4_K,
          QT.IQ4_NL, QT.IQ4_XS)
 
 
+# 6-bit types whose panels hold their codes in two planes, as their blocks do: a nibble plane and a
+# 2-bit plane, 24 bytes per 32 values and row where one code a byte takes 32 (_operands joins them)
+PLANES = (QT.Q6_K,)
+
+
 def _kind(qtype: int) -> Kind:
     L = IL.LAYOUTS[qtype]
     assert L.values % 32 == 0, qtype
@@ -140,26 +147,28 @@ def _kind(qtype: int) -> Kind:
     halves = sorted({s.d for s in L.slots} | {s.m for s in L.slots if s.m is not None})
     assert not signed or qtype in WIDE, qtype
     return Kind(int(qtype), L.nbytes, L.values // 32, qtype in WIDE, umax < 16 and units == 1 and not signed,
-                signed, L.bias, units, L.offset, 127 if signed else umax, tuple(halves))
+                signed, L.bias, units, L.offset, 127 if signed else umax, tuple(halves), qtype in PLANES)
 
 
 KINDS: dict[int, Kind] = {int(qt): _kind(qt) for qt in TYPES}
 
 # Types whose panel is about the size of their GGUF blocks: Q4_0's nibbles and one f16 scale per 32
 # values, 18 bytes either way; Q4_K's nibbles and its block's scales unpacked to bytes (`compact`),
-# 148 bytes per 256 values where the block has 144. Their panels are packed once per weight
+# 148 bytes per 256 values where the block has 144; Q6_K's two planes and its d and int8 scales,
+# 210 bytes as its block. Their panels are packed once per weight
 # (`Panels`) and kept, and decode reads them too (`Kept`): one token or several, each token's row
 # the bits prefill gives it. Rows in lanes take one float step per 32 values for a whole panel of
 # rows, where the decode kernels (intdot) take four per pair of rows, so several tokens cost less
 # (Emerald Rapids, one core, 65536 x 2048 Q4_0 from RAM: 8 tokens 8.8 ms against 12.6, one token
 # 6.4 against 6.0 with f32 scales), and on a Zen 4 one token does too (one core, 8192 x 2048 and
 # 2048 x 8192 from RAM, tools/bench_kernels.py --intdot: Q4_K 28.8 and 25.8 GB/s against intdot's
-# 15.9 and 17.4; 8 tokens 0.91 ms against 1.77). The other types' panels grow (one code a byte
-# for 5 to 8 bits, or where each 16 values have a scale) and their products take int16
-# activations (WIDE), so their decode stays on intdot. (The generic ISA, which converts f16
-# through a table, keeps Q4_K's panels with f32 d * sc and -(dmin * mn), 192 bytes per 256 values:
-# 1.33x its blocks in memory, for decode bits the same as every other ISA's.)
-KEPT = frozenset({int(QT.Q4_0), int(QT.Q4_K)})
+# 15.9 and 17.4; 8 tokens 0.91 ms against 1.77; Q6_K 27.9 and 21.7 against 20.8 and 24.8, 8 tokens
+# 1.00 ms against 1.70 and 1.58: the wide shape, as ffn_down, reads slower from panels, the tall
+# one, as the output layer, faster). The other types' panels grow (one code a byte for 5 to 8
+# bits) and their products take int16 activations (WIDE), so their decode stays on intdot. (The
+# generic ISA, which converts f16 through a table, keeps f32 scales: Q4_K's panels take 192
+# bytes per 256 values, Q6_K's 256, for decode bits the same as every other ISA's.)
+KEPT = frozenset({int(QT.Q4_0), int(QT.Q4_K), int(QT.Q6_K)})
 
 
 # bytes ahead of a kept panel's codes to prefetch (its scales: intdot_ir.PREFETCH). Emerald Rapids, one
@@ -180,13 +189,34 @@ def compact(qtype: int, which: str) -> bool:
     in a byte (20 bytes, where the f32 d * sc and -(dmin * mn) of each 32 take 64), the tile
     forming d * sc and -(dmin * mn) in registers, the same f32 products the packer forms
     (Q4_K, KEPT, on an ISA that converts f16 in registers)."""
-    L = IL.LAYOUTS[qtype]
-    s0 = L.slots[0]
-    return (qtype in KEPT and L.values == 256 and not L.split and KINDS[qtype].nibbles and s0.mn != ()
-            and not s0.sc_bias and not s0.sc_int8 and intdot_ir.ISA_OPS[which].fpext)
+    return qtype in KEPT and qtype in COMPACT and intdot_ir.ISA_OPS[which].fpext
 
 
-CB = 20  # bytes of a compact panel's scales per 256 values and row: d, dmin (f16), 8 scales, 8 mins (u8)
+class Compact(NamedTuple):
+    """Where a compact panel keeps one K block's scales, per row, in units of the panel's rows P:
+    d (f16) at 0, dmin (f16) at 2P if `mins`, then a byte per slot's scale (int8 if `int8`),
+    then a byte per slot's min; `nbytes` * P bytes in all."""
+
+    slots: int  # scales per 256 values: 8 (one per 32) or 16 (one per 16)
+    mins: bool
+    int8: bool
+
+    @property
+    def nbytes(self) -> int:
+        return 2 + 2 * self.mins + self.slots * (1 + self.mins)
+
+    @property
+    def sc(self) -> int:
+        return 2 + 2 * self.mins
+
+
+def _compact(qtype) -> Compact:
+    s0 = IL.LAYOUTS[qtype].slots[0]
+    assert not s0.sc_bias and (s0.m is None) == (not s0.mn)
+    return Compact(len(IL.LAYOUTS[qtype].slots), s0.m is not None, s0.sc_int8)
+
+
+COMPACT = {int(qt): _compact(qt) for qt in (QT.Q4_K, QT.Q6_K)}  # Q4_K 20 bytes per 256 values and row, Q6_K 18
 
 _I8, _I16 = ir.IntType(8), ir.IntType(16)
 
@@ -369,6 +399,28 @@ def _operands(builder, k: Kind, v, g, lanes):
     return out
 
 
+def _plane_operands(builder, qb, u: int, L: int):
+    """A planes kind's (Q6_K's) multiplicands of unit u (values 16u..16u+15) of the block at qb: each
+    4 values' 6-bit codes, the nibble plane's low or high nibbles OR'd with the 2-bit plane's field
+    moved to bits 4-5, with its activations' offset (Kind.planes; _emit_pack lays the planes out)."""
+    vi = _vty(L)
+
+    def load(i):
+        return builder.load(_at(builder, qb, 4 * L * i, vi), align=4)
+
+    def mask(m):
+        return _vec(_I32, [m] * L)
+
+    out = []
+    for g in range(4 * u, 4 * u + 4):  # values 4g..4g+3
+        lo = builder.and_(builder.lshr(load(g % 4), _vec(_I32, [4 * (g // 4)] * L)), mask(0x0F0F0F0F))
+        s = 2 * (g // 2)  # the field's place in the 2-bit plane's bytes; to bits 4-5
+        two = load(4 + g % 2)
+        two = builder.shl(two, _vec(_I32, [4 - s] * L)) if s < 4 else builder.lshr(two, _vec(_I32, [s - 4] * L)) if s > 4 else two
+        out.append((builder.or_(lo, builder.and_(two, mask(0x30303030))), 4 * g))
+    return out
+
+
 def _emit_tile(builder, qtype: int, which: str, args, tokens: int | None = None) -> None:
     """One panel (shape.rows rows, one vector) times shape.nt tokens over all nb blocks,
     stored to out, with ISA `which`'s products. The float steps, per unit (a block of 32, or
@@ -403,7 +455,7 @@ def _emit_tile(builder, qtype: int, which: str, args, tokens: int | None = None)
     qb = builder.add(pq, builder.mul(b, c(4 * L * groups)))
     if qtype in KEPT:  # packed at load, so read from RAM: ask ahead, as the decode kernels do
         intdot_ir._prefetch(builder, [qb], c(KEPT_PREFETCH - intdot_ir.PREFETCH), 4 * L * groups)
-        dstep = 2 * L if half(qtype, which) else CB * L // 8 if compact(qtype, which) else 4 * L
+        dstep = 2 * L if half(qtype, which) else COMPACT[qtype].nbytes * L // 8 if compact(qtype, which) else 4 * L
         intdot_ir._prefetch(builder, [builder.add(pd, builder.mul(b, c(dstep)))], c(0), dstep)
     xrows = [builder.add(builder.add(xa, builder.mul(xs, c(t))), builder.mul(b, c(64 if wide else 32)))
              for t in range(nt)]
@@ -420,9 +472,11 @@ def _emit_tile(builder, qtype: int, which: str, args, tokens: int | None = None)
         else:
             totals = [ir.Constant(vi, None)] * nt
         operands = []
-        for g in range(u * per, (u + 1) * per):
+        for g in range(u * per, (u + 1) * per) if not k.planes else ():
             v = builder.load(_at(builder, qb, 4 * L * g, vi), align=4)
             operands += _operands(builder, k, v, g, L)
+        if k.planes:
+            operands = _plane_operands(builder, qb, u, L)
         chains = mac.chains if len(operands) >= 8 and not wide else 1
         step = len(operands) if wide or chains > 1 else k.operands  # i32 chains need no 16-bit bound
         for o in range(0, len(operands), step):  # partial sums chained through each ISA's begin/end
@@ -437,8 +491,8 @@ def _emit_tile(builder, qtype: int, which: str, args, tokens: int | None = None)
         if half(qtype, which):  # f16 scales (KEPT), exact in f32
             h = builder.load(_at(builder, builder.add(pd, builder.mul(b, c(2 * L))), 0, _vty(L, _I16)), align=2)
             d = builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), L)), vf)
-        elif compact(qtype, which):  # d * sc and -(dmin * mn) of this 32 of its K block, as the packer forms them
-            d, mw = _compact_scales(builder, pd, b, L)
+        elif compact(qtype, which):  # d * sc and -(dmin * mn) of this unit of its K block, as the packer forms them
+            d, mw = _compact_scales(builder, COMPACT[qtype], pd, b, u, units, L)
         else:
             d = builder.load(_at(builder, builder.add(pd, at), 4 * L * u, vf), align=4)
         new = [builder.call(fma, [builder.fmul(builder.sitofp(totals[t], vf), _splat(builder, dxs[t], vf)), d, new[t]])
@@ -467,23 +521,25 @@ def _emit_tile(builder, qtype: int, which: str, args, tokens: int | None = None)
             builder.call(store, [new[t], p, ir.Constant(_I32, 4), valid])
 
 
-def _compact_scales(builder, pd, b, L: int):
-    """Block b of 32 (of a compact panel, `compact`): (d * sc, -(dmin * mn)) of its L rows, <L x f32>
-    each, from the scales of its K block: d at 0, dmin at 2L, sc of 32-block j at 4L + jL, mn at
-    12L + jL (bytes, L rows each)."""
+def _compact_scales(builder, cp: Compact, pd, b, u: int, units: int, L: int):
+    """Unit u of block b of 32 (of a compact panel, `compact`, `Compact`): (d * sc, -(dmin * mn) or
+    None) of its L rows, <L x f32> each, from the scales of its K block."""
     vf, c = _vty(L, _F32), (lambda v: ir.Constant(_I64, v))
-    base = builder.add(pd, builder.mul(builder.lshr(b, c(3)), c(CB * L)))
-    j = builder.mul(builder.and_(b, c(7)), c(L))
+    base = builder.add(pd, builder.mul(builder.lshr(b, c(3)), c(cp.nbytes * L)))
+    j = builder.mul(builder.add(builder.mul(builder.and_(b, c(7)), c(units)), c(u)), c(L))  # the slot's row of bytes
 
     def f16(off):
         h = builder.load(_at(builder, base, off, _vty(L, _I16)), align=2)
         return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), L)), vf)
 
-    def byte(off):
+    def byte(off, signed):
         v = builder.load(_at(builder, builder.add(base, j), off, _vty(L, _I8)), align=1)
-        return builder.uitofp(v, vf)
+        return builder.sitofp(v, vf) if signed else builder.uitofp(v, vf)
 
-    return builder.fmul(f16(0), byte(4 * L)), builder.fneg(builder.fmul(f16(2 * L), byte(12 * L)))
+    d = builder.fmul(f16(0), byte(cp.sc * L, cp.int8))
+    if not cp.mins:
+        return d, None
+    return d, builder.fneg(builder.fmul(f16(2 * L), byte((cp.sc + cp.slots) * L, False)))
 
 
 def _emitted(kind, which, emit, nargs: int):
@@ -532,7 +588,7 @@ def _emit_pack(builder, qtype: int, which: str, args) -> None:
         store(pd, 0, intdot_ir._load(builder, src, L.chunks[0].lo.d, _I16), builder.mul(P, ir.Constant(_I64, 2)))
         ws, wm = [], None
     elif compact(qtype, which):  # pd: this block's scale bytes in the panel, pm: the row (`compact`)
-        _pack_compact(builder, em, src, pd, pm, P)
+        _pack_compact(builder, em, COMPACT[qtype], src, pd, pm, P)
         ws, wm = [], None
     elif L.values == 32:
         ch = L.chunks[0]
@@ -548,7 +604,19 @@ def _emit_pack(builder, qtype: int, which: str, args) -> None:
         store(pm, j, v)
     for c, ch in enumerate(L.chunks):
         u = em.chunk(src, ch)  # <32 x i8>: unsigned codes, int8 (Q8_0) or the code book's values (IQ4)
-        if k.nibbles:
+        if k.planes:  # 16 bytes of nibbles as below, then 8 of 2-bit fields: byte k holds values k, 8+k, 16+k, 24+k
+            nib = builder.and_(u, _vec(_I8, [15] * 32))
+            top = builder.lshr(u, _vec(_I8, [4] * 32))
+            lo = builder.shuffle_vector(nib, nib, _vec(_I32, range(16)))
+            hi = builder.shuffle_vector(nib, nib, _vec(_I32, range(16, 32)))
+            two = builder.shuffle_vector(top, top, _vec(_I32, range(8)))
+            for f in range(1, 4):
+                two = builder.or_(two, builder.shl(builder.shuffle_vector(top, top, _vec(_I32, range(8 * f, 8 * f + 8))),
+                                                   _vec(_I8, [2 * f] * 8)))
+            both = builder.or_(lo, builder.shl(hi, _vec(_I8, [4] * 16)))
+            u = builder.shuffle_vector(both, builder.shuffle_vector(two, two, _vec(_I32, list(range(8)) + [0] * 8)),
+                                       _vec(_I32, list(range(16)) + list(range(16, 24))))
+        elif k.nibbles:
             lo = builder.shuffle_vector(u, u, _vec(_I32, range(16)))
             hi = builder.shuffle_vector(u, u, _vec(_I32, range(16, 32)))
             u = builder.or_(lo, builder.shl(hi, _vec(_I8, [4] * 16)))
@@ -557,21 +625,18 @@ def _emit_pack(builder, qtype: int, which: str, args) -> None:
             store(pq, c * k.groups + g, builder.extract_element(words, ir.Constant(_I32, g)))
 
 
-def _pack_compact(builder, em, src, pd, row, P) -> None:
-    """A K block's scales into its compact panel entry (`_compact_scales` reads them) for one row."""
+def _pack_compact(builder, em, cp: Compact, src, pd, row, P) -> None:
+    """A K block's scales into its compact panel entry (`Compact`, `_compact_scales`) for one row."""
     L, c = em.layout, (lambda v: ir.Constant(_I64, v))
     s0 = L.slots[0]
-
-    def put(off, v):
-        builder.store(v, _at(builder, builder.add(builder.add(pd, off), row), 0, v.type), align=1)
-
-    for k, f in enumerate((s0.d, s0.m)):  # f16 at pd + 2 k P + 2 row
+    for k, f in enumerate((s0.d, s0.m) if cp.mins else (s0.d,)):  # f16 at pd + 2 k P + 2 row
         h = intdot_ir._load(builder, src, f, _I16)
         builder.store(h, _at(builder, builder.add(builder.add(pd, builder.mul(P, c(2 * k))), builder.mul(row, c(2))), 0, _I16),
                       align=2)
-    ints = em.slot_ints(src, [s.sc for s in L.slots] + [s.mn for s in L.slots], False)
-    for j in range(16):  # sc of 32-block j at 4P + jP, its mn at 12P + jP
-        put(builder.mul(P, c(4 + j)), builder.trunc(builder.extract_element(ints, ir.Constant(_I32, j)), _I8))
+    ints = em.slot_ints(src, [s.sc for s in L.slots] + ([s.mn for s in L.slots] if cp.mins else []), cp.int8)
+    for j in range(ints.type.count):  # slot j's scale, then each slot's min, a row of P bytes each
+        at = builder.add(builder.add(pd, builder.mul(P, c(cp.sc + j))), row)
+        builder.store(builder.trunc(builder.extract_element(ints, ir.Constant(_I32, j)), _I8), _at(builder, at, 0, _I8), align=1)
 
 
 @intrinsic
@@ -666,6 +731,7 @@ def _packer(qtype: int, which: str):
     KIND, BSZ, SUB, GROUPS, UNITS = qtype, k.nbytes, k.sub, k.groups, k.units
     DB = 2 if half(qtype, which) else 4
     PACKED = compact(qtype, which)
+    CBYTES = COMPACT[qtype].nbytes if PACKED else 0
 
     @njit(parallel=True, **_OPTS)
     def pack(w, tab, pq, pd, pm):
@@ -678,7 +744,7 @@ def _packer(qtype: int, which: str):
                 for kb in range(nblk):
                     at = kb * SUB * UNITS * P + i
                     if PACKED:  # the block's scale bytes, and the row (_pack_compact)
-                        sd, sm = b + kb * CB * P, i
+                        sd, sm = b + kb * CBYTES * P, i
                     else:
                         sd, sm = b + at * DB, c + at * 4
                     _pack_block(KIND, which, src + kb * BSZ, a + (kb * SUB * GROUPS * P + i) * 4, sd, sm, P,
@@ -695,7 +761,7 @@ def pack(qtype: int, data: np.ndarray, tab: np.ndarray, which: str | None = None
     n = -(-rows // P)
     q = np.empty((n, nb * k.groups * P), np.uint32)
     if compact(qtype, which):
-        d, m = np.empty((n, nb // k.sub * CB * P), np.uint8), np.empty((n, 1), np.float32)
+        d, m = np.empty((n, nb // k.sub * COMPACT[qtype].nbytes * P), np.uint8), np.empty((n, 1), np.float32)
     else:
         d = np.empty((n, nb * k.units * P), np.uint16 if half(qtype, which) else np.float32)
         m = np.empty((n, nb * k.units * P if k.offset else 1), np.float32)

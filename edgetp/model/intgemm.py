@@ -27,10 +27,11 @@ block for all rows: sum = fma(float(acc) * dx[t, b], d[b], sum).
 Kept panels (KEPT: Q4_0, Q4_K, Q6_K). A type whose panel is about as large as its GGUF blocks is
 packed once per weight (`pack`, `Panels`; where the ISA converts f16 in registers, Q4_0's scales
 stay f16 and the K-quants' stay as their blocks have them, d (and dmin) in f16 and a byte per
-scale (and min): `compact`) and decode reads the panels too (`Kept`): one token or several, in tiles of exactly that many tokens
-(`_tile_n`), each token's row the float steps above whatever tile holds it. So a token's products
-are the same bits in decode, in a batched decode step and in prefill, and a batch of decode
-tokens costs one float step per 32 values for a whole panel of rows.
+scale (and min): `compact`) and decode reads the panels too (`Kept`): one token or several, in
+tiles of exactly that many tokens (`_tile_n`), each token's row the float steps above whatever
+tile holds it. So a token's products are the same bits in decode, in a batched decode step and
+in prefill, and a batch of decode tokens costs one float step per 32 values (per 16 where a type
+scales each 16) for a whole panel of rows.
 
 The tile is written once (`_emit_tile`); an ISA only says how its lanes multiply
 (`_Mac` and its subclasses, `ISA_TILES`):
@@ -134,7 +135,7 @@ TYPES = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q2_K, QT.Q3_K, QT.Q4_K,
 
 
 # 6-bit types whose panels hold their codes in two planes, as their blocks do: a nibble plane and a
-# 2-bit plane, 24 bytes per 32 values and row where one code a byte takes 32 (_operands joins them)
+# 2-bit plane, 24 bytes per 32 values and row where one code a byte takes 32 (_plane_operands joins them)
 PLANES = (QT.Q6_K,)
 
 
@@ -184,11 +185,12 @@ def half(qtype: int, which: str) -> bool:
 
 
 def compact(qtype: int, which: str) -> bool:
-    """Whether qtype's panels keep a K-quant block's scales as the block has them, unpacked on
-    ISA `which`: per 256 values and row, f16 d and dmin and each 32 values' 6-bit scale and min
-    in a byte (20 bytes, where the f32 d * sc and -(dmin * mn) of each 32 take 64), the tile
-    forming d * sc and -(dmin * mn) in registers, the same f32 products the packer forms
-    (Q4_K, KEPT, on an ISA that converts f16 in registers)."""
+    """Whether qtype's panels keep a K-quant block's scales as the block has them, unpacked, on
+    ISA `which` (`Compact`): per 256 values and row, Q4_K's f16 d and dmin and a byte per 6-bit
+    scale and min (20 bytes, where f32 d * sc and -(dmin * mn) per 32 take 64), Q6_K's f16 d and
+    16 int8 scales (18, where f32 d * sc per 16 take 64). The tile forms d * sc and -(dmin * mn)
+    in registers, the same f32 products the packer forms otherwise. Q4_K and Q6_K (KEPT), on an
+    ISA that converts f16 in registers."""
     return qtype in KEPT and qtype in COMPACT and intdot_ir.ISA_OPS[which].fpext
 
 

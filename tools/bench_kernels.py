@@ -108,7 +108,7 @@ def bench_intdot(types: list[str], threads: list[int]) -> None:
                     hot = _time(lambda: intdot.matvec(qt, base, xr, out))
                     cold = _time(lambda: intdot.matvec(qt, ws[next(it) % len(ws)], xr, out))
                     row += f"  int hot {base.nbytes / hot / 1e9:6.2f} cold {base.nbytes / cold / 1e9:6.2f} GB/s"
-                if intgemm.kept(int(qt)):  # the kept panels (Q4_0, Q4_K, Q6_K): one token, then 8 beside intdot's several-token kernel
+                if intgemm.kept(int(qt)):  # kept panels (Q4_0, Q4_K, Q6_K): one token, then 8 beside intdot's several
                     row += _kept_columns(int(qt), ws, x, out, nt == 1, rng)
                 if int(qt) in Q.SUPPORTED:  # quant.matvec on its float kernels (EDGETP_INT8=0)
                     wq = [Q.Weight(int(qt), rows, cols, w) for w in ws]

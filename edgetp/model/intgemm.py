@@ -418,7 +418,10 @@ def _plane_operands(builder, qb, u: int, L: int):
         lo = builder.and_(builder.lshr(load(g % 4), _vec(_I32, [4 * (g // 4)] * L)), mask(0x0F0F0F0F))
         s = 2 * (g // 2)  # the field's place in the 2-bit plane's bytes; to bits 4-5
         two = load(4 + g % 2)
-        two = builder.shl(two, _vec(_I32, [4 - s] * L)) if s < 4 else builder.lshr(two, _vec(_I32, [s - 4] * L)) if s > 4 else two
+        if s < 4:
+            two = builder.shl(two, _vec(_I32, [4 - s] * L))
+        elif s > 4:
+            two = builder.lshr(two, _vec(_I32, [s - 4] * L))
         out.append((builder.or_(lo, builder.and_(two, mask(0x30303030))), 4 * g))
     return out
 
@@ -632,13 +635,13 @@ def _pack_compact(builder, em, cp: Compact, src, pd, row, P) -> None:
     L, c = em.layout, (lambda v: ir.Constant(_I64, v))
     s0 = L.slots[0]
     for k, f in enumerate((s0.d, s0.m) if cp.mins else (s0.d,)):  # f16 at pd + 2 k P + 2 row
-        h = intdot_ir._load(builder, src, f, _I16)
-        builder.store(h, _at(builder, builder.add(builder.add(pd, builder.mul(P, c(2 * k))), builder.mul(row, c(2))), 0, _I16),
-                      align=2)
+        at = builder.add(builder.add(pd, builder.mul(P, c(2 * k))), builder.mul(row, c(2)))
+        builder.store(intdot_ir._load(builder, src, f, _I16), _at(builder, at, 0, _I16), align=2)
     ints = em.slot_ints(src, [s.sc for s in L.slots] + ([s.mn for s in L.slots] if cp.mins else []), cp.int8)
     for j in range(ints.type.count):  # slot j's scale, then each slot's min, a row of P bytes each
         at = builder.add(builder.add(pd, builder.mul(P, c(cp.sc + j))), row)
-        builder.store(builder.trunc(builder.extract_element(ints, ir.Constant(_I32, j)), _I8), _at(builder, at, 0, _I8), align=1)
+        v = builder.trunc(builder.extract_element(ints, ir.Constant(_I32, j)), _I8)
+        builder.store(v, _at(builder, at, 0, _I8), align=1)
 
 
 @intrinsic

@@ -31,6 +31,7 @@ DEFAULT_CONFIG_PATH = Path("/etc/edgetp/edgetp.toml")
 ENV_PREFIX = "EDGETP_"
 # EDGETP_ variables that are not settings (read elsewhere): not reported as unknown.
 OTHER_ENV = frozenset({"EDGETP_CONFIG", "EDGETP_LINK_MODE", "EDGETP_URL", "EDGETP_API_KEY",  # clients
+                       "EDGETP_SPIN_US",  # the all-reduce's receives (edgetp.net.link.spin_ns)
                        "EDGETP_INT8", "EDGETP_ISA",  # the kernels (edgetp.model.quant, edgetp.model.isa)
                        "EDGETP_TEST_CHILD_TIMEOUT"})  # the test suite's child processes (tools/arm64_testbed.sh)
 SYNC_TYPES = ("f32", "q8_0")

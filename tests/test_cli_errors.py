@@ -222,3 +222,10 @@ def test_a_node_id_already_on_the_network_is_refused_in_one_line(stories_path, t
     finally:
         stop(first)
     assert_one_line_error(result, repr(node_id), "already on the network", "--node-id")
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "1000001", "2.5"])
+def test_a_bad_receive_polling_time_is_one_line_for_each_command(value):
+    for args in (("worker", "--listen", "127.0.0.1:0"), ("serve", "--model", "none"), ("ask", "--local", "hi")):
+        assert_one_line_error(edgetp(*args, env={"EDGETP_SPIN_US": value}, timeout=60), "EDGETP_SPIN_US",
+                              "0 to 1000000", repr(value))

@@ -109,3 +109,14 @@ def test_a_worker_left_out_is_told_why_with_the_cheapest_plan_that_has_it():
     cheapest_with_a = min((c for c in found if "a" in {n.node_id for n in c.plan.nodes}),
                           key=lambda c: c.batch.step_s)
     assert f"{cheapest_with_a.batch.step_s * 1e3:.1f} ms" in why and f"{best.batch.step_s * 1e3:.1f} ms" in why
+
+
+def test_a_measured_all_reduce_round_stands_for_the_round_trip_its_bytes_and_the_message_cost():
+    # one f32 row is what the round carried: more rows add their bytes each way, q8_0 takes its saving off
+    oh = cost.Overheads()
+    measured = cost.LinkCost(rtt_s=170e-6, bytes_per_s=1e9, round_s=15e-6)
+    assert measured.all_reduce(1, 2048, "f32", oh) == pytest.approx(15e-6)
+    assert measured.all_reduce(4, 2048, "f32", oh) == pytest.approx(15e-6 + 2 * 2048 * 3 * 4 / 1e9)
+    assert measured.all_reduce(1, 2048, "q8_0", oh) == pytest.approx(15e-6 - 2 * 2048 * (4 - 34 / 32) / 1e9)
+    asyncio_only = cost.LinkCost(rtt_s=4e-3, bytes_per_s=12.5e6)
+    assert asyncio_only.all_reduce(2, 576, "f32", oh) == pytest.approx(4e-3 + 2 * 2 * 576 * 4 / 12.5e6 + oh.message_s)

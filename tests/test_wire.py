@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from edgetp.net.frames import PREFIX, FrameType, encode_frame, send_frame
-from edgetp.net.link import Link, LinkClosed
+from edgetp.net.link import SPIN_US, Link, LinkClosed, SpinError, spin_ns
 
 KEY = bytes(range(32))
 
@@ -224,3 +224,76 @@ def test_q8_0_frames_decode_as_gguf_py_decodes_the_blocks_and_encoded_bytes_go_a
     link.send_bytes_blocking(FrameType.PARTIAL, memoryview(blocks).cast("B"))
     want = b"".join(bytes(p) for p in encode_frame(FrameType.PARTIAL, {}, blocks.tobytes()))
     assert read_all(b, len(want)) == want
+
+
+# ---------------------------------------------------------------- polling before the kernel's wait
+
+
+@pytest.fixture
+def spin(monkeypatch):
+    """spin(us): links made from now on poll their all-reduce receives for `us` µs (EDGETP_SPIN_US)."""
+
+    def set_to(us: int) -> None:
+        monkeypatch.setenv("EDGETP_SPIN_US", str(us))
+        spin_ns.cache_clear()
+
+    yield set_to
+    spin_ns.cache_clear()
+
+
+def _received_after(delay: float, sealed: bool) -> tuple[np.ndarray, float, float]:
+    """A PARTIAL sent `delay` s after the receive starts: the values taken, the receiving thread's CPU
+    seconds and the wall seconds of the receive."""
+    a, b = tcp_pair()
+    keys = (KEY, KEY[::-1]) if sealed else None
+    link, peer_link = blocking(a, "worker", keys=keys), blocking(b, "root", keys=keys[::-1] if keys else None)
+    part = np.arange(32, dtype=np.float32).reshape(1, 32)
+    dst = np.zeros((1, 32), np.float32)
+    sender = threading.Timer(delay, peer_link.send_values_blocking, (FrameType.PARTIAL, part))
+    try:
+        c0, t0 = time.thread_time(), time.monotonic()
+        sender.start()
+        link.recv_values_blocking(FrameType.PARTIAL, dst, add=True)
+        return dst - part, time.thread_time() - c0, time.monotonic() - t0
+    finally:
+        sender.join(10)
+        link.close()
+        peer_link.close()
+
+
+def test_the_setting_is_read_and_checked_as_the_commands_check_it(monkeypatch):
+    assert spin_ns("") == SPIN_US * 1000 and spin_ns("0") == 0 and spin_ns(" 350 ") == 350_000
+    for bad in ("abc", "-1", "1000001", "2.5"):
+        with pytest.raises(SpinError, match=f"EDGETP_SPIN_US must be a whole number of microseconds from 0 to 1000000, got '{bad}'"):
+            spin_ns(bad)
+
+
+@pytest.mark.parametrize("sealed", [False, True])
+def test_a_receive_polls_while_the_frame_is_on_its_way_and_waits_in_the_kernel_without_polling(spin, sealed):
+    # the polling thread keeps its core (its CPU time grows with the wait); waiting in the kernel costs
+    # none. Either way the frame comes whole.
+    spin(1_000_000)
+    off, cpu, wall = _received_after(0.3, sealed)
+    assert not off.any() and wall >= 0.25
+    assert cpu >= 0.02, f"{cpu:.4f} s of CPU in a 0.3 s wait: the receive did not poll"
+    spin(0)
+    off, cpu, wall = _received_after(0.3, sealed)
+    assert not off.any() and wall >= 0.25
+    assert cpu < 0.02, f"{cpu:.4f} s of CPU in a 0.3 s wait: the receive polled"
+
+
+@pytest.mark.parametrize("sealed", [False, True])
+def test_polling_stops_after_its_time_and_the_frame_still_comes_from_the_kernels_wait(spin, sealed):
+    spin(30_000)  # 30 ms, then the kernel's wait for the rest of 0.5 s
+    off, cpu, wall = _received_after(0.5, sealed)
+    assert not off.any() and wall >= 0.45
+    assert cpu < 0.2, f"{cpu:.4f} s of CPU in a 0.5 s wait: polling went on past its 30 ms"
+
+
+def test_a_receive_that_polls_still_gives_up_after_the_links_timeout(spin, peer):
+    spin(200_000)
+    link, b = peer(1.0)
+    t0 = time.monotonic()
+    with pytest.raises(LinkClosed, match="link worker: no frame within 1 s"):
+        link.recv_values_blocking(FrameType.PARTIAL, np.zeros((1, 8), np.float32), add=True)
+    assert 0.9 <= time.monotonic() - t0 < 5

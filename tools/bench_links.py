@@ -78,7 +78,7 @@ def start_relay(procs: Procs, to: str, profile: str | None, rate_mbit: float | N
 
 
 def links_of(runner: ClusterRunner) -> dict[str, cost.LinkCost]:
-    return {n.node_id: cost.LinkCost(n.rtt_ms / 1e3, max(n.mbps, 1e-3) * 1e6 / 8) for n in runner.nodes[1:]}
+    return {n.node_id: n.link_cost() for n in runner.nodes[1:]}
 
 
 def batch_tok_s(runner: ClusterRunner, prompt: list[int], streams: int, steps: int, limit: float) -> float:

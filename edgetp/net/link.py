@@ -61,6 +61,8 @@ class LinkClosed(ConnectionError):
 
 
 PROBE_BYTES = 512 * 1024  # payload of each throughput probe (measure)
+HOT_ROUNDS = 64  # all-reduce rounds timed by measure_rounds (tens of microseconds each on a LAN)
+MAX_ROUNDS = 1024  # the most a peer echoes for one PING
 
 
 @dataclass(frozen=True)
@@ -239,6 +241,37 @@ class Link:
         self.stats = LinkStats(self.rtt * 1e3, float(np.percentile(samples, 90)) * 1e3, best)
         return self.stats
 
+    async def measure_rounds(self, cols: int, rounds: int = HOT_ROUNDS) -> float:
+        """Median seconds of an all-reduce round as a generation runs it: a (1, cols) f32 frame each
+        way, both ends in blocking mode on their compute threads (compiled receives that poll, or
+        sealed frames), after a PING asking the peer to echo (`echo_rounds`). The event loop's own
+        hops, which a PING's round trip carries, are not in it."""
+        await self.send(FrameType.PING, {"rounds": rounds, "cols": cols})
+        self.enter_blocking()
+        try:
+            took = await asyncio.to_thread(self._rounds, cols, rounds)
+        finally:
+            if not self.closed:
+                self.leave_blocking()
+        await self.expect(FrameType.PONG)
+        return took
+
+    def _rounds(self, cols: int, rounds: int) -> float:
+        x, samples = np.ones((1, cols), np.float32), []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            self.send_values_blocking(FrameType.PARTIAL, x)
+            self.recv_values_blocking(FrameType.REDUCED, x, add=False)
+            samples.append(time.perf_counter() - t0)
+        return float(np.median(samples))
+
+    def echo_rounds(self, cols: int, rounds: int) -> None:
+        """The peer's side of measure_rounds, in blocking mode on a thread: each frame sent back."""
+        x = np.empty((1, cols), np.float32)
+        for _ in range(rounds):
+            self.recv_values_blocking(FrameType.PARTIAL, x, add=False)
+            self.send_values_blocking(FrameType.REDUCED, x)
+
     async def ping(self, count: int = 5) -> float:
         """Median round-trip time of `count` PING/PONG exchanges, in seconds."""
         samples = []
@@ -340,6 +373,7 @@ class Link:
         type is refused as recv_blocking refuses it; one of this type but another size is handed on
         (the caller checks the size it needs)."""
         bare = self._bare_of(ftype, plen)
+        _poll(self.sock, spin_ns())
         got = self._received(frames.recv_bare, bare)
         if isinstance(got, Frame):
             return self._check(got, ftype).payload
@@ -440,7 +474,7 @@ class Link:
         """The compiled path's buffers for frames of ftype and a plen-byte payload, made at the
         first use; _SEALED where frames take the Python way (sealed, or no compiled path here)."""
         sealed = self._tx is not None or not wire_available()
-        bufs = _SEALED if sealed else _wire().Buffers(self._bare_of(ftype, plen).head, plen)
+        bufs = _SEALED if sealed else _wire().Buffers(self._bare_of(ftype, plen).head, plen, spin_ns())
         self._wire[(ftype, plen)] = bufs
         return bufs
 
@@ -502,6 +536,31 @@ class Link:
 
 _SEALED = object()  # Link._wire's mark: this kind of frame goes through frames.py (Python)
 
+# How long a compute thread polls its socket for an all-reduce frame before it waits in the kernel
+# (net/wire.py): a wait there costs the wake-up of a sleeping thread (of an idle vCPU in a VM), which
+# was half of a loopback all-reduce here (tools/bench_allreduce.py). The poll yields the core between
+# tries, so a peer process that shares the core still gets it. EDGETP_SPIN_US sets it (0: wait at once).
+SPIN_US = 200
+
+
+class SpinError(ValueError):
+    """EDGETP_SPIN_US is not a whole number of microseconds from 0 to 1000000."""
+
+
+@functools.cache
+def spin_ns(text: str | None = None) -> int:
+    """The polling time of an all-reduce receive, ns: EDGETP_SPIN_US's (or text's), else SPIN_US's."""
+    text = os.environ.get("EDGETP_SPIN_US") if text is None else text
+    if text is None or not text.strip():
+        return SPIN_US * 1000
+    try:
+        us = int(text.strip())
+    except ValueError:
+        us = -1
+    if not 0 <= us <= 1_000_000:
+        raise SpinError(f"EDGETP_SPIN_US must be a whole number of microseconds from 0 to 1000000, got {text!r}")
+    return us * 1000
+
 
 @functools.cache
 def _wire():
@@ -518,6 +577,22 @@ def _quant():
     from edgetp.model import quant  # noqa: PLC0415
 
     return quant
+
+
+def _poll(sock: socket.socket, ns: int) -> None:
+    """Return once sock has bytes to read (or has closed), or after ns: net/wire.py's poll for the
+    frames that Python receives (sealed ones), the core yielded between tries."""
+    until = time.perf_counter_ns() + ns
+    while ns:
+        try:
+            sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            return
+        except (BlockingIOError, InterruptedError):
+            if time.perf_counter_ns() >= until:
+                return
+            os.sched_yield()
+        except OSError:
+            return  # the receive itself reports it
 
 
 def wire_available() -> bool:

@@ -34,7 +34,9 @@ from edgetp.model.vnni import _I32, _I64, _decl
 OK, CLOSED, NOT_OURS, BAD_HEADER = 0, 1, 2, 3
 HEAD = 17  # a bare frame's 16-byte prefix and its empty header
 EMPTY_MAP = 0x80  # msgpack's {}: the one-byte header of every bare frame
-MSG_NOSIGNAL = 0x4000  # Linux's: libc's recv, send and __errno_location by those names (link.wire_available)
+# Linux's (x86-64 and aarch64 alike): libc's recv, send, sched_yield, clock_gettime and
+# __errno_location by those names (link.wire_available)
+MSG_NOSIGNAL, MSG_DONTWAIT, EAGAIN, CLOCK_MONOTONIC = 0x4000, 0x40, 11, 1
 
 _PTR = ir.IntType(8).as_pointer()
 
@@ -58,15 +60,56 @@ def _syscall(name: str, flags: int):
 
 
 _recv = _syscall("recv", 0)
+_recv_now = _syscall("recv", MSG_DONTWAIT)  # -EAGAIN at once when nothing has come
 _send = _syscall("send", MSG_NOSIGNAL)
 
 
+@intrinsic
+def _now_ns(typingctx):
+    """clock_gettime(CLOCK_MONOTONIC) in nanoseconds (the vDSO's: no system call)."""
+
+    def codegen(context, builder, signature, args):
+        ts = builder.alloca(ir.ArrayType(_I64, 2))
+        fn = _decl(builder.module, "clock_gettime", _I32, [_I32, _PTR])
+        builder.call(fn, [ir.Constant(_I32, CLOCK_MONOTONIC), builder.bitcast(ts, _PTR)])
+        zero = ir.Constant(_I32, 0)
+        sec = builder.load(builder.gep(ts, [zero, zero]))
+        nsec = builder.load(builder.gep(ts, [zero, ir.Constant(_I32, 1)]))
+        return builder.add(builder.mul(sec, ir.Constant(_I64, 1_000_000_000)), nsec)
+
+    return types.int64(), codegen
+
+
+@intrinsic
+def _yield(typingctx):
+    """sched_yield(): the core goes to any other thread that is ready to run on it."""
+
+    def codegen(context, builder, signature, args):
+        builder.call(_decl(builder.module, "sched_yield", _I32, []), [])
+        return ir.Constant(_I64, 0)
+
+    return types.int64(), codegen
+
+
 @njit(cache=True, nogil=True)
-def _fill(fd, buf, state, k):
-    # buf's bytes from state[k] on; OK, CLOSED (nothing more will come) or -errno
+def _fill(fd, buf, state, k, spin):
+    # buf's bytes from state[k] on; OK, CLOSED (nothing more will come) or -errno. For the first
+    # `spin` ns the socket is polled (yielding the core between polls), then waited on: a wait in
+    # the kernel costs the wake-up of a sleeping thread (and, in a VM, of an idle vCPU) on top of
+    # the round trip, several times a loopback round trip's own cost (tools/bench_allreduce.py)
     n = buf.shape[0]
+    until = _now_ns() + spin if spin > 0 else 0
     while state[k] < n:
-        got = _recv(fd, buf.ctypes.data + state[k], n - state[k])
+        if until:
+            got = _recv_now(fd, buf.ctypes.data + state[k], n - state[k])
+            if got == -EAGAIN:
+                if _now_ns() >= until:
+                    until = 0
+                else:
+                    _yield()
+                continue
+        else:
+            got = _recv(fd, buf.ctypes.data + state[k], n - state[k])
         if got == 0:
             return CLOSED
         if got < 0:
@@ -77,9 +120,9 @@ def _fill(fd, buf, state, k):
 
 # A kind of frame's buffers, one uint8 array a direction (few arguments: numba's dispatch costs
 # per argument, and this runs twice a layer): to receive, the expected prefix, the prefix that
-# came, the progress (two int64: bytes of prefix and of body) and the body; to send, the progress
-# (one int64) and the frame itself, head then values.
-RX_EXPECT, RX_PREFIX, RX_STATE, RX_BODY = 0, 16, 32, 48
+# came, the progress (two int64: bytes of prefix and of body), how long to poll before waiting (one
+# int64, ns) and the body; to send, the progress (one int64) and the frame itself, head then values.
+RX_EXPECT, RX_PREFIX, RX_STATE, RX_SPIN, RX_BODY = 0, 16, 32, 48, 56
 TX_STATE, TX_FRAME = 0, 8
 
 
@@ -87,17 +130,18 @@ TX_STATE, TX_FRAME = 0, 8
 def _frame(fd, rx, resume):
     # rx's frame: the prefix compared, the body received, its header checked (OK, CLOSED, NOT_OURS,
     # BAD_HEADER or -errno)
-    state = rx[RX_STATE:RX_BODY].view(np.int64)
+    state = rx[RX_STATE:RX_SPIN].view(np.int64)
+    spin = rx[RX_SPIN:RX_BODY].view(np.int64)[0]
     if not resume:
         state[0] = 0
         state[1] = 0
-    got = _fill(fd, rx[RX_PREFIX:RX_STATE], state, 0)
+    got = _fill(fd, rx[RX_PREFIX:RX_STATE], state, 0, spin)
     if got != OK:
         return got
     for i in range(16):
         if rx[RX_PREFIX + i] != rx[RX_EXPECT + i]:
             return NOT_OURS
-    got = _fill(fd, rx[RX_BODY:], state, 1)
+    got = _fill(fd, rx[RX_BODY:], state, 1, spin)
     if got != OK:
         return got
     return OK if rx[RX_BODY] == EMPTY_MAP else BAD_HEADER
@@ -171,14 +215,18 @@ def send_values(fd, tx, src, resume):
 
 
 class Buffers:
-    """One kind of bare frame's buffers on a link (head: its 17 bytes before the plen-byte payload)."""
+    """One kind of bare frame's buffers on a link (head: its 17 bytes before the plen-byte payload;
+    spin_ns: how long a receive polls before it waits in the kernel, 0 to wait at once)."""
 
-    def __init__(self, head: bytes, plen: int) -> None:
+    def __init__(self, head: bytes, plen: int, spin_ns: int = 0) -> None:
         if len(head) != HEAD:
             raise ValueError(f"a bare frame's head is {HEAD} bytes, got {len(head)}")
+        if spin_ns < 0:
+            raise ValueError(f"a receive's polling time must be >= 0 ns, got {spin_ns}")
         self.size = HEAD + plen  # bytes of the frame
         self.rx = np.zeros(RX_BODY + 1 + plen, np.uint8)
         self.rx[RX_EXPECT:RX_EXPECT + 16] = np.frombuffer(head[:16], np.uint8)
+        self.rx[RX_SPIN:RX_BODY].view(np.int64)[0] = spin_ns
         self.tx = np.zeros(TX_FRAME + self.size, np.uint8)
         self.tx[TX_FRAME:TX_FRAME + HEAD] = np.frombuffer(head, np.uint8)
 
@@ -190,4 +238,4 @@ class Buffers:
     @property
     def started(self) -> bool:
         """Some of a frame had come when the receive stopped."""
-        return bool(self.rx[RX_STATE:RX_BODY].view(np.int64).any())
+        return bool(self.rx[RX_STATE:RX_SPIN].view(np.int64).any())

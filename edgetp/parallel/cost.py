@@ -14,7 +14,10 @@ each worker and a few per-message constants. A step carries `rows` tokens
     sync of stage k      a stage of several nodes all-reduces twice per layer
                          through the root: 2 * L_k * max over its workers of
                          (rtt + 2 * b * dim * sync_bytes / throughput + message),
-                         plus one round trip for the STEP out and the answers back
+                         plus one round trip for the STEP out and the answers back;
+                         where a link measured an all-reduce round as generations
+                         run it (round: one row of dim f32 values, in blocking mode),
+                         that round stands for rtt + its bytes + message
     hop into stage k>0   a stage of one worker gets the residual stream and
                          hands it (or its candidates) back through the root:
                          rtt + 2 * b * dim * 4 / throughput + message
@@ -41,8 +44,16 @@ HIDDEN_BYTES = 4.0  # the residual stream crosses a stage boundary as f32
 class LinkCost:
     """The root's link to one worker, as Link.measure() found it."""
 
-    rtt_s: float          # median round trip of a small message
+    rtt_s: float          # median round trip of a small message (through both ends' event loops)
     bytes_per_s: float    # throughput of a bulk transfer
+    round_s: float = 0.0  # median all-reduce round of one row of f32 as generations run it (0: not measured)
+
+    def all_reduce(self, rows: float, dim: int, sync: str, oh: "Overheads") -> float:
+        """One all-reduce of `rows` rows of dim values in `sync`: the measured round with the bytes
+        beyond its one f32 row, or the round trip, the bytes and the per-message cost."""
+        if self.round_s:
+            return self.round_s + 2 * dim * (rows * SYNC_BYTES[sync] - 4.0) / self.bytes_per_s
+        return self.rtt_s + 2 * rows * dim * SYNC_BYTES[sync] / self.bytes_per_s + oh.message_s
 
 
 @dataclass(frozen=True)
@@ -115,8 +126,7 @@ def predict(plan: Plan, links: Mapping[str, LinkCost], rows: int = 1, oh: Overhe
         n_layers = (stage[0].layers[1] - stage[0].layers[0]) if stage[0].layers else s.n_layers
         c = (plan.stage_makespan(k) + n_layers * (oh.layer_s + _expert_runs(plan, stage) * oh.expert_s)) * stretch
         if root in (x.node_id for x in stage):
-            per = [lk.rtt_s + 2 * b * s.dim * SYNC_BYTES[plan.sync] / lk.bytes_per_s + oh.message_s for lk in far]
-            y = 2 * n_layers * max(per, default=0.0)
+            y = 2 * n_layers * max((lk.all_reduce(b, s.dim, plan.sync, oh) for lk in far), default=0.0)
             y += max((lk.rtt_s + oh.message_s for lk in far), default=0.0) if k == last else 0.0
         else:
             if len(stage) > 1:

@@ -63,6 +63,11 @@ class NodeInfo:
     mbps: float = 0.0   # measured throughput toward the node, Mbit/s (0: not measured, the root itself)
     stage: int = 0      # its pipeline stage; -1: left out of the plan (idle)
     layers: tuple[int, int] | None = None  # the layers of its stage (None: every layer)
+    round_ms: float = 0.0  # an all-reduce round of one row in blocking mode (0: not measured: an asyncio link)
+
+    def link_cost(self) -> cost.LinkCost:
+        """The root's link to this node, for the cost model."""
+        return cost.LinkCost(self.rtt_ms / 1e3, max(self.mbps, 1e-3) * 1e6 / 8, self.round_ms / 1e3)
 
 
 class ClusterRunner:
@@ -134,16 +139,19 @@ class ClusterRunner:
             for link in links:
                 st = await link.measure()
                 link.hot_mode = choose_mode(st.rtt_ms / 1e3, hop, forced_mode())
+                # an all-reduce round as generations run it: in blocking mode, without the event loop's hops
+                round_ms = await link.measure_rounds(mf.config.dim) * 1e3 if link.hot_mode == BLOCKING else 0.0
                 log.info("link %s: rtt %.3f ms (p90 %.3f), %.0f Mbit/s, event-loop hop %.3f ms -> %s mode during "
-                         "generations", link.name, st.rtt_ms, st.rtt_p90_ms, st.mbps, hop * 1e3, link.hot_mode)
+                         "generations%s", link.name, st.rtt_ms, st.rtt_p90_ms, st.mbps, hop * 1e3, link.hot_mode,
+                         f", all-reduce round {round_ms:.3f} ms" if round_ms else "")
                 rep = await link.request(FrameType.PROFILE, {"seconds": seconds, "qtype": mf.dominant_type},
                                          FrameType.READY, timeout=60)
                 infos.append(NodeInfo(link.peer_id or link.name, link.name, rep.header["speed"],
                                       int(rep.header["mem_free"]), st.rtt_ms, link.hot_mode,
-                                      rtt_p90_ms=st.rtt_p90_ms, mbps=st.mbps))
+                                      rtt_p90_ms=st.rtt_p90_ms, mbps=st.mbps, round_ms=round_ms))
             speeds = [float(w) for w in weights] if weights is not None else [i.speed for i in infos]
             nodes = [planner.NodeSpec(i.node_id, s, i.mem_free) for i, s in zip(infos, speeds)]
-            costs = {i.node_id: cost.LinkCost(i.rtt_ms / 1e3, max(i.mbps, 1e-3) * 1e6 / 8) for i in infos[1:]}
+            costs = {i.node_id: i.link_cost() for i in infos[1:]}
             plan, slots = _plan(mf, ctx, slots, nodes, epoch, sync, kv_type, parallel, costs, layout)
             plan = expert_plan.choose(plan, costs, slots, experts)
             log.info("plan (epoch %d, %s sync, %d slots): %s", plan.epoch, plan.sync, slots,

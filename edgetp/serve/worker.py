@@ -47,7 +47,7 @@ from edgetp.cluster.election import EpochError, EpochState, StaleEpoch
 from edgetp.model import kvcache, llama, quant, sampling
 from edgetp.model.gguf import GGUFError, ModelFile, open_model
 from edgetp.net.frames import FrameType
-from edgetp.net.link import BLOCKING, HANDSHAKE_TIMEOUT, Link, LinkClosed
+from edgetp.net.link import BLOCKING, HANDSHAKE_TIMEOUT, MAX_ROUNDS, Link, LinkClosed
 from edgetp.parallel.collective import Hot, WorkerReduce, candidates_message, candidates_rows_message
 from edgetp.serve.weights import fetch_shard
 from edgetp.store.errors import DownloadError
@@ -244,7 +244,18 @@ class _Session:
             await handler(self, frame.header)
 
     async def _ping(self, header: dict[str, Any]) -> None:
-        await self.link.send(FrameType.PONG, header)
+        if "rounds" in header:  # the root times all-reduce rounds as a generation runs them (Link.measure_rounds)
+            rounds, cols = header.get("rounds"), header.get("cols")
+            if not all(isinstance(v, int) and 0 < v <= most for v, most in ((rounds, MAX_ROUNDS), (cols, 1 << 20))):
+                raise ValueError(f"PING asks for {rounds!r} rounds of {cols!r} values "
+                                 f"(at most {MAX_ROUNDS} of {1 << 20}, each a positive integer)")
+            self.link.enter_blocking()
+            try:
+                await asyncio.to_thread(self.link.echo_rounds, cols, rounds)
+            finally:
+                if not self.link.closed:
+                    self.link.leave_blocking()
+        await self.link.send(FrameType.PONG, {} if "rounds" in header else header)
 
     async def _profile(self, header: dict[str, Any]) -> None:
         qtype = int(header.get("qtype", QT.Q8_0))  # the root's model's dominant type: every node times the same

@@ -62,6 +62,7 @@ if str(ROOT_DIR) not in sys.path:
 from edgetp.model import gguf, quant, sampling  # noqa: E402
 from edgetp.model.generate import LocalRunner  # noqa: E402
 from edgetp.net.loopthread import LoopThread  # noqa: E402
+from edgetp.net.link import spin_ns  # noqa: E402
 from edgetp.parallel import runner as runner_mod  # noqa: E402
 from edgetp.parallel.runner import ClusterRunner  # noqa: E402
 
@@ -744,13 +745,14 @@ def section_seal(args, control: LoopThread) -> str:
 # =========================================================================== main
 
 
-def pingpong(n: int = 1000, size: int = 2346) -> tuple[float, float, float]:
+def pingpong(n: int = 1000, size: int = 2346, poll: int = 0) -> tuple[float, float, float]:
     """Round trips of a sync-sized message between core 0 and core 1 over a socketpair: median, mean, p99 (us).
+    Each receive polls for `poll` ns before it waits in the kernel (tools/bench_allreduce.receive).
 
     The floor of one all-reduce here; on a machine shared with other jobs the mean shows
     how long a woken process waits for its core.
     """
-    from tools.bench_allreduce import echo  # noqa: PLC0415
+    from tools.bench_allreduce import echo, receive  # noqa: PLC0415
 
     a, b = socket.socketpair()
     pid = os.fork()
@@ -758,7 +760,7 @@ def pingpong(n: int = 1000, size: int = 2346) -> tuple[float, float, float]:
         try:
             os.sched_setaffinity(0, {1})
             a.close()
-            echo(b, size, n)
+            echo(b, size, n, poll)
         finally:
             os._exit(0)
     b.close()
@@ -768,9 +770,7 @@ def pingpong(n: int = 1000, size: int = 2346) -> tuple[float, float, float]:
         for _ in range(n):
             t0 = time.perf_counter()
             a.sendall(buf)
-            got = 0
-            while got < size:
-                got += a.recv_into(buf[got:])
+            receive(a, buf, poll)
             times.append(time.perf_counter() - t0)
     finally:
         a.close()
@@ -781,6 +781,7 @@ def pingpong(n: int = 1000, size: int = 2346) -> tuple[float, float, float]:
 
 def header(args) -> str:
     med, mean, p99 = pingpong()
+    polled = pingpong(poll=spin_ns())
     load = os.getloadavg()
     slow = args.slow if args.slow != "auto" else ("quota" if CpuQuota.available() else "busy")
     return "\n".join([
@@ -793,7 +794,9 @@ def header(args) -> str:
         f"- options: {'--quick ' if args.quick else ''}sections {','.join(args.sections)}, tokens {args.tokens}, "
         f"bytes tokens {args.bytes_tokens}, slowdown {slow}, limit {args.limit:.0f} s per decode loop",
         f"- socket round trip core 0 <-> core 1, 2346 B each way (one f32 all-reduce of SmolLM2): "
-        f"median {med:.0f} us, mean {mean:.0f} us, p99 {p99:.0f} us (one decode token does 2 x layers of these)\n",
+        f"median {med:.0f} us, mean {mean:.0f} us, p99 {p99:.0f} us; each receive polling first for "
+        f"{spin_ns() / 1000:g} us as the product's do (EDGETP_SPIN_US): median {polled[0]:.0f} us, mean "
+        f"{polled[1]:.0f} us, p99 {polled[2]:.0f} us (one decode token does 2 x layers of these)\n",
     ])
 
 

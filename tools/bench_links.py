@@ -334,8 +334,8 @@ def main(argv: list[str] | None = None) -> int:
           f"wifi 4 +- 1 ms / 100 Mbit, mixed = worker 1 ethernet, worker 2 wifi\n")
     print(table(["model", "profile", "nodes", "kind", "plan", "predicted tok/s", "measured tok/s", "error",
                  "sync share (pred)", f"{args.streams} streams tok/s", "planner"], rows))
-    print("\n## One all-reduce beyond the raw socket round trip (tools/bench_allreduce.py: root on core 0, "
-          "worker on core 1, loopback, f32 sync, 2,000 rounds in 5 blocks, raw and edgetp in turn)\n")
+    print("\n## One all-reduce beyond the polled socket round trip (tools/bench_allreduce.py: root on core 0, "
+          "worker on core 1, loopback, f32 sync, 2,000 rounds in 5 blocks, raw, polled raw and edgetp in turn)\n")
     print(allreduce.HEAD)
     cpus = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {0})  # the root's side here, the worker's pinned to core 1 by the tool

@@ -353,7 +353,9 @@ class Link:
         self.counters.send_s += time.perf_counter() - t0
 
     def recv_blocking(self, ftype: FrameType) -> Frame:
-        """The next frame (must be ftype). Its payload may view a reused buffer: use it before the next receive."""
+        """The next frame (must be ftype). Its payload may view a reused buffer: use it before the next receive.
+        Polls first, as an all-reduce's receive does (a step's frame and its answers come within a token)."""
+        _poll(self.sock, spin_ns())
         return self._check(self._received(frames.recv_frame), ftype)
 
     def send_bare_blocking(self, ftype: FrameType, payload: memoryview) -> None:

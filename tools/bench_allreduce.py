@@ -10,8 +10,8 @@ have it:
   header, payload and, sealed, the tag), recv_into and sendall on bare sockets, each receive
   waiting in the kernel;
 * ``polled raw``: the same, each receive first polling the socket for as long as the product's
-  links do (``link.spin_ns``, EDGETP_SPIN_US), the core yielded between tries: the floor of
-  the product's way of waiting, which spares the wake-up of a sleeping thread;
+  links do (``link.spin_ns``, EDGETP_SPIN_US; stopping, as theirs do, if it loses its core):
+  the floor of the product's way of waiting, which spares the wake-up of a sleeping thread;
 * ``edgetp``: the product's all-reduce, ``collective.RootReduce`` against
   ``collective.WorkerReduce`` on ``net.link.Link`` in blocking mode (the hot path of a decode
   step): the worker sends its (rows, dim) partial, the root adds it and sends the total back,
@@ -52,6 +52,7 @@ import numpy as np  # noqa: E402
 from edgetp.net import frames  # noqa: E402
 from edgetp.net.frames import FrameType  # noqa: E402
 from edgetp.net.link import Link, kernel_timeouts, spin_ns  # noqa: E402
+from edgetp.net.wire import GAP_NS  # noqa: E402
 from edgetp.parallel import collective  # noqa: E402
 from tools.bench_serve import preamble  # noqa: E402
 
@@ -125,20 +126,23 @@ def _p(gaps: list[float], q: float) -> float:
 
 
 def receive(sock: socket.socket, buf: memoryview, poll: int) -> None:
-    """buf filled from sock; each receive polls for `poll` ns (the core yielded between tries) before
-    it waits in the kernel."""
+    """buf filled from sock; each receive polls for up to `poll` ns before it waits in the kernel,
+    and stops polling at a gap between tries (its core went to another thread), as the product's
+    receives do (net/wire.py _readable)."""
     got, size = 0, len(buf)
     while got < size:
-        until = time.perf_counter_ns() + poll
+        t = time.perf_counter_ns()
+        until = t + poll
         while poll:
             try:
                 got += sock.recv_into(buf[got:], 0, socket.MSG_DONTWAIT)
                 break
             except BlockingIOError:
-                if time.perf_counter_ns() >= until:
+                now = time.perf_counter_ns()
+                if now >= until or now - t > GAP_NS:
                     got += sock.recv_into(buf[got:])
                     break
-                os.sched_yield()
+                t = now
         else:
             got += sock.recv_into(buf[got:])
 

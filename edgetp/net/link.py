@@ -355,7 +355,7 @@ class Link:
     def recv_blocking(self, ftype: FrameType) -> Frame:
         """The next frame (must be ftype). Its payload may view a reused buffer: use it before the next receive.
         Polls first, as an all-reduce's receive does (a step's frame and its answers come within a token)."""
-        _poll(self.sock, spin_ns())
+        _poll(self.sock)
         return self._check(self._received(frames.recv_frame), ftype)
 
     def send_bare_blocking(self, ftype: FrameType, payload: memoryview) -> None:
@@ -375,7 +375,7 @@ class Link:
         type is refused as recv_blocking refuses it; one of this type but another size is handed on
         (the caller checks the size it needs)."""
         bare = self._bare_of(ftype, plen)
-        _poll(self.sock, spin_ns())
+        _poll(self.sock)
         got = self._received(frames.recv_bare, bare)
         if isinstance(got, Frame):
             return self._check(got, ftype).payload
@@ -394,7 +394,7 @@ class Link:
         if bufs is _SEALED:
             self._recv_values_sealed(ftype, dst, add)
         else:
-            self._recv_wire(ftype, bufs, _wire().recv_values, dst, add)
+            self._recv_wire(ftype, bufs, _wire().recv_values, dst, add, _tune())
 
     def recv_q8_blocking(self, ftype: FrameType, dst: np.ndarray, add: bool) -> None:
         """recv_values_blocking for a frame of Q8_0 blocks (quant.dequantize_q8_0's values); dst
@@ -405,7 +405,7 @@ class Link:
             quant = _quant()
             quant.dequantize_q8_0(self.recv_bare_blocking(ftype, plen), dst.size, dst, add)
         else:
-            self._recv_wire(ftype, bufs, _wire().recv_q8, dst, add, _quant()._TAB16)
+            self._recv_wire(ftype, bufs, _wire().recv_q8, dst, add, _quant()._TAB16, _tune())
 
     def send_values_blocking(self, ftype: FrameType, src: np.ndarray) -> None:
         """send_bare_blocking(ftype, src's f32 bytes), built and sent in one compiled call
@@ -476,7 +476,7 @@ class Link:
         """The compiled path's buffers for frames of ftype and a plen-byte payload, made at the
         first use; _SEALED where frames take the Python way (sealed, or no compiled path here)."""
         sealed = self._tx is not None or not wire_available()
-        bufs = _SEALED if sealed else _wire().Buffers(self._bare_of(ftype, plen).head, plen, spin_ns())
+        bufs = _SEALED if sealed else _wire().Buffers(self._bare_of(ftype, plen).head, plen)
         self._wire[(ftype, plen)] = bufs
         return bufs
 
@@ -540,8 +540,10 @@ _SEALED = object()  # Link._wire's mark: this kind of frame goes through frames.
 
 # How long a compute thread polls its socket for an all-reduce frame before it waits in the kernel
 # (net/wire.py): a wait there costs the wake-up of a sleeping thread (of an idle vCPU in a VM), which
-# was half of a loopback all-reduce here (tools/bench_allreduce.py). The poll yields the core between
-# tries, so a peer process that shares the core still gets it. EDGETP_SPIN_US sets it (0: wait at once).
+# was most of a loopback all-reduce here (tools/bench_allreduce.py). A poll that finds it lost its core
+# meanwhile (another thread ran there) stops, and receives wait at once for a while (wire._readable):
+# a woken thread runs at once where a polling one waits for the other's time slice. EDGETP_SPIN_US
+# sets it (0: wait at once).
 SPIN_US = 200
 
 
@@ -581,20 +583,21 @@ def _quant():
     return quant
 
 
-def _poll(sock: socket.socket, ns: int) -> None:
-    """Return once sock has bytes to read (or has closed), or after ns: net/wire.py's poll for the
-    frames that Python receives (sealed ones), the core yielded between tries."""
-    until = time.perf_counter_ns() + ns
-    while ns:
-        try:
-            sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-            return
-        except (BlockingIOError, InterruptedError):
-            if time.perf_counter_ns() >= until:
-                return
-            os.sched_yield()
-        except OSError:
-            return  # the receive itself reports it
+def _poll(sock: socket.socket) -> None:
+    """net/wire.py's poll before a receive of a frame that Python takes (sealed ones, a step's
+    frames): it returns once sock has bytes to read, or when polling would not pay. Where the
+    compiled path does not run, the receive waits in the kernel at once."""
+    if wire_available():
+        _wire().poll(sock.fileno(), _PEEK, _tune())
+
+
+_PEEK = np.zeros(1, np.uint8)  # the byte a poll peeks at (never read: the frame's receive takes it)
+_TUNE = np.zeros(2, np.int64)  # this process's polling: ns to poll, and no poll before (wire._readable)
+
+
+def _tune() -> np.ndarray:
+    _TUNE[0] = spin_ns()
+    return _TUNE
 
 
 def wire_available() -> bool:

@@ -34,9 +34,9 @@ from edgetp.model.vnni import _I32, _I64, _decl
 OK, CLOSED, NOT_OURS, BAD_HEADER = 0, 1, 2, 3
 HEAD = 17  # a bare frame's 16-byte prefix and its empty header
 EMPTY_MAP = 0x80  # msgpack's {}: the one-byte header of every bare frame
-# Linux's (x86-64 and aarch64 alike): libc's recv, send, sched_yield, clock_gettime and
+# Linux's (x86-64 and aarch64 alike): libc's recv, send, clock_gettime and
 # __errno_location by those names (link.wire_available)
-MSG_NOSIGNAL, MSG_DONTWAIT, EAGAIN, CLOCK_MONOTONIC = 0x4000, 0x40, 11, 1
+MSG_NOSIGNAL, MSG_DONTWAIT, MSG_PEEK, EAGAIN, CLOCK_MONOTONIC = 0x4000, 0x40, 0x2, 11, 1
 
 _PTR = ir.IntType(8).as_pointer()
 
@@ -60,7 +60,7 @@ def _syscall(name: str, flags: int):
 
 
 _recv = _syscall("recv", 0)
-_recv_now = _syscall("recv", MSG_DONTWAIT)  # -EAGAIN at once when nothing has come
+_peek_now = _syscall("recv", MSG_DONTWAIT | MSG_PEEK)  # -EAGAIN at once when nothing has come
 _send = _syscall("send", MSG_NOSIGNAL)
 
 
@@ -80,36 +80,44 @@ def _now_ns(typingctx):
     return types.int64(), codegen
 
 
-@intrinsic
-def _yield(typingctx):
-    """sched_yield(): the core goes to any other thread that is ready to run on it."""
-
-    def codegen(context, builder, signature, args):
-        builder.call(_decl(builder.module, "sched_yield", _I32, []), [])
-        return ir.Constant(_I64, 0)
-
-    return types.int64(), codegen
+# A poll that finds this long between two of its tries was not running meanwhile: another thread
+# had its core. Receives then wait in the kernel at once for QUIET_NS: a polling thread that shares
+# its core waits for the other's time slice (milliseconds) where a woken one would run at once.
+GAP_NS = 50_000
+QUIET_NS = 100_000_000
 
 
 @njit(cache=True, nogil=True)
-def _fill(fd, buf, state, k, spin):
-    # buf's bytes from state[k] on; OK, CLOSED (nothing more will come) or -errno. For the first
-    # `spin` ns the socket is polled (yielding the core between polls), then waited on: a wait in
-    # the kernel costs the wake-up of a sleeping thread (and, in a VM, of an idle vCPU) on top of
-    # the round trip, several times a loopback round trip's own cost (tools/bench_allreduce.py)
+def _readable(fd, addr, tune):
+    # poll fd (peeking 1 byte at addr) until it has a byte to read (or closed, or failed: the receive
+    # that follows says which), for at most tune[0] ns, and not before tune[1] (ns, _now_ns's clock);
+    # a gap between tries sets tune[1] QUIET_NS ahead
+    spin = tune[0]
+    if spin <= 0:
+        return
+    t = _now_ns()
+    if t < tune[1]:
+        return
+    until = t + spin
+    while _peek_now(fd, addr, 1) == -EAGAIN:
+        now = _now_ns()
+        if now - t > GAP_NS:
+            tune[1] = now + QUIET_NS
+            return
+        if now >= until:
+            return
+        t = now
+
+
+@njit(cache=True, nogil=True)
+def _fill(fd, buf, state, k, tune):
+    # buf's bytes from state[k] on; OK, CLOSED (nothing more will come) or -errno. Each receive polls
+    # first (_readable): a wait in the kernel costs the wake-up of a sleeping thread (in a VM, of an
+    # idle vCPU), most of a loopback round trip (tools/bench_allreduce.py)
     n = buf.shape[0]
-    until = _now_ns() + spin if spin > 0 else 0
     while state[k] < n:
-        if until:
-            got = _recv_now(fd, buf.ctypes.data + state[k], n - state[k])
-            if got == -EAGAIN:
-                if _now_ns() >= until:
-                    until = 0
-                else:
-                    _yield()
-                continue
-        else:
-            got = _recv(fd, buf.ctypes.data + state[k], n - state[k])
+        _readable(fd, buf.ctypes.data + state[k], tune)
+        got = _recv(fd, buf.ctypes.data + state[k], n - state[k])
         if got == 0:
             return CLOSED
         if got < 0:
@@ -118,30 +126,37 @@ def _fill(fd, buf, state, k, spin):
     return OK
 
 
+@njit(cache=True, nogil=True)
+def poll(fd, byte, tune):
+    """Return once fd has a byte to read, or when the poll gives up (_readable's rules): the poll of
+    frames that Python receives (sealed ones, a step's frames). byte: a 1-byte uint8 scratch array;
+    tune: int64 (poll ns, no poll before this time), which a seen gap moves."""
+    _readable(fd, byte.ctypes.data, tune)
+
+
 # A kind of frame's buffers, one uint8 array a direction (few arguments: numba's dispatch costs
 # per argument, and this runs twice a layer): to receive, the expected prefix, the prefix that
-# came, the progress (two int64: bytes of prefix and of body), how long to poll before waiting (one
-# int64, ns) and the body; to send, the progress (one int64) and the frame itself, head then values.
-RX_EXPECT, RX_PREFIX, RX_STATE, RX_SPIN, RX_BODY = 0, 16, 32, 48, 56
+# came, the progress (two int64: bytes of prefix and of body) and the body; to send, the progress
+# (one int64) and the frame itself, head then values.
+RX_EXPECT, RX_PREFIX, RX_STATE, RX_BODY = 0, 16, 32, 48
 TX_STATE, TX_FRAME = 0, 8
 
 
 @njit(cache=True, nogil=True)
-def _frame(fd, rx, resume):
+def _frame(fd, rx, tune, resume):
     # rx's frame: the prefix compared, the body received, its header checked (OK, CLOSED, NOT_OURS,
-    # BAD_HEADER or -errno)
-    state = rx[RX_STATE:RX_SPIN].view(np.int64)
-    spin = rx[RX_SPIN:RX_BODY].view(np.int64)[0]
+    # BAD_HEADER or -errno); tune: _readable's
+    state = rx[RX_STATE:RX_BODY].view(np.int64)
     if not resume:
         state[0] = 0
         state[1] = 0
-    got = _fill(fd, rx[RX_PREFIX:RX_STATE], state, 0, spin)
+    got = _fill(fd, rx[RX_PREFIX:RX_STATE], state, 0, tune)
     if got != OK:
         return got
     for i in range(16):
         if rx[RX_PREFIX + i] != rx[RX_EXPECT + i]:
             return NOT_OURS
-    got = _fill(fd, rx[RX_BODY:], state, 1, spin)
+    got = _fill(fd, rx[RX_BODY:], state, 1, tune)
     if got != OK:
         return got
     return OK if rx[RX_BODY] == EMPTY_MAP else BAD_HEADER
@@ -164,11 +179,12 @@ def _send_frame(fd, tx, resume):
 
 
 @njit(cache=True, nogil=True)
-def recv_values(fd, rx, dst, add, resume):
+def recv_values(fd, rx, dst, add, tune, resume):
     """One frame whose prefix must be rx's expected one; dst (2-D f32, any layout) += its values (add)
-    or = them. resume: go on from rx's progress (after -EINTR), else from nothing. OK, CLOSED,
-    NOT_OURS (rx's prefix holds another frame's prefix, whole), BAD_HEADER, or -errno."""
-    got = _frame(fd, rx, resume)
+    or = them. tune: how each receive polls (poll's). resume: go on from rx's progress (after
+    -EINTR), else from nothing. OK, CLOSED, NOT_OURS (rx's prefix holds another frame's prefix,
+    whole), BAD_HEADER, or -errno."""
+    got = _frame(fd, rx, tune, resume)
     if got != OK:
         return got
     vals = rx[RX_BODY + 1:].view(np.float32)
@@ -183,10 +199,10 @@ def recv_values(fd, rx, dst, add, resume):
 
 
 @njit(cache=True, nogil=True)
-def recv_q8(fd, rx, dst, add, tab16, resume):
+def recv_q8(fd, rx, dst, add, tab16, tune, resume):
     """recv_values for a frame of Q8_0 blocks: dst (1-D f32, C-contiguous) += (add) or = their
     values, by kernels.q8_0_values (the arithmetic of quant.dequantize_q8_0). tab16: f16 -> f32."""
-    got = _frame(fd, rx, resume)
+    got = _frame(fd, rx, tune, resume)
     if got == OK:
         q8_0_values(rx[RX_BODY + 1:], tab16, dst, add)
     return got
@@ -215,18 +231,14 @@ def send_values(fd, tx, src, resume):
 
 
 class Buffers:
-    """One kind of bare frame's buffers on a link (head: its 17 bytes before the plen-byte payload;
-    spin_ns: how long a receive polls before it waits in the kernel, 0 to wait at once)."""
+    """One kind of bare frame's buffers on a link (head: its 17 bytes before the plen-byte payload)."""
 
-    def __init__(self, head: bytes, plen: int, spin_ns: int = 0) -> None:
+    def __init__(self, head: bytes, plen: int) -> None:
         if len(head) != HEAD:
             raise ValueError(f"a bare frame's head is {HEAD} bytes, got {len(head)}")
-        if spin_ns < 0:
-            raise ValueError(f"a receive's polling time must be >= 0 ns, got {spin_ns}")
         self.size = HEAD + plen  # bytes of the frame
         self.rx = np.zeros(RX_BODY + 1 + plen, np.uint8)
         self.rx[RX_EXPECT:RX_EXPECT + 16] = np.frombuffer(head[:16], np.uint8)
-        self.rx[RX_SPIN:RX_BODY].view(np.int64)[0] = spin_ns
         self.tx = np.zeros(TX_FRAME + self.size, np.uint8)
         self.tx[TX_FRAME:TX_FRAME + HEAD] = np.frombuffer(head, np.uint8)
 
@@ -238,4 +250,4 @@ class Buffers:
     @property
     def started(self) -> bool:
         """Some of a frame had come when the receive stopped."""
-        return bool(self.rx[RX_STATE:RX_SPIN].view(np.int64).any())
+        return bool(self.rx[RX_STATE:RX_BODY].view(np.int64).any())

@@ -128,7 +128,7 @@ def _p(gaps: list[float], q: float) -> float:
 def receive(sock: socket.socket, buf: memoryview, poll: int) -> None:
     """buf filled from sock; each receive polls for up to `poll` ns before it waits in the kernel,
     and stops polling at a gap between tries (its core went to another thread), as the product's
-    receives do (net/wire.py _readable)."""
+    receives do (net/wire.py _polled)."""
     got, size = 0, len(buf)
     while got < size:
         t = time.perf_counter_ns()

@@ -541,7 +541,7 @@ _SEALED = object()  # Link._wire's mark: this kind of frame goes through frames.
 # How long a compute thread polls its socket for an all-reduce frame before it waits in the kernel
 # (net/wire.py): a wait there costs the wake-up of a sleeping thread (of an idle vCPU in a VM), which
 # was most of a loopback all-reduce here (tools/bench_allreduce.py). A poll that finds it lost its core
-# meanwhile (another thread ran there) stops, and receives wait at once for a while (wire._readable):
+# meanwhile (another thread ran there) stops, and receives wait at once for a while (wire._polled):
 # a woken thread runs at once where a polling one waits for the other's time slice. EDGETP_SPIN_US
 # sets it (0: wait at once).
 SPIN_US = 200
@@ -592,7 +592,7 @@ def _poll(sock: socket.socket) -> None:
 
 
 _PEEK = np.zeros(1, np.uint8)  # the byte a poll peeks at (never read: the frame's receive takes it)
-_TUNE = np.zeros(2, np.int64)  # this process's polling: ns to poll, and no poll before (wire._readable)
+_TUNE = np.zeros(2, np.int64)  # this process's polling: ns to poll, and no poll before (wire._polled)
 
 
 def _tune() -> np.ndarray:

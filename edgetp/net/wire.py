@@ -60,7 +60,8 @@ def _syscall(name: str, flags: int):
 
 
 _recv = _syscall("recv", 0)
-_peek_now = _syscall("recv", MSG_DONTWAIT | MSG_PEEK)  # -EAGAIN at once when nothing has come
+_recv_now = _syscall("recv", MSG_DONTWAIT)  # -EAGAIN at once when nothing has come
+_peek_now = _syscall("recv", MSG_DONTWAIT | MSG_PEEK)  # the same, leaving what came where it is
 _send = _syscall("send", MSG_NOSIGNAL)
 
 
@@ -88,36 +89,40 @@ QUIET_NS = 100_000_000
 
 
 @njit(cache=True, nogil=True)
-def _readable(fd, addr, tune):
-    # poll fd (peeking 1 byte at addr) until it has a byte to read (or closed, or failed: the receive
-    # that follows says which), for at most tune[0] ns, and not before tune[1] (ns, _now_ns's clock);
-    # a gap between tries sets tune[1] QUIET_NS ahead
+def _polled(fd, addr, n, tune, peek):
+    # recv(fd, addr, n) without waiting, tried again and again for at most tune[0] ns, and not before
+    # tune[1] (ns, _now_ns's clock): what the first try that found bytes (or a close, or an error)
+    # returned, else -EAGAIN. A gap between tries sets tune[1] QUIET_NS ahead. peek: leave the bytes
     spin = tune[0]
     if spin <= 0:
-        return
+        return -EAGAIN
     t = _now_ns()
     if t < tune[1]:
-        return
+        return -EAGAIN
     until = t + spin
-    while _peek_now(fd, addr, 1) == -EAGAIN:
+    while True:
+        got = _peek_now(fd, addr, n) if peek else _recv_now(fd, addr, n)
+        if got != -EAGAIN:
+            return got
         now = _now_ns()
         if now - t > GAP_NS:
             tune[1] = now + QUIET_NS
-            return
+            return -EAGAIN
         if now >= until:
-            return
+            return -EAGAIN
         t = now
 
 
 @njit(cache=True, nogil=True)
 def _fill(fd, buf, state, k, tune):
     # buf's bytes from state[k] on; OK, CLOSED (nothing more will come) or -errno. Each receive polls
-    # first (_readable): a wait in the kernel costs the wake-up of a sleeping thread (in a VM, of an
+    # first (_polled): a wait in the kernel costs the wake-up of a sleeping thread (in a VM, of an
     # idle vCPU), most of a loopback round trip (tools/bench_allreduce.py)
     n = buf.shape[0]
     while state[k] < n:
-        _readable(fd, buf.ctypes.data + state[k], tune)
-        got = _recv(fd, buf.ctypes.data + state[k], n - state[k])
+        got = _polled(fd, buf.ctypes.data + state[k], n - state[k], tune, False)
+        if got == -EAGAIN:
+            got = _recv(fd, buf.ctypes.data + state[k], n - state[k])
         if got == 0:
             return CLOSED
         if got < 0:
@@ -128,10 +133,10 @@ def _fill(fd, buf, state, k, tune):
 
 @njit(cache=True, nogil=True)
 def poll(fd, byte, tune):
-    """Return once fd has a byte to read, or when the poll gives up (_readable's rules): the poll of
+    """Return once fd has a byte to read, or when the poll gives up (_polled's rules): the poll of
     frames that Python receives (sealed ones, a step's frames). byte: a 1-byte uint8 scratch array;
     tune: int64 (poll ns, no poll before this time), which a seen gap moves."""
-    _readable(fd, byte.ctypes.data, tune)
+    _polled(fd, byte.ctypes.data, 1, tune, True)
 
 
 # A kind of frame's buffers, one uint8 array a direction (few arguments: numba's dispatch costs
@@ -145,7 +150,7 @@ TX_STATE, TX_FRAME = 0, 8
 @njit(cache=True, nogil=True)
 def _frame(fd, rx, tune, resume):
     # rx's frame: the prefix compared, the body received, its header checked (OK, CLOSED, NOT_OURS,
-    # BAD_HEADER or -errno); tune: _readable's
+    # BAD_HEADER or -errno); tune: _polled's
     state = rx[RX_STATE:RX_BODY].view(np.int64)
     if not resume:
         state[0] = 0

@@ -287,9 +287,10 @@ def overlap_in_namespaces(args) -> int:
 
 
 def _same_nodes(a: str, b: str) -> bool:
-    """The same stages over the same nodes (layer counts may differ by the speeds each run measured)."""
-    def nodes(s: str) -> list[str]:
-        return [part.split(" on ")[-1] for part in s.split(": ", 1)[1].split("; ")]
+    """The same stages over the same nodes (layer counts may differ by the speeds each run measured, and
+    the members of a tensor-parallel group may be listed in another order)."""
+    def nodes(s: str) -> list[frozenset[str]]:
+        return [frozenset(part.split(" on ")[-1].split("+")) for part in s.split(": ", 1)[1].split("; ")]
     return nodes(a) == nodes(b)
 
 

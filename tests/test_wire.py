@@ -1,7 +1,9 @@
 """The all-reduce's compiled path (net/wire.py through Link.recv_values_blocking and
 send_values_blocking) against the general frame codec: the very bytes of frames.encode_frame on
 the wire, values read back from frames.send_frame's, and every failure named as the Python path
-names it. Real TCP sockets on loopback; signals from a real interval timer."""
+names it; sealed frames received by the compiled path and opened as the Python path opens them,
+every attack refused with the same reason. The poll before each receive, by its rules. Real TCP
+sockets on loopback; signals from a real interval timer."""
 
 from __future__ import annotations
 
@@ -14,10 +16,12 @@ import time
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
 
-from edgetp.net.frames import PREFIX, FrameType, encode_frame, send_frame
 from edgetp.net import link as link_mod
 from edgetp.net import wire
+from edgetp.net.frames import PREFIX, Cipher, FrameType, encode_frame, send_frame
 from edgetp.net.link import SPIN_US, Link, LinkClosed, SpinError, spin_ns
 
 KEY = bytes(range(32))
@@ -366,3 +370,61 @@ def test_a_receive_that_polls_still_gives_up_after_the_links_timeout(spin, peer)
     with pytest.raises(LinkClosed, match="link worker: no frame within 1 s"):
         link.recv_values_blocking(FrameType.PARTIAL, np.zeros((1, 8), np.float32), add=True)
     assert 0.9 <= time.monotonic() - t0 < 5
+
+
+# ---------------------------------------------------------------- sealed frames: received compiled, opened in Python
+
+
+def _sealed_bytes(cipher: Cipher, ftype: FrameType, header: dict, payload: bytes) -> bytes:
+    return b"".join(bytes(p) for p in encode_frame(ftype, header, payload, cipher=cipher))
+
+
+def _sealed_peer() -> tuple[Link, socket.socket, Cipher]:
+    a, b = tcp_pair()
+    return blocking(a, "worker", keys=(KEY, KEY[::-1])), b, Cipher(KEY[::-1])  # the cipher the peer seals with
+
+
+@pytest.mark.parametrize("q8", [False, True])
+def test_sealed_all_reduce_frames_open_to_the_values_sent_in_order(q8):
+    link, b, tx = _sealed_peer()
+    try:
+        rng = np.random.default_rng(3)
+        for k in range(3):
+            x = rng.standard_normal(64).astype(np.float32)
+            payload = quantize(x.reshape(-1, 32), GGMLQuantizationType.Q8_0).tobytes() if q8 else raw(x)
+            b.sendall(_sealed_bytes(tx, FrameType.REDUCED, {}, payload))
+            dst = np.ones(64, np.float32) if q8 else np.ones((1, 64), np.float32)
+            if q8:
+                link.recv_q8_blocking(FrameType.REDUCED, dst, add=True)
+                want = 1 + dequantize(np.frombuffer(payload, np.uint8), GGMLQuantizationType.Q8_0).reshape(-1)
+            else:
+                link.recv_values_blocking(FrameType.REDUCED, dst, add=True)
+                want = 1 + x.reshape(1, 64)
+            np.testing.assert_array_equal(dst, want)
+        assert link.counters.received == 3 * len(_sealed_bytes(Cipher(KEY), FrameType.REDUCED, {}, payload))
+    finally:
+        link.close()
+        b.close()
+
+
+@pytest.mark.parametrize("attack", ["altered", "replayed", "unsealed", "error", "other size"])
+def test_a_sealed_all_reduce_frame_altered_replayed_unsealed_or_refused_closes_the_link_with_the_reason(attack):
+    link, b, tx = _sealed_peer()
+    good = _sealed_bytes(tx, FrameType.REDUCED, {}, raw(np.arange(64, dtype=np.float32)))
+    data, reason = {
+        "altered": (good[:30] + bytes([good[30] ^ 1]) + good[31:], "frame 0 failed authentication"),
+        "replayed": (good + good, "frame 1 failed authentication"),
+        "unsealed": (frame_bytes(FrameType.REDUCED, np.zeros((1, 64), np.float32)), "unsealed frame on a sealed link"),
+        "error": (_sealed_bytes(Cipher(KEY[::-1]), FrameType.ERROR, {"message": "boom"}, b""), "peer reported: boom"),
+        "other size": (_sealed_bytes(Cipher(KEY[::-1]), FrameType.REDUCED, {}, raw(np.zeros(8))), "protocol error"),
+    }[attack]
+    try:
+        b.sendall(data)
+        dst = np.zeros((1, 64), np.float32)
+        with pytest.raises(LinkClosed, match=reason):
+            for _ in range(2):
+                link.recv_values_blocking(FrameType.REDUCED, dst, add=False)
+        assert link.closed
+    finally:
+        link.close()
+        b.close()

@@ -116,6 +116,7 @@ class Link:
         self._plain: bytearray | None = None
         self._bare: dict[tuple[int, int, bool], frames.Bare] = {}  # the hot path's frame kinds, made once
         self._wire: dict[tuple[int, int], Any] = {}  # their compiled path's buffers (net/wire.py), made once
+        self._sealed_rx: dict[tuple[int, int], Any] = {}  # a sealed link's: compiled receives, opened in Python
 
     @property
     def sealed(self) -> bool:
@@ -132,6 +133,7 @@ class Link:
             self._tx, self._rx = frames.Cipher(keys[0]), frames.Cipher(keys[1])
         self.trusted = True
         self._wire.clear()  # made for a plain link: sealed frames take frames.py's way
+        self._sealed_rx.clear()
 
     # ------------------------------------------------------------------ asyncio mode
     @classmethod
@@ -391,7 +393,9 @@ class Link:
         the GIL released. A sealed link (or a system without the compiled path) takes
         recv_bare_blocking's way."""
         bufs = self._wire.get((ftype, 4 * dst.size)) or self._wire_buffers(ftype, 4 * dst.size)
-        if bufs is _SEALED:
+        if bufs is _SEALED and self._tx is not None and wire_available():
+            _wire().apply_values(self._opened(ftype, 4 * dst.size), dst, add)
+        elif bufs is _SEALED:
             self._recv_values_sealed(ftype, dst, add)
         else:
             self._recv_wire(ftype, bufs, _wire().recv_values, dst, add, _tune())
@@ -403,7 +407,9 @@ class Link:
         bufs = self._wire.get((ftype, plen)) or self._wire_buffers(ftype, plen)
         if bufs is _SEALED:
             quant = _quant()
-            quant.dequantize_q8_0(self.recv_bare_blocking(ftype, plen), dst.size, dst, add)
+            payload = self._opened(ftype, plen)[1:] if self._tx is not None and wire_available() else \
+                self.recv_bare_blocking(ftype, plen)
+            quant.dequantize_q8_0(payload, dst.size, dst, add)
         else:
             self._recv_wire(ftype, bufs, _wire().recv_q8, dst, add, _quant()._TAB16, _tune())
 
@@ -446,6 +452,24 @@ class Link:
             raise self._closed(f"send failed ({os.strerror(-got)})")
         self.counters.sent += bufs.size
         self.counters.send_s += time.perf_counter() - t0
+
+    def _opened(self, ftype: FrameType, plen: int) -> np.ndarray:
+        """The next frame, which must be a sealed ftype with an empty header and a plen-byte payload,
+        received by compiled code (net/wire.py recv_body: the poll, the prefix compared, the body) and
+        opened here: its plaintext, the header byte then the payload (a reused buffer: use it before
+        the next receive). Anything else is refused as recv_bare_blocking refuses it."""
+        bufs = self._sealed_rx.get((ftype, plen))
+        if bufs is None:
+            bare = self._bare_of(ftype, plen)
+            bufs = self._sealed_rx[(ftype, plen)] = _wire().Buffers.sealed(bare.prefix, bare.body, frames.TAG_BYTES)
+        self._recv_wire(ftype, bufs, _wire().recv_body, _tune())
+        try:
+            plain = self._rx.open(bufs.prefix, bufs.body, bufs.plain)
+        except FrameError as exc:
+            raise self._closed(f"bad frame ({exc})") from None
+        if plain[0] != frames.EMPTY_HEADER[0]:
+            raise self._closed(f"bad frame (a {ftype.name} frame's one-byte header is not an empty map)")
+        return np.frombuffer(bufs.plain, np.uint8)
 
     def _recv_values_sealed(self, ftype: FrameType, dst: np.ndarray, add: bool) -> None:
         payload = self.recv_bare_blocking(ftype, 4 * dst.size)

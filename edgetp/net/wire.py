@@ -151,6 +151,16 @@ TX_STATE, TX_FRAME = 0, 8
 def _frame(fd, rx, tune, resume):
     # rx's frame: the prefix compared, the body received, its header checked (OK, CLOSED, NOT_OURS,
     # BAD_HEADER or -errno); tune: _polled's
+    got = recv_body(fd, rx, tune, resume)
+    if got != OK:
+        return got
+    return OK if rx[RX_BODY] == EMPTY_MAP else BAD_HEADER
+
+
+@njit(cache=True, nogil=True)
+def recv_body(fd, rx, tune, resume):
+    """_frame without the header check: the prefix compared and the body received (a sealed frame's
+    ciphertext and tag, which Python opens). OK, CLOSED, NOT_OURS or -errno."""
     state = rx[RX_STATE:RX_BODY].view(np.int64)
     if not resume:
         state[0] = 0
@@ -161,10 +171,7 @@ def _frame(fd, rx, tune, resume):
     for i in range(16):
         if rx[RX_PREFIX + i] != rx[RX_EXPECT + i]:
             return NOT_OURS
-    got = _fill(fd, rx[RX_BODY:], state, 1, tune)
-    if got != OK:
-        return got
-    return OK if rx[RX_BODY] == EMPTY_MAP else BAD_HEADER
+    return _fill(fd, rx[RX_BODY:], state, 1, tune)
 
 
 @njit(cache=True, nogil=True)
@@ -190,9 +197,16 @@ def recv_values(fd, rx, dst, add, tune, resume):
     -EINTR), else from nothing. OK, CLOSED, NOT_OURS (rx's prefix holds another frame's prefix,
     whole), BAD_HEADER, or -errno."""
     got = _frame(fd, rx, tune, resume)
-    if got != OK:
-        return got
-    vals = rx[RX_BODY + 1:].view(np.float32)
+    if got == OK:
+        apply_values(rx[RX_BODY:], dst, add)
+    return got
+
+
+@njit(cache=True, nogil=True)
+def apply_values(body, dst, add):
+    """dst (2-D f32, any layout) += (add) or = the f32 values after body's one-byte header (a frame's
+    body: received, or opened)."""
+    vals = body[1:].view(np.float32)
     rows, cols = dst.shape
     for r in range(rows):
         for c in range(cols):
@@ -200,7 +214,6 @@ def recv_values(fd, rx, dst, add, tune, resume):
                 dst[r, c] += vals[r * cols + c]
             else:
                 dst[r, c] = vals[r * cols + c]
-    return OK
 
 
 @njit(cache=True, nogil=True)
@@ -244,8 +257,24 @@ class Buffers:
         self.size = HEAD + plen  # bytes of the frame
         self.rx = np.zeros(RX_BODY + 1 + plen, np.uint8)
         self.rx[RX_EXPECT:RX_EXPECT + 16] = np.frombuffer(head[:16], np.uint8)
+        self.plain = None  # a sealed frame's opened body (`sealed`)
         self.tx = np.zeros(TX_FRAME + self.size, np.uint8)
         self.tx[TX_FRAME:TX_FRAME + HEAD] = np.frombuffer(head, np.uint8)
+
+    @classmethod
+    def sealed(cls, prefix: bytes, body: int, tag: int) -> "Buffers":
+        """Receive buffers for a sealed bare frame: its 16-byte prefix, then `body` bytes (the header
+        and payload encrypted, then the tag), received by recv_body and opened by the caller into
+        `plain` (body - tag bytes). It sends nothing (sealing is Python's)."""
+        bufs = cls(prefix + bytes([EMPTY_MAP]), body - 1)
+        bufs.tx = None
+        bufs.plain = bytearray(body - tag)
+        return bufs
+
+    @property
+    def body(self) -> memoryview:
+        """The body received (after recv_body)."""
+        return memoryview(self.rx)[RX_BODY:]
 
     @property
     def prefix(self) -> bytes:

@@ -390,8 +390,8 @@ class Link:
     def recv_values_blocking(self, ftype: FrameType, dst: np.ndarray, add: bool) -> None:
         """dst (2-D f32) += (add) or = the values of the next frame, which must be ftype with an empty
         header and dst's size: recv_bare_blocking and the sum in one compiled call (net/wire.py),
-        the GIL released. A sealed link (or a system without the compiled path) takes
-        recv_bare_blocking's way."""
+        the GIL released. On a sealed link the frame is received by compiled code and opened here
+        (_opened); a system without the compiled path takes recv_bare_blocking's way."""
         bufs = self._wire.get((ftype, 4 * dst.size)) or self._wire_buffers(ftype, 4 * dst.size)
         if bufs is _SEALED and self._tx is not None and wire_available():
             _wire().apply_values(self._opened(ftype, 4 * dst.size), dst, add)

@@ -1,4 +1,4 @@
-"""The all-reduce's plain f32 frames moved by compiled code: receive and add, or send, in one call.
+"""The all-reduce's frames moved by compiled code: receive and add, or send, in one call.
 
 A decode step pays two all-reduce frames per layer and link, and the Python around each (the
 prefix checked, two receives, the payload wrapped, added by numpy, the frame sent) cost about
@@ -13,11 +13,19 @@ like every other kernel):
 * `send_values` / `send_bytes`: the prefix, the empty header and an array's f32 values (or
   bytes already encoded) in one buffer, sent.
 
+* `recv_body`: a sealed frame's prefix compared and its body received, for Python to open
+  (the cipher is `cryptography`'s, frames.Cipher); `apply_values` then adds its values;
+* `poll`: the wait before a frame that Python receives.
+
+Every receive polls its socket before it waits in the kernel (`_polled`: for EDGETP_SPIN_US,
+200 µs by default, and not at all for QUIET_NS after a poll found that it had lost its core):
+a wait in the kernel costs the wake-up of a sleeping thread, most of a loopback round trip.
+
 The bytes on the wire are frames.send_bare's and recv_bare's. Only what they cannot decide is
 handed back to net/link.py, which knows what each means: another frame in the place of the one
 expected (an ERROR), a closed connection, or an error number (EAGAIN when SO_RCVTIMEO or
 SO_SNDTIMEO ran out, EINTR when a signal came first: the call is made again with `resume`, from
-the bytes already moved). Sealed frames do not come here: the cipher runs in Python (frames.Cipher).
+the bytes already moved).
 """
 
 from __future__ import annotations

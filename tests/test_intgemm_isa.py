@@ -81,6 +81,7 @@ def _weights(qt: int, rng: np.random.Generator) -> np.ndarray:
     nb = NB // k.sub  # the K-quants' integer scales and mins are any bytes
     blocks = rng.integers(0, 256, (ROWS, nb, k.nbytes), dtype=np.uint8)
     blocks[:2] = 255  # every code at its largest: the 16-bit partial sums at their bound
+    blocks[2] = 0x80  # signed codes (Q8_0) at -128: |code| x 127 pairs at their bound (32512)
     for at in k.halves:
         halves = (rng.uniform(0.5, 2, (ROWS, nb)) * rng.choice([-1, 1], (ROWS, nb))
                   * np.float32(2.0) ** rng.integers(-12, -2, (ROWS, nb)))

@@ -176,9 +176,11 @@ def test_llama_3_2_1b_shape_q4_k_m_from_llamacpp_matches(synth_model, quantized,
     check_logits_against_exact_math_and_llamacpp(path, FOX)
 
 
-# files whose every quantized tensor prefills with int8 activations but Q8_0's and Q5_1's (16-bit)
-INT8_FILES = [("smollm2", "Q4_K_M"), ("smollm2", "Q3_K_M"), ("smollm2", "Q2_K"),
-              ("tiny-k", "Q2_K"), ("tiny-k", "Q3_K_M"), ("tiny-k", "Q4_K_M"), ("tiny-k", "Q5_K_M")]
+# files whose every quantized tensor prefills with int8 activations but Q5_1's (16-bit); Q8_0 and the IQ4
+# code books take int8 ones as llama.cpp's do
+INT8_FILES = [("smollm2", "Q4_K_M"), ("smollm2", "Q3_K_M"), ("smollm2", "Q2_K"), ("smollm2", "Q8_0"),
+              ("tiny-k", "Q2_K"), ("tiny-k", "Q3_K_M"), ("tiny-k", "Q4_K_M"), ("tiny-k", "Q5_K_M"),
+              ("tiny-k", "IQ4_XS"), ("tiny-odd", "IQ4_NL")]
 
 
 @pytest.mark.parametrize("source,ftype", INT8_FILES)

@@ -51,13 +51,24 @@ Activations are rounded per block of 32 columns:
         starts at -bias * sum(x) over it. On AVX2 the products go through 16 bits:
         `Kind.operands` bounds how many are summed there before vpmaddwd widens them (fewer
         for wider codes). Offset types add m[u] * dx * sum(x) per unit.
-  WIDE (Q4_1, Q5_1, Q8_0, IQ4_NL, IQ4_XS) to int16 (scale max|x| / 32767, f32), products of 16-bit
+        Signed codes (Q8_0, and IQ4_NL's and IQ4_XS's code book values, -127..113) stay
+        int8 in the panel, and each ISA multiplies them as its instructions allow
+        (`_Mac.signed`): vpdpbusd takes code + 128 (its top bit flipped) with a seed of
+        -128 * sum(x); AVX2 takes |code| times x with the code's sign (vpabsb, vpsignb;
+        each operand widened on its own); sdot and the generic ISA take them as they are.
+        The integer sums are the same, so the bits are too. They were 16-bit (WIDE)
+        until 28 Nov; on a Zen 4 (one core, 256 tokens, tools/bench_intgemm.py) Q8_0
+        and IQ4 went from 170-180 to 290-310 GOPS on avx512vnni and stayed at
+        115-120 on avx2, where an operand costs vpsignb, vpmaddubsw, vpmaddwd and an
+        add either way. Their logits are then as close to the exact math as llama.cpp's,
+        which rounds their activations to int8 too (tests/test_engine_reference.py,
+        tests/test_llamacpp_types.py).
+  WIDE (Q4_1, Q5_1) to int16 (scale max|x| / 32767, f32), products of 16-bit
         weight pairs unpacked from the panel in registers. Int8 activations flip SmolLM2's
         first answer token (a 0.08-logit tie: "L'Etoile..." instead of "The capital of
         France is Paris"), as they do in llama.cpp; 16 bits keep the logits
-        within 3e-4 of their spread of the exact math. Q5_1 and Q8_0 follow Q4_1:
-        the 32-value types with the most bits per value, or an offset. IQ4's
-        code book values (-127..113) fit no unsigned byte's bound (see WIDE).
+        within 3e-4 of their spread of the exact math. Q5_1 follows Q4_1: the
+        32-value type with an offset and the most bits per value.
 
 AVX-512 VNNI, one core, 256 tokens, 2048- and 8192-column shapes: ~270 GOPS
 (int8) and ~155 GOPS (int16), against ~80 for f32 sgemm on decoded tiles.
@@ -106,6 +117,7 @@ class Kind:
     wide: bool  # 16-bit activations (WIDE), else int8
     nibbles: bool  # codes packed two per byte (value k low, 16 + k high: 4 vectors per 32), else one per byte (8)
     signed: bool  # the panel holds int8 weights (Q8_0; IQ4's code book values), else unsigned u, the weight u - bias
+    #               (int8 activations: each ISA multiplies them as `_Mac.signed` says)
     bias: int
     units: int  # scales (and offsets) per 32 values: 2 where each 16 has its own (Q2_K, Q3_K, Q6_K)
     offset: bool  # values are d * q + m: the panel carries m
@@ -125,10 +137,9 @@ class Kind:
         return 32767 // (256 * self.umax)
 
 
-# 16-bit activations (see the module docstring). IQ4_NL and IQ4_XS map their codes through a
-# table to -127..113: packed as those signed bytes, as Q8_0's are, since unsigned (+128) their
-# u8 x s8 pairs would overflow vpmaddubsw's 16 bits (and NEON's sdot takes s8 only)
-WIDE = (QT.Q4_1, QT.Q5_1, QT.Q8_0, QT.IQ4_NL, QT.IQ4_XS)
+# 16-bit activations (see the module docstring). Q8_0's codes and IQ4_NL's and IQ4_XS's code book
+# values (-127..113) are packed as signed bytes and multiplied as each ISA takes them (`_Mac.signed`)
+WIDE = (QT.Q4_1, QT.Q5_1)
 # every type whose weight is an integer code (or a code book's value) times a scale, plus an offset
 TYPES = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K,
          QT.IQ4_NL, QT.IQ4_XS)
@@ -146,7 +157,6 @@ def _kind(qtype: int) -> Kind:
     umax = L.umax  # the largest unsigned code (128 for signed ones, which the panel holds as int8: 127 below)
     units = 2 if L.split else 1
     halves = sorted({s.d for s in L.slots} | {s.m for s in L.slots if s.m is not None})
-    assert not signed or qtype in WIDE, qtype
     return Kind(int(qtype), L.nbytes, L.values // 32, qtype in WIDE, umax < 16 and units == 1 and not signed,
                 signed, L.bias, units, L.offset, 127 if signed else umax, tuple(halves), qtype in PLANES)
 
@@ -240,15 +250,22 @@ def _vty(lanes, ty=_I32, per=1):
 
 
 class _Mac:
-    """An ISA's integer products of one block: begin(seed) -> acc; mac(acc, w, x) per
-    operand; end(acc, seed) -> <lanes x i32>, each lane the exact sum over the block of
-    one row's products plus seed. w and x are <lanes x i32>: 4 bytes (int8: unsigned
-    nibbles times signed activations) or 2 words (wide: signed times signed) per lane."""
+    """An ISA's integer products of one block: weights(v) once per operand; begin(seed) -> acc;
+    mac(acc, w, x) per operand and token; end(acc, seed) -> <lanes x i32>, each lane the exact
+    sum over the block of one row's products plus seed. v and x are <lanes x i32>: 4 bytes (int8:
+    unsigned codes, or signed ones (`signed`: Q8_0, IQ4's code book values), times signed
+    activations) or 2 words (wide: signed times signed) per lane. Signed codes are taken as
+    the ISA's instructions take them; `signed_bias` is what that adds to each code (the seed
+    then takes it away, as a type's own bias)."""
 
     chains = 1  # independent i32 sums a block's products are spread over (added at its end: exact)
+    signed_bias = 0
 
-    def __init__(self, b, lanes: int, wide: bool):
-        self.b, self.lanes, self.wide = b, lanes, wide
+    def __init__(self, b, lanes: int, wide: bool, signed: bool = False):
+        self.b, self.lanes, self.wide, self.signed = b, lanes, wide, signed and not wide
+
+    def weights(self, v):
+        return v
 
     def begin(self, seed):
         return seed
@@ -266,6 +283,10 @@ class _Vnni(_Mac):
     Q6_K's 4 operands a unit keep one chain, as do the wide types, which gained nothing)."""
 
     chains = 2
+    signed_bias = 128  # vpdpbusd's weights are unsigned: a signed code as code + 128, its top bit flipped
+
+    def weights(self, v):
+        return self.b.xor(v, _vec(_I32, [0x80808080] * self.lanes)) if self.signed else v
 
     def mac(self, acc, w, x):
         v = _vty(self.lanes)
@@ -279,7 +300,18 @@ class _Avx2(_Mac):
     3840 (nibbles 0..15, int8 activations, so vpmaddubsw never saturates), and a block adds
     8 operands (Q4_0: 4 groups x low/high nibbles), 16 products per i16 lane: at most
     16 * 15 * 128 = 30720 < 32767, so the wrapping vpaddw never wraps.
-    wide: vpmaddwd (s16 x s16, pairs added in i32) then vpaddd, as vpdpwssd does in one."""
+    wide: vpmaddwd (s16 x s16, pairs added in i32) then vpaddd, as vpdpwssd does in one.
+    signed int8 codes: |code| x (x with the code's sign) (vpabsb once per operand, vpsignb per
+    token, as intdot_ir does): a pair is at most 2 * 128 * 127 = 32512, so each operand is
+    widened on its own (Kind.operands is 1)."""
+
+    def weights(self, v):
+        if not self.signed:
+            return v
+        b, v8 = self.b, _vty(self.lanes, _I8, 4)
+        w = b.bitcast(v, v8)
+        return b.call(_decl(b.module, f"llvm.abs.v{4 * self.lanes}i8", v8, [v8, ir.IntType(1)]),
+                      [w, ir.Constant(ir.IntType(1), 0)]), w
 
     def _madd(self, a, b16):
         b = self.b
@@ -295,8 +327,12 @@ class _Avx2(_Mac):
         if self.wide:
             return b.add(acc, self._madd(w, x))
         v8, v16 = _vty(self.lanes, _I8, 4), _vty(self.lanes, _I16, 2)
+        x = b.bitcast(x, v8)
+        if self.signed:
+            w, sign = w
+            x = b.call(_decl(b.module, "llvm.x86.avx2.psign.b", v8, [v8] * 2), [x, sign])
         fn = _decl(b.module, "llvm.x86.avx2.pmadd.ub.sw", v16, [v8] * 2)
-        return b.add(acc, b.call(fn, [b.bitcast(w, v8), b.bitcast(x, v8)]))
+        return b.add(acc, b.call(fn, [b.bitcast(w, v8), x]))
 
     def end(self, acc, seed):
         if self.wide:
@@ -324,7 +360,7 @@ class _Generic(_Mac):
             p = b.mul(b.sext(b.bitcast(w, v16), v32), b.sext(b.bitcast(x, v16), v32))
             return b.add(acc, self._pairs(p))
         v8, v16 = _vty(self.lanes, _I8, 4), _vty(self.lanes, _I16, 4)
-        p = b.mul(b.zext(b.bitcast(w, v8), v16), b.sext(b.bitcast(x, v8), v16))
+        p = b.mul((b.sext if self.signed else b.zext)(b.bitcast(w, v8), v16), b.sext(b.bitcast(x, v8), v16))
         return b.add(acc, self._pairs(p))
 
     def end(self, acc, seed):
@@ -334,7 +370,7 @@ class _Generic(_Mac):
 
 
 class _Neon(_Generic):
-    """int8: sdot (four s8 x s8 products into each i32 lane; nibbles 0..15 are valid s8),
+    """int8: sdot (four s8 x s8 products into each i32 lane; nibbles 0..15 and signed codes are s8),
     on 128-bit halves; wide as _Generic."""
 
     def begin(self, seed):
@@ -379,19 +415,13 @@ def _operands(builder, k: Kind, v, g, lanes):
     with the byte offset of its activation pair/quad in the block's activation row."""
     i32 = _vec(_I32, [0x0F0F0F0F] * lanes)
     if not k.wide:
-        if not k.nibbles:  # bytes: columns 4g.., unsigned codes, x int8
+        if not k.nibbles:  # bytes: columns 4g.., unsigned or signed codes, x int8
             return [(v, 4 * g)]
         # columns 4g.. (low nibbles) and 16+4g.. (high), x int8
         return [(builder.and_(v, i32), 4 * g), (builder.and_(builder.lshr(v, _vec(_I32, [4] * lanes)), i32), 16 + 4 * g)]
     words = ir.VectorType(_I16, 2 * lanes)
     low = _vec(_I32, [0x00FF00FF] * lanes)
-    if k.signed:
-        # signed bytes b0..b3 of columns 4g..4g+3 -> 16-bit pairs (b0, b2) and (b1, b3)
-        w = builder.bitcast(v, words)
-        eight = ir.Constant(words, [ir.Constant(_I16, 8)] * 2 * lanes)
-        even = builder.bitcast(builder.ashr(builder.shl(w, eight), eight), v.type)
-        odd = builder.bitcast(builder.ashr(w, eight), v.type)
-        return [(even, 8 * g), (odd, 8 * g + 4)]
+    assert not k.signed, k  # signed codes take int8 activations
     if not k.nibbles:  # unsigned bytes: the same pairs, zero-extended
         return [(builder.and_(v, low), 8 * g), (builder.and_(builder.lshr(v, _vec(_I32, [8] * lanes)), low), 8 * g + 4)]
     out = []
@@ -433,12 +463,13 @@ def _emit_tile(builder, qtype: int, which: str, args, tokens: int | None = None)
     the same on every ISA: sum = fma(float(acc) * dx[t, b], d[u], sum), then for the offset
     types sum = fma(dx[t, b] * float(sums[t, u]), m[u], sum); so every ISA gives the same bits."""
     k = KINDS[qtype]
-    groups, wide, bias, units = k.groups, k.wide, k.bias, k.units
+    groups, wide, units = k.groups, k.wide, k.units
     per = groups // units  # packed vectors per unit
     ops, shape = ISA_TILES[which]
     L, nt = shape.rows, tokens or shape.nt
     vi, vf = _vty(L), _vty(L, _F32)
-    mac = ops(builder, L, wide)
+    mac = ops(builder, L, wide, k.signed)
+    bias = mac.signed_bias if mac.signed else k.bias
     pq, pd, pm, nb, xa, xs, da, sa, s16, ds, oa, ostride, m, ntv = args
     mod = builder.module
     fma = _decl(mod, f"llvm.fma.v{L}f32", vf, [vf] * 3)
@@ -482,6 +513,7 @@ def _emit_tile(builder, qtype: int, which: str, args, tokens: int | None = None)
             operands += _operands(builder, k, v, g, L)
         if k.planes:
             operands = _plane_operands(builder, qb, u, L)
+        operands = [(mac.weights(w), off) for w, off in operands]
         chains = mac.chains if len(operands) >= 8 and not wide else 1
         step = len(operands) if wide or chains > 1 else k.operands  # i32 chains need no 16-bit bound
         for o in range(0, len(operands), step):  # partial sums chained through each ISA's begin/end

@@ -133,7 +133,8 @@ class Kind:
     def operands(self) -> int:
         """int8 kinds: packed vectors (4 values per row each) summed in 16 bits before vpmaddwd widens
         them. A vpmaddubsw pair is at most 2 * umax * 128, so operands * 256 * umax <= 32767: umax 15
-        (Q4: 8 operands, 30720), 31 (Q5: 4, 31744), 63 (Q6_K: 2, 32256), 7 (Q3_K), 3 (Q2_K)."""
+        (Q4: 8 operands, 30720), 31 (Q5: 4, 31744), 63 (Q6_K: 2, 32256), 7 (Q3_K), 3 (Q2_K), and 127
+        for signed codes (1: |code| <= 128 times |x| <= 127, 32512 a pair)."""
         return 32767 // (256 * self.umax)
 
 

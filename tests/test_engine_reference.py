@@ -19,7 +19,7 @@
    intgemm.py), so 1. and 2. hold for the float kernels only (forced there). Q4_1 prefill rounds the
    activations to 16 bits per block of 32 and must stay within WIDE of the
    exact math. Q4_0 and Q8_0 (decode and prefill) round them to Q8_0 blocks as
-   llama.cpp does, and is held to llama.cpp's own standard instead: its mean
+   llama.cpp does, and are held to llama.cpp's own standard instead: their mean
    distance from the exact logits, over every position, is within
    INT8_VS_CPP of llama.cpp's. Per-position
    maxima are no use here: a rounding that lands differently in one layer

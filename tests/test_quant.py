@@ -7,9 +7,9 @@ products of the reference values.
 Products run on two paths (fixture int8_kernels): the float kernels
 (EDGETP_INT8=0), and the integer kernels, which round the activations first:
 decode of every quantized type (intdot.py, any ISA) and prefill (intgemm.py,
-any ISA) of Q4_0 to Q8_0 blocks as llama.cpp does (the reference x is then gguf-py's
-own Q8_0 round trip of x); prefill of Q4_1 and Q8_0 to 16 bits per block
-(`as_computed` writes that rounding out). The products are then exact
+any ISA) of every type but intgemm.WIDE's to Q8_0 blocks as llama.cpp does (the reference
+x is then gguf-py's own Q8_0 round trip of x); prefill of Q4_1 and Q5_1 (WIDE) to 16 bits
+per block (`as_computed` writes that rounding out). The products are then exact
 integers times scales.
 
 Tolerance for matvec/matmul: every output is a sum of `cols` f32 products.

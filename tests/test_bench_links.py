@@ -9,9 +9,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.conftest import REPO
 
 CHECK = textwrap.dedent("""
     from tools.bench_links import _same_nodes

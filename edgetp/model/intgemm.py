@@ -158,6 +158,7 @@ def _kind(qtype: int) -> Kind:
     umax = L.umax  # the largest unsigned code (128 for signed ones, which the panel holds as int8: 127 below)
     units = 2 if L.split else 1
     halves = sorted({s.d for s in L.slots} | {s.m for s in L.slots if s.m is not None})
+    assert not (signed and qtype in WIDE), qtype  # signed codes take int8 activations (_Mac.signed)
     return Kind(int(qtype), L.nbytes, L.values // 32, qtype in WIDE, umax < 16 and units == 1 and not signed,
                 signed, L.bias, units, L.offset, 127 if signed else umax, tuple(halves), qtype in PLANES)
 
@@ -420,9 +421,7 @@ def _operands(builder, k: Kind, v, g, lanes):
             return [(v, 4 * g)]
         # columns 4g.. (low nibbles) and 16+4g.. (high), x int8
         return [(builder.and_(v, i32), 4 * g), (builder.and_(builder.lshr(v, _vec(_I32, [4] * lanes)), i32), 16 + 4 * g)]
-    words = ir.VectorType(_I16, 2 * lanes)
     low = _vec(_I32, [0x00FF00FF] * lanes)
-    assert not k.signed, k  # signed codes take int8 activations
     if not k.nibbles:  # unsigned bytes: the same pairs, zero-extended
         return [(builder.and_(v, low), 8 * g), (builder.and_(builder.lshr(v, _vec(_I32, [8] * lanes)), low), 8 * g + 4)]
     out = []

@@ -203,9 +203,19 @@ def status(args: argparse.Namespace) -> int:
               f"{n['speed'] / 1e9:>6.2f} GB/s {n['mem_free'] / 1e9:>6.1f} GB {span(n.get('layers') or (0, 0)):>7} "
               f"{span(n['kv_groups']):>9} "
               f"{span(n['ffn_cols']):>11} {span(n['vocab_rows']):>13} {rtt:>15} {link:>12}")
-    for line in expert_lines(view["nodes"]):
+    for line in expert_lines(view["nodes"]) + shared_lines(view["nodes"]):
         print(line)
     return 0
+
+
+def shared_lines(nodes: list[dict]) -> list[str]:
+    """Nodes that share one machine, and what they read together: the planner's speed for them at once."""
+    groups: dict[str, list[dict]] = {}
+    for n in nodes:
+        if n.get("machine") and n.get("host_speed"):
+            groups.setdefault(n["machine"], []).append(n)
+    return [f"{', '.join(n['node_id'] for n in g)} share machine {tag}: {g[0]['host_speed'] / 1e9:.2f} GB/s together"
+            for tag, g in groups.items()]
 
 
 def expert_lines(nodes: list[dict]) -> list[str]:

@@ -107,7 +107,8 @@ def cluster_view(runner: ClusterRunner, model: str) -> events.ClusterView:
             state="ready" if share is not None else "idle", speed=info.speed, mem_free=info.mem_free,
             rtt_ms=None if info.address == "local" else info.rtt_ms,
             rtt_p90_ms=None if info.address == "local" else info.rtt_p90_ms,
-            mbps=None if info.address == "local" else info.mbps, **spans))
+            mbps=None if info.address == "local" else info.mbps, machine=info.host[:8] if info.host_speed else None,
+            host_speed=info.host_speed or None, **spans))
     return events.ClusterView(runner.plan.epoch, runner.nodes[0].node_id, model, tuple(nodes),
                               plan=pipeline.describe(runner.plan))
 

@@ -115,6 +115,8 @@ class NodeView:
     layers: tuple[int, int] | None = None    # the layers its stage runs
     experts: tuple[int, int] | None = None   # a mixture's experts it computes (whole, or its columns of them)
     expert_hits: tuple[int, ...] = ()        # tokens routed to each of those experts so far, all layers summed
+    machine: str | None = None               # where several nodes share a machine: a tag for it (its boot id's start)
+    host_speed: float | None = None          # and the bytes/s those nodes read together
 
 
 @dataclass(frozen=True)
@@ -193,7 +195,8 @@ def _node(d: dict[str, Any]) -> NodeView:
                     None if d.get("stage") is None else int(d["stage"]),
                     None if d.get("layers") is None else _pair(d["layers"]),
                     None if d.get("experts") is None else _pair(d["experts"]),
-                    tuple(int(h) for h in d.get("expert_hits", ())))
+                    tuple(int(h) for h in d.get("expert_hits", ())), None if d.get("machine") is None else str(d["machine"]),
+                    _opt_float(d.get("host_speed")))
 
 
 def _opt_float(v: Any) -> float | None:

@@ -4,10 +4,10 @@
 For each link profile, every plan kind is run for real (root here, `edgetp worker`s
 on 127.0.0.1, each behind a tools/relay.py that adds the profile's round trip,
 jitter and rate), its decode tok/s measured over a greedy run and printed beside
-what parallel/cost.py predicts from the same run's measured speeds and links. The
-row `auto` would choose (pipeline.choose over the measured figures, one stream)
-is marked; with 8 streams, the aggregate tok/s of the kinds that matter is
-printed too. After that table, one all-reduce's cost beyond the raw socket round trip
+what parallel/cost.py predicts from the same run's measured speeds and links. A
+last row, `auto`, runs what `--parallel auto` plans for one stream from its own
+measurements (it may leave a worker out), beside the best kind measured; with 8
+streams, the aggregate tok/s of the kinds that matter is printed too. After that table, one all-reduce's cost beyond the raw socket round trip
 at each model's width (tools/bench_allreduce.py's measure, f32 sync).
 
     python tools/bench_links.py                      # SmolLM2 and the 1B shape Q8_0, every profile
@@ -114,47 +114,30 @@ def run_profile(control: LoopThread, path: Path, name: str, profile: str, args) 
             for p in LINKS[profile][:n - 1]:
                 _, addr = procs.worker()
                 addrs.append(addr if p is None else start_relay(procs, addr, p))
-            measured: dict[str, tuple[float, float, str]] = {}
-            runner = None
-            for kind, layout in KINDS[n]:
-                if kind == "single":
-                    addresses, layout = [], None
-                else:
-                    addresses = addrs
-                runner = control.run(ClusterRunner.connect(mf, addresses, ctx=CTX, threads=1, layout=layout,
-                                                           slots=args.streams), timeout=900)
+            measured: dict[str, float] = {}
+            for kind, layout in KINDS[n] + [("auto", None)]:
+                # auto: what `--parallel auto` plans for one stream from its own fresh measurements
+                runner = control.run(ClusterRunner.connect(mf, [] if kind == "single" else addrs, ctx=CTX, threads=1,
+                                                           layout=layout, parallel="auto" if kind == "auto" else "tp",
+                                                           slots=1 if kind == "auto" else args.streams), timeout=900)
                 try:
                     decode(runner, prompt, 2, args.limit)  # warm-up: kernels loaded, pages touched
                     d = decode(runner, prompt, args.tokens, args.limit)
                     pred = cost.predict(runner.plan, links_of(runner), 1)
                     agg = batch_tok_s(runner, prompt, args.streams, args.batch_steps, args.limit) \
-                        if args.streams > 1 and profile == "wifi" else None
+                        if args.streams > 1 and profile == "wifi" and kind != "auto" else None
                     pred_b = cost.predict(runner.plan, links_of(runner), args.streams).tok_s
-                    measured[pipeline.describe(runner.plan)] = (d.tok_s, pred.tok_s, kind)
+                    measured[kind] = d.tok_s
                     rows.append([name, profile, str(n), kind, pipeline.describe(runner.plan), f"{pred.tok_s:.2f}",
                                  f"{d.tok_s:.2f}", f"{100 * (pred.tok_s / d.tok_s - 1):+.0f}%",
                                  f"{pred.sync_s / pred.step_s:.0%}",
-                                 "-" if agg is None else f"{agg:.2f} (pred {pred_b:.2f})", ""])
-                    if kind != "single":
-                        nodes = [runner.plan.nodes[0]] + [x for x in runner.plan.nodes[1:]]
-                        links = links_of(runner)
+                                 "-" if agg is None else f"{agg:.2f} (pred {pred_b:.2f})",
+                                 "**chosen**" if kind == "auto" else ""])
                 finally:
                     runner.close()
-            # the planner's choice from this profile's measured figures (speeds and links of the last run)
-            shape = runner.plan.shape
-            best = pipeline.choose(shape, nodes[0], nodes[1:], links, rows=1, sync=runner.plan.sync)
-            chosen = pipeline.describe(best.plan)
-            hit = [r for r in rows[-len(KINDS[n]):] if r[4].split(":")[0] == chosen.split(":")[0]
-                   and _same_nodes(r[4], chosen)]
-            if hit:
-                hit[0][-1] = "**chosen**"
-            else:
-                rows.append([name, profile, str(n), "auto", chosen, f"{best.single.tok_s:.2f}", "(not run)", "",
-                             "", "", "**chosen**"])
-            best_measured = max(v[0] for v in measured.values())
-            rows.append([name, profile, str(n), "", "best measured / chosen's measured", "",
-                         f"{best_measured:.2f}", "", "", "",
-                         f"{(hit[0][6] if hit else '-')}"])
+            best = max(v for k, v in measured.items() if k != "auto")
+            rows.append([name, profile, str(n), "", "best kind measured / auto's measured (auto ÷ best)", "",
+                         f"{best:.2f}", "", "", "", f"{measured['auto']:.2f} ({measured['auto'] / best:.2f})"])
     return rows
 
 
@@ -284,14 +267,6 @@ def overlap_in_namespaces(args) -> int:
         finally:
             for proc, _ in workers:
                 stop(proc)
-
-
-def _same_nodes(a: str, b: str) -> bool:
-    """The same stages over the same nodes (layer counts may differ by the speeds each run measured, and
-    the members of a tensor-parallel group may be listed in another order)."""
-    def nodes(s: str) -> list[frozenset[str]]:
-        return [frozenset(part.split(" on ")[-1].split("+")) for part in s.split(": ", 1)[1].split("; ")]
-    return nodes(a) == nodes(b)
 
 
 def main(argv: list[str] | None = None) -> int:

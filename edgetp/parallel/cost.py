@@ -26,7 +26,13 @@ One stream runs the stages one after another: its token time is the sum of
 the stage times. With several sequences the rows are cut into micro-batches,
 one per working stage, and the stages work on different micro-batches at
 once: a step is the pipeline's fill plus the slowest stage once per further
-micro-batch, sum(t_k) + (m - 1) * max(t_k).
+micro-batch, sum(t_k) + (m - 1) * max(t'_k), where t'_k is stage k's time
+while every stage computes.
+
+Nodes on one machine (NodeSpec.host) share its cores and memory bandwidth:
+while several of them compute at once (a tensor-parallel stage, or every
+stage past a pipeline's fill) they read no faster together than they were
+measured to read at once (NodeSpec.host_speed; plan.busy_speeds).
 """
 
 from __future__ import annotations
@@ -119,12 +125,14 @@ def predict(plan: Plan, links: Mapping[str, LinkCost], rows: int = 1, oh: Overhe
     m = micro_batches(plan, rows)
     b = rows / m
     stretch = 1 + oh.row_cost * (b - 1)
-    times, compute, sync = [], 0.0, 0.0
+    times, busy_times, compute, sync = [], [], 0.0, 0.0
     last = len(plan.stages) - 1
+    everyone = [x.node_id for k in working_stages(plan) for x in plan.stages[k]]
     for k, stage in enumerate(plan.stages):
         far = [links[x.node_id] for x in stage if x.node_id != root]
         n_layers = (stage[0].layers[1] - stage[0].layers[0]) if stage[0].layers else s.n_layers
-        c = (plan.stage_makespan(k) + n_layers * (oh.layer_s + _expert_runs(plan, stage) * oh.expert_s)) * stretch
+        per_layer = n_layers * (oh.layer_s + _expert_runs(plan, stage) * oh.expert_s)
+        c = (plan.stage_makespan(k) + per_layer) * stretch
         if root in (x.node_id for x in stage):
             y = 2 * n_layers * max((lk.all_reduce(b, s.dim, plan.sync, oh) for lk in far), default=0.0)
             y += max((lk.rtt_s + oh.message_s for lk in far), default=0.0) if k == last else 0.0
@@ -134,8 +142,10 @@ def predict(plan: Plan, links: Mapping[str, LinkCost], rows: int = 1, oh: Overhe
             lk = links[stage[0].node_id]
             y = lk.rtt_s + 2 * b * s.dim * HIDDEN_BYTES / lk.bytes_per_s + oh.message_s
         times.append(c + y)
+        # past the pipeline's fill every stage works at once: nodes sharing a host share it
+        busy_times.append((plan.stage_makespan(k, everyone) + per_layer) * stretch + y if m > 1 else c + y)
         compute += c
         sync += y
-    step = sum(times) + (m - 1) * max(times)
+    step = sum(times) + (m - 1) * max(busy_times)
     share = compute / (compute + sync) if compute + sync else 1.0
     return Prediction(step, step * share, step * (1 - share), rows)

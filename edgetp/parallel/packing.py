@@ -24,6 +24,7 @@ from edgetp.parallel.plan import (
     Plan,
     PlanError,
     Share,
+    busy_speeds,
     fmt_bytes,
 )
 
@@ -96,7 +97,7 @@ class _Planner:
 
     def __init__(self, shape: ModelShape, nodes: tuple[NodeSpec, ...], overhead: int) -> None:
         self.shape, self.nodes = shape, nodes
-        self.speed = [n.speed for n in nodes]
+        self.speed = list(busy_speeds(nodes).values())  # a stage's nodes compute at once
         self.room = [n.mem_bytes - overhead for n in nodes]  # memory for weights + KV cache
         self.A, self.K = shape.group_bytes, shape.group_kv_bytes
         self.F, self.R = shape.ffn_block_bytes, shape.vocab_row_bytes
@@ -286,7 +287,7 @@ def make_plan(shape: ModelShape, nodes: Iterable[NodeSpec], *, epoch: int = 0, s
 def _balance_families(shape: ModelShape, nodes: tuple[NodeSpec, ...],
                       overhead: int) -> tuple[list[int], list[int], list[int]] | None:
     """(groups, FFN columns, vocab rows) per node, each family water-filled; None if memory runs out."""
-    speeds = [n.speed for n in nodes]
+    speeds = list(busy_speeds(nodes).values())  # a stage's nodes compute at once
     room = [n.mem_bytes - overhead for n in nodes]
     n_vb = -(-shape.vocab // shape.vocab_block)
     families = [

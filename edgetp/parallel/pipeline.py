@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from edgetp.parallel import cost, packing
-from edgetp.parallel.plan import DEFAULT_OVERHEAD, ModelShape, NodeSpec, Plan, PlanError, Share, fmt_bytes
+from edgetp.parallel.plan import DEFAULT_OVERHEAD, ModelShape, NodeSpec, Plan, PlanError, Share, fmt_bytes, group_speed
 
 PARALLEL = ("auto", "tp", "pp")  # what --parallel may force
 MARGIN = 0.05  # a plan on fewer nodes is preferred unless one on more is predicted this much faster
@@ -75,7 +75,7 @@ def _split_layers(shape: ModelShape, groups: Sequence[Sequence[NodeSpec]], overh
     layer_work = (shape.n_kv_heads * shape.group_bytes + shape.n_ffn_blocks * shape.ffn_block_bytes) / n
     layer_mem = layer_work + shape.n_kv_heads * shape.group_kv_bytes / n
     vocab = shape.vocab * shape.vocab_row_bytes
-    speed = [sum(x.speed for x in g) for g in groups]
+    speed = [group_speed(g) for g in groups]
     room = [sum(x.mem_bytes for x in g) - overhead * len(g) - (vocab if k == len(groups) - 1 else 0)
             for k, g in enumerate(groups)]
     mem_cap = [max(0, math.floor(r / layer_mem)) for r in room]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -193,14 +193,41 @@ class ModelShape:
 @dataclass(frozen=True)
 class NodeSpec:
     node_id: str
-    speed: float  # weight bytes per second, measured
+    speed: float  # weight bytes per second, measured alone
     mem_bytes: int  # free memory
+    # Nodes on one machine (one kernel: the same boot id) share its cores and its memory's bandwidth.
+    # `host` names that machine ("": none of the others is on it) and `host_speed` is what all of its
+    # nodes read together, measured at once (bytes/s; 0: not measured).
+    host: str = ""
+    host_speed: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.node_id, str) or not self.node_id:
             raise ValueError("node_id must be a non-empty str")
         object.__setattr__(self, "speed", _pos_float(f"node {self.node_id}: speed", self.speed))
         _int(f"node {self.node_id}: mem_bytes", self.mem_bytes)
+        if not isinstance(self.host, str):
+            raise ValueError(f"node {self.node_id}: host must be a str")
+        if self.host_speed:
+            object.__setattr__(self, "host_speed", _pos_float(f"node {self.node_id}: host_speed", self.host_speed))
+
+
+def busy_speeds(nodes: Iterable[NodeSpec]) -> dict[str, float]:
+    """Each node's speed while all of `nodes` compute at once: nodes that share a host with a
+    measured host_speed split it in proportion to their speeds alone, when together they would
+    read faster than it; any other node keeps its speed."""
+    nodes = list(nodes)
+    demand: dict[str, float] = {}
+    for n in nodes:
+        if n.host and n.host_speed:
+            demand[n.host] = demand.get(n.host, 0.0) + n.speed
+    return {n.node_id: n.speed * min(1.0, n.host_speed / demand[n.host]) if n.host and n.host_speed else n.speed
+            for n in nodes}
+
+
+def group_speed(nodes: Iterable[NodeSpec]) -> float:
+    """What a group of nodes reads per second while all of them compute (a tensor-parallel stage)."""
+    return sum(busy_speeds(nodes).values())
 
 
 @dataclass(frozen=True)
@@ -330,10 +357,14 @@ class Plan:
         """
         return sum(self.stage_makespan(k) for k in range(len(self.stages)))
 
-    def stage_makespan(self, k: int) -> float:
-        """Plan.makespan of pipeline stage k alone: the stages of a pipeline run one after another."""
-        s, speed = self.shape, {n.node_id: n.speed for n in self.nodes}
-        stage = self.stages[k]
+    def stage_makespan(self, k: int, busy: Iterable[str] | None = None) -> float:
+        """Plan.makespan of pipeline stage k alone: the stages of a pipeline run one after another.
+
+        Its nodes' speeds are those while the nodes named in `busy` compute too (busy_speeds; the
+        stage's own nodes if not given): nodes sharing a host share its bandwidth."""
+        s, stage = self.shape, self.stages[k]
+        names = {x.node_id for x in stage} if busy is None else set(busy) | {x.node_id for x in stage}
+        speed = busy_speeds(n for n in self.nodes if n.node_id in names)
         total = 0.0
         total += max((sh.kv_groups[1] - sh.kv_groups[0]) * s.group_bytes * s.layer_fraction(sh) / speed[sh.node_id]
                      for sh in stage)

@@ -45,6 +45,7 @@ class Profile:
     mem_free: int     # bytes we may still allocate for a share: MemAvailable, a cgroup's room, max_memory_mb
     threads: int
     runtime: int = 0  # bytes resident for the runtime itself when measured (runtime_bytes)
+    host: str = ""    # the machine it runs on (host_id)
 
 
 def random_weight(qtype: int, rows: int, cols: int, seed: int = 0) -> quant.Weight:
@@ -99,11 +100,15 @@ def timing_set(w: quant.Weight, cache: int | None = None) -> list[quant.Weight]:
     return [w] + [quant.Weight(w.qtype, w.rows, w.cols, w.data.copy()) for _ in range(n - 1)]
 
 
+MAX_WAIT_S = 10.0  # the longest a timing waits for its start_at
+
+
 def measure_speed(w: quant.Weight | None = None, seconds: float = 0.5, max_runs: int = 5000,
-                  cache: int | None = None) -> float:
+                  cache: int | None = None, start_at: float | None = None) -> float:
     """Weight bytes/s of matvec on w (a layer-sized Q8_0 matrix by default), streamed from RAM:
     the timing cycles through `timing_set(w, cache)`, each run once before the clock starts
-    (kernels compiled, kept types' panels packed).
+    (kernels compiled, kept types' panels packed). With `start_at` (time.time()) the clock starts
+    then, not before: nodes of one machine, which read one clock, time the same window.
 
     Throughput over the whole window, not the best burst: a CPU quota
     (cgroup cpu.max, 100 ms periods) or a busy neighbour on the core must
@@ -115,6 +120,8 @@ def measure_speed(w: quant.Weight | None = None, seconds: float = 0.5, max_runs:
     out = np.empty(w.rows, np.float32)
     for c in ws:  # compile / pack / warm up
         quant.matvec(c, x, out)
+    if start_at is not None:
+        time.sleep(min(max(0.0, start_at - time.time()), MAX_WAIT_S))
     runs = 0
     t0 = time.perf_counter()
     while runs < max_runs:
@@ -225,8 +232,10 @@ def memory_free(meminfo: str = "/proc/meminfo", runtime: int | None = None) -> i
     return free
 
 
-def profile(threads: int | None = None, seconds: float = 0.5, qtype: int = QT.Q8_0) -> Profile:
-    """Speed at the thread count compute uses, on a layer-sized matrix of `qtype`.
+def profile(threads: int | None = None, seconds: float = 0.5, qtype: int = QT.Q8_0,
+            start_at: float | None = None) -> Profile:
+    """Speed at the thread count compute uses, on a layer-sized matrix of `qtype` (timed from
+    `start_at`, if given: measure_speed).
 
     qtype should be the model's dominant weight type (`ModelFile.dominant_type`):
     kernels of different types run at different speeds, and not in the same ratio
@@ -236,7 +245,17 @@ def profile(threads: int | None = None, seconds: float = 0.5, qtype: int = QT.Q8
         quant.set_threads(threads)
     cols = DEFAULT_COLS - DEFAULT_COLS % quant.block_size(qtype)
     w = random_weight(qtype, DEFAULT_ROWS, cols)
-    speed = measure_speed(w, seconds=seconds)
+    speed = measure_speed(w, seconds=seconds, start_at=start_at)
     del w  # measured after the run (kernels compiled and loaded), without the timing matrices
     runtime = runtime_bytes()
-    return Profile(speed, memory_free(runtime=runtime), quant.threads(), runtime)
+    return Profile(speed, memory_free(runtime=runtime), quant.threads(), runtime, host_id())
+
+
+def host_id(path: str = "/proc/sys/kernel/random/boot_id") -> str:
+    """The machine this process runs on: the kernel's boot id, which every process under one kernel
+    reads alike (network namespaces and containers included) and no other machine has; "" where
+    there is none to read. Nodes with the same one share cores and memory bandwidth."""
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return ""

@@ -64,6 +64,13 @@ class NodeInfo:
     stage: int = 0      # its pipeline stage; -1: left out of the plan (idle)
     layers: tuple[int, int] | None = None  # the layers of its stage (None: every layer)
     round_ms: float = 0.0  # an all-reduce round of one row in blocking mode (0: not measured: an asyncio link)
+    host: str = ""         # the machine it runs on (profile.host_id)
+    host_speed: float = 0.0  # bytes/s every node on that machine read together (0: it shares the machine with none)
+
+    def spec(self, speed: float) -> planner.NodeSpec:
+        """This node for the planner, at `speed`; its machine named only where it shares it."""
+        shared = self.host_speed > 0
+        return planner.NodeSpec(self.node_id, speed, self.mem_free, self.host if shared else "", self.host_speed)
 
     def link_cost(self) -> cost.LinkCost:
         """The root's link to this node, for the cost model."""
@@ -135,7 +142,7 @@ class ClusterRunner:
             hop = await event_loop_hop()
             seconds = 0.5 if weights is None else 0.05
             mine = await asyncio.to_thread(profile.profile, threads, seconds, mf.dominant_type)
-            infos = [NodeInfo(node_id, "local", mine.speed, mine.mem_free, 0.0, "local")]
+            infos = [NodeInfo(node_id, "local", mine.speed, mine.mem_free, 0.0, "local", host=mine.host)]
             for link in links:
                 st = await link.measure()
                 link.hot_mode = choose_mode(st.rtt_ms / 1e3, hop, forced_mode())
@@ -148,9 +155,12 @@ class ClusterRunner:
                                          FrameType.READY, timeout=60)
                 infos.append(NodeInfo(link.peer_id or link.name, link.name, rep.header["speed"],
                                       int(rep.header["mem_free"]), st.rtt_ms, link.hot_mode,
-                                      rtt_p90_ms=st.rtt_p90_ms, mbps=st.mbps, round_ms=round_ms))
+                                      rtt_p90_ms=st.rtt_p90_ms, mbps=st.mbps, round_ms=round_ms,
+                                      host=_host_of(rep.header)))
+            if weights is None:
+                infos = await _together(infos, links, seconds, mf.dominant_type, threads)
             speeds = [float(w) for w in weights] if weights is not None else [i.speed for i in infos]
-            nodes = [planner.NodeSpec(i.node_id, s, i.mem_free) for i, s in zip(infos, speeds)]
+            nodes = [i.spec(s) for i, s in zip(infos, speeds)]
             costs = {i.node_id: i.link_cost() for i in infos[1:]}
             plan, slots = _plan(mf, ctx, slots, nodes, epoch, sync, kv_type, parallel, costs, layout)
             plan = expert_plan.choose(plan, costs, slots, experts)
@@ -413,6 +423,54 @@ class ClusterRunner:
     def close(self) -> None:
         for link in self.links:
             link.close()
+
+
+# from asking to timing: each node makes its timing matrices and runs each once first (about 0.3 s
+# here once its kernels are loaded, as they are after the first profile)
+TOGETHER_LEAD_S = 1.0
+
+
+def read_together(alone: Sequence[float], together: Sequence[float]) -> float:
+    """What nodes of one machine read at once: the sum of their speeds timed together, bounded by
+    physics: no less than the fastest of them alone, no more than all of them alone. A window outside
+    that caught the machine in another phase (this VM's reads vary by 1.5x from one second to the
+    next), and the plan is better off with the bound."""
+    return min(max(sum(together), max(alone)), sum(alone))
+
+
+def _host_of(header: dict) -> str:
+    """A worker's machine as its PROFILE answer names it ("" from one that does not)."""
+    host = header.get("host", "")
+    return host if isinstance(host, str) and len(host) <= 64 else ""
+
+
+async def _together(infos: list[NodeInfo], links: list[Link], seconds: float, qtype: int,
+                    threads: int | None) -> list[NodeInfo]:
+    """Nodes that share a machine profiled again, all at once: what they read together is what a
+    stage of them gets, not the sum of what each read alone (two cores of the AMD EPYC here read
+    32.5 GB/s together where one alone reads 19-22). infos[0] is the root, infos[1:] the links'."""
+    by_host: dict[str, list[int]] = {}
+    for i, info in enumerate(infos):
+        if info.host:
+            by_host.setdefault(info.host, []).append(i)
+    out = list(infos)
+    for host, members in by_host.items():
+        if len(members) < 2:
+            continue
+        at = time.time() + TOGETHER_LEAD_S  # one clock on one machine: every node times the same window
+        jobs = [asyncio.to_thread(profile.profile, threads, seconds, qtype, at) if i == 0 else
+                links[i - 1].request(FrameType.PROFILE, {"seconds": seconds, "qtype": qtype, "at": at},
+                                     FrameType.READY, timeout=60) for i in members]
+        got = await asyncio.gather(*jobs)
+        speeds = [g.speed if i == 0 else float(g.header["speed"]) for i, g in zip(members, got)]
+        alone = [infos[i].speed for i in members]
+        host_speed = read_together(alone, speeds)
+        for i in members:
+            out[i] = replace(out[i], host_speed=host_speed)
+        log.info("%s share a machine (%s): %.2f GB/s together (measured %.2f), %s alone",
+                 ", ".join(infos[i].node_id for i in members), host[:8], host_speed / 1e9, sum(speeds) / 1e9,
+                 " + ".join(f"{x / 1e9:.2f}" for x in alone))
+    return out
 
 
 def _plan(mf: ModelFile, ctx: int, slots: int, nodes: list, epoch: int, sync: str, kv_type: str,

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import socket
 import time
@@ -261,8 +262,13 @@ class _Session:
         qtype = int(header.get("qtype", QT.Q8_0))  # the root's model's dominant type: every node times the same
         if qtype not in quant.SUPPORTED:
             raise LinkClosed(f"PROFILE asks for tensor type {qtype}, which this node does not support")
-        p = await asyncio.to_thread(profile.profile, self.worker.threads, float(header.get("seconds", 0.5)), qtype)
-        await self.link.send(FrameType.READY, {"speed": p.speed, "mem_free": p.mem_free, "threads": p.threads})
+        at = header.get("at")  # a time.time() to start timing at: the root's, when it shares our machine
+        if at is not None and (isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at)):
+            raise LinkClosed(f"PROFILE asks to start at {at!r}, not a time")
+        p = await asyncio.to_thread(profile.profile, self.worker.threads, float(header.get("seconds", 0.5)), qtype,
+                                    None if at is None else float(at))
+        await self.link.send(FrameType.READY, {"speed": p.speed, "mem_free": p.mem_free, "threads": p.threads,
+                                               "host": p.host})
 
     async def _load(self, h: dict[str, Any]) -> None:
         t0 = time.perf_counter()

@@ -120,3 +120,21 @@ def test_a_measured_all_reduce_round_stands_for_the_round_trip_its_bytes_and_the
     assert measured.all_reduce(1, 2048, "q8_0", oh) == pytest.approx(15e-6 - 2 * 2048 * (4 - 34 / 32) / 1e9)
     asyncio_only = cost.LinkCost(rtt_s=4e-3, bytes_per_s=12.5e6)
     assert asyncio_only.all_reduce(2, 576, "f32", oh) == pytest.approx(4e-3 + 2 * 2 * 576 * 4 / 12.5e6 + oh.message_s)
+
+
+def test_a_stage_stretches_by_the_row_cost_its_nodes_measured_and_by_the_constant_where_none_did():
+    r, w = NodeSpec("r", 1e9, GIB, row_cost=0.2), NodeSpec("w", 1e9, GIB, row_cost=0.1)
+    plan = pipeline.stage_plan(SHAPE, [[r], [w]])
+    (a, b), (c, d) = plan.stages[0][0].layers, plan.stages[1][0].layers
+    t0, t1 = (b - a) * LAYER / 1e9, ((d - c) * LAYER + VOCAB) / 1e9
+    link = cost.LinkCost(rtt_s=4e-3, bytes_per_s=12.5e6)
+    hop4 = 4e-3 + 2 * 4 * 256 * 4 / 12.5e6 + 50e-6
+    s0, s1 = t0 * (1 + 0.2 * 3), t1 * (1 + 0.1 * 3) + hop4  # two micro-batches of 4 rows, each stage its own cost
+    assert cost.predict(plan, {"w": link}, 8, OH).step_s == pytest.approx(s0 + s1 + max(s0, s1))
+    tp = pipeline.stage_plan(SHAPE, [[r, w]])  # one stage: it waits for the node that measured the most
+    near = cost.LinkCost(rtt_s=1e-4, bytes_per_s=1e9)
+    assert cost.predict(tp, {"w": near}, 4, OH).compute_s == pytest.approx(tp.makespan * (1 + 0.2 * 3))
+    unmeasured = pipeline.stage_plan(SHAPE, [[NodeSpec("r", 1e9, GIB), NodeSpec("w", 1e9, GIB)]])
+    assert cost.predict(unmeasured, {"w": near}, 4, OH).compute_s == pytest.approx(unmeasured.makespan * 2.5)
+    with pytest.raises(ValueError, match="row_cost"):
+        NodeSpec("x", 1e9, GIB, row_cost=5.0)

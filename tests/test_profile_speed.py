@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from edgetp.parallel import profile
+from edgetp.parallel import profile, runner
 
 
 def _sysfs(root, entries):
@@ -63,3 +63,15 @@ def test_the_timing_matrices_are_separate_memory_with_the_same_values():
     assert all(b - a >= w.nbytes for a, b in zip(starts, starts[1:]))  # no two share a cache line
     assert all(np.array_equal(c.data, w.data) and (c.qtype, c.rows, c.cols) == (w.qtype, w.rows, w.cols)
                for c in ws)
+
+
+def test_the_row_cost_is_a_step_of_eight_tokens_against_one_through_the_same_matrices():
+    w = profile.random_weight(8, 1024, 2048)  # Q8_0
+    ws = profile.timing_set(w, cache=0)
+    one, eight = profile.step_seconds(ws, 1, 0.05), profile.step_seconds(ws, 8, 0.05)
+    assert eight > one  # eight tokens do more arithmetic than one over the same bytes
+    p = profile.profile(1, 0.05, 8)
+    assert 0 < p.row_cost <= 4.0
+    assert runner._row_cost_of({"row_cost": 0.3}) == 0.3
+    for bad in ({}, {"row_cost": -1}, {"row_cost": 9.0}, {"row_cost": "0.3"}, {"row_cost": True}):
+        assert runner._row_cost_of(bad) == 0.0

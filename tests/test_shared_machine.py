@@ -142,3 +142,4 @@ def test_a_timing_given_a_start_waits_for_it_and_a_past_start_does_not_delay_it(
     t0 = time.time()
     profile.measure_speed(w, seconds=0.01, start_at=t0 - 100, cache=0)
     assert time.time() - t0 < 5  # not the 100 s back, nor MAX_WAIT_S
+

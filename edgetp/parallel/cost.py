@@ -6,7 +6,9 @@ each worker and a few per-message constants. A step carries `rows` tokens
 
     compute of stage k   (Plan.stage_makespan(k) + L_k * layer_s) * (1 + row_cost * (b - 1))
                          for b rows: weights are read once per step, each
-                         extra row costs row_cost of the first; layer_s is
+                         extra row costs row_cost of the first (the most any
+                         node of the stage measured, NodeSpec.row_cost; the
+                         Overheads constant where none did); layer_s is
                          what a layer costs beyond its weights (norms, rope,
                          attention, the interpreter between kernels); a mixture's
                          layers add expert_s per expert run on the busiest node
@@ -69,7 +71,10 @@ class Overheads:
     # one all-reduce (a message each way) beyond the wire's round trip: tools/bench_allreduce.py measured
     # 55-62 us with every frame through the general codec, 28-35 us with bare frames (f32 sync, loopback)
     message_s: float = 30e-6
-    row_cost: float = 0.7     # an extra row of a step, relative to the first (weights read once, math per row)
+    # an extra row of a step, relative to the first (weights read once, math per row), where no node
+    # measured its own (NodeSpec.row_cost, profile.py: on the Zen 4 VM here, Q4_0, Q4_K and Q8_0 at one
+    # and two threads, 0.08-0.20 with the avx512vnni kernels, 0.25-0.46 with the avx2 ones)
+    row_cost: float = 0.7
     # a layer beyond its weight reads: SmolLM2 Q4_1 on one core of the AMD EPYC here decoded a token
     # in 12.1 ms where its weights over the profiled speed took 9.4 ms, 90 us for each of 30 layers
     layer_s: float = 90e-6
@@ -112,6 +117,14 @@ def _expert_runs(plan: Plan, stage) -> float:
     return expected_max([g[0].experts[1] - g[0].experts[0] for g in groups], [1.0] * len(groups), k) + shared
 
 
+def row_cost(plan: Plan, stage, oh: Overheads) -> float:
+    """What a further row of a step costs a stage, relative to its first: the most any of its nodes
+    measured (the stage waits for its slowest), the constant where none did."""
+    measured = {n.node_id: n.row_cost for n in plan.nodes}
+    costs = [measured[x.node_id] for x in stage if measured[x.node_id]]
+    return max(costs) if costs else oh.row_cost
+
+
 def predict(plan: Plan, links: Mapping[str, LinkCost], rows: int = 1, oh: Overheads = Overheads(),
             root: str | None = None) -> Prediction:
     """The predicted time of one step of `rows` rows under `plan`; links by worker node id.
@@ -124,7 +137,6 @@ def predict(plan: Plan, links: Mapping[str, LinkCost], rows: int = 1, oh: Overhe
     s = plan.shape
     m = micro_batches(plan, rows)
     b = rows / m
-    stretch = 1 + oh.row_cost * (b - 1)
     times, busy_times, compute, sync = [], [], 0.0, 0.0
     last = len(plan.stages) - 1
     everyone = [x.node_id for k in working_stages(plan) for x in plan.stages[k]]
@@ -132,6 +144,7 @@ def predict(plan: Plan, links: Mapping[str, LinkCost], rows: int = 1, oh: Overhe
         far = [links[x.node_id] for x in stage if x.node_id != root]
         n_layers = (stage[0].layers[1] - stage[0].layers[0]) if stage[0].layers else s.n_layers
         per_layer = n_layers * (oh.layer_s + _expert_runs(plan, stage) * oh.expert_s)
+        stretch = 1 + row_cost(plan, stage, oh) * (b - 1)
         c = (plan.stage_makespan(k) + per_layer) * stretch
         if root in (x.node_id for x in stage):
             y = 2 * n_layers * max((lk.all_reduce(b, s.dim, plan.sync, oh) for lk in far), default=0.0)

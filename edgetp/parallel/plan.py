@@ -42,6 +42,7 @@ SYNC_TYPES = ("f32", "q8_0")
 DEFAULT_OVERHEAD = 64 * 2**20
 
 Range = tuple[int, int]
+MAX_ROW_COST = 4.0  # a further token of a step costing more than this many first ones is a broken measurement
 
 
 class PlanError(ValueError):
@@ -200,6 +201,9 @@ class NodeSpec:
     # nodes read together, measured at once (bytes/s; 0: not measured).
     host: str = ""
     host_speed: float = 0.0
+    # each further token of a decode step, relative to the first, as measured (profile.Profile.row_cost):
+    # the weights are read once for all of them, the arithmetic is per token. 0: not measured
+    row_cost: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.node_id, str) or not self.node_id:
@@ -210,6 +214,8 @@ class NodeSpec:
             raise ValueError(f"node {self.node_id}: host must be a str")
         if self.host_speed:
             object.__setattr__(self, "host_speed", _pos_float(f"node {self.node_id}: host_speed", self.host_speed))
+        if self.row_cost and not 0 < _pos_float(f"node {self.node_id}: row_cost", self.row_cost) <= MAX_ROW_COST:
+            raise ValueError(f"node {self.node_id}: row_cost must be at most {MAX_ROW_COST}, got {self.row_cost}")
 
 
 def busy_speeds(nodes: Iterable[NodeSpec]) -> dict[str, float]:

@@ -35,6 +35,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from edgetp.model import intdot, quant
+from edgetp.model.decode import matvec_rows
 
 DEFAULT_ROWS, DEFAULT_COLS = 8192, 2048  # a Llama-3.2-1B FFN projection: 17.8 MB in Q8_0
 
@@ -46,6 +47,7 @@ class Profile:
     threads: int
     runtime: int = 0  # bytes resident for the runtime itself when measured (runtime_bytes)
     host: str = ""    # the machine it runs on (host_id)
+    row_cost: float = 0.0  # each token of a step of BATCH_ROWS beyond the first, relative to the first (0: not measured)
 
 
 def random_weight(qtype: int, rows: int, cols: int, seed: int = 0) -> quant.Weight:
@@ -115,21 +117,36 @@ def measure_speed(w: quant.Weight | None = None, seconds: float = 0.5, max_runs:
     show up in the figure, as it will in every token.
     """
     w = w or random_weight(QT.Q8_0, DEFAULT_ROWS, DEFAULT_COLS)
-    ws = timing_set(w, cache)
-    x = np.random.default_rng(1).standard_normal(w.cols).astype(np.float32)
-    out = np.empty(w.rows, np.float32)
+    return w.nbytes / step_seconds(timing_set(w, cache), 1, seconds, max_runs, start_at)
+
+
+def step_seconds(ws: list[quant.Weight], rows: int, seconds: float, max_runs: int = 5000,
+                 start_at: float | None = None) -> float:
+    """Seconds of one decode step of `rows` tokens through one matrix, cycling through `ws` (a
+    timing_set): the single-token kernel for one, the several-token one decode uses for more
+    (decode.matvec_rows: the weights read once for all of them). Each matrix runs once first."""
+    w = ws[0]
+    x = np.random.default_rng(1).standard_normal((rows, w.cols)).astype(np.float32)
+    out = np.empty((rows, w.rows), np.float32)
+
+    def step(c: quant.Weight) -> None:
+        if rows == 1:
+            quant.matvec(c, x[0], out[0])
+        else:
+            matvec_rows(c, x, out)
+
     for c in ws:  # compile / pack / warm up
-        quant.matvec(c, x, out)
+        step(c)
     if start_at is not None:
         time.sleep(min(max(0.0, start_at - time.time()), MAX_WAIT_S))
     runs = 0
     t0 = time.perf_counter()
     while runs < max_runs:
-        quant.matvec(ws[runs % len(ws)], x, out)
+        step(ws[runs % len(ws)])
         runs += 1
         if time.perf_counter() - t0 >= seconds:
             break
-    return w.nbytes * runs / (time.perf_counter() - t0)
+    return (time.perf_counter() - t0) / runs
 
 
 def mem_available(meminfo: str = "/proc/meminfo") -> int:
@@ -232,10 +249,16 @@ def memory_free(meminfo: str = "/proc/meminfo", runtime: int | None = None) -> i
     return free
 
 
+# the tokens of the decode step the row cost is timed on: the server's default 4 slots and a batch of 8
+# give a line through one token that holds within the noise here (1B shapes, one and two threads)
+BATCH_ROWS = 8
+
+
 def profile(threads: int | None = None, seconds: float = 0.5, qtype: int = QT.Q8_0,
             start_at: float | None = None) -> Profile:
     """Speed at the thread count compute uses, on a layer-sized matrix of `qtype` (timed from
-    `start_at`, if given: measure_speed).
+    `start_at`, if given: measure_speed), and what each further token of a step costs
+    (row_cost: a step of BATCH_ROWS tokens through the same matrices, for half as long).
 
     qtype should be the model's dominant weight type (`ModelFile.dominant_type`):
     kernels of different types run at different speeds, and not in the same ratio
@@ -244,11 +267,15 @@ def profile(threads: int | None = None, seconds: float = 0.5, qtype: int = QT.Q8
     if threads:
         quant.set_threads(threads)
     cols = DEFAULT_COLS - DEFAULT_COLS % quant.block_size(qtype)
-    w = random_weight(qtype, DEFAULT_ROWS, cols)
-    speed = measure_speed(w, seconds=seconds, start_at=start_at)
-    del w  # measured after the run (kernels compiled and loaded), without the timing matrices
+    ws = timing_set(random_weight(qtype, DEFAULT_ROWS, cols))
+    one = step_seconds(ws, 1, seconds, start_at=start_at)
+    row_cost = 0.0
+    if start_at is None:  # a timing beside the other nodes of this machine (start_at) asks for the speed only
+        row_cost = max(0.0, (step_seconds(ws, BATCH_ROWS, seconds / 2) / one - 1) / (BATCH_ROWS - 1))
+    speed = ws[0].nbytes / one
+    del ws  # measured after the run (kernels compiled and loaded), without the timing matrices
     runtime = runtime_bytes()
-    return Profile(speed, memory_free(runtime=runtime), quant.threads(), runtime, host_id())
+    return Profile(speed, memory_free(runtime=runtime), quant.threads(), runtime, host_id(), row_cost)
 
 
 def host_id(path: str = "/proc/sys/kernel/random/boot_id") -> str:

@@ -66,11 +66,13 @@ class NodeInfo:
     round_ms: float = 0.0  # an all-reduce round of one row in blocking mode (0: not measured: an asyncio link)
     host: str = ""         # the machine it runs on (profile.host_id)
     host_speed: float = 0.0  # bytes/s every node on that machine read together (0: it shares the machine with none)
+    row_cost: float = 0.0  # each further token of a decode step, relative to the first (profile.Profile.row_cost)
 
     def spec(self, speed: float) -> planner.NodeSpec:
         """This node for the planner, at `speed`; its machine named only where it shares it."""
         shared = self.host_speed > 0
-        return planner.NodeSpec(self.node_id, speed, self.mem_free, self.host if shared else "", self.host_speed)
+        return planner.NodeSpec(self.node_id, speed, self.mem_free, self.host if shared else "", self.host_speed,
+                                self.row_cost)
 
     def link_cost(self) -> cost.LinkCost:
         """The root's link to this node, for the cost model."""
@@ -142,7 +144,8 @@ class ClusterRunner:
             hop = await event_loop_hop()
             seconds = 0.5 if weights is None else 0.05
             mine = await asyncio.to_thread(profile.profile, threads, seconds, mf.dominant_type)
-            infos = [NodeInfo(node_id, "local", mine.speed, mine.mem_free, 0.0, "local", host=mine.host)]
+            infos = [NodeInfo(node_id, "local", mine.speed, mine.mem_free, 0.0, "local", host=mine.host,
+                              row_cost=mine.row_cost)]
             for link in links:
                 st = await link.measure()
                 link.hot_mode = choose_mode(st.rtt_ms / 1e3, hop, forced_mode())
@@ -156,7 +159,7 @@ class ClusterRunner:
                 infos.append(NodeInfo(link.peer_id or link.name, link.name, rep.header["speed"],
                                       int(rep.header["mem_free"]), st.rtt_ms, link.hot_mode,
                                       rtt_p90_ms=st.rtt_p90_ms, mbps=st.mbps, round_ms=round_ms,
-                                      host=_host_of(rep.header)))
+                                      host=_host_of(rep.header), row_cost=_row_cost_of(rep.header)))
             if weights is None:
                 infos = await _together(infos, links, seconds, mf.dominant_type, threads)
             speeds = [float(w) for w in weights] if weights is not None else [i.speed for i in infos]
@@ -436,6 +439,13 @@ def read_together(alone: Sequence[float], together: Sequence[float]) -> float:
     that caught the machine in another phase (this VM's reads vary by 1.5x from one second to the
     next), and the plan is better off with the bound."""
     return min(max(sum(together), max(alone)), sum(alone))
+
+
+def _row_cost_of(header: dict) -> float:
+    """A worker's measured row cost (0, the cost model's default, from one that does not say)."""
+    rc = header.get("row_cost", 0.0)
+    ok = isinstance(rc, (int, float)) and not isinstance(rc, bool) and 0.0 <= rc <= planner.MAX_ROW_COST
+    return float(rc) if ok else 0.0
 
 
 def _host_of(header: dict) -> str:

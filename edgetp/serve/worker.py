@@ -268,7 +268,7 @@ class _Session:
         p = await asyncio.to_thread(profile.profile, self.worker.threads, float(header.get("seconds", 0.5)), qtype,
                                     None if at is None else float(at))
         await self.link.send(FrameType.READY, {"speed": p.speed, "mem_free": p.mem_free, "threads": p.threads,
-                                               "host": p.host})
+                                               "host": p.host, "row_cost": p.row_cost})
 
     async def _load(self, h: dict[str, Any]) -> None:
         t0 = time.perf_counter()

@@ -17,16 +17,12 @@ from edgetp.daemon import cluster_view
 from edgetp.model import gguf
 from edgetp.net.loopthread import LoopThread
 from edgetp.parallel import cost, packing, pipeline, profile
-from edgetp.parallel.plan import ModelShape, NodeSpec, busy_speeds, group_speed
+from edgetp.parallel.plan import NodeSpec, busy_speeds, group_speed
 from edgetp.parallel.runner import ClusterRunner, NodeInfo, _host_of, _together, read_together
 from edgetp.serve.spawn import start_worker, stop
+from tests.test_cost import GIB, LAYER, OH, SHAPE, VOCAB
 
-GIB = 2**30
-# one layer: 4 KV groups of 256*32*6 bytes + 32 FFN blocks of 3*256*32 bytes = 983040 bytes; vocab 1000 rows of 256
-SHAPE = ModelShape(n_layers=16, dim=256, n_heads=8, n_kv_heads=4, head_dim=32, ffn=1024, vocab=1000,
-                   attn_bpw=1.0, ffn_bpw=1.0, vocab_bpw=1.0, ctx=64)
-LAYER, ROW = 983040, 256
-OH = cost.Overheads(message_s=50e-6, row_cost=0.5, layer_s=0.0)
+ROW = VOCAB // SHAPE.vocab  # one vocabulary row's bytes
 
 
 def test_nodes_of_one_machine_split_what_it_reads_in_proportion_to_their_speeds_alone():

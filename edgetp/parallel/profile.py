@@ -9,7 +9,13 @@ together exceed the last-level cache twice over (`cache_bytes`, `copies_for`):
 one matrix read again and again stays in a 32 MiB L3, and there an 8192 x 2048
 Q4_0 matvec ran 2.5x (one core) to 3.1x (two) faster than from RAM on the AMD
 EPYC here, where a Pi 5's 2 MiB L3 holds none of it. A node with a large cache
-was thus planned a share its memory could not feed. Free memory comes
+was thus planned a share its memory could not feed. The same matrices then
+time a decode step of BATCH_ROWS tokens (the several-token kernel, weights
+read once): what each further token of a step costs (`Profile.row_cost`),
+which the cost model stretches batched steps by. The machine is named by the
+kernel's boot id (`host_id`): the root times nodes that share one again, all
+from one clock's start (`start_at`), since together they read less than the
+sum of what each reads alone. Free memory comes
 from the kernel's own estimate (MemAvailable), lowered to the room left under
 our cgroup's memory limit (systemd MemoryMax=, a container) where that is less:
 past it the kernel kills us however much the machine has free, and to what is left

@@ -7,8 +7,9 @@ jitter and rate), its decode tok/s measured over a greedy run and printed beside
 what parallel/cost.py predicts from the same run's measured speeds and links. A
 last row, `auto`, runs what `--parallel auto` plans for one stream from its own
 measurements (it may leave a worker out), beside the best kind measured; with 8
-streams, the aggregate tok/s of the kinds that matter is printed too. After that table, one all-reduce's cost beyond the raw socket round trip
-at each model's width (tools/bench_allreduce.py's measure, f32 sync).
+streams, the aggregate tok/s of the kinds that matter is printed too. After that
+table, one all-reduce's cost beyond the raw socket round trip at each model's
+width (tools/bench_allreduce.py's measure, f32 sync).
 
     python tools/bench_links.py                      # SmolLM2 and the 1B shape Q8_0, every profile
     python tools/bench_links.py --model smollm2 --profile wifi --tokens 16

@@ -42,6 +42,7 @@ from gguf import GGMLQuantizationType as QT
 
 from edgetp.model import intdot, quant
 from edgetp.model.decode import matvec_rows
+from edgetp.parallel.plan import MAX_ROW_COST
 
 DEFAULT_ROWS, DEFAULT_COLS = 8192, 2048  # a Llama-3.2-1B FFN projection: 17.8 MB in Q8_0
 
@@ -112,25 +113,26 @@ MAX_WAIT_S = 10.0  # the longest a timing waits for its start_at
 
 
 def measure_speed(w: quant.Weight | None = None, seconds: float = 0.5, max_runs: int = 5000,
-                  cache: int | None = None, start_at: float | None = None) -> float:
+                  cache: int | None = None) -> float:
     """Weight bytes/s of matvec on w (a layer-sized Q8_0 matrix by default), streamed from RAM:
     the timing cycles through `timing_set(w, cache)`, each run once before the clock starts
-    (kernels compiled, kept types' panels packed). With `start_at` (time.time()) the clock starts
-    then, not before: nodes of one machine, which read one clock, time the same window.
+    (kernels compiled, kept types' panels packed).
 
     Throughput over the whole window, not the best burst: a CPU quota
     (cgroup cpu.max, 100 ms periods) or a busy neighbour on the core must
     show up in the figure, as it will in every token.
     """
     w = w or random_weight(QT.Q8_0, DEFAULT_ROWS, DEFAULT_COLS)
-    return w.nbytes / step_seconds(timing_set(w, cache), 1, seconds, max_runs, start_at)
+    return w.nbytes / step_seconds(timing_set(w, cache), 1, seconds, max_runs)
 
 
 def step_seconds(ws: list[quant.Weight], rows: int, seconds: float, max_runs: int = 5000,
                  start_at: float | None = None) -> float:
     """Seconds of one decode step of `rows` tokens through one matrix, cycling through `ws` (a
     timing_set): the single-token kernel for one, the several-token one decode uses for more
-    (decode.matvec_rows: the weights read once for all of them). Each matrix runs once first."""
+    (decode.matvec_rows: the weights read once for all of them). Each matrix runs once first. With
+    `start_at` (time.time()) the clock starts then, not before: nodes of one machine, which read one
+    clock, time the same window."""
     w = ws[0]
     x = np.random.default_rng(1).standard_normal((rows, w.cols)).astype(np.float32)
     out = np.empty((rows, w.rows), np.float32)
@@ -263,8 +265,9 @@ BATCH_ROWS = 8
 def profile(threads: int | None = None, seconds: float = 0.5, qtype: int = QT.Q8_0,
             start_at: float | None = None) -> Profile:
     """Speed at the thread count compute uses, on a layer-sized matrix of `qtype` (timed from
-    `start_at`, if given: measure_speed), and what each further token of a step costs
-    (row_cost: a step of BATCH_ROWS tokens through the same matrices, for half as long).
+    `start_at`, if given: step_seconds), and what each further token of a step costs
+    (row_cost: a step of BATCH_ROWS tokens through the same matrices, for half as long; a figure
+    outside (0, MAX_ROW_COST] is no measurement and reads 0, the cost model's constant).
 
     qtype should be the model's dominant weight type (`ModelFile.dominant_type`):
     kernels of different types run at different speeds, and not in the same ratio
@@ -277,7 +280,8 @@ def profile(threads: int | None = None, seconds: float = 0.5, qtype: int = QT.Q8
     one = step_seconds(ws, 1, seconds, start_at=start_at)
     row_cost = 0.0
     if start_at is None:  # a timing beside the other nodes of this machine (start_at) asks for the speed only
-        row_cost = max(0.0, (step_seconds(ws, BATCH_ROWS, seconds / 2) / one - 1) / (BATCH_ROWS - 1))
+        row_cost = (step_seconds(ws, BATCH_ROWS, seconds / 2) / one - 1) / (BATCH_ROWS - 1)
+        row_cost = row_cost if 0 < row_cost <= MAX_ROW_COST else 0.0
     speed = ws[0].nbytes / one
     del ws  # measured after the run (kernels compiled and loaded), without the timing matrices
     runtime = runtime_bytes()

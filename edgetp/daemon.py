@@ -190,10 +190,11 @@ async def serve(opts: ServeOptions, on_listening: Callable[[str], None] | None =
             close()
 
 
-def _profile_type(mf: ModelFile | None) -> int:
-    """The type a node times for the planner: its model's dominant one; Q8_0 for a node
-    without the model (it fetches its slice later)."""
-    return mf.dominant_type if mf else QT.Q8_0
+def _profile(mf: ModelFile | None, threads: int | None) -> profile.Profile:
+    """This node's profile for its advert: its model's token pass (profile.token_pass); one Q8_0
+    matrix for a node without the model (it fetches its slice later)."""
+    return profile.profile(threads, 0.5, mf.dominant_type if mf else QT.Q8_0, None,
+                           profile.token_pass(mf) if mf else None)
 
 
 async def serve_cluster(opts: ServeOptions, on_listening: Callable[[str], None] | None = None,
@@ -205,7 +206,7 @@ async def serve_cluster(opts: ServeOptions, on_listening: Callable[[str], None] 
     if opts.threads:
         quant.set_threads(opts.threads)
     mf = await asyncio.to_thread(open_model, opts.model_path, opts.index_dir) if opts.model_path else None
-    me = await asyncio.to_thread(profile.profile, opts.threads, 0.5, _profile_type(mf))
+    me = await asyncio.to_thread(_profile, mf, opts.threads)
     node_id = opts.node_id or f"{socket.gethostname().split('.')[0]}-{uuid.uuid4().hex[:6]}"
     bus = EventBus()
     bus.add_listener(lambda r: status(r.message) if isinstance(r, events.ClusterEvent) else None)
@@ -416,7 +417,7 @@ class Roles:
 
     async def reprofile(self) -> PeerAdvert:
         """POST /v1/cluster/profile: measure again, announce it; the root re-plans before the next request."""
-        me = await asyncio.to_thread(profile.profile, self.opts.threads, 0.5, _profile_type(self.mf))
+        me = await asyncio.to_thread(_profile, self.mf, self.opts.threads)
         advert = replace(self.membership.me, speed=me.speed, mem_free=me.mem_free)
         await self.membership.update_me(advert)
         return advert

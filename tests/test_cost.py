@@ -12,7 +12,7 @@ GIB = 2**30
 SHAPE = ModelShape(n_layers=16, dim=256, n_heads=8, n_kv_heads=4, head_dim=32, ffn=1024, vocab=1000,
                    attn_bpw=1.0, ffn_bpw=1.0, vocab_bpw=1.0, ctx=64)
 LAYER, VOCAB = 983040, 256000
-OH = cost.Overheads(message_s=50e-6, row_cost=0.5, layer_s=0.0)
+OH = cost.Overheads(message_s=50e-6, row_cost=0.5, layer_s=0.0, value_s=0.0)
 
 
 def test_one_node_costs_its_weights_over_its_speed():
@@ -22,8 +22,24 @@ def test_one_node_costs_its_weights_over_its_speed():
     p4 = cost.predict(plan, {}, 4, OH)  # 4 rows: weights once, each extra row half the first
     assert p4.step_s == pytest.approx((16 * LAYER + VOCAB) / 1e9 * (1 + 0.5 * 3))
     assert p4.tok_s == pytest.approx(4 / p4.step_s)
-    slow = cost.Overheads(message_s=50e-6, row_cost=0.5, layer_s=1e-4)  # 0.1 ms a layer beyond its weights
+    slow = cost.Overheads(message_s=50e-6, row_cost=0.5, layer_s=1e-4, value_s=0.0)  # 0.1 ms a layer
     assert cost.predict(plan, {}, 1, slow).step_s == pytest.approx((16 * LAYER + VOCAB) / 1e9 + 16 * 1e-4)
+
+
+def test_a_layer_costs_each_node_its_activations_beyond_its_weights():
+    # per layer: 10 us, and 1 ns per value: dim 256 + the node's query heads (2 per KV group, 32 wide) + its FFN
+    oh = cost.Overheads(message_s=50e-6, row_cost=0.5, layer_s=1e-5, value_s=1e-9)
+    one = pipeline.stage_plan(SHAPE, [[NodeSpec("r", 1e9, GIB)]])
+    assert cost.predict(one, {}, 1, oh).step_s == pytest.approx(
+        (16 * LAYER + VOCAB) / 1e9 + 16 * (1e-5 + (256 + 256 + 1024) * 1e-9))
+    r, w = NodeSpec("r", 1e9, GIB), NodeSpec("w", 3e9, GIB)  # w three times as fast: the larger share
+    tp = pipeline.stage_plan(SHAPE, [[r, w]])
+    big = max(tp.shares, key=lambda x: x.ffn_cols[1] - x.ffn_cols[0])
+    kv, ffn = big.kv_groups[1] - big.kv_groups[0], big.ffn_cols[1] - big.ffn_cols[0]
+    assert big.node_id == "w" and ffn > 512
+    link = cost.LinkCost(rtt_s=1e-4, bytes_per_s=1e9)
+    assert cost.predict(tp, {"w": link}, 1, oh).compute_s == pytest.approx(
+        tp.makespan + 16 * (1e-5 + (256 + kv * 64 + ffn) * 1e-9), rel=1e-9)
 
 
 def test_tensor_parallelism_pays_two_round_trips_per_layer_and_one_for_the_answers():

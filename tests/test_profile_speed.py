@@ -57,8 +57,10 @@ def test_the_timing_cycles_through_twice_the_cache_within_its_room(nbytes, cache
 
 def test_the_timing_matrices_are_separate_memory_with_the_same_values():
     w = profile.random_weight(QT.Q4_0, 256, 2048)
-    ws = profile.timing_set(w, cache=4 * w.nbytes)
-    assert len(ws) == 8 and ws[0] is w
+    passes = profile.timing_set([[w]], cache=4 * w.nbytes)
+    assert len(passes) == 8 and all(len(p) == 1 and len(p[0]) == 1 for p in passes)
+    ws = [p[0][0] for p in passes]
+    assert ws[0] is w
     starts = sorted(c.data.ctypes.data for c in ws)
     assert all(b - a >= w.nbytes for a, b in zip(starts, starts[1:]))  # no two share a cache line
     assert all(np.array_equal(c.data, w.data) and (c.qtype, c.rows, c.cols) == (w.qtype, w.rows, w.cols)
@@ -67,7 +69,7 @@ def test_the_timing_matrices_are_separate_memory_with_the_same_values():
 
 def test_the_row_cost_is_a_step_of_eight_tokens_against_one_through_the_same_matrices():
     w = profile.random_weight(8, 1024, 2048)  # Q8_0
-    ws = profile.timing_set(w, cache=0)
+    ws = profile.timing_set([[w]], cache=0)
     one, eight = profile.step_seconds(ws, 1, 0.05), profile.step_seconds(ws, 8, 0.05)
     assert eight > one  # eight tokens do more arithmetic than one over the same bytes
     p = profile.profile(1, 0.05, 8)

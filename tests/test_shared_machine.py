@@ -131,7 +131,7 @@ def test_a_worker_on_this_machine_is_profiled_with_the_root_at_once(stories_path
 
 
 def test_a_timing_given_a_start_waits_for_it_and_a_past_start_does_not_delay_it():
-    ws = profile.timing_set(profile.random_weight(8, 256, 256), cache=0)  # Q8_0
+    ws = profile.timing_set([[profile.random_weight(8, 256, 256)]], cache=0)  # Q8_0
     t0 = time.time()
     profile.step_seconds(ws, 1, 0.01, start_at=t0 + 0.3)
     assert time.time() - t0 >= 0.3

@@ -9,15 +9,17 @@ For each model and thread count, in its own subprocess (numba's thread count is 
 * ``decode``: the weight bytes one token reads (tools/bench_local.py's count) over the median
   time of a decode step (Shard.forward + Shard.logits, 32 steps after an 8-token prompt): the
   speed the node really streams its weights at, the reference;
-* ``profiled``: `parallel.profile.profile` at that thread count on the model's dominant type,
-  what the planner and the cost model are given (copies of the timing matrix cycled through
-  twice the last-level cache);
-* ``one matrix``: the same kernel timed on one matrix read again and again (`measure_speed`
-  with no cache to clear), as the profile timed it before: where the last-level cache holds
-  that matrix, it reads faster than any token can.
+* ``profiled``: `parallel.profile.profile` at that thread count on the model's token pass
+  (`profile.token_pass`: layer 0's matrices grouped as decode calls them and 1/L of the head),
+  what the planner and the cost model are given (copies of the pass cycled through twice the
+  last-level cache);
+* ``one matrix``: the profile as it was before the token pass, one 8192-row matrix of the
+  model's dominant type, cycled the same way.
 
 Printed: GB/s of each and the ratio of each profile to the decode figure (1.00: a plan's
-compute predicted exactly; the cost model adds per-layer costs on top). Models are
+compute predicted exactly), and the token time the cost model predicts for one node from the
+profile (`cost.predict` for one node of that speed) against decode's, now and as it was before
+(the one matrix, and 90 µs a layer beyond the weights). Models are
 tools/bench_local.py's. One run on a machine that may be shared: read it as one sample.
 """
 
@@ -56,11 +58,10 @@ def worker(path: str, threads: int) -> dict:
         shard.logits(shard.forward(llama.embed(mf, [11 + i]), PROMPT + i))
         times.append(time.perf_counter() - t0)
     qtype = mf.dominant_type
-    cols = profile.DEFAULT_COLS - profile.DEFAULT_COLS % quant.block_size(qtype)
-    one = profile.measure_speed(profile.random_weight(qtype, profile.DEFAULT_ROWS, cols), cache=0)
-    p = profile.profile(threads, 0.5, qtype)
-    return {"token_s": statistics.median(times), "profiled": p.speed, "one": one, "isa": isa.current(),
-            "cache": profile.cache_bytes(), "qtype": int(qtype)}
+    p = profile.profile(threads, 0.5, qtype, None, profile.token_pass(mf))
+    one = profile.profile(threads, 0.5, qtype)
+    return {"token_s": statistics.median(times), "profiled": p.speed, "one": one.speed, "isa": isa.current(),
+            "cache": profile.cache_bytes(), "qtype": int(qtype), "layers": mf.config.n_layers}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,11 +76,23 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from gguf import GGMLQuantizationType as QT
 
+    from edgetp.model import gguf
+    from edgetp.parallel import cost, pipeline
+    from edgetp.parallel.plan import NodeSpec
+    from edgetp.parallel.shard import model_shape
+
     threads = [int(t) for t in args.threads.split(",") if t.strip()]
     keys = [k.strip() for k in args.models.split(",") if k.strip()]
     if unknown := [k for k in keys if k not in bench_local.BUILTIN]:
         ap.error(f"unknown model(s) {', '.join(unknown)}: use {', '.join(bench_local.BUILTIN)}")
     cache = bench_local.bench_dir(None)
+
+    before = cost.Overheads(layer_s=90e-6, value_s=0.0)  # the per-layer constant of the one-matrix profile
+
+    def predict(path: Path, speed: float, oh: cost.Overheads = cost.Overheads()) -> float:
+        """The cost model's token time for one node of `speed` holding the whole model."""
+        shape = model_shape(gguf.open_model(path), 64, 1, "f16")
+        return cost.predict(pipeline.stage_plan(shape, [[NodeSpec("node", speed, 1 << 40)]]), {}, 1, oh).step_s
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -97,20 +110,23 @@ def main(argv: list[str] | None = None) -> int:
                 r = json.loads(out.stdout.strip().splitlines()[-1])
             except (subprocess.SubprocessError, ValueError, IndexError) as exc:
                 why = (getattr(exc, "stderr", None) or str(exc)).strip().splitlines() or [type(exc).__name__]
-                rows.append(f"| {spec.label} | {nt} | failed: {why[-1]} | | | | | |")
+                rows.append(f"| {spec.label} | {nt} | failed: {why[-1]} | | | | | | | | |")
                 continue
             seen = r
             decode = nbytes / r["token_s"]
+            predicted = [predict(path, r["profiled"]), predict(path, r["one"], before)]
             rows.append(f"| {spec.label} | {nt} | {QT(r['qtype']).name} | {decode / 1e9:.1f} | "
                         f"{r['profiled'] / 1e9:.1f} | {r['profiled'] / decode:.2f} | {r['one'] / 1e9:.1f} | "
-                        f"{r['one'] / decode:.2f} |")
+                        f"{r['one'] / decode:.2f} | {r['token_s'] * 1e3:.2f} | "
+                        f"{predicted[0] * 1e3:.2f} ({predicted[0] / r['token_s'] - 1:+.0%}) | "
+                        f"{predicted[1] * 1e3:.2f} ({predicted[1] / r['token_s'] - 1:+.0%}) |")
     llc = seen.get("cache")
     print(f"# edgetp speed profile against decode\n\n- {bench_local.cpu_line()}; ISA {seen.get('isa', '?')}; "
           f"last-level cache {f'{llc / 2**20:.0f} MiB (sysfs)' if llc else 'not listed by sysfs'}; "
           f"{time.strftime('%Y-%m-%d %H:%M')}")
-    print("\n| model | threads | profiled type | decode GB/s (reference) | profiled GB/s | ÷ decode | "
-          "one matrix GB/s | ÷ decode |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|")
+    print("\n| model | threads | dominant type | decode GB/s (reference) | token pass GB/s | ÷ decode | "
+          "one matrix GB/s (before) | ÷ decode | decode ms | predicted ms | predicted ms before (one matrix, 90 µs a layer) |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     print("\n".join(rows))
     return 0
 

@@ -35,7 +35,7 @@ _JIT = dict(cache=True, nogil=True)
 _NO_NORM = np.zeros(0, np.float32)  # a layer without q/k norms
 
 
-class _Matvecs:
+class Matvecs:
     """out[b] = [W_0 @ x[b], W_1 @ x[b], ...] for the first n of `rows` tokens, for weights that read
     one x (rows, cols) f32 (and its rounding xr, which the step before fills): per layout one integer
     kernel call (the single-token kernel for one token, the several-token one for more), float
@@ -81,14 +81,14 @@ class _Matvecs:
 
 
 class _Split:
-    """_Matvecs of one weight in pieces of its rows (cuts): piece k fills columns cuts[k]:cuts[k+1] of
+    """Matvecs of one weight in pieces of its rows (cuts): piece k fills columns cuts[k]:cuts[k+1] of
     out, so that a reduce can send each piece while the next computes. Each row's result is its bits
     whole: a row's dot product does not depend on the rows beside it."""
 
     def __init__(self, w: quant.Weight, x: np.ndarray, xr: intdot.Rounded, int8: bool, cuts: tuple[int, ...]) -> None:
         self.out = np.empty((x.shape[0], w.rows), np.float32)
         self.cuts = cuts if cuts[-1] == w.rows else (0, w.rows)
-        self.parts = [_Matvecs([quant.row_piece(w, a, b)], x, xr, int8, self.out, a)
+        self.parts = [Matvecs([quant.row_piece(w, a, b)], x, xr, int8, self.out, a)
                       for a, b in zip(self.cuts[:-1], self.cuts[1:])]
         self.rounds = self.parts[0].rounds
         self.products = [q for part in self.parts for q in part.products]  # its integer kernel calls: one token
@@ -112,14 +112,14 @@ class _LayerPlan:
         self.layer = layer
         self.qkv = self.o = self.gate_up = self.down = self.moe = None
         if shard.n_kv:
-            self.qkv = _Matvecs([layer.wq, layer.wk, layer.wv], h, r["h"], int8)
+            self.qkv = Matvecs([layer.wq, layer.wk, layer.wv], h, r["h"], int8)
             self.q, self.k, self.v = self.qkv.views
             self.att = np.empty((h.shape[0], shard.n_heads * hd), np.float32)
             self.o = _Split(layer.wo, self.att, r["att"], int8, cuts)
         if shard.n_ffn and layer.moe is not None:  # a mixture: its experts, a token at a time
             self.moe = _Experts(layer.moe, h.shape[0], shard.w.cfg.dim, int8)
         elif shard.n_ffn:
-            self.gate_up = _Matvecs([layer.w_gate, layer.w_up], h, r["h"], int8)
+            self.gate_up = Matvecs([layer.w_gate, layer.w_up], h, r["h"], int8)
             self.gate, self.up = self.gate_up.views
             self.down = _Split(layer.w_down, self.gate_up.out[:, : shard.n_ffn], r["gate"], int8, cuts)
 
@@ -137,19 +137,19 @@ class _Experts:
         self.h, self.rh = np.empty((rows, dim), np.float32), intdot.Rounded.rows(rows, dim)  # the step's rows
         self.x, self.rx = np.empty((rows, dim), np.float32), intdot.Rounded.rows(rows, dim)  # one expert's rows
         self.rg = intdot.Rounded.rows(rows, max(width, 32))
-        self.gate_up: dict[int, _Matvecs] = {}
-        self.down: dict[int, _Matvecs] = {}
+        self.gate_up: dict[int, Matvecs] = {}
+        self.down: dict[int, Matvecs] = {}
         gu_out, down_out = np.empty((rows, 2 * width), np.float32), np.empty((rows, dim), np.float32)  # run in turn
         for x, (gate, up, down) in enumerate(zip(e.gate, e.up, e.down)):
             if gate is not None:
-                self.gate_up[x] = _Matvecs([gate, up], self.x, self.rx, int8, gu_out)
-                self.down[x] = _Matvecs([down], gu_out[:, :width], self.rg, int8, down_out)
+                self.gate_up[x] = Matvecs([gate, up], self.x, self.rx, int8, gu_out)
+                self.down[x] = Matvecs([down], gu_out[:, :width], self.rg, int8, down_out)
         self.shared = e.shared if e.shared is not None and e.shared.gate is not None else None
         if self.shared is not None:  # qwen2moe's shared expert: this shard's columns, on every row
             sh, wide = self.shared, self.shared.gate.rows
             self.rs = intdot.Rounded.rows(rows, max(wide, 32))
-            self.sh_gate_up = _Matvecs([sh.gate, sh.up], self.h, self.rh, int8)
-            self.sh_down = _Matvecs([sh.down], self.sh_gate_up.out[:, :wide], self.rs, int8)
+            self.sh_gate_up = Matvecs([sh.gate, sh.up], self.h, self.rh, int8)
+            self.sh_down = Matvecs([sh.down], self.sh_gate_up.out[:, :wide], self.rs, int8)
         self.g = np.zeros(rows, np.float32)  # each row's shared gate (0: none)
         self.rounds = any(m.rounds for m in self.gate_up.values()) or (
             self.shared is not None and self.sh_gate_up.rounds)

@@ -4,15 +4,18 @@ Pure arithmetic over a Plan (parallel/plan.py), the links from the root to
 each worker and a few per-message constants. A step carries `rows` tokens
 (one per sequence of a decode step, or one prompt chunk's worth):
 
-    compute of stage k   (Plan.stage_makespan(k) + L_k * layer_s) * (1 + row_cost * (b - 1))
+    compute of stage k   (Plan.stage_makespan(k) + L_k * rest_k) * (1 + row_cost * (b - 1))
                          for b rows: weights are read once per step, each
                          extra row costs row_cost of the first (the most any
                          node of the stage measured, NodeSpec.row_cost; the
-                         Overheads constant where none did); layer_s is
-                         what a layer costs beyond its weights (norms, rope,
-                         attention, the interpreter between kernels); a mixture's
-                         layers add expert_s per expert run on the busiest node
-                         (parallel/experts.py)
+                         Overheads constant where none did); rest_k is what a
+                         layer costs its busiest node beyond its weights
+                         (`layer_rest`: layer_s, the interpreter between kernels,
+                         plus value_s per value of the node's activations: norms
+                         and roundings of the residual stream, rope and attention
+                         of its query heads, the GLU of its FFN columns); a
+                         mixture's layers add expert_s per expert run on the
+                         busiest node (parallel/experts.py)
     sync of stage k      a stage of several nodes all-reduces twice per layer
                          through the root: 2 * L_k * max over its workers of
                          (rtt + 2 * b * dim * sync_bytes / throughput + message),
@@ -75,9 +78,13 @@ class Overheads:
     # measured its own (NodeSpec.row_cost, profile.py: on the Zen 4 VM here, Q4_0, Q4_K and Q8_0 at one
     # and two threads, 0.08-0.20 with the avx512vnni kernels, 0.25-0.46 with the avx2 ones)
     row_cost: float = 0.7
-    # a layer beyond its weight reads: SmolLM2 Q4_1 on one core of the AMD EPYC here decoded a token
-    # in 12.1 ms where its weights over the profiled speed took 9.4 ms, 90 us for each of 30 layers
-    layer_s: float = 90e-6
+    # a layer beyond its weight reads (profile.py's token pass times the kernels as decode calls them):
+    # a fixed part, the interpreter between kernels, and a part per value of the node's activations
+    # (dim + its query heads' width + its FFN columns). tools/bench_profile.py on one and two cores of the
+    # AMD EPYC here (Zen 4, avx512vnni): SmolLM2 (3,264 values) 35-60 us a layer beyond its pass-timed
+    # weights, the 1B shape (14,336) 220-270 us, at 8-40 positions. A slower CPU takes longer; not scaled.
+    layer_s: float = 5e-6
+    value_s: float = 17e-9
     # one expert's run in a mixture's layer beyond its weight reads (its two kernel calls, the GLU,
     # the weighted add): 25 to 36 us measured on one core of the same AMD EPYC (decode._Experts on
     # 8 to 16 experts of 224 x 96 Q8_0, whose bytes take well under a microsecond), route aside
@@ -117,6 +124,20 @@ def _expert_runs(plan: Plan, stage) -> float:
     return expected_max([g[0].experts[1] - g[0].experts[0] for g in groups], [1.0] * len(groups), k) + shared
 
 
+def layer_rest(plan: Plan, stage, oh: Overheads) -> float:
+    """What a layer costs the busiest node of a stage beyond its weights: layer_s, and value_s per value
+    of its activations (the residual stream's dim, its query heads' width, its FFN columns; a mixture's
+    experts count by expert_s instead)."""
+    s = plan.shape
+    group = s.n_heads // s.n_kv_heads * s.head_dim
+
+    def values(x) -> int:
+        ffn = 0 if s.n_experts else x.ffn_cols[1] - x.ffn_cols[0]
+        return s.dim + (x.kv_groups[1] - x.kv_groups[0]) * group + ffn
+
+    return oh.layer_s + oh.value_s * max(values(x) for x in stage)
+
+
 def row_cost(plan: Plan, stage, oh: Overheads) -> float:
     """What a further row of a step costs a stage, relative to its first: the most any of its nodes
     measured (the stage waits for its slowest), the constant where none did."""
@@ -143,7 +164,7 @@ def predict(plan: Plan, links: Mapping[str, LinkCost], rows: int = 1, oh: Overhe
     for k, stage in enumerate(plan.stages):
         far = [links[x.node_id] for x in stage if x.node_id != root]
         n_layers = (stage[0].layers[1] - stage[0].layers[0]) if stage[0].layers else s.n_layers
-        per_layer = n_layers * (oh.layer_s + _expert_runs(plan, stage) * oh.expert_s)
+        per_layer = n_layers * (layer_rest(plan, stage, oh) + _expert_runs(plan, stage) * oh.expert_s)
         stretch = 1 + row_cost(plan, stage, oh) * (b - 1)
         c = (plan.stage_makespan(k) + per_layer) * stretch
         if root in (x.node_id for x in stage):

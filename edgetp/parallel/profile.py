@@ -1,21 +1,32 @@
 """How fast and how roomy this device is: the inputs of the planner.
 
-Speed is measured with the real decode kernel, on matrices of the model's
-dominant weight type the size of one FFN projection, so it reflects what this
-device will actually do per token:
-weight bytes streamed through `quant.matvec` per second. A token reads every
-weight once, from RAM, so the timing cycles through copies of that matrix that
-together exceed the last-level cache twice over (`cache_bytes`, `copies_for`):
-one matrix read again and again stays in a 32 MiB L3, and there an 8192 x 2048
-Q4_0 matvec ran 2.5x (one core) to 3.1x (two) faster than from RAM on the AMD
-EPYC here, where a Pi 5's 2 MiB L3 holds none of it. A node with a large cache
-was thus planned a share its memory could not feed. The same matrices then
-time a decode step of BATCH_ROWS tokens (the several-token kernel, weights
-read once): what each further token of a step costs (`Profile.row_cost`),
-which the cost model stretches batched steps by. The machine is named by the
-kernel's boot id (`host_id`): the root times nodes that share one again, all
-from one clock's start (`start_at`), since together they read less than the
-sum of what each reads alone. Free memory comes
+Speed is measured with decode's own kernel calls (`decode.Matvecs`) on random
+matrices of the model's own shapes and types: a *token pass*, one layer's
+matrices grouped as decode calls them (q, k and v in one call; o; gate and up
+in one; down; a mixture's used experts) and 1/L of the output head's rows
+(`token_pass`). So a pass is 1/L of what a token reads, and the speed, weight
+bytes per second, is what this device will actually do per token. Small
+models' matrices read slower than large ones (SmolLM2's 576-wide matrices on
+one core of the AMD EPYC here: 10.7 GB/s against 16.3 for an 8192 x 2048
+matrix of its type), so one large matrix of the dominant type, which the
+profile timed before, took a Pi's share of SmolLM2 for 1.65x what it could
+do. A node given no pass (an old root, a daemon's advert without a model)
+times that one matrix still.
+
+A token reads every weight once, from RAM, so the timing cycles through copies
+of the pass that together exceed the last-level cache twice over
+(`cache_bytes`, `copies_for`): one matrix read again and again stays in a 32
+MiB L3, and there an 8192 x 2048 Q4_0 matvec ran 2.5x (one core) to 3.1x (two)
+faster than from RAM on the AMD EPYC here, where a Pi 5's 2 MiB L3 holds none
+of it. A node with a large cache was thus planned a share its memory could not
+feed. A pass larger than a quarter of the room this process has is timed with
+fewer rows of each matrix (`fit`). The same passes then time a decode step of
+BATCH_ROWS tokens (the several-token kernels, weights read once): what each
+further token of a step costs (`Profile.row_cost`), which the cost model
+stretches batched steps by. The machine is named by the kernel's boot id
+(`host_id`): the root times nodes that share one again, all from one clock's
+start (`start_at`), since together they read less than the sum of what each
+reads alone. Free memory comes
 from the kernel's own estimate (MemAvailable), lowered to the room left under
 our cgroup's memory limit (systemd MemoryMax=, a container) where that is less:
 past it the kernel kills us however much the machine has free, and to what is left
@@ -40,8 +51,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from edgetp.model import intdot, quant
-from edgetp.model.decode import matvec_rows
+from edgetp.model import intdot, intgemm, quant
+from edgetp.model.decode import Matvecs
 from edgetp.parallel.plan import MAX_ROW_COST
 
 DEFAULT_ROWS, DEFAULT_COLS = 8192, 2048  # a Llama-3.2-1B FFN projection: 17.8 MB in Q8_0
@@ -98,15 +109,106 @@ def copies_for(nbytes: int, cache: int, room: int, footprint: int | None = None)
     return max(1, min(want, room // (footprint or nbytes)))
 
 
-def timing_set(w: quant.Weight, cache: int | None = None) -> list[quant.Weight]:
-    """w and copies of it in memory of their own, copies_for() of them in all (`cache` bytes of
+Shape = tuple[int, int, int]  # one matrix: (GGML type, rows, cols)
+Pass = list[list[Shape]]  # groups of matrices that read one input, each group one decode kernel call per type
+
+MAX_GROUPS, MAX_GROUP, MAX_DIM = 64, 8, 1 << 20  # the most a pass may ask (a PROFILE's "pass" is checked)
+FIT_ROWS = 32  # a matrix cut to fit the room keeps a multiple of this many rows, and at least this many
+
+
+def token_pass(mf) -> Pass:
+    """1/L of a token's matvecs, as decode runs them: layer 0's groups (q, k, v; o; gate, up; down;
+    or a mixture's `experts_used` experts, each gate, up and down, and its shared expert) and
+    vocab / L rows of the output head (a multiple of FIT_ROWS, at most all of them), L the model's layers.
+
+    Empty for a shard file (it holds one slice of the model, and the profile times the single
+    matrix of its dominant type instead)."""
+    from edgetp.model import llama  # noqa: PLC0415 (the model's code only where a model is timed)
+
+    cfg = mf.config
+    if llama.stored_spec(mf) is not None or cfg.n_layers < 1:
+        return []
+    w = llama.load_weights(mf, llama.ShardSpec((0, cfg.n_kv_heads), (0, cfg.ffn), (0, cfg.vocab), (0, 1)))
+    layer = w.layers[0]
+    groups = [[layer.wq, layer.wk, layer.wv], [layer.wo]]
+    if layer.moe is None:
+        groups += [[layer.w_gate, layer.w_up], [layer.w_down]]
+    else:
+        e = layer.moe
+        x = next(i for i, g in enumerate(e.gate) if g is not None)
+        groups += [[e.gate[x], e.up[x]], [e.down[x]]] * e.used
+        if e.shared is not None and e.shared.gate is not None:
+            groups += [[e.shared.gate, e.shared.up], [e.shared.down]]
+    head = w.lm_head
+    rows = min(head.rows, -(-head.rows // cfg.n_layers // FIT_ROWS) * FIT_ROWS)
+    groups.append([quant.slice_rows(head, 0, rows)])
+    return [[(int(m.qtype), int(m.rows), int(m.cols)) for m in g if m is not None] for g in groups
+            if any(m is not None for m in g)]
+
+
+def check_pass(obj: object) -> Pass:
+    """A pass as a PROFILE carries it (lists of [type, rows, cols]), checked; ValueError saying what is wrong."""
+    def whole(v: object, lo: int, hi: int) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+    if not isinstance(obj, (list, tuple)) or not 0 < len(obj) <= MAX_GROUPS:
+        raise ValueError(f"a pass is a list of 1 to {MAX_GROUPS} groups of matrices")
+    out: Pass = []
+    for g in obj:
+        if not isinstance(g, (list, tuple)) or not 0 < len(g) <= MAX_GROUP:
+            raise ValueError(f"a pass's group is a list of 1 to {MAX_GROUP} matrices, got {g!r:.60}")
+        group = []
+        for m in g:
+            if not (isinstance(m, (list, tuple)) and len(m) == 3 and whole(m[0], 0, 255)
+                    and all(whole(v, 1, MAX_DIM) for v in m[1:])):
+                raise ValueError(f"a matrix of a pass is [type, rows, cols], rows and cols 1 to {MAX_DIM}, "
+                                 f"got {m!r:.60}")
+            qtype, rows, cols = m
+            if qtype not in quant.SUPPORTED:
+                raise ValueError(f"a pass asks for tensor type {qtype}, which this node does not support")
+            if cols % quant.block_size(qtype):
+                raise ValueError(f"{cols} columns of type {QT(qtype).name} are not whole blocks")
+            group.append((qtype, rows, cols))
+        if len({c for _, _, c in group}) != 1:
+            raise ValueError("the matrices of a pass's group read one input: their columns must agree")
+        out.append(group)
+    return out
+
+
+def pass_bytes(shapes: Pass, kept: bool = False) -> int:
+    """Bytes of a pass's matrices; with `kept`, a kept type's packed panels counted beside them."""
+    panels = quant.int8_decode() and kept
+    return sum(rows * quant.row_bytes(t, cols) * (2 if panels and intgemm.kept(t) else 1)
+               for g in shapes for t, rows, cols in g)
+
+
+def fit(shapes: Pass, room: int) -> Pass:
+    """The pass with each matrix's rows cut in one proportion, where its bytes (kept panels counted)
+    exceed `room`: a multiple of FIT_ROWS, at least FIT_ROWS (or all it has). A matrix's speed hardly
+    depends on its row count past a few hundred; its columns, which set each row's work, are kept."""
+    need = pass_bytes(shapes, kept=True)
+    if need <= room:
+        return shapes
+    f = room / need
+    return [[(t, min(rows, max(FIT_ROWS, int(rows * f) // FIT_ROWS * FIT_ROWS)), cols) for t, rows, cols in g]
+            for g in shapes]
+
+
+def random_pass(shapes: Pass, seed: int = 0) -> list[list[quant.Weight]]:
+    return [[random_weight(t, rows, cols, seed + i) for i, (t, rows, cols) in enumerate(g)] for g in shapes]
+
+
+def timing_set(p: list[list[quant.Weight]], cache: int | None = None) -> list[list[list[quant.Weight]]]:
+    """The pass p and copies of it in memory of their own, copies_for() of them in all (`cache` bytes of
     last-level cache, by default `cache_bytes()`, or CACHE_FALLBACK where sysfs does not tell),
     within a quarter of what this process may allocate (`memory_free`: a cgroup's room and the
     user's cap count). They live only while the speed is measured."""
     if cache is None:
         cache = cache_bytes() or CACHE_FALLBACK
-    n = copies_for(w.nbytes, cache, memory_free() // 4, 2 * w.nbytes if quant.kept(w) else w.nbytes)
-    return [w] + [quant.Weight(w.qtype, w.rows, w.cols, w.data.copy()) for _ in range(n - 1)]
+    nbytes = sum(w.nbytes for g in p for w in g)
+    footprint = sum(w.nbytes * (2 if quant.kept(w) else 1) for g in p for w in g)
+    n = copies_for(nbytes, cache, memory_free() // 4, footprint)
+    return [p] + [[[quant.Weight(w.qtype, w.rows, w.cols, w.data.copy()) for w in g] for g in p] for _ in range(n - 1)]
 
 
 MAX_WAIT_S = 10.0  # the longest a timing waits for its start_at
@@ -114,8 +216,8 @@ MAX_WAIT_S = 10.0  # the longest a timing waits for its start_at
 
 def measure_speed(w: quant.Weight | None = None, seconds: float = 0.5, max_runs: int = 5000,
                   cache: int | None = None) -> float:
-    """Weight bytes/s of matvec on w (a layer-sized Q8_0 matrix by default), streamed from RAM:
-    the timing cycles through `timing_set(w, cache)`, each run once before the clock starts
+    """Weight bytes/s of decode's kernel on w alone (a layer-sized Q8_0 matrix by default), streamed
+    from RAM: the timing cycles through `timing_set([[w]], cache)`, each run once before the clock starts
     (kernels compiled, kept types' panels packed).
 
     Throughput over the whole window, not the best burst: a CPU quota
@@ -123,34 +225,37 @@ def measure_speed(w: quant.Weight | None = None, seconds: float = 0.5, max_runs:
     show up in the figure, as it will in every token.
     """
     w = w or random_weight(QT.Q8_0, DEFAULT_ROWS, DEFAULT_COLS)
-    return w.nbytes / step_seconds(timing_set(w, cache), 1, seconds, max_runs)
+    return w.nbytes / step_seconds(timing_set([[w]], cache), 1, seconds, max_runs)
 
 
-def step_seconds(ws: list[quant.Weight], rows: int, seconds: float, max_runs: int = 5000,
+def step_seconds(passes: list[list[list[quant.Weight]]], rows: int, seconds: float, max_runs: int = 5000,
                  start_at: float | None = None) -> float:
-    """Seconds of one decode step of `rows` tokens through one matrix, cycling through `ws` (a
-    timing_set): the single-token kernel for one, the several-token one decode uses for more
-    (decode.matvec_rows: the weights read once for all of them). Each matrix runs once first. With
-    `start_at` (time.time()) the clock starts then, not before: nodes of one machine, which read one
-    clock, time the same window."""
-    w = ws[0]
-    x = np.random.default_rng(1).standard_normal((rows, w.cols)).astype(np.float32)
-    out = np.empty((rows, w.rows), np.float32)
+    """Seconds of one decode step of `rows` tokens through one pass, cycling through `passes` (a
+    timing_set): each group in one call of decode's own kernels (decode.Matvecs: the single-token
+    kernel for one token, the several-token one for more, weights read once for all of them). Each
+    pass runs once first. With `start_at` (time.time()) the clock starts then, not before: nodes of
+    one machine, which read one clock, time the same window."""
+    quant.use_threads()
+    serial, int8 = quant.threads() == 1, quant.int8_decode()
+    rng = np.random.default_rng(1)
+    inputs: dict[int, tuple[np.ndarray, intdot.Rounded]] = {}
+    for cols in {g[0].cols for p in passes for g in p}:
+        x = rng.standard_normal((rows, cols)).astype(np.float32)
+        inputs[cols] = x, intdot.rounded_rows(x) if cols % 32 == 0 else intdot.Rounded.rows(rows, cols)
+    calls = [[Matvecs(g, *inputs[g[0].cols], int8) for g in p] for p in passes]
 
-    def step(c: quant.Weight) -> None:
-        if rows == 1:
-            quant.matvec(c, x[0], out[0])
-        else:
-            matvec_rows(c, x, out)
+    def step(p: list[Matvecs]) -> None:
+        for m in p:
+            m(rows, serial)
 
-    for c in ws:  # compile / pack / warm up
-        step(c)
+    for p in calls:  # compile / pack / warm up
+        step(p)
     if start_at is not None:
         time.sleep(min(max(0.0, start_at - time.time()), MAX_WAIT_S))
     runs = 0
     t0 = time.perf_counter()
     while runs < max_runs:
-        step(ws[runs % len(ws)])
+        step(calls[runs % len(calls)])
         runs += 1
         if time.perf_counter() - t0 >= seconds:
             break
@@ -263,27 +368,29 @@ BATCH_ROWS = 8
 
 
 def profile(threads: int | None = None, seconds: float = 0.5, qtype: int = QT.Q8_0,
-            start_at: float | None = None) -> Profile:
-    """Speed at the thread count compute uses, on a layer-sized matrix of `qtype` (timed from
-    `start_at`, if given: step_seconds), and what each further token of a step costs
-    (row_cost: a step of BATCH_ROWS tokens through the same matrices, for half as long; a figure
-    outside (0, MAX_ROW_COST] is no measurement and reads 0, the cost model's constant).
+            start_at: float | None = None, shapes: Pass | None = None) -> Profile:
+    """Speed at the thread count compute uses, on the model's token pass `shapes` (`token_pass`),
+    or where none is given on one layer-sized matrix of `qtype` (timed from `start_at`, if given:
+    step_seconds), and what each further token of a step costs (row_cost: a step of BATCH_ROWS
+    tokens through the same passes, for half as long; a figure outside (0, MAX_ROW_COST] is no
+    measurement and reads 0, the cost model's constant).
 
-    qtype should be the model's dominant weight type (`ModelFile.dominant_type`):
+    Without a pass, qtype should be the model's dominant weight type (`ModelFile.dominant_type`):
     kernels of different types run at different speeds, and not in the same ratio
     on every CPU, so a plan sized by Q8_0 misjudges a Q4_K model on a mixed cluster.
     """
     if threads:
         quant.set_threads(threads)
-    cols = DEFAULT_COLS - DEFAULT_COLS % quant.block_size(qtype)
-    ws = timing_set(random_weight(qtype, DEFAULT_ROWS, cols))
-    one = step_seconds(ws, 1, seconds, start_at=start_at)
+    if not shapes:
+        shapes = [[(int(qtype), DEFAULT_ROWS, DEFAULT_COLS - DEFAULT_COLS % quant.block_size(qtype))]]
+    passes = timing_set(random_pass(fit(shapes, memory_free() // 4)))
+    one = step_seconds(passes, 1, seconds, start_at=start_at)
     row_cost = 0.0
     if start_at is None:  # a timing beside the other nodes of this machine (start_at) asks for the speed only
-        row_cost = (step_seconds(ws, BATCH_ROWS, seconds / 2) / one - 1) / (BATCH_ROWS - 1)
+        row_cost = (step_seconds(passes, BATCH_ROWS, seconds / 2) / one - 1) / (BATCH_ROWS - 1)
         row_cost = row_cost if 0 < row_cost <= MAX_ROW_COST else 0.0
-    speed = ws[0].nbytes / one
-    del ws  # measured after the run (kernels compiled and loaded), without the timing matrices
+    speed = sum(w.nbytes for g in passes[0] for w in g) / one
+    del passes  # measured after the run (kernels compiled and loaded), without the timing matrices
     runtime = runtime_bytes()
     return Profile(speed, memory_free(runtime=runtime), quant.threads(), runtime, host_id(), row_cost)
 

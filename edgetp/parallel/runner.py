@@ -143,7 +143,8 @@ class ClusterRunner:
                 await _hello(link, key, node_id, epoch)
             hop = await event_loop_hop()
             seconds = 0.5 if weights is None else 0.05
-            mine = await asyncio.to_thread(profile.profile, threads, seconds, mf.dominant_type)
+            shapes = profile.token_pass(mf)  # every node times the model's own matrices, as decode calls them
+            mine = await asyncio.to_thread(profile.profile, threads, seconds, mf.dominant_type, None, shapes)
             infos = [NodeInfo(node_id, "local", mine.speed, mine.mem_free, 0.0, "local", host=mine.host,
                               row_cost=mine.row_cost)]
             for link in links:
@@ -154,14 +155,14 @@ class ClusterRunner:
                 log.info("link %s: rtt %.3f ms (p90 %.3f), %.0f Mbit/s, event-loop hop %.3f ms -> %s mode during "
                          "generations%s", link.name, st.rtt_ms, st.rtt_p90_ms, st.mbps, hop * 1e3, link.hot_mode,
                          f", all-reduce round {round_ms:.3f} ms" if round_ms else "")
-                rep = await link.request(FrameType.PROFILE, {"seconds": seconds, "qtype": mf.dominant_type},
-                                         FrameType.READY, timeout=60)
+                rep = await link.request(FrameType.PROFILE, {"seconds": seconds, "qtype": mf.dominant_type,
+                                                              "pass": shapes}, FrameType.READY, timeout=60)
                 infos.append(NodeInfo(link.peer_id or link.name, link.name, rep.header["speed"],
                                       int(rep.header["mem_free"]), st.rtt_ms, link.hot_mode,
                                       rtt_p90_ms=st.rtt_p90_ms, mbps=st.mbps, round_ms=round_ms,
                                       host=_host_of(rep.header), row_cost=_row_cost_of(rep.header)))
             if weights is None:
-                infos = await _together(infos, links, seconds, mf.dominant_type, threads)
+                infos = await _together(infos, links, seconds, mf.dominant_type, threads, shapes)
             speeds = [float(w) for w in weights] if weights is not None else [i.speed for i in infos]
             nodes = [i.spec(s) for i, s in zip(infos, speeds)]
             costs = {i.node_id: i.link_cost() for i in infos[1:]}
@@ -455,7 +456,7 @@ def _host_of(header: dict) -> str:
 
 
 async def _together(infos: list[NodeInfo], links: list[Link], seconds: float, qtype: int,
-                    threads: int | None) -> list[NodeInfo]:
+                    threads: int | None, shapes: profile.Pass | None = None) -> list[NodeInfo]:
     """Nodes that share a machine profiled again, all at once: what they read together is what a
     stage of them gets, not the sum of what each read alone (two cores of the AMD EPYC here read
     32.5 GB/s together where one alone reads 19-22). infos[0] is the root, infos[1:] the links'."""
@@ -468,9 +469,9 @@ async def _together(infos: list[NodeInfo], links: list[Link], seconds: float, qt
         if len(members) < 2:
             continue
         at = time.time() + TOGETHER_LEAD_S  # one clock on one machine: every node times the same window
-        jobs = [asyncio.to_thread(profile.profile, threads, seconds, qtype, at) if i == 0 else
-                links[i - 1].request(FrameType.PROFILE, {"seconds": seconds, "qtype": qtype, "at": at},
-                                     FrameType.READY, timeout=60) for i in members]
+        ask = {"seconds": seconds, "qtype": qtype, "at": at, "pass": shapes or []}
+        jobs = [asyncio.to_thread(profile.profile, threads, seconds, qtype, at, shapes) if i == 0 else
+                links[i - 1].request(FrameType.PROFILE, ask, FrameType.READY, timeout=60) for i in members]
         got = await asyncio.gather(*jobs)
         speeds = [g.speed if i == 0 else float(g.header["speed"]) for i, g in zip(members, got)]
         alone = [infos[i].speed for i in members]

@@ -265,8 +265,12 @@ class _Session:
         at = header.get("at")  # a time.time() to start timing at: the root's, when it shares our machine
         if at is not None and (isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at)):
             raise LinkClosed(f"PROFILE asks to start at {at!r}, not a time")
+        try:  # the root's model's token pass (none from an older root: the one matrix of qtype)
+            shapes = profile.check_pass(header["pass"]) if header.get("pass") else None
+        except ValueError as exc:  # the root hears why (an ERROR frame), as for a bad PING
+            raise ValueError(f"PROFILE: {exc}") from None
         p = await asyncio.to_thread(profile.profile, self.worker.threads, float(header.get("seconds", 0.5)), qtype,
-                                    None if at is None else float(at))
+                                    None if at is None else float(at), shapes)
         await self.link.send(FrameType.READY, {"speed": p.speed, "mem_free": p.mem_free, "threads": p.threads,
                                                "host": p.host, "row_cost": p.row_cost})
 

@@ -6,12 +6,13 @@ matrices grouped as decode calls them (q, k and v in one call; o; gate and up
 in one; down; a mixture's used experts) and 1/L of the output head's rows
 (`token_pass`). So a pass is 1/L of what a token reads, and the speed, weight
 bytes per second, is what this device will actually do per token. Small
-models' matrices read slower than large ones (SmolLM2's 576-wide matrices on
-one core of the AMD EPYC here: 10.7 GB/s against 16.3 for an 8192 x 2048
-matrix of its type), so one large matrix of the dominant type, which the
-profile timed before, took a Pi's share of SmolLM2 for 1.65x what it could
-do. A node given no pass (an old root, a daemon's advert without a model)
-times that one matrix still.
+models' matrices read slower than large ones (a kernel call costs some
+microseconds whatever its size): one 8192-row matrix of SmolLM2's type read
+1.65-2.5x faster than SmolLM2 decodes on the AMD EPYC here, its token pass
+1.2-1.3x (tools/bench_profile.py), so the one matrix, which the profile
+timed before, took a node's share of a small model (or of a mixture's small
+experts) for far more than it could do. A node given no pass (an old root, a
+daemon's advert without a model) times that one matrix still.
 
 A token reads every weight once, from RAM, so the timing cycles through copies
 of the pass that together exceed the last-level cache twice over

@@ -144,3 +144,25 @@ def test_a_mixtures_pass_runs_the_experts_a_token_uses(synth_model):
     assert got[:2] == [[_shape(reader, f"blk.0.attn_{x}.weight") for x in "qkv"],
                        [_shape(reader, "blk.0.attn_output.weight")]]
     assert got[2:-1] == [gate_up, [expert("ffn_down_exps")]] * 4  # 4 experts of 16 per token
+
+
+_CAPPED = """
+import json, resource
+from edgetp.parallel import profile
+MiB = 1 << 20
+profile.profile(1, 0.01, shapes=[[(8, 64, 2048)]])  # its kernels compiled first: compiling takes memory too
+profile.limit_memory(profile.runtime_bytes() + 64 * MiB)
+shapes = [[(8, 65536, 2048)]] * 4  # Q8_0: 4 x 142.6 MB, far beyond a quarter of the 64 MiB left
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+p = profile.profile(1, 0.05, shapes=shapes)
+grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+print(json.dumps({"speed": p.speed, "grew": grew, "need": profile.pass_bytes(shapes)}))
+"""
+
+
+def test_a_pass_beyond_the_room_left_under_a_cap_is_timed_on_fewer_rows_not_allocated_whole():
+    done = subprocess.run([sys.executable, "-c", _CAPPED], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout)
+    assert got["need"] > 500 * 2**20 and got["speed"] > 0
+    assert got["grew"] < 100 * 2**20, got  # the kernel's peak resident figure: a quarter of 64 MiB and buffers

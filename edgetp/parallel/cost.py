@@ -81,8 +81,9 @@ class Overheads:
     # a layer beyond its weight reads (profile.py's token pass times the kernels as decode calls them):
     # a fixed part, the interpreter between kernels, and a part per value of the node's activations
     # (dim + its query heads' width + its FFN columns). tools/bench_profile.py on one and two cores of the
-    # AMD EPYC here (Zen 4, avx512vnni): SmolLM2 (3,264 values) 35-60 us a layer beyond its pass-timed
-    # weights, the 1B shape (14,336) 220-270 us, at 8-40 positions. A slower CPU takes longer; not scaled.
+    # AMD EPYC here (Zen 4, avx512vnni): SmolLM2 (2,688 values) 35-60 us a layer beyond its pass-timed
+    # weights, the 1B shape (12,288) 220-270 us, at 8-40 positions; these price them at 51 and 214 us.
+    # A slower CPU takes longer; not scaled.
     layer_s: float = 5e-6
     value_s: float = 17e-9
     # one expert's run in a mixture's layer beyond its weight reads (its two kernel calls, the GLU,

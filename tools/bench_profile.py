@@ -61,7 +61,7 @@ def worker(path: str, threads: int) -> dict:
     p = profile.profile(threads, 0.5, qtype, None, profile.token_pass(mf))
     one = profile.profile(threads, 0.5, qtype)
     return {"token_s": statistics.median(times), "profiled": p.speed, "one": one.speed, "isa": isa.current(),
-            "cache": profile.cache_bytes(), "qtype": int(qtype), "layers": mf.config.n_layers}
+            "cache": profile.cache_bytes(), "qtype": int(qtype)}
 
 
 def main(argv: list[str] | None = None) -> int:

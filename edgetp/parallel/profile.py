@@ -206,27 +206,12 @@ def timing_set(p: list[list[quant.Weight]], cache: int | None = None) -> list[li
     user's cap count). They live only while the speed is measured."""
     if cache is None:
         cache = cache_bytes() or CACHE_FALLBACK
-    nbytes = sum(w.nbytes for g in p for w in g)
-    footprint = sum(w.nbytes * (2 if quant.kept(w) else 1) for g in p for w in g)
-    n = copies_for(nbytes, cache, memory_free() // 4, footprint)
+    shapes = [[(w.qtype, w.rows, w.cols) for w in g] for g in p]
+    n = copies_for(pass_bytes(shapes), cache, memory_free() // 4, pass_bytes(shapes, kept=True))
     return [p] + [[[quant.Weight(w.qtype, w.rows, w.cols, w.data.copy()) for w in g] for g in p] for _ in range(n - 1)]
 
 
 MAX_WAIT_S = 10.0  # the longest a timing waits for its start_at
-
-
-def measure_speed(w: quant.Weight | None = None, seconds: float = 0.5, max_runs: int = 5000,
-                  cache: int | None = None) -> float:
-    """Weight bytes/s of decode's kernel on w alone (a layer-sized Q8_0 matrix by default), streamed
-    from RAM: the timing cycles through `timing_set([[w]], cache)`, each run once before the clock starts
-    (kernels compiled, kept types' panels packed).
-
-    Throughput over the whole window, not the best burst: a CPU quota
-    (cgroup cpu.max, 100 ms periods) or a busy neighbour on the core must
-    show up in the figure, as it will in every token.
-    """
-    w = w or random_weight(QT.Q8_0, DEFAULT_ROWS, DEFAULT_COLS)
-    return w.nbytes / step_seconds(timing_set([[w]], cache), 1, seconds, max_runs)
 
 
 def step_seconds(passes: list[list[list[quant.Weight]]], rows: int, seconds: float, max_runs: int = 5000,
@@ -235,7 +220,10 @@ def step_seconds(passes: list[list[list[quant.Weight]]], rows: int, seconds: flo
     timing_set): each group in one call of decode's own kernels (decode.Matvecs: the single-token
     kernel for one token, the several-token one for more, weights read once for all of them). Each
     pass runs once first. With `start_at` (time.time()) the clock starts then, not before: nodes of
-    one machine, which read one clock, time the same window."""
+    one machine, which read one clock, time the same window.
+
+    Throughput over the whole window, not the best burst: a CPU quota (cgroup cpu.max, 100 ms
+    periods) or a busy neighbour on the core must show up in the figure, as it will in every token."""
     quant.use_threads()
     serial, int8 = quant.threads() == 1, quant.int8_decode()
     rng = np.random.default_rng(1)

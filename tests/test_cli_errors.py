@@ -208,19 +208,43 @@ def test_a_port_in_use_is_refused_in_one_line(cluster, stories_path, tmp_path):
     assert_one_line_error(result, f"{port}", "in use")
 
 
-def test_a_node_id_already_on_the_network_is_refused_in_one_line(stories_path, tmp_path):
+# Another mDNS user on the same host (a zeroconf process that only listens), as a home server running
+# Home Assistant or a second edgetp has. Its sockets join port 5353's SO_REUSEPORT group, where Linux
+# gives each unicast datagram to one socket: the holder's unicast answer to a probe may go to it.
+BYSTANDER = """
+import sys, time
+from zeroconf import Zeroconf
+zc = Zeroconf(interfaces=["127.0.0.1"])
+print("listening", flush=True)
+try:
+    sys.stdin.read()  # until the test closes our stdin
+finally:
+    zc.close()
+"""
+
+
+@pytest.mark.parametrize("bystanders", [0, 3])
+def test_a_node_id_already_on_the_network_is_refused_in_one_line(stories_path, tmp_path, bystanders):
     from edgetp.serve.spawn import start_daemon, stop  # noqa: PLC0415
 
     key = tmp_path / "cluster.key"
     assert edgetp("keygen", str(key)).returncode == 0
-    node_id = f"twin-{os.getpid()}"  # mDNS names are machine-wide: unique to this run
-    first, _ = start_daemon(stories_path, key, node_id)
+    node_id = f"twin-{os.getpid()}-{bystanders}"  # mDNS names are machine-wide: unique to this run
+    others = [subprocess.Popen([sys.executable, "-c", BYSTANDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               text=True) for _ in range(bystanders)]
     try:
-        result = edgetp("serve", "--model", str(stories_path), "--key", str(key), "--node-id", node_id,
-                        "--listen", "127.0.0.1:0", "--data-port", "0", "--interface", "127.0.0.1",
-                        env={"EDGETP_CACHE_DIR": str(tmp_path)})
+        assert all(p.stdout.readline().strip() == "listening" for p in others)
+        first, _ = start_daemon(stories_path, key, node_id)
+        try:
+            result = edgetp("serve", "--model", str(stories_path), "--key", str(key), "--node-id", node_id,
+                            "--listen", "127.0.0.1:0", "--data-port", "0", "--interface", "127.0.0.1",
+                            env={"EDGETP_CACHE_DIR": str(tmp_path)})
+        finally:
+            stop(first)
     finally:
-        stop(first)
+        for p in others:
+            p.stdin.close()
+            p.wait(timeout=30)
     assert_one_line_error(result, repr(node_id), "already on the network", "--node-id")
 
 

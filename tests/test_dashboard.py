@@ -50,7 +50,7 @@ def node(state: DashboardState, node_id: str):
 
 # --- the fold ---------------------------------------------------------------------------------
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(history=st.integers(1, 30), totals=st.lists(st.floats(0.5, 500.0), max_size=80))
 def test_token_history_keeps_the_last_n_tokens_and_counts_every_one(history, totals):
     state = fold([token(i, t) for i, t in enumerate(totals)], DashboardState(history=history))
@@ -60,14 +60,14 @@ def test_token_history_keeps_the_last_n_tokens_and_counts_every_one(history, tot
     assert [s.total_ms for s in state.tokens] == totals[-history:]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(size=st.integers(1, 20), messages=st.lists(st.text(min_size=1, max_size=8), max_size=60))
 def test_event_log_keeps_the_last_m_entries(size, messages):
     state = fold([ClusterEvent("error", m) for m in messages], DashboardState(log_size=size))
     assert [e.message for e in state.log] == messages[-size:]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(pieces=st.lists(st.text(max_size=5), max_size=40))
 def test_generation_text_is_the_token_texts_in_order(pieces):
     state = fold([RequestRecord("r1", "started", "hi"), *(token(i, text=p) for i, p in enumerate(pieces))])

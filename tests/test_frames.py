@@ -265,7 +265,7 @@ def _only_frame_errors(data: bytes) -> None:
         pass
 
 
-@settings(max_examples=500, deadline=1000)
+@settings(max_examples=500)
 @given(st.binary(max_size=200))
 def test_arbitrary_bytes_decode_or_raise_frame_error_only(data):
     _only_frame_errors(data)
@@ -280,7 +280,7 @@ valid_frames = st.builds(
 )
 
 
-@settings(max_examples=500, deadline=1000)
+@settings(max_examples=500)
 @given(valid_frames, st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=4),
        st.integers(0, 10**6))
 def test_mutated_or_truncated_frames_decode_or_raise_frame_error_only(data, flips, cut):
@@ -291,7 +291,7 @@ def test_mutated_or_truncated_frames_decode_or_raise_frame_error_only(data, flip
     _only_frame_errors(bytes(buf[: cut % (len(buf) + 1)]))
 
 
-@settings(max_examples=200, deadline=2000)
+@settings(max_examples=200)
 @given(st.binary(max_size=200))
 def test_arbitrary_bytes_on_a_sealed_link_end_in_frame_error_or_eof(data):
     try:

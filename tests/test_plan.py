@@ -112,7 +112,7 @@ def cases(draw, max_nodes=3):
     return shape, nodes
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_plan_is_within_one_unit_per_family_of_the_brute_force_optimum_or_says_why_not(case):
     shape, nodes = case
@@ -132,7 +132,7 @@ def test_plan_is_within_one_unit_per_family_of_the_brute_force_optimum_or_says_w
         assert plan.memory_bytes(n.node_id) <= n.mem_bytes
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100)
 @given(small_shapes, st.lists(st.tuples(st.floats(0.1, 100), st.integers(0, 10**7)), min_size=1, max_size=9))
 def test_every_unit_is_assigned_exactly_once_and_memory_caps_hold(shape, specs):
     nodes = [NodeSpec(f"node-{i}", sp, OVERHEAD + mem) for i, (sp, mem) in enumerate(specs)]

@@ -41,7 +41,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -167,6 +167,13 @@ def plan_line(url: str) -> str:
     return f"root {view['root']}: " + "; ".join(parts) + f"; {where}"
 
 
+def replans(url: str) -> int:
+    """The root's count of re-plans so far (/metrics' edgetp_replans_total)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+        lines = resp.read().decode().splitlines()
+    return int(sum(float(line.split()[-1]) for line in lines if line.startswith("edgetp_replans_total")))
+
+
 # --------------------------------------------------------------------------- clients
 
 
@@ -247,6 +254,7 @@ class Row:
     tokens: int
     short: int                # streams that ended before max_tokens
     errors: list[str]
+    replans: int = 0          # re-plans of the cluster during the level (each replays every running sequence)
 
 
 def pct(values: Sequence[float], p: float) -> float | None:
@@ -293,6 +301,8 @@ def table(title: str, rows: list[Row], max_tokens: int) -> str:
         if r.errors:
             kinds = collections.Counter(e.split(":")[0] for e in r.errors)
             notes.append(f"{len(r.errors)} failed (" + ", ".join(f"{n}x {k}" for k, n in kinds.items()) + ")")
+        if r.replans:
+            notes.append(f"{r.replans} re-plan(s) during the level")
         body.append([str(r.clients), "-" if r.agg is None else f"{r.agg:.1f}",
                      ratio(r.agg, base.agg if base else None), ms(r.tbt50), ms(r.tbt95),
                      ratio(r.tbt95, base.tbt95 if base else None), ms(r.tbt_max), ms(r.ttft50), ms(r.ttft_max),
@@ -355,8 +365,11 @@ def run_setup(setup: str, spec: ModelSpec, path: Path, args: argparse.Namespace,
             plan = plan_line(root.url)
             for i, n in enumerate(args.clients, start=1):
                 log(f"  {n} client(s) ...")
-                rows.append(figures(n, asyncio.run(level(root.url, model, n, i, args.max_tokens, args.limit)),
-                                    args.max_tokens))
+                before = replans(root.url)
+                row = figures(n, asyncio.run(level(root.url, model, n, i, args.max_tokens, args.limit)),
+                              args.max_tokens)
+                rows.append(replace(row, replans=replans(root.url) - before))
+            plan += f" (after the last level: {plan_line(root.url).split(': ', 1)[1]})"
     except Exception as exc:  # noqa: BLE001 - one failed setup is reported, the others still run
         tails = "\n".join(f"    {d.node_id}: {line}" for d in daemons for line in list(d.tail)[-5:])
         return f"### {title}\n\nFAILED: {exc}\n{tails}"

@@ -265,17 +265,22 @@ class Discovery:
         holder answers a probe by unicast (RFC 6762 8.1) to port 5353, and Linux hands a
         unicast datagram to one socket of the SO_REUSEPORT group bound there, not always
         ours. So we also ask for our own name with a multicast question (`_twin`), whose
-        answer every listener gets."""
+        answer every listener gets. A holder answers within milliseconds, while the probe
+        still runs: the probe is then cancelled, and our record is never announced."""
         self._aiozc = AsyncZeroconf(interfaces=self.interfaces or InterfaceChoice.All)
         self._info = self._service_info(self.advert)
-        twin = asyncio.get_running_loop().create_task(self._twin())
+        loop = asyncio.get_running_loop()
+        register, twin = loop.create_task(self._register()), loop.create_task(self._twin())
         try:
-            await (await self._aiozc.async_register_service(self._info))
+            done, _ = await asyncio.wait({register, twin}, return_when=asyncio.FIRST_COMPLETED)
+            taken = twin in done and twin.result()
+            if not taken:
+                await register
+                taken = await twin
         except NonUniqueNameException:
             taken = True
-        else:
-            taken = await twin
         finally:
+            register.cancel()
             twin.cancel()
         if taken:
             await self._aiozc.async_close()
@@ -283,6 +288,10 @@ class Discovery:
             raise DiscoveryError(f"node id {self.advert.node_id!r} is already on the network")
         self._browser = AsyncServiceBrowser(self._aiozc.zeroconf, SERVICE_TYPE, handlers=[self._on_change],
                                             question_type=DNSQuestionType.QM)
+
+    async def _register(self) -> None:
+        assert self._aiozc is not None
+        await (await self._aiozc.async_register_service(self._info))
 
     async def _twin(self) -> bool:
         """Whether a node other than this one answers for our service name within TWIN_MS.

@@ -212,7 +212,7 @@ def test_a_port_in_use_is_refused_in_one_line(cluster, stories_path, tmp_path):
 # Home Assistant or a second edgetp has. Its sockets join port 5353's SO_REUSEPORT group, where Linux
 # gives each unicast datagram to one socket: the holder's unicast answer to a probe may go to it.
 BYSTANDER = """
-import sys, time
+import sys
 from zeroconf import Zeroconf
 zc = Zeroconf(interfaces=["127.0.0.1"])
 print("listening", flush=True)

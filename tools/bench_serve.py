@@ -66,11 +66,12 @@ CTX = 256        # prompt + answer fit, with room
 
 class Daemon:
     """One `edgetp serve` process, its API URL, and the last lines of its output (read by threads, so
-    a chatty daemon never blocks on a full pipe)."""
+    a chatty daemon never blocks on a full pipe); every line also goes to `log`, a file, if given."""
 
-    def __init__(self, proc: subprocess.Popen, url: str, node_id: str) -> None:
+    def __init__(self, proc: subprocess.Popen, url: str, node_id: str, log: Path | None = None) -> None:
         self.proc, self.url, self.node_id = proc, url, node_id
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        self._log = open(log, "a", encoding="utf-8") if log else None  # noqa: SIM115 - closed by stop()
         self._readers = [threading.Thread(target=self._drain, args=(s,), daemon=True)
                          for s in (proc.stdout, proc.stderr) if s is not None]
         for t in self._readers:
@@ -80,6 +81,9 @@ class Daemon:
         try:
             for line in stream:
                 self.tail.append(line.rstrip())
+                if self._log:
+                    self._log.write(f"{time.time():.3f} {line}")
+                    self._log.flush()
         except (OSError, ValueError):  # closed under us by stop()
             pass
 
@@ -87,6 +91,8 @@ class Daemon:
         stop(self.proc)
         for t in self._readers:
             t.join(timeout=5)
+        if self._log:
+            self._log.close()
 
 
 def serve_flags() -> set[str]:
@@ -133,7 +139,8 @@ def start_setup(setup: str, model: Path, key: Path, args: argparse.Namespace, fl
     for i, name in enumerate(names):
         proc, url = start_daemon(str(model), str(key), name, priority=len(names) - i, threads=args.threads,
                                  extra=extra, env=child_env(), timeout=args.start_timeout)
-        daemons.append(Daemon(proc, url, name))
+        logs = getattr(args, "logs", None)
+        daemons.append(Daemon(proc, url, name, Path(logs) / f"{name}.log" if logs else None))
     root = daemons[0]
     wait_until(lambda: get_json(root.url, "/v1/cluster")["root"] == root.node_id, 60, f"{root.node_id} leads")
     if setup == "two":
@@ -381,6 +388,8 @@ def add_daemon_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threads", type=int, default=1, help="numba threads per daemon (1)")
     ap.add_argument("--start-timeout", type=float, default=180.0, help="seconds a daemon may take to start")
     ap.add_argument("--cache-dir", default=None, help="where derived models live (default <edgetp cache>/bench)")
+    ap.add_argument("--logs", default=None, help="a directory to keep each daemon's whole output in, every line "
+                                                 "time-stamped (to read a stall after the run)")
 
 
 def setups_of(ap: argparse.ArgumentParser, text: str) -> list[str]:
@@ -413,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     add_daemon_args(ap)
     args = ap.parse_args(argv)
     setups = setups_of(ap, args.setups)
+    if args.logs:
+        Path(args.logs).mkdir(parents=True, exist_ok=True)
     if not 1 <= args.max_tokens <= CTX - PROMPT_TOKENS:
         ap.error(f"--max-tokens must lie in 1..{CTX - PROMPT_TOKENS}")
 

@@ -3,8 +3,6 @@ the partial sums each shard hands to reduce, and logits, token after token."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import subprocess
 import sys
 from dataclasses import replace
@@ -141,19 +139,34 @@ def _lane_dots(qh, k):
     return lanes[:, 0]
 
 
+def _expf(x: np.ndarray) -> np.ndarray:
+    """e**x for float32 x by Cephes' expf, written out in numpy float32 steps (the formula
+    ops.exp32 promises): x = k ln2 + r with ln2 in two parts, a degree-7 polynomial in r,
+    times 2**k; 0 at -87 and below, clamped at 88."""
+    f = np.float32
+    x = np.asarray(x, np.float32)
+    y = np.minimum(np.maximum(x, f(-87.0)), f(88.0))
+    k = np.floor(y * f(1.44269504088896341) + f(0.5)).astype(np.float32)
+    r = (y - k * f(0.693359375)) + k * f(2.12194440e-4)
+    p = np.full_like(r, f(1.9875691500e-4))
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = p * r + f(c)
+    p = ((p * r) * r + r) + f(1.0)
+    e = p * np.ldexp(f(1.0), k.astype(np.int32)).astype(np.float32)
+    return np.where(x > f(-87.0), e, f(0.0)).astype(np.float32)
+
+
 def _attention_reference(q, kc, vc, pos, group):
     """One token's attention in plain float32 steps, in the order the kernel promises:
     each score _lane_dots times the scale, softmax sums and each output value one chain over
-    positions, e**x from the C library's expf (what numba's math.exp calls)."""
-    expf = ctypes.CDLL(ctypes.util.find_library("m")).expf
-    expf.restype, expf.argtypes = ctypes.c_float, [ctypes.c_float]
+    positions, e**x Cephes' expf in float32 steps (_expf)."""
     n_kv, _, hd = kc.shape
     out = np.empty_like(q)
     scale = np.float32(1.0 / np.sqrt(np.float64(hd)))
     for h in range(n_kv * group):
         k, v, qh = kc[h // group, : pos + 1], vc[h // group, : pos + 1], q[0, h * hd : (h + 1) * hd]
         scores = _lane_dots(qh, k) * scale
-        e = np.array([expf(float(s - scores.max())) for s in scores], np.float32)
+        e = _expf(scores - scores.max())
         total = np.float32(0.0)
         for x in e:
             total = np.float32(total + x)
@@ -175,7 +188,7 @@ for hd in (24, 64):
     for kind in ("f32", "f16"):
         k, v = (kc, vc) if kind == "f32" else (kc.astype(np.float16), vc.astype(np.float16))
         out = np.empty_like(q)
-        ops.attention(q, kvcache.kernel_view(k), kvcache.kernel_view(v), 11, 2, out, True)
+        ops.attention(q, kvcache.kernel_view(k), kvcache.kernel_view(v), 11, 2, out, 1)
         np.save(d + f"/{kind}{hd}.npy", out)
 open(d + "/isa", "w").write(isa.current())
 """
@@ -222,16 +235,15 @@ def test_the_lane_order_differs_from_one_chain_so_the_reference_can_tell_them_ap
 # lanes (stories260K's 8, SmolLM2's 64, Phi-3's 96, Qwen3's 128)
 @pytest.mark.parametrize("pos,hd", [(0, 64), (2, 64), (3, 64), (4, 64), (37, 64),
                                     (9, 8), (9, 16), (9, 24), (9, 40), (9, 96), (9, 128)])
-@pytest.mark.parametrize("serial", [True, False])
-def test_decode_attention_is_the_canonical_float32_order_bit_for_bit(pos, hd, serial):
+@pytest.mark.parametrize("threads,n_kv,group", [(1, 3, 3), (2, 3, 3), (2, 4, 2)])  # by KV head, by head, by KV head
+def test_decode_attention_is_the_canonical_float32_order_bit_for_bit(pos, hd, threads, n_kv, group):
     rng = np.random.default_rng(pos + hd)
-    n_kv, group = 3, 3
     kc = rng.standard_normal((n_kv, 48, hd)).astype(np.float32)
     vc = rng.standard_normal((n_kv, 48, hd)).astype(np.float32)
     kc[1, pos // 2, hd // 2] = -0.0
     q = rng.standard_normal((1, n_kv * group * hd)).astype(np.float32)
     out = np.empty_like(q)
-    ops.attention(q, kc, vc, pos, group, out, serial)
+    ops.attention(q, kc, vc, pos, group, out, threads)
     assert np.array_equal(out.view(np.uint32), _attention_reference(q, kc, vc, pos, group).view(np.uint32))
 
 
@@ -243,7 +255,7 @@ def test_decode_attention_reads_a_float32_cache_whose_rows_are_not_contiguous():
     kc, vc = wide[:, :, ::2], rng.standard_normal((n_kv, 16, hd)).astype(np.float32)
     q = rng.standard_normal((1, n_kv * group * hd)).astype(np.float32)
     out = np.empty_like(q)
-    ops.attention(q, kc, vc, pos, group, out, True)
+    ops.attention(q, kc, vc, pos, group, out, 1)
     want = _attention_reference(q, np.ascontiguousarray(kc), vc, pos, group)
     assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
 
@@ -260,6 +272,6 @@ def test_decode_attention_over_an_f16_cache_reads_numpys_f16_values_exactly(pos,
     kc[0, 0, :4] = [6.0e-8, -3.0e-5, 65504.0, 0.0]  # a subnormal, a small normal, the largest, zero
     q = rng.standard_normal((1, n_kv * group * hd)).astype(np.float32)
     out = np.empty_like(q)
-    ops.attention(q, kvcache.kernel_view(kc), kvcache.kernel_view(vc), pos, group, out, serial)
+    ops.attention(q, kvcache.kernel_view(kc), kvcache.kernel_view(vc), pos, group, out, 1 if serial else 2)
     want = _attention_reference(q, kc.astype(np.float32), vc.astype(np.float32), pos, group)
     assert np.array_equal(out.view(np.uint32), want.view(np.uint32))

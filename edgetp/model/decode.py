@@ -230,7 +230,8 @@ class Plan:
         s, cfg = self.shard, self.shard.w.cfg
         n = x.shape[0]
         quant.use_threads()
-        serial = quant.threads() == 1
+        threads = quant.threads()
+        serial = threads == 1
         h, eps = self.h[:n], cfg.norm_eps
         rh, ra, rg = self.r["h"], self.r["att"], self.r["gate"]
         zeros = self.zeros[:n]
@@ -255,7 +256,7 @@ class Plan:
                 cos, sin = (s.cos_swa, s.sin_swa) if local else (s.cos, s.sin)
                 _attention(p.q[:n], p.k[:n], p.v[:n], s.k_bits[i], s.v_bits[i], slots, positions, qn, kn, eps,
                            cos, sin, cfg.rope_dims, cfg.rope_neox, cfg.group_size, cfg.attn_scale,
-                           cfg.swa_window if local else 0, cfg.attn_softcap, p.att[:n], serial, p.o.rounds, *ra)
+                           cfg.swa_window if local else 0, cfg.attn_softcap, p.att[:n], threads, p.o.rounds, *ra)
                 partial, fill = p.o.out[:n], _start(p.o, n, serial, cuts is not None)
             yield partial if cuts is None else passes.Pieces(partial, cuts, fill)
             post = _NO_NORM if layer.attn_post_norm is None else layer.attn_post_norm
@@ -318,12 +319,13 @@ def _add_norm(x, partial, post, w, eps, h, add, rnd, xq, dx, s4, s16):  # pragma
 
 @njit(parallel=True, **_JIT)
 def _attention(q, k, v, kc, vc, slots, positions, qn, kn, eps, cos, sin, rope_dims, neox, group, scale, window, cap,
-               att, serial, rnd, xq, dx, s4, s16):  # pragma: no cover - compiled
+               att, threads, rnd, xq, dx, s4, s16):  # pragma: no cover - compiled
     # q (n, heads*hd), k and v (n, kv*hd), row b a token at positions[b] of KV slot slots[b]: norm
     # each head of its q and k by qn, kn (hd,) unless they are empty (qwen3), rope its q and k,
     # write its k and v there in the caches kc, vc (slots, kv, ctx, row: kvcache.kernel_view,
     # written by kvcache.kv_write as the per-op path writes them); att (n, heads*hd) = each row's
-    # attention over its own slot (scale, window, cap: ops.attention's); if rnd, each row of att rounded
+    # attention over its own slot (scale, window, cap, threads: ops.attention's); if rnd, each row of att
+    # rounded
     n = q.shape[0]
     n_kv = kc.shape[1]
     hd = k.shape[1] // n_kv
@@ -338,11 +340,16 @@ def _attention(q, k, v, kc, vc, slots, positions, qn, kn, eps, cos, sin, rope_di
         for g in range(n_kv):
             kvcache.kv_write(kc[sl, g, pos], k[b, g * hd : g * hd + hd])
             kvcache.kv_write(vc[sl, g, pos], v[b, g * hd : g * hd + hd])
-    if serial:
-        for job in range(n * heads):
-            b = job // heads
-            ops.attend_head(q[b : b + 1], kc[slots[b]], vc[slots[b]], positions[b], group, att[b : b + 1], job % heads,
-                            scale, window, cap)
+    if threads <= 1:
+        for job in range(n * n_kv):
+            b = job // n_kv
+            ops.attend_kv(q[b : b + 1], kc[slots[b]], vc[slots[b]], positions[b], group, att[b : b + 1], job % n_kv,
+                          scale, window, cap)
+    elif ops.by_kv(n, n_kv, threads):
+        for job in prange(n * n_kv):
+            b = job // n_kv
+            ops.attend_kv(q[b : b + 1], kc[slots[b]], vc[slots[b]], positions[b], group, att[b : b + 1], job % n_kv,
+                          scale, window, cap)
     else:
         for job in prange(n * heads):
             b = job // heads

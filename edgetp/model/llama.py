@@ -486,7 +486,7 @@ class Shard:
         kvcache.kv_write_rows(vb, pos, v.reshape(n, self.n_kv, hd))
         att = np.empty_like(q)
         if n == 1:
-            ops.attention(q, kb, vb, pos, cfg.group_size, att, quant.threads() == 1, cfg.attn_scale, window,
+            ops.attention(q, kb, vb, pos, cfg.group_size, att, quant.threads(), cfg.attn_scale, window,
                           cfg.attn_softcap)
         else:
             ops.attention_batch(q, self.k_cache[i][slot], self.v_cache[i][slot], pos, cfg.group_size, att,

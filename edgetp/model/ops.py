@@ -107,41 +107,70 @@ def rope(x, n_heads, head_dim, rope_dims, pos0, cos, sin, neox):  # pragma: no c
 
 
 @njit(parallel=True, **_JIT)
-def attention(q, k_cache, v_cache, pos0, group, out, serial, scale=0.0, window=0, cap=0.0):  # pragma: no cover
+def attention(q, k_cache, v_cache, pos0, group, out, threads, scale=0.0, window=0, cap=0.0):  # pragma: no cover
     # q: (n, n_heads * hd) roped queries for positions pos0 .. pos0+n-1
     # k_cache, v_cache: (n_kv, ctx, row) kernel views (kernel_view); rows up to pos0+n-1 are filled
     # out: (n, n_heads * hd); query head h reads KV head h // group (causal)
-    # serial: one thread, without the parallel launch (each head's arithmetic is the same)
+    # threads: numba's thread count; 1 runs without the parallel launch (each head's arithmetic is
+    # the same however the jobs go: by_kv)
     # scale: of q.k (0: 1/sqrt(hd)); window > 0: only keys p with pos - p < window (a sliding
     # window); cap > 0: scores soft-capped to cap * tanh(score / cap) (gemma2)
-    jobs = q.shape[0] * k_cache.shape[0] * group
-    if serial:
-        for job in range(jobs):
-            attend_head(q, k_cache, v_cache, pos0, group, out, job, scale, window, cap)
+    n_kv = k_cache.shape[0]
+    if threads <= 1:
+        for job in range(q.shape[0] * n_kv):
+            attend_kv(q, k_cache, v_cache, pos0, group, out, job, scale, window, cap)
+    elif by_kv(q.shape[0], n_kv, threads):
+        for job in prange(q.shape[0] * n_kv):
+            attend_kv(q, k_cache, v_cache, pos0, group, out, job, scale, window, cap)
     else:
-        for job in prange(jobs):
+        for job in prange(q.shape[0] * n_kv * group):
             attend_head(q, k_cache, v_cache, pos0, group, out, job, scale, window, cap)
+
+
+@njit(inline="always", **_JIT)
+def by_kv(n, n_kv, threads):  # pragma: no cover - compiled
+    # whether n tokens' attention over n_kv KV heads goes in jobs of one (token, KV head), each key
+    # read once for its query heads (attend_kv), not one (token, query head) each (attend_head):
+    # when there are jobs enough for every thread (the bits are the same either way)
+    return n * n_kv >= 2 * threads
 
 
 @njit(**_JIT)
 def attend_head(q, k_cache, v_cache, pos0, group, out, job, scale=0.0, window=0, cap=0.0):  # pragma: no cover
-    # one (token, query head) of `attention`. Each score is lanes.dot of q and the key (16 lanes,
-    # folded in halves: one order on every ISA), times the scale; softmax's sum is one chain over
-    # positions in order, and so is each output value, four positions a step (the same chain). A
-    # cache that is not float32 is decoded (kv_rows) four rows at a time into f32 first: the same
-    # values, any type.
+    # one (token, query head) of `attention`: job = token * n_heads + head (attend_heads' one head)
+    n_heads = k_cache.shape[0] * group
+    attend_heads(q, k_cache, v_cache, pos0, group, out, job // n_heads, job % n_heads, 1, scale, window, cap)
+
+
+@njit(**_JIT)
+def attend_kv(q, k_cache, v_cache, pos0, group, out, job, scale=0.0, window=0, cap=0.0):  # pragma: no cover
+    # every query head of one (token, KV head) of `attention`: job = token * n_kv + KV head. Each
+    # key and value row is read (and decoded) once for the group's heads, not once per head
+    n_kv = k_cache.shape[0]
+    attend_heads(q, k_cache, v_cache, pos0, group, out, job // n_kv, job % n_kv * group, group, scale, window, cap)
+
+
+@njit(**_JIT)
+def attend_heads(q, k_cache, v_cache, pos0, group, out, t, h0, count, scale, window, cap):  # pragma: no cover
+    # query heads h0 .. h0+count-1 of token t, which read one KV head. Each head's arithmetic is
+    # its own and the same whatever count is: each score is lanes.dot of q and the key (16 lanes,
+    # folded in halves: one order on every ISA), times the scale; e**x is exp32 (float32 steps,
+    # the same bits on every ISA and C library: libm's expf, one call per value, was a third of
+    # the time); softmax's sum is one chain over positions in order, and so is each output
+    # value, four positions a step (the same chain). A cache that is not float32 is decoded
+    # (kv_rows) four rows at a time into f32 first: the same values, any type.
     n_kv = k_cache.shape[0]
     n_heads = n_kv * group
     hd = q.shape[1] // n_heads
     sc = np.float32(1.0 / math.sqrt(hd)) if scale == 0.0 else np.float32(scale)
-    t = job // n_heads
-    h = job % n_heads
-    kv = h // group
+    kv = h0 // group
     last = pos0 + t  # attends to first .. last
     first = max(0, last - window + 1) if window > 0 else 0
-    scores = np.empty(last + 1, dtype=np.float32)
-    qh = np.empty(hd, dtype=np.float32)  # contiguous, for lanes.dot
-    qh[:] = q[t, h * hd : h * hd + hd]
+    scores = np.empty((count, last + 1), dtype=np.float32)
+    qh = np.empty((count, hd), dtype=np.float32)  # contiguous, for lanes.dot
+    for g in range(count):
+        qh[g] = q[t, (h0 + g) * hd : (h0 + g) * hd + hd]
+    qa = qh.ctypes.data
     kc, vc = k_cache[kv], v_cache[kv]
     scratch = np.empty((4, hd), dtype=np.float32)
     s0 = first
@@ -152,41 +181,51 @@ def attend_head(q, k_cache, v_cache, pos0, group, out, job, scale=0.0, window=0,
             scratch[:m] = keys
             keys = scratch[:m]
         for r in range(m):
-            scores[s0 + r] = lanes.dot(qh.ctypes.data, keys.ctypes.data + r * keys.strides[0], hd) * sc
+            ka = keys.ctypes.data + r * keys.strides[0]
+            for g in range(count):
+                scores[g, s0 + r] = lanes.dot(qa + g * hd * 4, ka, hd) * sc
         s0 += m
-    if cap > 0.0:
-        softcap(scores[first:], cap)
-    top = np.float32(-np.inf)
-    for s in range(first, last + 1):
-        if scores[s] > top:
-            top = scores[s]
-    total = np.float32(0.0)
-    for s in range(first, last + 1):
-        e = np.float32(math.exp(scores[s] - top))
-        scores[s] = e
-        total += e
-    inv = np.float32(1.0) / total
-    o = np.zeros(hd, dtype=np.float32)
+    inv = np.empty(count, dtype=np.float32)
+    for g in range(count):
+        row = scores[g]
+        if cap > 0.0:
+            softcap(row[first:], cap)
+        top = np.float32(-np.inf)
+        for s in range(first, last + 1):
+            if row[s] > top:
+                top = row[s]
+        for s in range(first, last + 1):  # (vectorizes)
+            row[s] = exp32(row[s] - top)
+        total = np.float32(0.0)
+        for s in range(first, last + 1):  # one chain, in order
+            total += row[s]
+        inv[g] = np.float32(1.0) / total
+    o = np.zeros((count, hd), dtype=np.float32)
     s0 = first
     while s0 + 4 <= last + 1:  # o[d] += p_s v_s[d] for four s in order: one load and store of o
         values = kv_rows(vc, s0, 4, scratch)
-        p0, p1 = scores[s0] * inv, scores[s0 + 1] * inv
-        p2, p3 = scores[s0 + 2] * inv, scores[s0 + 3] * inv
-        for d in range(hd):
-            x = o[d]
-            x += p0 * values[0, d]
-            x += p1 * values[1, d]
-            x += p2 * values[2, d]
-            x += p3 * values[3, d]
-            o[d] = x
+        for g in range(count):
+            p0, p1 = scores[g, s0] * inv[g], scores[g, s0 + 1] * inv[g]
+            p2, p3 = scores[g, s0 + 2] * inv[g], scores[g, s0 + 3] * inv[g]
+            og = o[g]
+            for d in range(hd):
+                x = og[d]
+                x += p0 * values[0, d]
+                x += p1 * values[1, d]
+                x += p2 * values[2, d]
+                x += p3 * values[3, d]
+                og[d] = x
         s0 += 4
     for s in range(s0, last + 1):
-        p = scores[s] * inv
         values = kv_rows(vc, s, 1, scratch)
+        for g in range(count):
+            p = scores[g, s] * inv[g]
+            og = o[g]
+            for d in range(hd):
+                og[d] += p * values[0, d]
+    for g in range(count):
         for d in range(hd):
-            o[d] += p * values[0, d]
-    for d in range(hd):
-        out[t, h * hd + d] = o[d]
+            out[t, (h0 + g) * hd + d] = o[g, d]
 
 
 @njit(**_JIT)

@@ -18,7 +18,8 @@ measured on any x86 machine, and an AVX-512 machine also prints AVX2 and generic
 
 Prefill: one call on a PREFILL-token prompt (token ids 10..10+PREFILL), best of
 ``--prefill-reps``.  Decode: DECODE greedy tokens, one at a time, after a short
-prompt (the prompt is not timed).  Both engines see the same ids, compute the
+prompt (the prompt is not timed; ``--depth N`` makes it N tokens, as llama-bench's
+``-d``: decode beside a long conversation, where attention over the cache costs too).  Both engines see the same ids, compute the
 full logits of the last position and take the argmax.  Warm-up runs first
 (numba kernels load from their cache on the first call).
 
@@ -42,7 +43,9 @@ Targets checked at the end, for edgetp:
 * decode >= 1.0x llama.cpp, on every row (model, ISA, threads);
 * prefill >= 1.0x llama.cpp and >= 5x edgetp's own decode rate;
 * 1B shapes: decode at >= 80% of the single-core read bandwidth (tools/membw.py),
-  counted as decode tok/s x the weight bytes one token reads, at 1 thread.
+  counted as decode tok/s x the weight bytes one token reads, at 1 thread. The bandwidth is
+  read in the row's own process right after its decode (the figure read at the start is
+  printed beside it): on a shared VM it drifts by a fifth within minutes.
 """
 
 from __future__ import annotations
@@ -128,7 +131,12 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def worker_edgetp(path: str, threads: int, prefill_reps: int) -> dict[str, Any]:
+def n_ctx(depth: int) -> int:
+    """The context both engines get: room for the prefill prompt and for depth + DECODE tokens."""
+    return max(N_CTX, depth + DECODE + 16)
+
+
+def worker_edgetp(path: str, threads: int, prefill_reps: int, depth: int = DECODE_PROMPT) -> dict[str, Any]:
     from edgetp.model import gguf, quant, sampling
     from edgetp.model.generate import LocalRunner
 
@@ -136,7 +144,7 @@ def worker_edgetp(path: str, threads: int, prefill_reps: int) -> dict[str, Any]:
     greedy = sampling.SamplingParams(temperature=0.0)
     t0 = time.perf_counter()
     mf = gguf.open_model(path)
-    r = LocalRunner(mf, ctx=N_CTX)
+    r = LocalRunner(mf, ctx=n_ctx(depth))
     load_s = time.perf_counter() - t0
     vocab = int(mf.config.vocab)
     prompt = _prompt(PREFILL, vocab)
@@ -158,7 +166,7 @@ def worker_edgetp(path: str, threads: int, prefill_reps: int) -> dict[str, Any]:
             best = min(best, time.perf_counter() - t0)
         prefill_s = best
 
-        hist = prompt[:DECODE_PROMPT]
+        hist = _prompt(depth, vocab)
         tok = int(r.run(hist, 0, hist, greedy).ids[0])
         out = []
         t0 = time.perf_counter()
@@ -169,16 +177,20 @@ def worker_edgetp(path: str, threads: int, prefill_reps: int) -> dict[str, Any]:
         decode_s = time.perf_counter() - t0
     finally:
         r.end()
-    return dict(load_s=load_s, warm_s=warm_s, prefill_s=prefill_s, decode_s=decode_s, tokens=out,
-                rss_mb=_rss_mb())
+    res = dict(load_s=load_s, warm_s=warm_s, prefill_s=prefill_s, decode_s=decode_s, tokens=out, rss_mb=_rss_mb())
+    if threads == 1:  # the read bandwidth beside this decode, seconds later on the same core
+        sys.path.insert(0, str(ROOT / "tools"))
+        from membw import read_bandwidth
+        res["bandwidth"] = read_bandwidth(1)
+    return res
 
 
-def worker_llama_cpp(path: str, threads: int, prefill_reps: int) -> dict[str, Any]:
+def worker_llama_cpp(path: str, threads: int, prefill_reps: int, depth: int = DECODE_PROMPT) -> dict[str, Any]:
     import numpy as np
     import llama_cpp
 
     t0 = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=path, n_ctx=N_CTX, n_batch=512, n_threads=threads,
+    llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx(depth), n_batch=512, n_threads=threads,
                           n_threads_batch=threads, logits_all=False, verbose=False)
     load_s = time.perf_counter() - t0
     n_vocab = llm.n_vocab()
@@ -211,7 +223,7 @@ def worker_llama_cpp(path: str, threads: int, prefill_reps: int) -> dict[str, An
     prefill_s = best
 
     llm.reset()
-    llm.eval(prompt[:DECODE_PROMPT])
+    llm.eval(_prompt(depth, n_vocab))
     tok = argmax()
     out = []
     t0 = time.perf_counter()
@@ -227,9 +239,9 @@ def worker_llama_cpp(path: str, threads: int, prefill_reps: int) -> dict[str, An
 def worker_main(spec_json: str) -> int:
     spec = json.loads(spec_json)
     if spec["engine"] == "llama.cpp":
-        res = worker_llama_cpp(spec["path"], spec["threads"], spec["prefill_reps"])
+        res = worker_llama_cpp(spec["path"], spec["threads"], spec["prefill_reps"], spec["depth"])
     else:
-        res = worker_edgetp(spec["path"], spec["threads"], spec["prefill_reps"])
+        res = worker_edgetp(spec["path"], spec["threads"], spec["prefill_reps"], spec["depth"])
     print("RESULT " + json.dumps(res), flush=True)
     return 0
 
@@ -331,7 +343,7 @@ def run_one(path: Path, engine: str, threads: int, isa_name: str, cpp_dir: Path 
     env.pop("NUMBA_CPU_FEATURES", None)
     paths = ([str(cpp_dir)] if engine == "llama.cpp" and cpp_dir else []) + [str(ROOT)]
     env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    spec = dict(path=str(path), engine=engine, threads=threads, prefill_reps=args.prefill_reps)
+    spec = dict(path=str(path), engine=engine, threads=threads, prefill_reps=args.prefill_reps, depth=args.depth)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
     t0 = time.perf_counter()
     try:
@@ -372,6 +384,8 @@ def merge_runs(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     if b["decode_s"] < a["decode_s"]:
         out["decode_s"], out["tokens"] = b["decode_s"], b["tokens"]
     out["rss_mb"] = max(a["rss_mb"], b["rss_mb"])
+    if "bandwidth" in a:  # the best read beside the best decode
+        out["bandwidth"] = max(a["bandwidth"], b.get("bandwidth", 0.0))
     out["load"] = a.get("load", []) + b.get("load", [])
     return out
 
@@ -390,10 +404,10 @@ def agree(a: list[int], b: list[int]) -> int:
 
 
 def render(results: list[Result], models: dict[str, str], token_bytes: dict[str, int], bandwidth: float,
-           meta: str) -> tuple[str, list[str], bool]:
+           meta: str, depth: int = DECODE_PROMPT) -> tuple[str, list[str], bool]:
     ref = {(r.model, r.isa, r.threads): r for r in results if r.engine == "llama.cpp" and r.data}
     lines = [meta, "",
-             f"| model | ISA | threads | engine | prefill tok/s ({PREFILL}) | decode tok/s ({DECODE}) "
+             f"| model | ISA | threads | engine | prefill tok/s ({PREFILL}) | decode tok/s ({DECODE} after {depth}) "
              f"| prefill vs llama.cpp | decode vs llama.cpp | prefill/decode | decode GB/s "
              f"| peak RSS MB | greedy agree | busy CPUs before |",
              "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -445,11 +459,15 @@ def render(results: list[Result], models: dict[str, str], token_bytes: dict[str,
         check(r, f"prefill({PREFILL}) >= {PREFILL_TARGET:g}x own decode", pd >= PREFILL_TARGET,
               f"{r.prefill_tps:.1f} vs {r.decode_tps:.2f} tok/s = {pd:.1f}x")
     for r in ours:
-        if not r.data or r.threads != 1 or not r.model.startswith("llama1b"):
-            continue
+        if not r.data or r.threads != 1 or not r.model.startswith("llama1b") or depth != DECODE_PROMPT:
+            continue  # (deeper, a token reads its KV cache too: the weights are not all it reads)
         gbs = r.decode_tps * token_bytes[r.model]
-        check(r, f"decode >= {BANDWIDTH_TARGET:.0%} of one core's read bandwidth", gbs >= BANDWIDTH_TARGET * bandwidth,
-              f"{gbs / 1e9:.1f} of {bandwidth / 1e9:.1f} GB/s = {gbs / bandwidth:.0%}")
+        # against the read measured in the row's own process right after its decode: on a shared VM the
+        # start's figure drifts 13-16 GB/s within minutes (29 Nov, Zen 3)
+        beside = r.data.get("bandwidth", bandwidth)
+        check(r, f"decode >= {BANDWIDTH_TARGET:.0%} of one core's read bandwidth", gbs >= BANDWIDTH_TARGET * beside,
+              f"{gbs / 1e9:.1f} of {beside / 1e9:.1f} GB/s read beside it = {gbs / beside:.0%} "
+              f"({gbs / bandwidth:.0%} of the {bandwidth / 1e9:.1f} GB/s read at the start)")
     return "\n".join(lines), checks, ok_all
 
 
@@ -501,6 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=1,
                     help="repeat every measurement N times (engines interleaved), keep the best (default 1)")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per measurement subprocess")
+    ap.add_argument("--depth", type=int, default=DECODE_PROMPT,
+                    help=f"tokens of context before the timed decode (default {DECODE_PROMPT}; llama-bench's -d)")
     ap.add_argument("--cache-dir", help="where derived models are written (default <edgetp cache>/bench)")
     ap.add_argument("--out", help="also write the Markdown table and checks to this file")
     ap.add_argument("--json", help="also write raw results as JSON to this file")
@@ -520,6 +540,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = set(engines) - {"edgetp", "llama.cpp"}
     if bad or not threads or any(t < 1 for t in threads) or args.prefill_reps < 1 or args.runs < 1:
         ap.error(f"bad --engines/--threads/--prefill-reps ({', '.join(sorted(bad))})")
+    if not 1 <= args.depth <= 16384:
+        ap.error("--depth must lie in 1..16384")
     if set(isas) - set(usable):
         ap.error(f"this CPU cannot run {', '.join(sorted(set(isas) - set(usable)))} (it runs {', '.join(usable)})")
 
@@ -576,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
                             log(f"    FAILED: {err}")
                             r.error = r.error or err
 
-    table, checks, ok = render(results, labels, token_bytes, bandwidth, meta)
+    table, checks, ok = render(results, labels, token_bytes, bandwidth, meta, args.depth)
     verdict = "ALL TARGETS MET" if ok else "TARGETS NOT MET"
     text = table + "\n\nTargets:\n\n" + "\n".join(checks) + "\n\n" + verdict + "\n"
     busy = [x for r in results if r.data for x in r.data.get("load", []) if x > 0.25]

@@ -19,7 +19,8 @@ measured on any x86 machine, and an AVX-512 machine also prints AVX2 and generic
 Prefill: one call on a PREFILL-token prompt (token ids 10..10+PREFILL), best of
 ``--prefill-reps``.  Decode: DECODE greedy tokens, one at a time, after a short
 prompt (the prompt is not timed; ``--depth N`` makes it N tokens, as llama-bench's
-``-d``: decode beside a long conversation, where attention over the cache costs too).  Both engines see the same ids, compute the
+``-d``: decode beside a long conversation, where attention over the cache costs
+too).  Both engines see the same ids, compute the
 full logits of the last position and take the argmax.  Warm-up runs first
 (numba kernels load from their cache on the first call).
 

@@ -340,21 +340,17 @@ def _attention(q, k, v, kc, vc, slots, positions, qn, kn, eps, cos, sin, rope_di
         for g in range(n_kv):
             kvcache.kv_write(kc[sl, g, pos], k[b, g * hd : g * hd + hd])
             kvcache.kv_write(vc[sl, g, pos], v[b, g * hd : g * hd + hd])
+    per_row = n_kv if ops.by_kv(n, n_kv, threads) else heads  # jobs a row
     if threads <= 1:
-        for job in range(n * n_kv):
-            b = job // n_kv
-            ops.attend_kv(q[b : b + 1], kc[slots[b]], vc[slots[b]], positions[b], group, att[b : b + 1], job % n_kv,
-                          scale, window, cap)
-    elif ops.by_kv(n, n_kv, threads):
-        for job in prange(n * n_kv):
-            b = job // n_kv
-            ops.attend_kv(q[b : b + 1], kc[slots[b]], vc[slots[b]], positions[b], group, att[b : b + 1], job % n_kv,
-                          scale, window, cap)
+        for job in range(n * per_row):
+            b = job // per_row
+            ops.attend_job(q[b : b + 1], kc[slots[b]], vc[slots[b]], positions[b], group, att[b : b + 1],
+                           job % per_row, per_row == n_kv, scale, window, cap)
     else:
-        for job in prange(n * heads):
-            b = job // heads
-            ops.attend_head(q[b : b + 1], kc[slots[b]], vc[slots[b]], positions[b], group, att[b : b + 1], job % heads,
-                            scale, window, cap)
+        for job in prange(n * per_row):
+            b = job // per_row
+            ops.attend_job(q[b : b + 1], kc[slots[b]], vc[slots[b]], positions[b], group, att[b : b + 1],
+                           job % per_row, per_row == n_kv, scale, window, cap)
     if rnd:
         for b in range(n):
             intdot.round_into(att[b], xq[b], dx[b], s4[b], s16[b])

@@ -115,39 +115,35 @@ def attention(q, k_cache, v_cache, pos0, group, out, threads, scale=0.0, window=
     # the same however the jobs go: by_kv)
     # scale: of q.k (0: 1/sqrt(hd)); window > 0: only keys p with pos - p < window (a sliding
     # window); cap > 0: scores soft-capped to cap * tanh(score / cap) (gemma2)
-    n_kv = k_cache.shape[0]
+    per_kv = by_kv(q.shape[0], k_cache.shape[0], threads)
+    jobs = q.shape[0] * k_cache.shape[0] * (1 if per_kv else group)
     if threads <= 1:
-        for job in range(q.shape[0] * n_kv):
-            attend_kv(q, k_cache, v_cache, pos0, group, out, job, scale, window, cap)
-    elif by_kv(q.shape[0], n_kv, threads):
-        for job in prange(q.shape[0] * n_kv):
-            attend_kv(q, k_cache, v_cache, pos0, group, out, job, scale, window, cap)
+        for job in range(jobs):
+            attend_job(q, k_cache, v_cache, pos0, group, out, job, per_kv, scale, window, cap)
     else:
-        for job in prange(q.shape[0] * n_kv * group):
-            attend_head(q, k_cache, v_cache, pos0, group, out, job, scale, window, cap)
+        for job in prange(jobs):
+            attend_job(q, k_cache, v_cache, pos0, group, out, job, per_kv, scale, window, cap)
 
 
 @njit(inline="always", **_JIT)
 def by_kv(n, n_kv, threads):  # pragma: no cover - compiled
     # whether n tokens' attention over n_kv KV heads goes in jobs of one (token, KV head), each key
-    # read once for its query heads (attend_kv), not one (token, query head) each (attend_head):
+    # read once for its query heads, not one (token, query head) each: always on one thread, and
     # when there are jobs enough for every thread (the bits are the same either way)
-    return n * n_kv >= 2 * threads
+    return threads <= 1 or n * n_kv >= 2 * threads
 
 
 @njit(**_JIT)
-def attend_head(q, k_cache, v_cache, pos0, group, out, job, scale=0.0, window=0, cap=0.0):  # pragma: no cover
-    # one (token, query head) of `attention`: job = token * n_heads + head (attend_heads' one head)
-    n_heads = k_cache.shape[0] * group
-    attend_heads(q, k_cache, v_cache, pos0, group, out, job // n_heads, job % n_heads, 1, scale, window, cap)
-
-
-@njit(**_JIT)
-def attend_kv(q, k_cache, v_cache, pos0, group, out, job, scale=0.0, window=0, cap=0.0):  # pragma: no cover
-    # every query head of one (token, KV head) of `attention`: job = token * n_kv + KV head. Each
-    # key and value row is read (and decoded) once for the group's heads, not once per head
+def attend_job(q, k_cache, v_cache, pos0, group, out, job, per_kv, scale=0.0, window=0, cap=0.0):  # pragma: no cover
+    # job of `attention`: if per_kv, every query head of one (token, KV head), job = token * n_kv +
+    # KV head (each key and value row read and decoded once for the group's heads); else one
+    # (token, query head), job = token * n_heads + head
     n_kv = k_cache.shape[0]
-    attend_heads(q, k_cache, v_cache, pos0, group, out, job // n_kv, job % n_kv * group, group, scale, window, cap)
+    if per_kv:
+        attend_heads(q, k_cache, v_cache, pos0, group, out, job // n_kv, job % n_kv * group, group, scale, window, cap)
+    else:
+        n_heads = n_kv * group
+        attend_heads(q, k_cache, v_cache, pos0, group, out, job // n_heads, job % n_heads, 1, scale, window, cap)
 
 
 @njit(**_JIT)

@@ -111,7 +111,7 @@ def run_setup(setup: str, spec: ModelSpec, path: Path, args: argparse.Namespace,
     daemons: list[Daemon] = []
     ctx = -(-(max(args.long, PROMPT_TOKENS + STREAM_TOKENS) + 16) // 64) * 64
     ns = argparse.Namespace(clients=[args.streams + 1], slots=args.streams + 1, threads=args.threads,
-                            start_timeout=args.start_timeout)
+                            start_timeout=args.start_timeout, logs=args.logs)
     try:
         with serving_setup(setup, path, ns, flags, daemons, ctx,
                            ["--parallel", args.parallel] if setup == "two" else []) as root:

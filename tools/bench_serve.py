@@ -71,6 +71,8 @@ class Daemon:
     def __init__(self, proc: subprocess.Popen, url: str, node_id: str, log: Path | None = None) -> None:
         self.proc, self.url, self.node_id = proc, url, node_id
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        if log:
+            log.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log, "a", encoding="utf-8") if log else None  # noqa: SIM115 - closed by stop()
         self._readers = [threading.Thread(target=self._drain, args=(s,), daemon=True)
                          for s in (proc.stdout, proc.stderr) if s is not None]
@@ -139,8 +141,7 @@ def start_setup(setup: str, model: Path, key: Path, args: argparse.Namespace, fl
     for i, name in enumerate(names):
         proc, url = start_daemon(str(model), str(key), name, priority=len(names) - i, threads=args.threads,
                                  extra=extra, env=child_env(), timeout=args.start_timeout)
-        logs = getattr(args, "logs", None)
-        daemons.append(Daemon(proc, url, name, Path(logs) / f"{name}.log" if logs else None))
+        daemons.append(Daemon(proc, url, name, Path(args.logs) / f"{name}.log" if args.logs else None))
     root = daemons[0]
     wait_until(lambda: get_json(root.url, "/v1/cluster")["root"] == root.node_id, 60, f"{root.node_id} leads")
     if setup == "two":
@@ -422,8 +423,6 @@ def main(argv: list[str] | None = None) -> int:
     add_daemon_args(ap)
     args = ap.parse_args(argv)
     setups = setups_of(ap, args.setups)
-    if args.logs:
-        Path(args.logs).mkdir(parents=True, exist_ok=True)
     if not 1 <= args.max_tokens <= CTX - PROMPT_TOKENS:
         ap.error(f"--max-tokens must lie in 1..{CTX - PROMPT_TOKENS}")
 

@@ -159,7 +159,8 @@ async def scenarios(url: str, args: argparse.Namespace) -> Result:
 def run_setup(setup: str, path: Path, args: argparse.Namespace, flags: set[str]) -> tuple[str, Result]:
     daemons: list[Daemon] = []
     ctx = -(-(max(args.long, args.chat + TURN_MORE + TURN_ANSWER, PROMPT_TOKENS + 200) + 16) // 64) * 64
-    ns = argparse.Namespace(clients=[SLOTS], slots=SLOTS, threads=args.threads, start_timeout=args.start_timeout)
+    ns = argparse.Namespace(clients=[SLOTS], slots=SLOTS, threads=args.threads, start_timeout=args.start_timeout,
+                            logs=args.logs)
     try:
         with serving_setup(setup, path, ns, flags, daemons, ctx,
                            ["--parallel", args.parallel] if setup == "two" else []) as root:

@@ -445,16 +445,16 @@ def quantize_q8_0_blocks(x, tab16, out, back):  # pragma: no cover - compiled
         out[b * 34] = h & 0xFF
         out[b * 34 + 1] = h >> 8
         inv = np.float32(1.0) / db if db != 0 else np.float32(0.0)
-        for j in range(32):
+        d16 = tab16[h]
+        for j in range(32):  # one pass, x written from the code in a register (no reread of q: it vectorizes)
             v = x[b * 32 + j] * inv
             a = abs(v)
             whole = np.floor(a)
             r = whole + np.floor(np.float32(2.0) * (a - whole))
-            q[b * 34 + 2 + j] = np.int8(-r if v < 0 else r)
-        if back:
-            d16 = tab16[h]
-            for j in range(32):
-                x[b * 32 + j] = np.float32(q[b * 34 + 2 + j]) * d16
+            c = np.int8(-r if v < 0 else r)
+            q[b * 34 + 2 + j] = c
+            if back:
+                x[b * 32 + j] = np.float32(c) * d16
 
 
 @njit(**_OPTS)

@@ -64,9 +64,9 @@ def peer():
     every pair made is closed after the test."""
     made: list[tuple[Link, socket.socket]] = []
 
-    def make(timeout: float = 10.0) -> tuple[Link, socket.socket]:
+    def make(timeout: float = 10.0, keys: tuple[bytes, bytes] | None = None) -> tuple[Link, socket.socket]:
         a, b = tcp_pair()
-        made.append((blocking(a, "worker", timeout), b))
+        made.append((blocking(a, "worker", timeout, keys), b))
         return made[-1]
 
     yield make
@@ -103,8 +103,18 @@ def test_values_from_the_general_encoder_are_added_or_written_exactly_and_nothin
     assert link.counters.received == len(frame_bytes(FrameType.PARTIAL, part)) + len(frame_bytes(FrameType.REDUCED, part[:1]))
 
 
+@pytest.fixture(params=["compiled", "python"])
+def sealing(request, monkeypatch):
+    """Sealed all-reduce frames sealed and opened by the compiled path (net/aead.py), or by Python
+    (EDGETP_AEAD=0: frames.Cipher, as where no libcrypto is found); links made after it take it."""
+    monkeypatch.setenv("EDGETP_AEAD", "1" if request.param == "compiled" else "0")
+    if request.param == "compiled" and not link_mod.sealing_available():
+        pytest.skip("no libcrypto with ChaCha20-Poly1305 here: sealed frames take the Python way")
+    return request.param
+
+
 @pytest.mark.parametrize("sealed", [False, True])
-def test_two_links_exchange_round_after_round_sealed_or_not(sealed):
+def test_two_links_exchange_round_after_round_sealed_or_not(sealed, sealing):
     a, b = tcp_pair()
     root = blocking(a, "worker", keys=(KEY, KEY[::-1]) if sealed else None)
     worker = blocking(b, "root", keys=(KEY[::-1], KEY) if sealed else None)
@@ -160,15 +170,15 @@ def test_a_receive_gives_up_after_the_links_timeout(peer):
     assert 0.9 <= time.monotonic() - t0 < 5
 
 
-def _interrupted(run, then):
+def _interrupted(run, then, delay: float = 0.4):
     """run() on this (the main) thread while SIGALRM fires every 50 ms (a Python handler counting),
-    then() on another thread after 0.4 s; run()'s result and the signals handled meanwhile."""
+    then() on another thread after `delay` s; run()'s result and the signals handled meanwhile."""
     seen = []
     old = signal.signal(signal.SIGALRM, lambda *_: seen.append(1))
 
     def later():
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})  # the signals are for the blocked call
-        time.sleep(0.4)
+        time.sleep(delay)
         then()
 
     helper = threading.Thread(target=later)
@@ -183,11 +193,13 @@ def _interrupted(run, then):
     return result, len(seen)
 
 
-def test_signals_while_blocked_in_a_receive_run_their_handlers_and_the_frame_still_arrives(peer):
-    link, b = peer()
+@pytest.mark.parametrize("sealed", [False, True])
+def test_signals_while_blocked_in_a_receive_run_their_handlers_and_the_frame_still_arrives(peer, sealed):
+    link, b = peer(keys=(KEY, KEY[::-1]) if sealed else None)
     part = np.arange(16, dtype=np.float32).reshape(1, 16)
     dst = np.ones((1, 16), np.float32)
-    whole = frame_bytes(FrameType.PARTIAL, part)
+    whole = _sealed_bytes(Cipher(KEY[::-1]), FrameType.PARTIAL, {}, raw(part)) if sealed else \
+        frame_bytes(FrameType.PARTIAL, part)
 
     def two_halves():
         b.sendall(whole[:10])  # the prefix itself comes in two pieces, signals between
@@ -199,14 +211,16 @@ def test_signals_while_blocked_in_a_receive_run_their_handlers_and_the_frame_sti
     assert handled >= 4
 
 
-def test_signals_while_blocked_in_a_send_run_their_handlers_and_every_byte_goes_once(peer):
-    link, b = peer()
+@pytest.mark.parametrize("sealed", [False, True])
+def test_signals_while_blocked_in_a_send_run_their_handlers_and_every_byte_goes_once(peer, sealed):
+    link, b = peer(keys=(KEY, KEY[::-1]) if sealed else None)
     link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
     src = np.random.default_rng(2).standard_normal((1, 2_000_000)).astype(np.float32)  # 8 MB: the send blocks
-    want = frame_bytes(FrameType.REDUCED, src)
+    want = _sealed_bytes(Cipher(KEY), FrameType.REDUCED, {}, raw(src)) if sealed else frame_bytes(FrameType.REDUCED, src)
     got: list[bytes] = []
+    # sealing 8 MB first takes ~0.2 s under qemu, with no system call for a signal to interrupt
     _, handled = _interrupted(lambda: link.send_values_blocking(FrameType.REDUCED, src),
-                              lambda: got.append(read_all(b, len(want))))
+                              lambda: got.append(read_all(b, len(want))), 1.0 if sealed else 0.4)
     deadline = time.monotonic() + 10
     while not got and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -387,7 +401,7 @@ def _sealed_peer() -> tuple[Link, socket.socket, Cipher]:
 
 
 @pytest.mark.parametrize("q8", [False, True])
-def test_sealed_all_reduce_frames_open_to_the_values_sent_in_order(q8):
+def test_sealed_all_reduce_frames_open_to_the_values_sent_in_order(q8, sealing):
     link, b, tx = _sealed_peer()
     try:
         rng = np.random.default_rng(3)
@@ -410,7 +424,8 @@ def test_sealed_all_reduce_frames_open_to_the_values_sent_in_order(q8):
 
 
 @pytest.mark.parametrize("attack", ["altered", "replayed", "unsealed", "error", "other size"])
-def test_a_sealed_all_reduce_frame_altered_replayed_unsealed_or_refused_closes_the_link_with_the_reason(attack):
+def test_a_sealed_all_reduce_frame_altered_replayed_unsealed_or_refused_closes_the_link_with_the_reason(attack,
+                                                                                                      sealing):
     link, b, tx = _sealed_peer()
     good = _sealed_bytes(tx, FrameType.REDUCED, {}, raw(np.arange(64, dtype=np.float32)))
     data, reason = {
@@ -427,6 +442,47 @@ def test_a_sealed_all_reduce_frame_altered_replayed_unsealed_or_refused_closes_t
             for _ in range(2):
                 link.recv_values_blocking(FrameType.REDUCED, dst, add=False)
         assert link.closed
+    finally:
+        link.close()
+        b.close()
+
+
+@pytest.mark.parametrize("sealed", [False, True])
+def test_frames_sent_by_the_compiled_path_are_the_general_encoders_bytes_sealed_or_not(sealed, sealing):
+    # f32 values, bytes already encoded and Q8_0 blocks quantized in the call, with general frames
+    # (sealed by frames.Cipher in Python) between them: one stream of numbers in each direction
+    import gguf  # noqa: PLC0415  (the reference codec of GGUF blocks)
+    from gguf import GGMLQuantizationType as QT  # noqa: PLC0415
+
+    a, b = tcp_pair()
+    link = blocking(a, "worker", keys=(KEY, KEY[::-1]) if sealed else None)
+    ref = Cipher(KEY) if sealed else None  # what the peer's frames.Cipher expects, frame after frame
+    total = 0  # bytes of every frame sent
+    try:
+        x = np.random.default_rng(5).standard_normal((2, 64)).astype(np.float32)
+        blocks = gguf.quants.quantize(x.reshape(1, -1), QT.Q8_0).reshape(-1)
+        values = gguf.quants.dequantize(blocks, QT.Q8_0).reshape(x.shape).astype(np.float32)
+        for k in range(3):
+            link.send_values_blocking(FrameType.PARTIAL, x[:, ::2])  # a column slice
+            want = b"".join(bytes(p) for p in encode_frame(FrameType.PARTIAL, {}, raw(x[:, ::2]), cipher=ref))
+            assert read_all(b, len(want)) == want
+            link.send_blocking(FrameType.PING, {"k": k})
+            ping = b"".join(bytes(p) for p in encode_frame(FrameType.PING, {"k": k}, cipher=ref))
+            assert read_all(b, len(ping)) == ping
+            link.send_bytes_blocking(FrameType.REDUCED, memoryview(blocks).cast("B"))
+            q8 = b"".join(bytes(p) for p in encode_frame(FrameType.REDUCED, {}, blocks.tobytes(), cipher=ref))
+            assert read_all(b, len(q8)) == q8
+            total += len(want) + len(ping) + len(q8)
+            for back in (False, True):
+                y = x.copy()
+                link.send_q8_blocking(FrameType.PARTIAL, y.reshape(-1), back=back)
+                want = b"".join(bytes(p) for p in encode_frame(FrameType.PARTIAL, {}, blocks.tobytes(), cipher=ref))
+                assert read_all(b, len(want)) == want
+                total += len(want)
+                np.testing.assert_array_equal(y.view(np.uint32), (values if back else x).view(np.uint32))
+        assert link.counters.sent == total
+        python_way = link._wire[(FrameType.PARTIAL, 4 * 64)] is link_mod._SEALED  # frames.Cipher's, not aead's
+        assert python_way == (sealed and sealing == "python")
     finally:
         link.close()
         b.close()

@@ -145,7 +145,19 @@ class Cipher:
         if len(key) != KEY_BYTES:
             raise ValueError(f"a link key is {KEY_BYTES} bytes, got {len(key)}")
         self._aead = ChaCha20Poly1305(key)
+        self._key = key
+        self._context = None
         self.counter = 0
+
+    def context(self, encrypt: bool):
+        """This direction's context for compiled sealing (net/aead.py; its caller has checked
+        aead.available()), made at first use: it seals (encrypt) or opens with this key, and each
+        frame sealed or opened with it takes `counter` as its nonce, then counts it."""
+        if self._context is None:
+            from edgetp.net import aead  # noqa: PLC0415 - loads libcrypto, only where it is used
+
+            self._context = aead.Context(self._key, encrypt)
+        return self._context
 
     def _nonce(self) -> bytes:
         nonce = self.counter.to_bytes(12, "little")
@@ -166,9 +178,13 @@ class Cipher:
         try:
             self._aead.decrypt_into(self._nonce(), body, bytes(prefix), view)
         except InvalidTag:
-            raise FrameError(f"frame {number} failed authentication (tampered, replayed, reordered or injected)") \
-                from None
+            raise unopened(number) from None
         return view
+
+
+def unopened(number: int) -> FrameError:
+    """The error of a sealed frame that failed to open, the number-th in its direction."""
+    return FrameError(f"frame {number} failed authentication (tampered, replayed, reordered or injected)")
 
 
 # --------------------------------------------------------------------------- encoding

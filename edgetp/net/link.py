@@ -397,6 +397,8 @@ class Link:
             _wire().apply_values(self._opened(ftype, 4 * dst.size), dst, add)
         elif bufs is _SEALED:
             self._recv_values_sealed(ftype, dst, add)
+        elif self._rx is not None:
+            self._recv_sealed(ftype, bufs, _wire().recv_values_sealed, dst, add)
         else:
             self._recv_wire(ftype, bufs, _wire().recv_values, dst, add, _tune())
 
@@ -410,6 +412,8 @@ class Link:
             payload = self._opened(ftype, plen)[1:] if self._tx is not None and wire_available() else \
                 self.recv_bare_blocking(ftype, plen)
             quant.dequantize_q8_0(payload, dst.size, dst, add)
+        elif self._rx is not None:
+            self._recv_sealed(ftype, bufs, _wire().recv_q8_sealed, dst, add, _quant()._TAB16)
         else:
             self._recv_wire(ftype, bufs, _wire().recv_q8, dst, add, _quant()._TAB16, _tune())
 
@@ -420,6 +424,8 @@ class Link:
         bufs = self._wire.get((ftype, 4 * src.size)) or self._wire_buffers(ftype, 4 * src.size)
         if bufs is _SEALED:
             self.send_bare_blocking(ftype, memoryview(np.ascontiguousarray(src, np.float32)).cast("B"))
+        elif self._tx is not None:
+            self._send_sealed(ftype, bufs, _wire().send_values_sealed, src)
         else:
             self._send_wire(ftype, bufs, _wire().send_values, src)
 
@@ -428,8 +434,24 @@ class Link:
         bufs = self._wire.get((ftype, len(payload))) or self._wire_buffers(ftype, len(payload))
         if bufs is _SEALED:
             self.send_bare_blocking(ftype, payload)
+        elif self._tx is not None:
+            self._send_sealed(ftype, bufs, _wire().send_bytes_sealed, np.frombuffer(payload, np.uint8))
         else:
             self._send_wire(ftype, bufs, _wire().send_bytes, np.frombuffer(payload, np.uint8))
+
+    def send_q8_blocking(self, ftype: FrameType, src: np.ndarray, back: bool) -> None:
+        """send_bytes_blocking(ftype, quant.quantize_q8_0(src, back)), quantized into the frame and sent
+        in one compiled call; src 1-D f32, C-contiguous (back: replaced by the values sent)."""
+        if src.dtype != np.float32 or src.ndim != 1 or not src.flags.c_contiguous or src.size % 32:
+            raise ValueError(f"Q8_0 blocks are made of 1-D C-contiguous float32 in 32s, got {src.dtype} {src.shape}")
+        plen = src.size // 32 * 34
+        bufs = self._wire.get((ftype, plen)) or self._wire_buffers(ftype, plen)
+        if bufs is _SEALED:
+            self.send_bare_blocking(ftype, memoryview(_quant().quantize_q8_0(src, back=back)).cast("B"))
+        elif self._tx is not None:
+            self._send_sealed(ftype, bufs, _wire().send_q8_sealed, src, _quant()._TAB16, back)
+        else:
+            self._send_wire(ftype, bufs, _wire().send_q8, src, _quant()._TAB16, back)
 
     def _recv_wire(self, ftype: FrameType, bufs: Any, call, *args: Any) -> None:
         t0 = time.perf_counter()
@@ -448,10 +470,26 @@ class Link:
             got = call(self.sock.fileno(), bufs.tx, *args, True)
         if got in (-errno.EAGAIN, -errno.EWOULDBLOCK):  # SO_SNDTIMEO ran out
             raise self._closed(f"send failed (the peer took nothing for {self.timeout:g} s)")
+        if got == _wire().UNSEALED:
+            raise self._closed("send failed (libcrypto did not seal the frame)")
         if got:
             raise self._closed(f"send failed ({os.strerror(-got)})")
         self.counters.sent += bufs.size
         self.counters.send_s += time.perf_counter() - t0
+
+    def _recv_sealed(self, ftype: FrameType, bufs: Any, call, *args: Any) -> None:
+        """_recv_wire on a sealed link: the frame opened by the same compiled call, with the next
+        number of this direction as its nonce, counted once it opened."""
+        number = self._rx.counter
+        self._recv_wire(ftype, bufs, call, *args, self._rx.context(False).addr, number, _tune())
+        self._rx.counter = number + 1
+
+    def _send_sealed(self, ftype: FrameType, bufs: Any, call, *args: Any) -> None:
+        """_send_wire on a sealed link: the frame sealed by the same compiled call with the next number
+        of this direction as its nonce (counted at once: a send that fails closes the link)."""
+        number = self._tx.counter
+        self._tx.counter = number + 1
+        self._send_wire(ftype, bufs, call, *args, self._tx.context(True).addr, number)
 
     def _opened(self, ftype: FrameType, plen: int) -> np.ndarray:
         """The next frame, which must be a sealed ftype with an empty header and a plen-byte payload,
@@ -492,15 +530,21 @@ class Link:
                                 else "connection closed by peer")
         if got == wire.BAD_HEADER:
             return self._closed(f"bad frame (a {ftype.name} frame's one-byte header is not an empty map)")
+        if got == wire.UNOPENED:
+            return self._closed(f"bad frame ({frames.unopened(self._rx.counter)})")
         if got in (-errno.EAGAIN, -errno.EWOULDBLOCK):  # SO_RCVTIMEO ran out
             return self._closed(f"no frame within {self.timeout:g} s")
         return self._closed(f"receive failed ({os.strerror(-got)})")
 
     def _wire_buffers(self, ftype: FrameType, plen: int) -> Any:
         """The compiled path's buffers for frames of ftype and a plen-byte payload, made at the
-        first use; _SEALED where frames take the Python way (sealed, or no compiled path here)."""
-        sealed = self._tx is not None or not wire_available()
-        bufs = _SEALED if sealed else _wire().Buffers(self._bare_of(ftype, plen).head, plen)
+        first use; _SEALED where frames take the Python way (no compiled path here, or a sealed
+        link without compiled sealing: net/aead.py)."""
+        sealed = self._tx is not None
+        if not wire_available() or (sealed and not sealing_available()):
+            bufs = _SEALED
+        else:
+            bufs = _wire().Buffers(self._bare_of(ftype, plen).head, plen, frames.TAG_BYTES if sealed else 0)
         self._wire[(ftype, plen)] = bufs
         return bufs
 
@@ -627,6 +671,17 @@ def _tune() -> np.ndarray:
 def wire_available() -> bool:
     """The compiled all-reduce path runs here (Linux: libc's names); net/wire.py."""
     return sys.platform.startswith("linux")
+
+
+def sealing_available() -> bool:
+    """Sealed all-reduce frames are sealed and opened by that compiled path too (net/aead.py: a
+    libcrypto with ChaCha20-Poly1305 that agrees with `cryptography`). EDGETP_AEAD=0 keeps them
+    in Python."""
+    if os.environ.get("EDGETP_AEAD", "1") == "0" or not wire_available():
+        return False
+    from edgetp.net import aead  # noqa: PLC0415
+
+    return aead.available()
 
 
 def kernel_timeouts(sock: socket.socket, seconds: float) -> None:

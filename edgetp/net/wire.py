@@ -10,11 +10,14 @@ like every other kernel):
 * `recv_values` / `recv_q8`: the 16-byte prefix, compared with the one expected; the body (the
   empty header's one byte and the payload), then its values (f32, or Q8_0 blocks decoded by the
   kernels' own q8_0_values) added into or written over an array;
-* `send_values` / `send_bytes`: the prefix, the empty header and an array's f32 values (or
-  bytes already encoded) in one buffer, sent.
+* `send_values` / `send_bytes` / `send_q8`: the prefix, the empty header and an array's f32 values
+  (or bytes already encoded, or its Q8_0 blocks quantized there) in one buffer, sent.
 
-* `recv_body`: a sealed frame's prefix compared and its body received, for Python to open
-  (the cipher is `cryptography`'s, frames.Cipher); `apply_values` then adds its values;
+* `send_values_sealed`, `send_bytes_sealed`, `recv_values_sealed`, `recv_q8_sealed`: the same for
+  a sealed link, the frame sealed or opened in place in the same call (ChaCha20-Poly1305 through
+  the system's libcrypto, net/aead.py: the bytes frames.Cipher makes and opens);
+* `recv_body`: a sealed frame's prefix compared and its body received, for Python to open where
+  aead.py cannot (no libcrypto); `apply_values` then adds its values;
 * `poll`: the wait before a frame that Python receives.
 
 Every receive polls its socket before it waits in the kernel (`_polled`: for EDGETP_SPIN_US,
@@ -36,10 +39,12 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 import edgetp.model  # noqa: F401  numba's cache folder (jitcache) before the decorators below
-from edgetp.model.kernels import q8_0_values
+from edgetp.model.kernels import q8_0_values, quantize_q8_0_blocks
 from edgetp.model.vnni import _I32, _I64, _decl
+from edgetp.net import aead
 
-OK, CLOSED, NOT_OURS, BAD_HEADER = 0, 1, 2, 3
+OK, CLOSED, NOT_OURS, BAD_HEADER, UNOPENED, UNSEALED = 0, 1, 2, 3, 4, 5  # UNOPENED: failed authentication
+TAG = aead.TAG_BYTES
 HEAD = 17  # a bare frame's 16-byte prefix and its empty header
 EMPTY_MAP = 0x80  # msgpack's {}: the one-byte header of every bare frame
 # Linux's (x86-64 and aarch64 alike): libc's recv, send, clock_gettime and
@@ -244,6 +249,16 @@ def send_bytes(fd, tx, payload, resume):
 
 
 @njit(cache=True, nogil=True)
+def send_q8(fd, tx, src, tab16, back, resume):
+    """send_bytes of src's Q8_0 blocks (src 1-D f32, C-contiguous), quantized straight into tx by
+    kernels.quantize_q8_0_blocks (ggml's quantize_row_q8_0, as quant.quantize_q8_0); back: src
+    replaced by the values the blocks carry, in the same pass."""
+    if not resume:
+        quantize_q8_0_blocks(src, tab16, tx[TX_FRAME + HEAD :], back)
+    return _send_frame(fd, tx, resume)
+
+
+@njit(cache=True, nogil=True)
 def send_values(fd, tx, src, resume):
     """The frame (tx's head, then src's values: 2-D f32, any layout) built in tx and sent; resume:
     go on from tx's progress (after -EINTR), else build and send from the start. OK or -errno."""
@@ -256,24 +271,110 @@ def send_values(fd, tx, src, resume):
     return _send_frame(fd, tx, resume)
 
 
+@njit(cache=True, nogil=True)
+def seal_body(ctx, counter, aad, body):
+    """body (uint8: the plaintext, then TAG bytes for the tag) sealed in place under an encrypting
+    aead.Context's addr, nonce `counter`, aad (uint8) authenticated: 1, or 0 if libcrypto failed."""
+    n = body.shape[0] - TAG
+    return aead.seal(ctx, counter, aad.ctypes.data, aad.shape[0], body.ctypes.data, n, body.ctypes.data + n)
+
+
+@njit(cache=True, nogil=True)
+def open_body(ctx, counter, aad, body):
+    """body (the ciphertext, then its tag) opened in place: 1, or 0 if it failed authentication."""
+    n = body.shape[0] - TAG
+    return aead.open_(ctx, counter, aad.ctypes.data, aad.shape[0], body.ctypes.data, n, body.ctypes.data + n)
+
+
+@njit(cache=True, nogil=True)
+def _send_sealed(fd, tx, ctx, counter, resume):
+    # tx's frame (its plaintext body written) sealed, then sent; resume: only the sending goes on
+    if not resume:
+        frame = tx[TX_FRAME:]
+        frame[16] = EMPTY_MAP  # the last frame's sealing left ciphertext here
+        if not seal_body(ctx, counter, frame[:16], frame[16:]):
+            return UNSEALED
+    return _send_frame(fd, tx, resume)
+
+
+@njit(cache=True, nogil=True)
+def send_values_sealed(fd, tx, src, ctx, counter, resume):
+    """send_values on a sealed link: the frame sealed in place under ctx (an encrypting
+    aead.Context's addr) with nonce `counter` before it is sent. OK, UNSEALED or -errno."""
+    if not resume:
+        vals = tx[TX_FRAME + HEAD : tx.shape[0] - TAG].view(np.float32)
+        rows, cols = src.shape
+        for r in range(rows):
+            for c in range(cols):
+                vals[r * cols + c] = src[r, c]
+    return _send_sealed(fd, tx, ctx, counter, resume)
+
+
+@njit(cache=True, nogil=True)
+def send_bytes_sealed(fd, tx, payload, ctx, counter, resume):
+    """send_bytes on a sealed link (send_values_sealed's sealing)."""
+    if not resume:
+        tx[TX_FRAME + HEAD : tx.shape[0] - TAG] = payload
+    return _send_sealed(fd, tx, ctx, counter, resume)
+
+
+@njit(cache=True, nogil=True)
+def send_q8_sealed(fd, tx, src, tab16, back, ctx, counter, resume):
+    """send_q8 on a sealed link (send_values_sealed's sealing)."""
+    if not resume:
+        quantize_q8_0_blocks(src, tab16, tx[TX_FRAME + HEAD : tx.shape[0] - TAG], back)
+    return _send_sealed(fd, tx, ctx, counter, resume)
+
+
+@njit(cache=True, nogil=True)
+def _opened(fd, rx, ctx, counter, tune, resume):
+    # recv_body, then the body opened in place and its header checked: OK, UNOPENED, BAD_HEADER, ...
+    got = recv_body(fd, rx, tune, resume)
+    if got != OK:
+        return got
+    if not open_body(ctx, counter, rx[RX_PREFIX:RX_STATE], rx[RX_BODY:]):
+        return UNOPENED
+    return OK if rx[RX_BODY] == EMPTY_MAP else BAD_HEADER
+
+
+@njit(cache=True, nogil=True)
+def recv_values_sealed(fd, rx, dst, add, ctx, counter, tune, resume):
+    """recv_values on a sealed link: the frame opened in place under ctx (a decrypting
+    aead.Context's addr) with nonce `counter`; UNOPENED if it fails authentication (nothing applied)."""
+    got = _opened(fd, rx, ctx, counter, tune, resume)
+    if got == OK:
+        apply_values(rx[RX_BODY:], dst, add)
+    return got
+
+
+@njit(cache=True, nogil=True)
+def recv_q8_sealed(fd, rx, dst, add, tab16, ctx, counter, tune, resume):
+    """recv_q8 on a sealed link (recv_values_sealed's opening)."""
+    got = _opened(fd, rx, ctx, counter, tune, resume)
+    if got == OK:
+        q8_0_values(rx[RX_BODY + 1 :], tab16, dst, add)
+    return got
+
+
 class Buffers:
     """One kind of bare frame's buffers on a link (head: its 17 bytes before the plen-byte payload)."""
 
-    def __init__(self, head: bytes, plen: int) -> None:
+    def __init__(self, head: bytes, plen: int, tag: int = 0) -> None:
+        """tag: TAG for a sealed frame (head's prefix then says so), which ends with its tag."""
         if len(head) != HEAD:
             raise ValueError(f"a bare frame's head is {HEAD} bytes, got {len(head)}")
-        self.size = HEAD + plen  # bytes of the frame
-        self.rx = np.zeros(RX_BODY + 1 + plen, np.uint8)
+        self.size = HEAD + plen + tag  # bytes of the frame
+        self.rx = np.zeros(RX_BODY + 1 + plen + tag, np.uint8)
         self.rx[RX_EXPECT:RX_EXPECT + 16] = np.frombuffer(head[:16], np.uint8)
-        self.plain = None  # a sealed frame's opened body (`sealed`)
+        self.plain = None  # a sealed frame's body opened by Python (`sealed`)
         self.tx = np.zeros(TX_FRAME + self.size, np.uint8)
         self.tx[TX_FRAME:TX_FRAME + HEAD] = np.frombuffer(head, np.uint8)
 
     @classmethod
     def sealed(cls, prefix: bytes, body: int, tag: int) -> "Buffers":
-        """Receive buffers for a sealed bare frame: its 16-byte prefix, then `body` bytes (the header
-        and payload encrypted, then the tag), received by recv_body and opened by the caller into
-        `plain` (body - tag bytes). It sends nothing (sealing is Python's)."""
+        """Receive buffers for a sealed bare frame that Python opens (no aead here): its 16-byte
+        prefix, then `body` bytes (the header and payload encrypted, then the tag), received by
+        recv_body and opened by the caller into `plain` (body - tag bytes). It sends nothing."""
         bufs = cls(prefix + bytes([EMPTY_MAP]), body - 1)
         bufs.tx = None
         bufs.plain = bytearray(body - tag)

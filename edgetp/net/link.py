@@ -470,10 +470,9 @@ class Link:
             got = call(self.sock.fileno(), bufs.tx, *args, True)
         if got in (-errno.EAGAIN, -errno.EWOULDBLOCK):  # SO_SNDTIMEO ran out
             raise self._closed(f"send failed (the peer took nothing for {self.timeout:g} s)")
-        if got == _wire().UNSEALED:
-            raise self._closed("send failed (libcrypto did not seal the frame)")
         if got:
-            raise self._closed(f"send failed ({os.strerror(-got)})")
+            why = "libcrypto did not seal the frame" if got == _wire().UNSEALED else os.strerror(-got)
+            raise self._closed(f"send failed ({why})")
         self.counters.sent += bufs.size
         self.counters.send_s += time.perf_counter() - t0
 

@@ -263,12 +263,18 @@ def send_values(fd, tx, src, resume):
     """The frame (tx's head, then src's values: 2-D f32, any layout) built in tx and sent; resume:
     go on from tx's progress (after -EINTR), else build and send from the start. OK or -errno."""
     if not resume:
-        vals = tx[TX_FRAME + HEAD:].view(np.float32)
-        rows, cols = src.shape
-        for r in range(rows):
-            for c in range(cols):
-                vals[r * cols + c] = src[r, c]
+        _put_values(tx[TX_FRAME + HEAD :], src)
     return _send_frame(fd, tx, resume)
+
+
+@njit(cache=True, nogil=True)
+def _put_values(payload, src):
+    # src's values (2-D f32, any layout) into a frame's payload bytes, row after row
+    vals = payload.view(np.float32)
+    rows, cols = src.shape
+    for r in range(rows):
+        for c in range(cols):
+            vals[r * cols + c] = src[r, c]
 
 
 @njit(cache=True, nogil=True)
@@ -302,11 +308,7 @@ def send_values_sealed(fd, tx, src, ctx, counter, resume):
     """send_values on a sealed link: the frame sealed in place under ctx (an encrypting
     aead.Context's addr) with nonce `counter` before it is sent. OK, UNSEALED or -errno."""
     if not resume:
-        vals = tx[TX_FRAME + HEAD : tx.shape[0] - TAG].view(np.float32)
-        rows, cols = src.shape
-        for r in range(rows):
-            for c in range(cols):
-                vals[r * cols + c] = src[r, c]
+        _put_values(tx[TX_FRAME + HEAD : tx.shape[0] - TAG], src)
     return _send_sealed(fd, tx, ctx, counter, resume)
 
 

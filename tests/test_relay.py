@@ -109,6 +109,18 @@ def test_the_relay_adds_its_round_trip_and_jitter_and_no_more(echo):
     assert max(rtts) - min(rtts) > 0.3  # the jitter is there
 
 
+def test_the_relay_carries_thousands_of_delayed_round_trips_and_each_gets_its_delay(echo):
+    # every timed wait of the compiled pump, thousands in one call: its clock once took stack at each
+    # read and crashed the relay within a few thousand round trips
+    proc, addr = start_relay(echo.address, "--rtt-ms", "0.3")
+    try:
+        rtts = _round_trips(addr, 3000)
+        assert proc.poll() is None
+    finally:
+        stop_relay(proc)
+    assert min(rtts) >= 0.3 - 0.01, min(rtts)
+
+
 def test_bytes_cross_the_relay_intact_and_in_order(echo):
     proc, addr = start_relay(echo.address, "--rtt-ms", "2", "--jitter-ms", "2")
     data = os.urandom(3 * 2**20)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 import edgetp.model  # noqa: F401  numba's cache folder (jitcache) before the decorators below
@@ -83,7 +84,7 @@ def _now_ns(typingctx):
     """clock_gettime(CLOCK_MONOTONIC) in nanoseconds (the vDSO's: no system call)."""
 
     def codegen(context, builder, signature, args):
-        ts = builder.alloca(ir.ArrayType(_I64, 2))
+        ts = cgutils.alloca_once(builder, ir.ArrayType(_I64, 2))  # in the entry block: not a new slot per call in a loop
         fn = _decl(builder.module, "clock_gettime", _I32, [_I32, _PTR])
         builder.call(fn, [ir.Constant(_I32, CLOCK_MONOTONIC), builder.bitcast(ts, _PTR)])
         zero = ir.Constant(_I32, 0)

@@ -11,10 +11,10 @@ Each direction is one thread in compiled code (`_pump`, numba, the GIL released)
 ppoll for the next chunk or the next due time, whichever comes first, with the timer slack at
 1 ns; a timed wait ends early by the lateness its wake-ups have shown, and spins the rest. The
 relay shares the testbed's cores with the nodes it connects, so what it costs matters. On a
-2-vCPU Zen 3 VM (2,400-byte ping-pong through the relay, 2,000 round trips; 29 Nov): the
+2-vCPU Zen 3 VM (tools/bench_relay.py: 2,400-byte ping-pong, 2,000 round trips; 29 Nov) the
 Python relay before it (a reader and a writer thread a direction, handing chunks over) took
-285 us of CPU a round trip at --rtt-ms 0.3 and measured 638 us, 209 us at --rtt-ms 0;
-this one takes ~95 us of CPU and measures ~400 us, 65-90 us at 0 (a relay of two C threads
+190-215 us of CPU a round trip at --rtt-ms 0.3 and measured 580-592 us, 149-166 at --rtt-ms 0;
+this one takes 95-115 us of CPU and measures 403-419 us, 94 at 0 (a relay of two C threads
 that only forward: 60-74 us, 30-35 us of CPU). An event loop's timer lands within ~1 ms,
 which would swamp the Ethernet profile.
 
@@ -61,7 +61,7 @@ PROFILES = {
 # "mixed": two nodes on ethernet, one on wifi: a testbed shaped "ethernet" with a wifi relay
 # in front of the one node (tests/test_relay.py builds it).
 
-CHUNK = 256 * 1024
+CHUNK = 256 * 1024  # the most one read takes: at a rate, each chunk is due after its own time on the wire
 _SCALE = np.ones(1)  # the delay's multiplier: SIGUSR1 makes it 10 (a degraded link)
 
 
@@ -150,7 +150,7 @@ def _pump(src, dst, ring, slots, delay_ns, jitter_ns, bytes_per_s, seed, scale):
             late = (7 * late + min(max(_now_ns() - now - wait, 0), LATE_MAX)) // 8
         if got <= 0 or not listen:
             continue
-        n = _recv(src, ring.ctypes.data + wpos, min(cap - wpos, cap - used))  # contiguous free bytes
+        n = _recv(src, ring.ctypes.data + wpos, min(cap - wpos, cap - used, CHUNK))  # contiguous free bytes
         if n == 0 or (n < 0 and n != -EINTR and n != -EAGAIN):
             reading = False
         elif n > 0:

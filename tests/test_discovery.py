@@ -305,3 +305,24 @@ async def test_a_node_with_another_cluster_key_is_seen_but_listed_as_foreign():
 # Not tested here: a second node with the same id fails to start (zeroconf's NonUniqueNameException
 # becomes DiscoveryError). On one host the probe's unicast answer goes to whichever socket bound
 # port 5353 last, so such a test would fail whenever another mDNS responder runs beside it.
+
+
+def test_a_legacy_unicast_query_gets_a_real_responders_record_every_time_and_nothing_for_a_free_name():
+    # the second way Discovery._twin asks: a record held by a real zeroconf responder (its own instance
+    # here) comes back straight to our port, with its port and boot id, on every ask, including asks
+    # less than a second apart (a multicast answer to those may be held back, RFC 6762 6)
+    from zeroconf import ServiceInfo, Zeroconf  # noqa: PLC0415
+
+    from edgetp.cluster.discovery import SERVICE_TYPE, _legacy_answers  # noqa: PLC0415
+
+    name = f"legacy-{secrets.token_hex(4)}.{SERVICE_TYPE}"
+    zc = Zeroconf(interfaces=["127.0.0.1"])
+    try:
+        zc.register_service(ServiceInfo(SERVICE_TYPE, name, port=45678, properties={"bt": "0123456789abcdef"},
+                                        server="legacy-host.local.", parsed_addresses=["127.0.0.1"]))
+        for _ in range(5):
+            assert _legacy_answers(name, ["127.0.0.1"], 2.0) == [(45678, "0123456789abcdef")]
+        free = f"nobody-{secrets.token_hex(4)}.{SERVICE_TYPE}"
+        assert _legacy_answers(free, ["127.0.0.1"], 0.3) == []
+    finally:
+        zc.close()

@@ -34,12 +34,17 @@ import json
 import logging
 import math
 import re
+import secrets
+import select
+import socket
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from zeroconf import DNSQuestionType, InterfaceChoice, NonUniqueNameException, ServiceStateChange
+from zeroconf import (DNSIncoming, DNSOutgoing, DNSQuestion, DNSQuestionType, DNSService, DNSText, InterfaceChoice,
+                      NonUniqueNameException, ServiceStateChange)
 from zeroconf import get_all_addresses
+from zeroconf.const import _CLASS_IN, _FLAGS_QR_QUERY, _MDNS_ADDR, _MDNS_PORT, _TYPE_SRV, _TYPE_TXT
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
 from edgetp.cluster.election import Ballot
@@ -296,14 +301,34 @@ class Discovery:
     async def _twin(self) -> bool:
         """Whether a node other than this one answers for our service name within TWIN_MS.
 
-        Asked before our own probe ends, so only another node can answer at first; an answer that
-        is our own record (its port, addresses and boot id are ours) does not count."""
+        Asked two ways at once, before our own probe ends, so only another node can answer at
+        first: a multicast (QM) question, and a legacy unicast one (`_legacy_answers`), which the
+        holder answers straight to our own port, at once and every time (a multicast answer is
+        held back while the holder multicast that record within the last second, RFC 6762 6, and
+        then the QM question missed it: a second daemon was let in 2 runs in 8 here). An answer
+        that is our own record (its port, addresses and boot id are ours) does not count."""
+        legacy = asyncio.ensure_future(asyncio.to_thread(_legacy_answers, self.service_name,
+                                                         [a for a in self.addresses if ":" not in a], TWIN_MS / 1000))
+        multicast = asyncio.ensure_future(self._twin_multicast())
+        try:
+            for first in asyncio.as_completed([legacy, multicast]):
+                got = await first
+                if got is True or (isinstance(got, list) and any(self._not_ours(*a) for a in got)):
+                    return True
+            return False
+        finally:
+            multicast.cancel()
+
+    def _not_ours(self, port: int, boot: str) -> bool:
+        return port != self.advert.data_port or boot != self.advert.boot
+
+    async def _twin_multicast(self) -> bool:
         assert self._aiozc is not None
         info = AsyncServiceInfo(SERVICE_TYPE, self.service_name)
         if not await info.async_request(self._aiozc.zeroconf, TWIN_MS, question_type=DNSQuestionType.QM):
             return False
         boot = (info.properties or {}).get(b"bt") or b""
-        return (info.port != self.advert.data_port or boot.decode(errors="replace") != self.advert.boot
+        return (self._not_ours(info.port, boot.decode(errors="replace"))
                 or sorted(info.parsed_addresses()) != sorted(self.addresses))
 
     async def update(self, advert: PeerAdvert) -> None:
@@ -373,6 +398,61 @@ class Discovery:
         event: Event = Updated(advert) if name in self._known else Joined(advert)
         self._known[name] = advert.node_id
         self._queue.put_nowait(event)
+
+
+def _legacy_answers(name: str, addresses: Sequence[str], timeout: float) -> list[tuple[int, str]]:
+    """(port, boot id) of every SRV answer for `name` to a legacy unicast mDNS query (RFC 6762 6.7:
+    sent from a port of our own, not 5353, so responders answer straight to it) from each IPv4
+    address in `addresses`, within `timeout` seconds; the first reply with an answer ends it."""
+    socks = []
+    try:
+        for addr in addresses:
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            socks.append(s)
+            s.bind((addr, 0))
+            s.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(addr))
+            s.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)
+            out = DNSOutgoing(_FLAGS_QR_QUERY, multicast=False, id_=secrets.randbelow(65535) + 1)
+            out.add_question(DNSQuestion(name, _TYPE_SRV, _CLASS_IN))
+            out.add_question(DNSQuestion(name, _TYPE_TXT, _CLASS_IN))
+            for packet in out.packets():
+                s.sendto(packet, (_MDNS_ADDR, _MDNS_PORT))
+        deadline = time.monotonic() + timeout
+        while socks and (left := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select(socks, [], [], left)
+            found = []
+            for s in ready:
+                data, src = s.recvfrom(9000)
+                ports, boots = {}, {}
+                for r in DNSIncoming(data, src).answers():
+                    if r.name.lower() != name.lower():
+                        continue
+                    if isinstance(r, DNSService):
+                        ports[r.name.lower()] = r.port
+                    elif isinstance(r, DNSText):
+                        boots[r.name.lower()] = _txt_field(r.text, b"bt")
+                found += [(port, boots.get(key, "")) for key, port in ports.items()]
+            if found:
+                return found
+    except OSError as exc:  # no such address here, no multicast route: the multicast question still asks
+        log.debug("legacy unicast query for %s: %s", name, exc)
+    finally:
+        for s in socks:
+            s.close()
+    return []
+
+
+def _txt_field(text: bytes, key: bytes) -> str:
+    """One key's value in a TXT record's wire form (length-prefixed key=value strings), "" if absent."""
+    at = 0
+    while at < len(text):
+        n = text[at]
+        item = text[at + 1:at + 1 + n]
+        at += 1 + n
+        k, sep, v = item.partition(b"=")
+        if sep and k == key:
+            return v.decode(errors="replace")
+    return ""
 
 
 def _default_addresses() -> list[str]:

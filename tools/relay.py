@@ -35,7 +35,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 from dataclasses import dataclass
 
 import numpy as np

@@ -303,9 +303,9 @@ class Discovery:
 
         Asked two ways at once, before our own probe ends, so only another node can answer at
         first: a multicast (QM) question, and a legacy unicast one (`_legacy_answers`), which the
-        holder answers straight to our own port, at once and every time (a multicast answer is
-        held back while the holder multicast that record within the last second, RFC 6762 6, and
-        then the QM question missed it: a second daemon was let in 2 runs in 8 here). An answer
+        holder answers straight to our own port, at once and every time (with the QM question
+        alone a second daemon was let in 2 runs in 8 here; likely, not proven: a responder may hold
+        back a multicast answer for a record it multicast within the last second, RFC 6762 6). An answer
         that is our own record (its port, addresses and boot id are ours) does not count."""
         legacy = asyncio.ensure_future(asyncio.to_thread(_legacy_answers, self.service_name,
                                                          [a for a in self.addresses if ":" not in a], TWIN_MS / 1000))

@@ -43,7 +43,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from edgetp.model.vnni import _I32, _I64, _decl
-from edgetp.net.wire import _PTR, _now_ns, _recv, _send
+from edgetp.net.wire import EAGAIN, _PTR, _now_ns, _recv, _send
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class _Direction:
 
 RING = 4 << 20  # bytes a direction holds while they wait their time; a full ring stops its reads
 SLOTS = 4096  # chunks it holds
-POLLIN, EINTR, EAGAIN = 1, 4, 11
+POLLIN, EINTR = 1, 4
 
 
 @intrinsic

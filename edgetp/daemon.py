@@ -39,7 +39,7 @@ from edgetp.cluster.peering import PeerEndpoints
 from edgetp.cluster.sdnotify import Notifier
 from edgetp.model import quant
 from edgetp.model.batch import Rebalance, RunnerLost
-from edgetp.model.generate import LocalRunner
+from edgetp.model.generate import LocalRunner, warm
 from edgetp.model.gguf import ModelFile, open_model
 from edgetp.model.tokenizer import Tokenizer
 from edgetp.net import auth
@@ -168,6 +168,7 @@ async def serve(opts: ServeOptions, on_listening: Callable[[str], None] | None =
         quant.set_threads(opts.threads)
     mf = await asyncio.to_thread(open_model, opts.model_path, opts.index_dir)
     tok = Tokenizer.from_metadata(mf.metadata)
+    await _warm(mf, tok, opts.kv_type)
     bus = EventBus()
     ctx = min(opts.ctx, mf.config.ctx_train)
     if opts.workers:
@@ -190,6 +191,12 @@ async def serve(opts: ServeOptions, on_listening: Callable[[str], None] | None =
             close()
 
 
+async def _warm(mf: ModelFile, tok: Tokenizer, kv_type: str) -> None:
+    """Every kernel a request runs compiled (or loaded from numba's cache) before we say we serve."""
+    seconds = await asyncio.to_thread(warm, mf, tok, kv_type)
+    log.info("kernels warm in %.1f s", seconds)
+
+
 def _profile(mf: ModelFile | None, threads: int | None) -> profile.Profile:
     """This node's profile for its advert: its model's token pass (profile.token_pass); one Q8_0
     matrix for a node without the model (it fetches its slice later)."""
@@ -207,6 +214,8 @@ async def serve_cluster(opts: ServeOptions, on_listening: Callable[[str], None] 
         quant.set_threads(opts.threads)
     mf = await asyncio.to_thread(open_model, opts.model_path, opts.index_dir) if opts.model_path else None
     me = await asyncio.to_thread(_profile, mf, opts.threads)
+    if mf is not None:
+        await _warm(mf, Tokenizer.from_metadata(mf.metadata), opts.kv_type)
     node_id = opts.node_id or f"{socket.gethostname().split('.')[0]}-{uuid.uuid4().hex[:6]}"
     bus = EventBus()
     bus.add_listener(lambda r: status(r.message) if isinstance(r, events.ClusterEvent) else None)
@@ -486,7 +495,7 @@ def run(opts: ServeOptions, on_listening: Callable[[str], None] | None = None,
     cap: the node measures again and announces it, and the next request is planned under it.
     """
     notifier = notifier or Notifier()
-    extender = notifier.extending(status="opening the model and timing the kernels")
+    extender = notifier.extending(status="opening the model, timing and compiling the kernels")
     engines: list[Engine] = []
     roles: list[Roles] = []
     reloads: set[asyncio.Task] = set()  # owned here: cancelled with the daemon

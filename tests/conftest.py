@@ -54,17 +54,16 @@ def stories(stories_path):
 
     On a cold numba cache (a fresh clone, or any change to the kernels' source) the first
     generation compiles the kernels: 60 s on the 2-core AMD EPYC VM here, where the servers
-    tests start here give a request 60 s. One short generation here, before any test, puts
-    that cost in the session's setup, whichever test comes first."""
+    tests start here give a request 60 s. The daemon's own warm-up (generate.warm) here, before
+    any test, puts that cost in the session's setup, whichever test comes first, and in numba's
+    cache for every daemon the tests start."""
     from edgetp.model import gguf  # noqa: PLC0415
-    from edgetp.model.generate import LocalRunner, generate  # noqa: PLC0415
-    from edgetp.model.sampling import SamplingParams  # noqa: PLC0415
+    from edgetp.model.generate import warm  # noqa: PLC0415
     from edgetp.model.tokenizer import Tokenizer  # noqa: PLC0415
 
     mf = gguf.open_model(stories_path)
     tok = Tokenizer.from_metadata(mf.metadata)
-    for params in (SamplingParams(temperature=0), SamplingParams(seed=1)):
-        list(generate(LocalRunner(mf, 64), tok, tok.encode("Once upon a time"), params, 2))
+    warm(mf, tok)
     return mf, tok
 
 

@@ -10,6 +10,7 @@ so stopping, streaming and context limits behave the same everywhere.
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Iterator, Protocol, Sequence
 
 import numpy as np
@@ -50,11 +51,12 @@ class Runner(Protocol):
 class LocalRunner:
     """Every slice of every layer in this process."""
 
-    def __init__(self, mf: ModelFile, ctx: int, slots: int = 1, kv_type: str = "f16") -> None:
+    def __init__(self, mf: ModelFile, ctx: int, slots: int = 1, kv_type: str = "f16",
+                 spec: llama.ShardSpec | None = None) -> None:
         self.mf = mf
         self.ctx = ctx
         self.slots = slots
-        self.weights = llama.load_weights(mf)  # zero-copy views of the file
+        self.weights = llama.load_weights(mf, spec)  # zero-copy views of the file
         self.shard = llama.Shard(self.weights, ctx, slots=slots, kv_type=kv_type)
 
     def begin(self, params=None):
@@ -133,3 +135,55 @@ def generate(
                 yield ev
     finally:
         sched.runner.end()
+
+
+
+WARM_TEXT = "Warming up: every kind of step once."
+WARM_VOCAB = 256  # rows of the output head a warm-up computes
+
+
+def warm(mf: ModelFile, tok: Tokenizer, kv_type: str = "f16") -> float:
+    """Run every kind of step a request runs, once, on throw-away slices of mf; the seconds it took.
+
+    numba compiles a kernel the first time it runs (or loads it from its on-disk cache); with a
+    cold cache (a new install, or new kernels after an upgrade) that took the first request 60 s
+    on the 2-core AMD EPYC here, and a Pi is slower. A daemon warms up before it says it serves, as
+    llama.cpp runs an empty batch first. Kernels are compiled per type, not per size, so one
+    layer of each mix of tensor types (`warm_specs`) compiles all of them, and the memory it
+    takes is a layer's, not the model's (a node may hold a file it could not run whole)."""
+    t0 = time.perf_counter()
+    ids = tok.encode(WARM_TEXT)[: PREFILL_CHUNK // 4]
+    for spec in warm_specs(mf):
+        _steps(LocalRunner(mf, min(PREFILL_CHUNK, mf.config.ctx_train), 2, kv_type, spec), tok, ids)
+    return time.perf_counter() - t0
+
+
+def warm_specs(mf: ModelFile) -> list[llama.ShardSpec | None]:
+    """One single-layer slice for each mix of tensor types the model's layers have, the last layer's
+    first (it holds the final norm), each with WARM_VOCAB rows of the head (a mixture's experts
+    are packed as the router picks them, so a layer's experts take its used ones' memory); [None]
+    (the whole) for a shard file, which is a slice already."""
+    cfg = mf.config
+    if llama.stored_spec(mf) is not None:
+        return [None]
+    specs: dict[tuple, llama.ShardSpec] = {}
+    for i in [cfg.n_layers - 1, *range(cfg.n_layers - 1)]:
+        p = f"blk.{i}."
+        mix = tuple(sorted((n[len(p):], int(t.tensor_type)) for n, t in mf.tensors.items() if n.startswith(p)))
+        specs.setdefault(mix, llama.ShardSpec((0, cfg.n_kv_heads), (0, cfg.ffn), (0, min(cfg.vocab, WARM_VOCAB)),
+                                              (i, i + 1)))
+    return list(specs.values())
+
+
+def _steps(runner: LocalRunner, tok: Tokenizer, ids: list[int]) -> None:
+    """Two sequences through a Scheduler: a prompt alone (prefill), a decode row beside the other's
+    prompt (mixed), then two decode rows; one greedy, one sampled."""
+    sched = Scheduler(runner, tok)
+    seqs = [Seq(ids, SamplingParams(temperature=0), 3), Seq(ids[::-1], SamplingParams(seed=0), 3)]
+    sched.admit(seqs[0])
+    sched.step()
+    sched.admit(seqs[1])
+    for _ in range(8):  # 3 tokens each: 4 more steps
+        if all(s.done for s in seqs):
+            break
+        sched.step()

@@ -98,6 +98,21 @@ def test_after_the_warm_up_of_a_k_quant_mix_requests_compile_nothing(tiny_k_q4_k
     assert compiled_after_warm(tiny_k_q4_k_m) == []
 
 
+FAMILIES = {  # the tiny shapes the family tests use (test_moe, test_gemma, test_phi3, test_qwen3)
+    "qwen3moe": ("tiny-headdim", "q8_0", dict(arch="qwen3moe", n_experts=8, n_experts_used=2, n_heads=4, ffn=224)),
+    "gemma3": ("tiny-headdim", "q4_0", dict(arch="gemma3", swa_window=8, n_layers=7, rope_theta=1e6)),
+    "gemma2": ("tiny-headdim", "q8_0", dict(arch="gemma2", swa_window=8, attn_softcap=5.0, final_softcap=3.0)),
+    "phi3": ("tiny-k", "q4_k", dict(arch="phi3", swa_window=8)),
+    "qwen3": ("tiny-odd", "q8_0", dict(arch="qwen3", head_dim=32)),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_after_the_warm_up_of_each_family_requests_compile_nothing(family, synth_model):
+    preset, weights, shape = FAMILIES[family]
+    assert compiled_after_warm(synth_model(preset, weights, **shape)) == []
+
+
 def mixes(path) -> dict[int, frozenset]:
     """Each layer's (tensor name, type) pairs, as gguf-py reads them."""
     out: dict[int, set] = {}

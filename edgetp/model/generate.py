@@ -159,7 +159,8 @@ def warm(mf: ModelFile, tok: Tokenizer, kv_type: str = "f16") -> float:
 
 
 def warm_specs(mf: ModelFile) -> list[llama.ShardSpec | None]:
-    """One single-layer slice for each mix of tensor types the model's layers have, the last layer's
+    """One single-layer slice for each mix of tensor types (and of sliding-window or global attention)
+    the model's layers have, the last layer's
     first (it holds the final norm), each with WARM_VOCAB rows of the head (a mixture's experts
     are packed as the router picks them, so a layer's experts take its used ones' memory); [None]
     (the whole) for a shard file, which is a slice already."""
@@ -169,7 +170,8 @@ def warm_specs(mf: ModelFile) -> list[llama.ShardSpec | None]:
     specs: dict[tuple, llama.ShardSpec] = {}
     for i in [cfg.n_layers - 1, *range(cfg.n_layers - 1)]:
         p = f"blk.{i}."
-        mix = tuple(sorted((n[len(p):], int(t.tensor_type)) for n, t in mf.tensors.items() if n.startswith(p)))
+        mix = (cfg.is_local(i), *sorted((n[len(p):], int(t.tensor_type)) for n, t in mf.tensors.items()
+                                      if n.startswith(p)))
         specs.setdefault(mix, llama.ShardSpec((0, cfg.n_kv_heads), (0, cfg.ffn), (0, min(cfg.vocab, WARM_VOCAB)),
                                               (i, i + 1)))
     return list(specs.values())

@@ -137,7 +137,6 @@ def generate(
         sched.runner.end()
 
 
-
 WARM_TEXT = "Warming up: every kind of step once."
 WARM_VOCAB = 256  # rows of the output head a warm-up computes
 
@@ -152,18 +151,18 @@ def warm(mf: ModelFile, tok: Tokenizer, kv_type: str = "f16") -> float:
     layer of each mix of tensor types (`warm_specs`) compiles all of them, and the memory it
     takes is a layer's, not the model's (a node may hold a file it could not run whole)."""
     t0 = time.perf_counter()
-    ids = tok.encode(WARM_TEXT)[: PREFILL_CHUNK // 4]
+    ids = tok.encode(WARM_TEXT)[: PREFILL_CHUNK // 4] or [0]
     for spec in warm_specs(mf):
         _steps(LocalRunner(mf, min(PREFILL_CHUNK, mf.config.ctx_train), 2, kv_type, spec), tok, ids)
     return time.perf_counter() - t0
 
 
 def warm_specs(mf: ModelFile) -> list[llama.ShardSpec | None]:
-    """One single-layer slice for each mix of tensor types (and of sliding-window or global attention)
-    the model's layers have, the last layer's
-    first (it holds the final norm), each with WARM_VOCAB rows of the head (a mixture's experts
-    are packed as the router picks them, so a layer's experts take its used ones' memory); [None]
-    (the whole) for a shard file, which is a slice already."""
+    """One single-layer slice for each mix of tensor types (and of sliding-window or global
+    attention) the model's layers have, the last layer's first (it holds the final norm), each
+    with WARM_VOCAB rows of the head. A mixture's experts are packed as the router picks them, so
+    a layer's experts take its used ones' memory. [None] (the whole) for a shard file, which is
+    a slice already."""
     cfg = mf.config
     if llama.stored_spec(mf) is not None:
         return [None]

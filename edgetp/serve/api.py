@@ -59,6 +59,9 @@ ROUTE = web.AppKey("route", object)  # Callable[[], str | None] | None
 
 HEADER_HOPS = "X-Edgetp-Hops"
 MAX_HOPS = 2  # a client -> a node -> the root is one hop; a second means the root moved meanwhile
+FAILOVER_S = 8.0        # how long a request waits for a new root when the root refuses connections
+FAILOVER_POLL_S = 0.25  # how often it asks the membership who leads meanwhile
+CONNECT_S = 3.0         # a root on the LAN accepts in milliseconds; one that takes this long is gone
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ApiError = shape.ApiError
@@ -238,44 +241,67 @@ async def _routed(request: web.Request, *, local_while_forming: bool = False) ->
     """Forward the request to the root when this node is not it; None when we serve it here.
 
     With `local_while_forming`, a node holding a model answers itself while no root is elected.
+    A root that cannot be connected to has usually just gone (killed, or its goodbye not yet heard
+    here): nothing was sent, so the request waits up to FAILOVER_S for the cluster to name another
+    root (maybe this node) and goes there, instead of failing the client during the failover.
     """
     route = request.app[ROUTE]
     if route is None:
         return None
-    try:
-        target = route()
-    except NoRoot as exc:
-        if local_while_forming and request.app[ENGINE].tokenizer is not None:
+    hops, body, waited = _hops(request), None, False
+    deadline = time.monotonic() + FAILOVER_S
+    while True:
+        try:
+            target = route()
+        except NoRoot as exc:
+            if local_while_forming and request.app[ENGINE].tokenizer is not None:
+                return None
+            raise ApiError(503, f"no root elected yet: {exc}", type="server_error", code="no_root",
+                           headers={"Retry-After": "2"}) from None
+        if target is None:
             return None
-        raise ApiError(503, f"no root elected yet: {exc}", type="server_error", code="no_root", headers={"Retry-After": "2"}) from None
-    if target is None:
-        return None
-    hops = _hops(request)
-    if hops >= MAX_HOPS:
-        raise ApiError(508, f"forwarded {hops} times without reaching the root: the nodes disagree on who leads; "
-                            "retry in a few seconds", type="server_error", code="forward_loop", headers={"Retry-After": "2"})
-    body = await request.read()
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+        if hops >= MAX_HOPS:
+            raise ApiError(508, f"forwarded {hops} times without reaching the root: the nodes disagree on who "
+                                "leads; retry in a few seconds", type="server_error", code="forward_loop",
+                           headers={"Retry-After": "2"})
+        body = await request.read() if body is None else body
+        try:
+            return await _proxy(request, target, hops, body)
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            if time.monotonic() >= deadline:
+                raise ApiError(503, f"the root at {target} cannot be reached and no other root was elected "
+                                    f"within {FAILOVER_S:.0f} s: {exc}", type="server_error", code="root_unreachable",
+                               headers={"Retry-After": "2"}) from None
+            if not waited:
+                log.info("the root at %s cannot be reached (%s): waiting for the cluster to elect another",
+                         target, exc)
+            waited = True
+            await asyncio.sleep(FAILOVER_POLL_S)
+        except aiohttp.ClientError as exc:
+            raise ApiError(502, f"the root at {target} did not answer: {exc}", type="server_error",
+                           code="root_unreachable") from None
+
+
+async def _proxy(request: web.Request, target: str, hops: int, body: bytes) -> web.StreamResponse:
+    """Relay the request to the root at `target` and stream its answer back, status and all."""
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_S)
     headers = {"Content-Type": "application/json", HEADER_HOPS: str(hops + 1)}
     if "Authorization" in request.headers:
         headers["Authorization"] = request.headers["Authorization"]
-    try:
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            if request.app[KEY] is not None:  # the root trusts a member: it proves the key, whoever asked us
-                headers |= await httpauth.proven_headers(session, target, request.app[KEY], request.method,
-                                                         request.path_qs, body)
-            async with session.request(request.method, target + request.path_qs, data=body,
-                                       headers=headers) as upstream:
-                resp = web.StreamResponse(status=upstream.status, headers={
-                    k: v for k, v in upstream.headers.items()
-                    if k.lower() in ("content-type", "cache-control", "retry-after")})
-                await resp.prepare(request)
-                async for chunk in upstream.content.iter_any():
-                    await resp.write(chunk)
-                await resp.write_eof()
-                return resp
-    except aiohttp.ClientError as exc:
-        raise ApiError(502, f"the root at {target} did not answer: {exc}", type="server_error", code="root_unreachable") from None
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        if request.app[KEY] is not None:  # the root trusts a member: it proves the key, whoever asked us
+            headers |= await httpauth.proven_headers(session, target, request.app[KEY], request.method,
+                                                     request.path_qs, body)
+        async with session.request(request.method, target + request.path_qs, data=body,
+                                   headers=headers) as upstream:
+            resp = web.StreamResponse(status=upstream.status, headers={
+                k: v for k, v in upstream.headers.items()
+                if k.lower() in ("content-type", "cache-control", "retry-after")})
+            await resp.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await resp.write(chunk)
+            await resp.write_eof()
+            return resp
 
 
 def _hops(request: web.Request) -> int:

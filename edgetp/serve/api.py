@@ -283,7 +283,12 @@ async def _routed(request: web.Request, *, local_while_forming: bool = False) ->
 
 
 async def _proxy(request: web.Request, target: str, hops: int, body: bytes) -> web.StreamResponse:
-    """Relay the request to the root at `target` and stream its answer back, status and all."""
+    """Relay the request to the root at `target` and its answer back, status and all.
+
+    A whole answer is read before the client gets any of it, so a root lost meanwhile is a clean 502.
+    A stream is passed on as it comes; a root lost mid-stream ends it with an error event, as the
+    root's own failures do, rather than a cut connection.
+    """
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_S)
     headers = {"Content-Type": "application/json", HEADER_HOPS: str(hops + 1)}
     if "Authorization" in request.headers:
@@ -294,12 +299,21 @@ async def _proxy(request: web.Request, target: str, hops: int, body: bytes) -> w
                                                      request.path_qs, body)
         async with session.request(request.method, target + request.path_qs, data=body,
                                    headers=headers) as upstream:
-            resp = web.StreamResponse(status=upstream.status, headers={
-                k: v for k, v in upstream.headers.items()
-                if k.lower() in ("content-type", "cache-control", "retry-after")})
+            passed = {k: v for k, v in upstream.headers.items()
+                      if k.lower() in ("content-type", "cache-control", "retry-after")}
+            if upstream.content_type != "text/event-stream":
+                return web.Response(status=upstream.status, body=await upstream.read(), headers=passed)
+            resp = web.StreamResponse(status=upstream.status, headers=passed)
             await resp.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                await resp.write(chunk)
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await resp.write(chunk)
+            except aiohttp.ClientError as exc:
+                why = f"the root at {target} was lost mid-answer; ask again"
+                log.warning("%s %s: %s (%s)", request.method, request.path, why, exc)
+                await resp.write(shape.sse({"error": shape.error_body(why, "server_error", None, None)}))
+            except ConnectionResetError:  # our client left: closing the upstream frees its slot on the root
+                return resp
             await resp.write_eof()
             return resp
 

@@ -59,7 +59,7 @@ ROUTE = web.AppKey("route", object)  # Callable[[], str | None] | None
 
 HEADER_HOPS = "X-Edgetp-Hops"
 MAX_HOPS = 2  # a client -> a node -> the root is one hop; a second means the root moved meanwhile
-FAILOVER_S = 8.0        # how long a request waits for a new root when the root refuses connections
+FAILOVER_S = 8.0        # how long a request waits for a new root when the root cannot be connected to
 FAILOVER_POLL_S = 0.25  # how often it asks the membership who leads meanwhile
 CONNECT_S = 3.0         # a root on the LAN accepts in milliseconds; one that takes this long is gone
 

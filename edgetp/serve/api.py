@@ -311,7 +311,7 @@ async def _proxy(request: web.Request, target: str, hops: int, body: bytes) -> w
             except aiohttp.ClientError as exc:
                 why = f"the root at {target} was lost mid-answer; ask again"
                 log.warning("%s %s: %s (%s)", request.method, request.path, why, exc)
-                await resp.write(shape.sse({"error": shape.error_body(why, "server_error", None, None)}))
+                await resp.write(shape.sse_error(why))
             except ConnectionResetError:  # our client left: closing the upstream frees its slot on the root
                 return resp
             await resp.write_eof()
@@ -383,7 +383,7 @@ async def _stream(request: web.Request, job: Job, out: shape.Shaper, prompt_toke
             await resp.write(shape.sse(out.usage_chunk(prompt_tokens, job.tokens, job.cached_tokens)))
         await resp.write(shape.DONE)
     except (GenerationFailed, EngineClosed) as exc:
-        await resp.write(shape.sse({"error": shape.error_body(str(exc), "server_error", None, None)}))
+        await resp.write(shape.sse_error(str(exc)))
     except ConnectionResetError:
         log.info("client went away during %s; generation cancelled", out.id)
         return resp

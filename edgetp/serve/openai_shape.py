@@ -47,6 +47,11 @@ def sse(obj: Any) -> bytes:
     return b"data: " + dumps(obj).encode() + b"\n\n"
 
 
+def sse_error(message: str) -> bytes:
+    """The event that ends a stream which failed after it began (the openai client raises it as APIError)."""
+    return sse({"error": error_body(message, "server_error", None, None)})
+
+
 async def json_body(request: web.Request) -> dict[str, Any]:
     raw = await request.read()
     try:

@@ -34,7 +34,7 @@ from gguf import GGMLQuantizationType as QT
 from edgetp import store
 from edgetp.parallel import pipeline, profile
 from edgetp.cluster.discovery import PeerAdvert
-from edgetp.cluster.membership import Membership, data_address, http_url
+from edgetp.cluster.membership import Membership, data_address, http_url, http_urls
 from edgetp.cluster.peering import PeerEndpoints
 from edgetp.cluster.sdnotify import Notifier
 from edgetp.model import quant
@@ -238,7 +238,7 @@ async def serve_cluster(opts: ServeOptions, on_listening: Callable[[str], None] 
         return roles[0]
 
     app = make_app(engine, cluster_view=lambda: this().view(), key=opts.key, route=lambda: this().route(),
-                   tokens=opts.api_tokens)
+                   live=lambda url: this().live(url), tokens=opts.api_tokens)
     if shards is not None:
         shards.add_routes(app)
     PeerEndpoints(opts.key, lambda: this().membership.me, lambda advert: this().membership.introduced(advert),
@@ -291,6 +291,10 @@ class Roles:
         if peer is None:
             raise NoRoot(f"the elected root {leader} is not reachable")
         return http_url(peer.advert)
+
+    def live(self, url: str) -> bool:
+        """Whether the member serving the API at `url` still answers heartbeats (lost after the loss timeout)."""
+        return any(url in http_urls(p.advert) for p in self.membership.usable())
 
     async def between(self) -> None:
         """Before each request on the root: (re)plan when the members, their figures or the epoch changed.

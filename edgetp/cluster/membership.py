@@ -273,6 +273,11 @@ def http_url(advert: PeerAdvert) -> str:
     return f"{_url_host(_addr(advert))}:{advert.http_port}"
 
 
+def http_urls(advert: PeerAdvert) -> set[str]:
+    """The peer's API at every address it advertises (the one `http_url` names may move among them)."""
+    return {f"{_url_host(a)}:{advert.http_port}" for a in advert.addresses}
+
+
 def data_address(advert: PeerAdvert) -> str:
     """HOST:PORT of its data port (IPv6 unbracketed: the runner splits at the last colon)."""
     return f"{_addr(advert)}:{advert.data_port}"

@@ -56,6 +56,7 @@ LOOPBACK = web.AppKey("loopback", list)  # [True] while serving on loopback only
 METRICS = web.AppKey("metrics", "Metrics")
 SOCKETS = web.AppKey("sockets", weakref.WeakSet)
 ROUTE = web.AppKey("route", object)  # Callable[[], str | None] | None
+LIVE = web.AppKey("live", object)  # Callable[[str], bool] | None: does the node at this URL still prove itself?
 
 HEADER_HOPS = "X-Edgetp-Hops"
 MAX_HOPS = 2  # a client -> a node -> the root is one hop; a second means the root moved meanwhile
@@ -72,7 +73,7 @@ ApiError = shape.ApiError
 
 def make_app(engine: Engine, *, cluster_view: Callable[[], events.ClusterView] | None = None,
              key: bytes | None = None, route: Callable[[], str | None] | None = None,
-             tokens: tuple[str, ...] = ()) -> web.Application:
+             live: Callable[[str], bool] | None = None, tokens: tuple[str, ...] = ()) -> web.Application:
     """The API over one engine. The app owns the engine's serving task (started and cancelled with it).
 
     `key` is the cluster key (None: no cluster endpoint can be used); `tokens`
@@ -80,11 +81,15 @@ def make_app(engine: Engine, *, cluster_view: Callable[[], events.ClusterView] |
 
     `route`, in a cluster, says where completions go: None means this node
     (the root) serves them, a base URL means forward to the root there; it
-    raises NoRoot while no root is elected.
+    raises NoRoot while no root is elected. `live(url)` says whether the
+    node at that URL still answers the cluster's heartbeats: a forwarded
+    request whose root stops (hung, suspended, cut off) is moved or ended
+    once it is lost, rather than waiting on it for ever.
     """
     app = web.Application(middlewares=[_errors, _access])
     app[ENGINE] = engine
     app[ROUTE] = route
+    app[LIVE] = live
     node_id = socket.gethostname()
     config = getattr(getattr(engine.runner, "mf", None), "config", None)
     app[CLUSTER_VIEW] = cluster_view or (lambda: local_view(engine.model_name, config, node_id))
@@ -237,19 +242,24 @@ class NoRoot(Exception):
     """No root is elected yet (the cluster is forming or re-electing)."""
 
 
+class RootLost(Exception):
+    """The root a request was forwarded to was lost from the cluster before any of its answer was passed on."""
+
+
 async def _routed(request: web.Request, *, local_while_forming: bool = False) -> web.StreamResponse | None:
     """Forward the request to the root when this node is not it; None when we serve it here.
 
     With `local_while_forming`, a node holding a model answers itself while no root is elected.
     A root that cannot be connected to has usually just gone (killed, or its goodbye not yet heard
     here): nothing was sent, so the request waits up to FAILOVER_S for the cluster to name another
-    root (maybe this node) and goes there, instead of failing the client during the failover.
+    root (maybe this node) and goes there, instead of failing the client during the failover. So
+    does a request whose root was lost (no heartbeat answered: hung or suspended) before any of its
+    answer reached the client.
     """
     route = request.app[ROUTE]
     if route is None:
         return None
-    hops, body, waited = _hops(request), None, False
-    deadline = time.monotonic() + FAILOVER_S
+    hops, body, deadline = _hops(request), None, None
     while True:
         try:
             target = route()
@@ -267,15 +277,18 @@ async def _routed(request: web.Request, *, local_while_forming: bool = False) ->
         body = await request.read() if body is None else body
         try:
             return await _proxy(request, target, hops, body)
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-            if time.monotonic() >= deadline:
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, RootLost) as exc:
+            if request.transport is None or request.transport.is_closing():
+                log.info("the client left while its root was lost (%s): not forwarded again", exc)
+                return web.Response(status=499)  # nginx's "client closed request": only the access log sees it
+            if deadline is None:
+                deadline = time.monotonic() + FAILOVER_S
+                log.info("the root at %s cannot be reached (%s): waiting for the cluster to elect another",
+                         target, exc)
+            elif time.monotonic() >= deadline:
                 raise ApiError(503, f"the root at {target} cannot be reached and no other root was elected "
                                     f"within {FAILOVER_S:.0f} s: {exc}", type="server_error", code="root_unreachable",
                                headers={"Retry-After": "2"}) from None
-            if not waited:
-                log.info("the root at %s cannot be reached (%s): waiting for the cluster to elect another",
-                         target, exc)
-            waited = True
             await asyncio.sleep(FAILOVER_POLL_S)
         except aiohttp.ClientError as exc:
             raise ApiError(502, f"the root at {target} did not answer: {exc}", type="server_error",
@@ -283,11 +296,41 @@ async def _routed(request: web.Request, *, local_while_forming: bool = False) ->
 
 
 async def _proxy(request: web.Request, target: str, hops: int, body: bytes) -> web.StreamResponse:
-    """Relay the request to the root at `target` and its answer back, status and all.
+    """Relay the request to the root at `target` and its answer back, status and all (`_exchange`),
+    watching the root meanwhile: a root that stops answering heartbeats may hold the connection open
+    for ever (a suspended laptop does), so once the cluster has lost it the exchange is dropped.
+    Nothing sent to the client yet: RootLost (`_routed` waits for the next root). A stream begun:
+    it ends with the error event a root lost mid-answer gets.
+    """
+    live, begun = request.app[LIVE], []
+    work = asyncio.ensure_future(_exchange(request, target, hops, body, begun))
+    try:
+        while not work.done():
+            await asyncio.wait([work], timeout=FAILOVER_POLL_S)
+            if work.done() or live is None or live(target):
+                continue
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+            if not begun:
+                raise RootLost(f"the root at {target} was lost from the cluster before it answered")
+            why = f"the root at {target} was lost mid-answer; ask again"
+            log.warning("%s %s: %s (no heartbeat answered)", request.method, request.path, why)
+            with contextlib.suppress(ConnectionResetError):
+                await begun[0].write(shape.sse_error(why))
+                await begun[0].write_eof()
+            return begun[0]
+        return work.result()
+    finally:
+        work.cancel()  # a no-op once it is done; if this handler was cancelled, the exchange goes too
 
-    A whole answer is read before the client gets any of it, so a root lost meanwhile is a clean 502.
-    A stream is passed on as it comes; a root lost mid-stream ends it with an error event, as the
-    root's own failures do, rather than a cut connection.
+
+async def _exchange(request: web.Request, target: str, hops: int, body: bytes,
+                    begun: list[web.StreamResponse]) -> web.StreamResponse:
+    """The relay itself. A whole answer is read before the client gets any of it, so a root lost
+    meanwhile is a clean 502. A stream is passed on as it comes (its response put in `begun` once
+    the client has it); a root lost mid-stream ends it with an error event, as the root's own
+    failures do, rather than a cut connection.
     """
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_S)
     headers = {"Content-Type": "application/json", HEADER_HOPS: str(hops + 1)}
@@ -305,6 +348,7 @@ async def _proxy(request: web.Request, target: str, hops: int, body: bytes) -> w
                 return web.Response(status=upstream.status, body=await upstream.read(), headers=passed)
             resp = web.StreamResponse(status=upstream.status, headers=passed)
             await resp.prepare(request)
+            begun.append(resp)
             try:
                 async for chunk in upstream.content.iter_any():
                     await resp.write(chunk)

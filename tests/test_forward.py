@@ -1,0 +1,117 @@
+"""A node that is not the root forwards requests to it; these are the ways a root fails under a request.
+
+Real servers on 127.0.0.1 (stories260K), asked through the `openai` client with its retries off (they
+would hide a failure). What a failed root leaves behind is real too: a port nobody listens on (a
+killed root refuses connections), and a listening socket nobody accepts on (a suspended root's
+kernel still completes the handshake, then nothing answers). `route` and `live` stand for the
+daemon's membership and change as its heartbeats would; the daemons themselves go through the same
+failures in tests/test_daemon.py. Expected text: `generate` on the model, outside any server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+
+import openai
+import pytest
+
+from edgetp.model import sampling
+from edgetp.model.generate import LocalRunner, generate
+from edgetp.serve import api
+from edgetp.serve.api import make_app, serving
+from edgetp.serve.root import Engine
+
+PROMPT = "Once upon a time"
+TOKENS = 24
+
+
+@pytest.fixture
+def expected(stories) -> str:
+    mf, tok = stories
+    greedy = sampling.SamplingParams(temperature=0)
+    return "".join(ev.text for ev in generate(LocalRunner(mf, 128), tok, tok.encode(PROMPT), greedy, TOKENS))
+
+
+@pytest.fixture
+async def member(stories):
+    """member(route, live=None) -> base URL of a node holding the model that forwards as `route` says."""
+    mf, tok = stories
+    async with contextlib.AsyncExitStack() as stack:
+        async def go(route, live=None):
+            app = make_app(Engine(LocalRunner(mf, 128), tok, "stories260K"), route=route, live=live)
+            return await stack.enter_async_context(serving(app))
+        yield go
+
+
+@pytest.fixture
+def refusing() -> str:
+    """The URL of a port nobody listens on: a killed root's."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.fixture
+def silent():
+    """The URL of a socket that listens and never accepts: a suspended root's."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(16)
+        yield f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def until(seconds: float, then, before):
+    """A membership whose answer changes `seconds` from now (a re-election, a loss)."""
+    at = time.monotonic() + seconds
+
+    def answer(*_):
+        return then if time.monotonic() >= at else before
+    return answer
+
+
+async def ask(url: str, stream: bool) -> str:
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30) as client:
+        answer = await client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=TOKENS,
+                                                 temperature=0, stream=stream)
+        if not stream:
+            return answer.choices[0].text
+        return "".join([chunk.choices[0].text async for chunk in answer])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_request_to_a_killed_root_waits_for_the_next_root_and_gets_its_answer(member, refusing, expected,
+                                                                                      stream):
+    url = await member(until(1.0, None, refusing))  # this node is elected 1 s from now
+    t0 = time.monotonic()
+    assert await ask(url, stream) == expected
+    assert time.monotonic() - t0 >= 1.0  # it followed the membership: not answered here before the election
+
+
+async def test_a_root_refusing_with_no_other_elected_in_time_is_a_503_with_retry_after(member, refusing,
+                                                                                     monkeypatch):
+    monkeypatch.setattr(api, "FAILOVER_S", 1.0)
+    url = await member(lambda: refusing)
+    with pytest.raises(openai.APIStatusError) as err:
+        await ask(url, stream=False)
+    assert err.value.status_code == 503 and err.value.response.headers["Retry-After"] == "2"
+    assert err.value.body["code"] == "root_unreachable" and "no other root was elected" in err.value.message
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_request_held_by_a_silent_root_moves_to_the_next_root_once_the_cluster_loses_it(
+        member, silent, expected, stream):
+    lost = until(1.0, False, True)  # heartbeats unanswered: the root is lost 1 s from now, and this node elected
+    url = await member(lambda: silent if lost() else None, live=lambda target: target == silent and lost())
+    t0 = time.monotonic()
+    assert await ask(url, stream) == expected  # before: it waited on the silent root until the client gave up
+    assert time.monotonic() - t0 >= 1.0
+
+
+async def test_a_silent_root_still_in_the_cluster_keeps_the_request_waiting(member, silent):
+    """Only the membership says a root is lost: a slow root is waited for (here until the client's timeout)."""
+    url = await member(lambda: silent, live=lambda target: True)
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=2) as client:
+        with pytest.raises(openai.APITimeoutError):
+            await client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=TOKENS, temperature=0)

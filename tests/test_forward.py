@@ -14,6 +14,7 @@ import contextlib
 import socket
 import time
 
+import aiohttp
 import openai
 import pytest
 
@@ -115,3 +116,16 @@ async def test_a_silent_root_still_in_the_cluster_keeps_the_request_waiting(memb
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=2) as client:
         with pytest.raises(openai.APITimeoutError):
             await client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=TOKENS, temperature=0)
+
+
+async def test_a_watcher_relayed_from_a_silent_root_is_told_and_let_go_once_the_cluster_loses_it(member, silent):
+    """The dashboard at a node that is not the root watches the root's event stream through it."""
+    lost = until(1.0, False, True)
+    url = await member(lambda: silent, live=lambda target: target == silent and lost())
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:
+        async with s.ws_connect(url + "/v1/events") as ws:
+            said = await ws.receive_json(timeout=10)  # before: nothing, ever (the upgrade never answered)
+            closed = await ws.receive(timeout=10)
+    assert said["type"] == "cluster" and said["event"] == "error", said
+    assert said["message"] == f"the root at {silent} was lost from the cluster"
+    assert closed.type == aiohttp.WSMsgType.CLOSE and closed.data == aiohttp.WSCloseCode.GOING_AWAY

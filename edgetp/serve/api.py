@@ -297,32 +297,45 @@ async def _routed(request: web.Request, *, local_while_forming: bool = False) ->
 
 async def _proxy(request: web.Request, target: str, hops: int, body: bytes) -> web.StreamResponse:
     """Relay the request to the root at `target` and its answer back, status and all (`_exchange`),
-    watching the root meanwhile: a root that stops answering heartbeats may hold the connection open
-    for ever (a suspended laptop does), so once the cluster has lost it the exchange is dropped.
-    Nothing sent to the client yet: RootLost (`_routed` waits for the next root). A stream begun:
-    it ends with the error event a root lost mid-answer gets.
+    while the cluster still has that root (`_unless_lost`). Lost before the client got anything:
+    RootLost (`_routed` waits for the next root). Lost mid-stream: the stream ends with the error
+    event a root lost mid-answer gets.
     """
-    live, begun = request.app[LIVE], []
-    work = asyncio.ensure_future(_exchange(request, target, hops, body, begun))
+    begun: list[web.StreamResponse] = []
+    try:
+        return await _unless_lost(request.app, target, _exchange(request, target, hops, body, begun))
+    except RootLost:
+        if not begun:
+            raise
+    await _lost_mid_answer(request, begun[0], target, "no heartbeat answered")
+    return begun[0]
+
+
+async def _lost_mid_answer(request: web.Request, resp: web.StreamResponse, target: str, cause: object) -> None:
+    """End a forwarded stream whose root was lost with an error event saying so (the client may be gone too)."""
+    why = f"the root at {target} was lost mid-answer; ask again"
+    log.warning("%s %s: %s (%s)", request.method, request.path, why, cause)
+    with contextlib.suppress(ConnectionResetError):
+        await resp.write(shape.sse_error(why))
+        await resp.write_eof()
+
+
+async def _unless_lost(app: web.Application, target: str, aw: Awaitable[Any]) -> Any:
+    """`aw`'s result, unless the cluster loses the root at `target` first: then `aw` is cancelled and
+    RootLost raised. A root that hangs or is suspended (a laptop put to sleep) keeps its connections
+    open, and its kernel accepts new ones, so only the membership's heartbeats tell it is gone."""
+    live, work = app[LIVE], asyncio.ensure_future(aw)
     try:
         while not work.done():
             await asyncio.wait([work], timeout=FAILOVER_POLL_S)
-            if work.done() or live is None or live(target):
-                continue
-            work.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await work
-            if not begun:
-                raise RootLost(f"the root at {target} was lost from the cluster before it answered")
-            why = f"the root at {target} was lost mid-answer; ask again"
-            log.warning("%s %s: %s (no heartbeat answered)", request.method, request.path, why)
-            with contextlib.suppress(ConnectionResetError):
-                await begun[0].write(shape.sse_error(why))
-                await begun[0].write_eof()
-            return begun[0]
+            if not work.done() and live is not None and not live(target):
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+                raise RootLost(f"the root at {target} was lost from the cluster")
         return work.result()
     finally:
-        work.cancel()  # a no-op once it is done; if this handler was cancelled, the exchange goes too
+        work.cancel()  # a no-op once it is done; if our caller was cancelled, the work goes too
 
 
 async def _exchange(request: web.Request, target: str, hops: int, body: bytes,
@@ -353,9 +366,8 @@ async def _exchange(request: web.Request, target: str, hops: int, body: bytes,
                 async for chunk in upstream.content.iter_any():
                     await resp.write(chunk)
             except aiohttp.ClientError as exc:
-                why = f"the root at {target} was lost mid-answer; ask again"
-                log.warning("%s %s: %s (%s)", request.method, request.path, why, exc)
-                await resp.write(shape.sse_error(why))
+                await _lost_mid_answer(request, resp, target, exc)
+                return resp
             except ConnectionResetError:  # our client left: closing the upstream frees its slot on the root
                 return resp
             await resp.write_eof()
@@ -513,36 +525,40 @@ def _root_url(app: web.Application) -> str | None:
 
 
 async def _relay(app: web.Application, ws: web.WebSocketResponse, root: str) -> None:
-    """Pass the root's event stream to our watcher until either side closes; then close, so the
-    watcher reconnects (and finds the new root, if it changed)."""
+    """Pass the root's event stream to our watcher until either side closes or the cluster loses the
+    root; then close, so the watcher reconnects (and finds the new root, if it changed)."""
     why = "the root's event stream ended"
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as session:
-            headers = await httpauth.proven_headers(session, root, app[KEY], "GET", "/v1/events") \
-                if app[KEY] is not None else {}
-            async with session.ws_connect(root + "/v1/events", headers=headers, heartbeat=30) as up:
-                async def pump() -> None:
-                    async for msg in up:
-                        if msg.type == aiohttp.WSMsgType.TEXT:
-                            await ws.send_str(msg.data)
-
-                async def watcher_leaves() -> None:
-                    async for _ in ws:
-                        pass
-
-                tasks = [asyncio.create_task(pump()), asyncio.create_task(watcher_leaves())]
-                try:
-                    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    for t in tasks:
-                        t.cancel()
-                    await asyncio.gather(*tasks, return_exceptions=True)
-    except (aiohttp.ClientError, httpauth.ProofError, ConnectionResetError) as exc:
-        why = f"the root at {root} gave no event stream: {exc}"
+        await _unless_lost(app, root, _pass_events(app, ws, root))
+    except (aiohttp.ClientError, httpauth.ProofError, ConnectionResetError, RootLost) as exc:
+        why = str(exc) if isinstance(exc, RootLost) else f"the root at {root} gave no event stream: {exc}"
         with contextlib.suppress(ConnectionResetError):
             await ws.send_str(shape.dumps(events.to_dict(events.ClusterEvent("error", why))))
     if not ws.closed:
         await ws.close(code=WSCloseCode.GOING_AWAY, message=why.encode()[:120])
+
+
+async def _pass_events(app: web.Application, ws: web.WebSocketResponse, root: str) -> None:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as session:
+        headers = await httpauth.proven_headers(session, root, app[KEY], "GET", "/v1/events") \
+            if app[KEY] is not None else {}
+        async with session.ws_connect(root + "/v1/events", headers=headers, heartbeat=30) as up:
+            async def pump() -> None:
+                async for msg in up:
+                    if msg.type == aiohttp.WSMsgType.TEXT:
+                        await ws.send_str(msg.data)
+
+            async def watcher_leaves() -> None:
+                async for _ in ws:
+                    pass
+
+            tasks = [asyncio.create_task(pump()), asyncio.create_task(watcher_leaves())]
+            try:
+                await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _forward(ws: web.WebSocketResponse, sub: Any) -> None:

@@ -257,7 +257,7 @@ async def serve_cluster(opts: ServeOptions, on_listening: Callable[[str], None] 
             engine.between = roles[0].between
             on_roles(roles[0])
             engine.recover = Recovery(engine, bus, loop, lambda: membership.epoch, view=roles[0].view)
-            tg.create_task(roles[0].follow_joins(beat))
+            tg.create_task(roles[0].follow_members(beat))
             if mf is None:
                 log.info("node %s holds no model: it never leads, and fetches its slice from the root", node_id)
             if on_listening:
@@ -332,14 +332,31 @@ class Roles:
         waiting = self.backoff.excluded(time.monotonic())
         return names, sorted(a for a in names if a not in waiting)
 
-    async def follow_joins(self, every: float) -> None:
-        """Check every `every` s whether nodes joined while the root serves (see offer_joins)."""
+    async def follow_members(self, every: float) -> None:
+        """Check every `every` s whether nodes joined or were lost while the root serves (offer_joins,
+        cut_lost)."""
         while True:
             await asyncio.sleep(every)
             try:
+                self.cut_lost()
                 self.offer_joins()
             except Exception:  # noqa: BLE001 - a fault here must not end the daemon's task group
-                log.exception("checking for nodes that joined failed")
+                log.exception("checking for nodes that joined or were lost failed")
+
+    def cut_lost(self) -> None:
+        """A worker of the running plan that the membership lost (no heartbeat answered for the loss
+        timeout: powered off, suspended, cut off) can hold a step blocked on its link until TCP gives up,
+        30-60 s later, and a suspended one's kernel keeps the connection up for ever. Its link is shut
+        now instead: the step fails at once, as if the worker had closed it, and the engine's recovery
+        re-plans without it and replays every running sequence."""
+        runner = self.engine.runner
+        if not isinstance(runner, ClusterRunner) or self.membership.leader != self.node_id:
+            return
+        live = {p.node_id for p in self.membership.usable()}
+        for link in runner.links:
+            if link.peer_id is not None and link.peer_id not in live and link.cut():
+                log.warning("worker %s (%s) lost from the cluster (no heartbeat for %.0f s): its link is cut, so "
+                            "the running plan re-plans without it", link.peer_id, link.name, self.membership.timeout)
 
     def offer_joins(self) -> None:
         """Under unbroken load `between` never runs, so a node that joined would wait for a quiet moment.

@@ -106,6 +106,7 @@ class Link:
         self.rtt: float | None = None    # seconds, measured by ping() or measure()
         self.stats: LinkStats | None = None  # measured by measure()
         self.peer_id: str | None = None  # set by the handshake
+        self._cut = False  # shut down by `cut`
         self.embeds = False              # the peer embeds token ids itself (it maps the embedding table)
         self.hello: dict[str, Any] = {}  # the peer's HELLO header, once received
         self.counters = Counters()
@@ -597,6 +598,19 @@ class Link:
             self.sock.close()
         except OSError:
             pass
+
+    def cut(self) -> bool:
+        """Shut the socket down from any thread, keeping it open: a receive blocked on it, here or in a
+        compute thread, returns at once and closes the link there, as when the peer closes it. (Closing
+        it here could hand its descriptor to a new socket under that receive.) False if closed or cut before."""
+        if self._cut:
+            return False
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # closed, or never connected
+            return False
+        self._cut = True
+        return True
 
     @property
     def closed(self) -> bool:

@@ -100,7 +100,7 @@ def test_daemons_form_a_cluster_serve_through_any_node_and_survive_losing_a_work
         # (a worker killed outright: tests/test_serve.py, tests/test_parallel.py)
         t0 = time.monotonic()
         assert stream(url["a"], kill_after=12, victim=procs["c"][0], how=signal.SIGSTOP, timeout=30) == expected, \
-            f"answered {time.monotonic() - t0:.1f} s after the suspension"
+            f"answered in {time.monotonic() - t0:.1f} s"
         procs["c"][0].kill()
         procs["c"][0].wait()
 
@@ -116,7 +116,7 @@ def test_daemons_form_a_cluster_serve_through_any_node_and_survive_losing_a_work
         assert stream(url["b"], retries=0, timeout=30) == expected, \
             f"answered {time.monotonic() - t0:.1f} s after the suspension"
         wait_for(lambda: view(url["b"])["root"] == "node-b", 5, "node-b took over as root")
-        procs["a"][0].kill()  # (a root killed outright, refusing connections: tests/test_api_slots.py)
+        procs["a"][0].kill()  # (a root killed outright, refusing connections: tests/test_forward.py)
         procs["a"][0].wait()
         assert "node-d" not in {n["node_id"] for n in view(url["b"])["nodes"] if n["state"] != "foreign"}
 

@@ -324,11 +324,14 @@ async def _unless_lost(app: web.Application, target: str, aw: Awaitable[Any]) ->
     """`aw`'s result, unless the cluster loses the root at `target` first: then `aw` is cancelled and
     RootLost raised. A root that hangs or is suspended (a laptop put to sleep) keeps its connections
     open, and its kernel accepts new ones, so only the membership's heartbeats tell it is gone."""
-    live, work = app[LIVE], asyncio.ensure_future(aw)
+    live = app[LIVE]
+    if live is None:  # no membership to ask (a node outside a cluster)
+        return await aw
+    work = asyncio.ensure_future(aw)
     try:
         while not work.done():
             await asyncio.wait([work], timeout=FAILOVER_POLL_S)
-            if not work.done() and live is not None and not live(target):
+            if not work.done() and not live(target):
                 work.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await work

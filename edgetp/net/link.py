@@ -616,6 +616,11 @@ class Link:
     def closed(self) -> bool:
         return self.sock.fileno() < 0
 
+    @property
+    def done(self) -> bool:
+        """Closed, or cut: nothing more will cross it."""
+        return self._cut or self.closed
+
 
 _SEALED = object()  # Link._wire's mark: this kind of frame goes through frames.py (Python)
 

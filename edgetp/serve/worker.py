@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 
 IDLE_TIMEOUT = 24 * 3600.0  # a root may stay connected and idle this long
 BUSY_WAIT = 3.0  # seconds a new root waits for the previous one's session to end
+THREAD_WAIT = 2.0  # seconds a cancelled session waits for its compute thread to leave the cut link
 PROGRESS_S = 1.0  # seconds between PROGRESS frames while fetching a slice
 MAX_PENDING = 32  # connections in their handshake at once, per listening port; more are closed at once
 LOG_EVERY = 10.0  # seconds between two log lines about refused connections
@@ -169,9 +170,9 @@ class Worker:
                 log.warning("root %s of epoch %d replaces the root of epoch %d", peer, epoch, self._link_epoch)
             else:
                 log.warning("root %s takes over from the idle root at %s", peer, self._link.name)
-            self._link.close()  # a compute thread blocked on it fails out
+            self._link.cut()  # a receive blocked on it, on the compute thread or the loop, fails out
             if self._task is not None:
-                self._task.cancel()  # an asyncio receive is not woken by a close
+                self._task.cancel()  # and so does whatever else the session awaits
         deadline = time.monotonic() + BUSY_WAIT
         while self.busy:  # a root re-planning may reconnect before its old session has wound down
             try:
@@ -196,7 +197,11 @@ class Worker:
             log.exception("root session %s failed", link.name)
             await link._try_error(f"worker error: {exc}")
         finally:
-            link.close()
+            lingering = self._current.lingering if self._current is not None else None
+            if lingering is None:
+                link.close()
+            else:  # closed by the thread's own failed receive, or here once the thread ends
+                lingering.add_done_callback(lambda _: link.close())
             self.busy, self._link, self._task, self._current = False, None, None, None
             self._idle.set()
 
@@ -230,6 +235,25 @@ class _Session:
         self.reduce = True  # all-reduces with the root (its stage); False: a pipeline stage of its own
         self.mf = None
         self.idle = False  # waiting for the root's next request (not loading, profiling or generating)
+        self.lingering: asyncio.Future | None = None  # a compute thread on the link that outlived a cancel
+
+    async def _on_link(self, fn: Callable[..., None], *args: Any) -> None:
+        """fn(*args) on a compute thread that sends and receives on the link. Cancelled (a newer root
+        takes over, the worker stops), the session cuts the link, so the thread's receive fails out,
+        and waits for the thread before the link is closed: a close under a compiled receive frees its
+        descriptor number for the next socket, which that receive would then read."""
+        work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        try:
+            await asyncio.shield(work)
+        except asyncio.CancelledError:
+            self.link.cut()
+            work.add_done_callback(lambda f: f.cancelled() or f.exception())  # its LinkClosed is expected
+            await asyncio.wait({work}, timeout=THREAD_WAIT)
+            if not work.done():
+                log.warning("link %s: the compute thread is still busy %.0f s after the link was cut; "
+                            "the link closes when it ends", self.link.name, THREAD_WAIT)
+                self.lingering = work
+            raise
 
     async def run(self) -> None:
         link = self.link
@@ -252,9 +276,9 @@ class _Session:
                                  f"(at most {MAX_ROUNDS} of {1 << 20}, each a positive integer)")
             self.link.enter_blocking()
             try:
-                await asyncio.to_thread(self.link.echo_rounds, cols, rounds)
+                await self._on_link(self.link.echo_rounds, cols, rounds)
             finally:
-                if not self.link.closed:
+                if not self.link.done:
                     self.link.leave_blocking()
         await self.link.send(FrameType.PONG, {} if "rounds" in header else header)
 
@@ -342,9 +366,9 @@ class _Session:
         if h.get("mode") == BLOCKING:
             self.link.enter_blocking()
         try:
-            await asyncio.to_thread(_hot_loop, hot, self.shard, self.mf, not self.reduce)
+            await self._on_link(_hot_loop, hot, self.shard, self.mf, not self.reduce)
         finally:
-            if not self.link.closed:
+            if not self.link.done:  # a thread that outlived a cut may still be on it
                 self.link.leave_blocking()
 
     HANDLERS = {

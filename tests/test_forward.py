@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 import time
 
 import aiohttp
@@ -63,6 +64,52 @@ def silent():
         yield f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
+class Cutting:
+    """A root that reads each request and closes the connection without a byte of answer, as a root killed
+    mid-answer does; with `dies`, it then stops listening too (the killed process's port refuses)."""
+
+    def __init__(self, dies: bool) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.dies, self.requests, self.stop = dies, 0, threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        deadline = time.monotonic() + 30
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(5)
+                seen = b""
+                while b"prompt" not in seen and len(seen) < 1 << 16:  # the body has arrived: the root is at work
+                    seen += conn.recv(4096) or b"x" * (1 << 16)
+                self.requests += 1
+            if self.dies:
+                break
+        self.sock.close()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+
+
+@pytest.fixture
+def cutting():
+    made = []
+
+    def make(dies: bool) -> Cutting:
+        made.append(Cutting(dies))
+        return made[-1]
+    yield make
+    for c in made:
+        c.close()
+
+
 def until(seconds: float, then, before):
     """A membership whose answer changes `seconds` from now (a re-election, a loss)."""
     at = time.monotonic() + seconds
@@ -88,6 +135,27 @@ async def test_a_request_to_a_killed_root_waits_for_the_next_root_and_gets_its_a
     t0 = time.monotonic()
     assert await ask(url, stream) == expected
     assert time.monotonic() - t0 >= 1.0  # it followed the membership: not answered here before the election
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_request_whose_root_is_killed_before_answering_is_asked_again_of_the_next_root(
+        member, cutting, expected, stream):
+    """The root reads the request and dies: nothing reached the client, so the request moves. Before, a
+    whole (not streamed) answer was a 502 and a stream a failed request."""
+    root = cutting(dies=True)
+    url = await member(until(1.0, None, root.url))  # this node is elected 1 s from now
+    assert await ask(url, stream) == expected
+    assert root.requests == 1
+
+
+async def test_a_request_cut_by_two_roots_is_not_asked_a_third_time(member, cutting):
+    """A request every root fails on is a 502 after its second cut answer, not carried from root to root."""
+    root = cutting(dies=False)
+    url = await member(lambda: root.url)
+    with pytest.raises(openai.APIStatusError) as err:
+        await ask(url, stream=False)
+    assert err.value.status_code == 502 and "not asked a third time" in err.value.message, err.value.message
+    assert root.requests == 2
 
 
 async def test_a_root_refusing_with_no_other_elected_in_time_is_a_503_with_retry_after(member, refusing,

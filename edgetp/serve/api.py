@@ -246,6 +246,10 @@ class RootLost(Exception):
     """The root a request was forwarded to was lost from the cluster before any of its answer was passed on."""
 
 
+class AnswerCut(RootLost):
+    """The root closed the connection before the client got any of its answer (killed mid-answer)."""
+
+
 async def _routed(request: web.Request, *, local_while_forming: bool = False) -> web.StreamResponse | None:
     """Forward the request to the root when this node is not it; None when we serve it here.
 
@@ -253,13 +257,14 @@ async def _routed(request: web.Request, *, local_while_forming: bool = False) ->
     A root that cannot be connected to has usually just gone (killed, or its goodbye not yet heard
     here): nothing was sent, so the request waits up to FAILOVER_S for the cluster to name another
     root (maybe this node) and goes there, instead of failing the client during the failover. So
-    does a request whose root was lost (no heartbeat answered: hung or suspended) before any of its
-    answer reached the client.
+    does a request whose root was lost (no heartbeat answered: hung or suspended) or closed the
+    connection (killed mid-answer) before any of its answer reached the client: it is asked again,
+    once (a request that every root fails on is not carried from root to root).
     """
     route = request.app[ROUTE]
     if route is None:
         return None
-    hops, body, deadline = _hops(request), None, None
+    hops, body, deadline, cut = _hops(request), None, None, False
     while True:
         try:
             target = route()
@@ -278,6 +283,11 @@ async def _routed(request: web.Request, *, local_while_forming: bool = False) ->
         try:
             return await _proxy(request, target, hops, body)
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, RootLost) as exc:
+            if isinstance(exc, AnswerCut):
+                if cut:
+                    raise ApiError(502, f"{exc}; its answer was cut once before, so it is not asked a third time",
+                                   type="server_error", code="root_unreachable") from None
+                cut = True
             if request.transport is None or request.transport.is_closing():
                 log.info("the client left while its root was lost (%s): not forwarded again", exc)
                 return web.Response(status=499)  # nginx's "client closed request": only the access log sees it
@@ -343,11 +353,24 @@ async def _unless_lost(app: web.Application, target: str, aw: Awaitable[Any]) ->
 
 async def _exchange(request: web.Request, target: str, hops: int, body: bytes,
                     begun: list[web.StreamResponse]) -> web.StreamResponse:
-    """The relay itself. A whole answer is read before the client gets any of it, so a root lost
-    meanwhile is a clean 502. A stream is passed on as it comes (its response put in `begun` once
-    the client has it); a root lost mid-stream ends it with an error event, as the root's own
-    failures do, rather than a cut connection.
+    """The relay itself (`_relay_answer`). A whole answer is read before the client gets any of it,
+    so a root that closes the connection before it is whole (killed mid-answer) has passed nothing
+    on: AnswerCut, and `_routed` asks the next root. A stream is passed on as it comes (its response
+    put in `begun` once the client has it); a root lost mid-stream ends it with an error event, as
+    the root's own failures do, rather than a cut connection.
     """
+    try:
+        return await _relay_answer(request, target, hops, body, begun)
+    except aiohttp.ClientConnectorError:
+        raise
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as exc:
+        if begun:
+            raise
+        raise AnswerCut(f"the root at {target} closed the connection before answering ({exc})") from None
+
+
+async def _relay_answer(request: web.Request, target: str, hops: int, body: bytes,
+                        begun: list[web.StreamResponse]) -> web.StreamResponse:
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_S)
     headers = {"Content-Type": "application/json", HEADER_HOPS: str(hops + 1)}
     if "Authorization" in request.headers:

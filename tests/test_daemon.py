@@ -86,7 +86,7 @@ def test_daemons_form_a_cluster_serve_through_any_node_and_survive_losing_a_work
         wait_for(lambda: {n["node_id"]: n["state"] for n in view(url["b"])["nodes"]}.get("node-d") == "foreign",
                  20, "node-d listed as foreign")
         wait_for(lambda: {n["node_id"] for n in view(url["a"])["nodes"] if n["state"] == "ready"} >= {"node-b", "node-c"},
-                 20, "node-a has node-b and node-c settled (past the join debounce)")
+                 60, "node-a has node-b and node-c settled (past the join debounce)")
 
         # 2. a generation through a node that is not the root: forwarded, planned over a, b, c
         assert stream(url["b"]) == expected

@@ -73,7 +73,7 @@ def test_workers_without_the_model_fetch_their_slice_and_answer_as_one_process(
         name_of = {b: "b", c: "c"}
         for name in "bc":
             wait_for(lambda n=name: view(url[n])["root"] == a, 30, f"node {name} follows {a}")
-        wait_for(lambda: {n["node_id"] for n in view(url["a"])["nodes"] if n["state"] == "ready"} >= {a, b, c}, 20,
+        wait_for(lambda: {n["node_id"] for n in view(url["a"])["nodes"] if n["state"] == "ready"} >= {a, b, c}, 60,
                  "node-a sees all three settled")
         assert models_of(url["b"]) == ["stories260K"], "a node without a model names the root's"
         log = EventLog(url["a"])

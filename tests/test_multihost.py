@@ -97,7 +97,7 @@ def test_daemons_on_three_hosts_elect_serve_survive_a_worker_and_the_root_and_ig
         _until(lambda: _view(hosts["b"], url["b"]).get("root") == "node-a", 20, "node-b follows node-a")
         _until(lambda: _states(hosts["b"], url["b"]).get("node-d") == "foreign", 20, "node-d listed as foreign")
         # the root plans at the first request over the members it has settled: wait until it counts b and c in
-        _until(lambda: {_states(hosts["a"], url["a"]).get(n) for n in ("node-b", "node-c")} == {"ready"}, 20,
+        _until(lambda: {_states(hosts["a"], url["a"]).get(n) for n in ("node-b", "node-c")} == {"ready"}, 60,
                "node-a settles node-b and node-c")
         # 2. a generation asked at node-b runs on a, b and c
         answer = _ask(hosts["b"], url["b"])

@@ -285,16 +285,16 @@ async def _routed(request: web.Request, *, local_while_forming: bool = False) ->
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, RootLost) as exc:
             if isinstance(exc, AnswerCut):
                 if cut:
-                    raise ApiError(502, f"{exc}; its answer was cut once before, so it is not asked a third time",
-                                   type="server_error", code="root_unreachable") from None
+                    raise ApiError(502, f"{exc}, and this request's answer was cut once already: it is not asked a "
+                                        "third time", type="server_error", code="root_unreachable") from None
                 cut = True
             if request.transport is None or request.transport.is_closing():
                 log.info("the client left while its root was lost (%s): not forwarded again", exc)
                 return web.Response(status=499)  # nginx's "client closed request": only the access log sees it
             if deadline is None:
                 deadline = time.monotonic() + FAILOVER_S
-                log.info("the root at %s cannot be reached (%s): waiting for the cluster to elect another",
-                         target, exc)
+                log.info("the root at %s cannot be reached or was lost (%s): waiting for the cluster to elect "
+                         "another", target, exc)
             elif time.monotonic() >= deadline:
                 raise ApiError(503, f"the root at {target} cannot be reached and no other root was elected "
                                     f"within {FAILOVER_S:.0f} s: {exc}", type="server_error", code="root_unreachable",

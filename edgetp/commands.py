@@ -161,7 +161,8 @@ async def _ask_cluster(args: argparse.Namespace) -> int:
         client.stream_chat(url, [{"role": "user", "content": prompt}], options, creds)
     try:
         if watcher:
-            await asyncio.wait_for(watching.wait(), 10)
+            async with asyncio.timeout(10):
+                await watching.wait()
         async for piece, _, rid in answer:
             if not request_id.done():
                 request_id.set_result(rid)

@@ -490,7 +490,8 @@ async def _reachable(address: str, timeout: float = 3.0) -> bool:
     """Whether HOST:PORT accepts a TCP connection (closed at once)."""
     host, _, port = address.rpartition(":")
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
+        async with asyncio.timeout(timeout):
+            _, writer = await asyncio.open_connection(host.strip("[]"), int(port))
     except (OSError, asyncio.TimeoutError, ValueError):
         return False
     writer.close()

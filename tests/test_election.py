@@ -213,3 +213,24 @@ async def test_the_elector_loop_notices_a_change_on_its_tick():
         assert await asyncio.wait_for(anext(changes), 1.0) == LeaderChanged("b", 1)
     finally:
         await changes.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_loop_cancelled_as_it_is_poked_stops():
+    """SIGTERM cancels the daemon's main task, which waits in this loop. On Python 3.11 asyncio.wait_for
+    returned normally when the cancel landed after the awaited poke had completed but before the loop
+    resumed (gh-86296): the cancel was lost and the daemon ran on. Here exactly that interleaving."""
+    el = Elector("a", lambda: [Ballot(0, 1.0, "a")], interval=60.0)
+
+    async def follow() -> None:
+        async for _ in el.changes():
+            pass
+
+    task = asyncio.create_task(follow())
+    for _ in range(5):
+        await asyncio.sleep(0)  # it elected itself and now waits for a poke or its tick
+    el.poke()
+    await asyncio.sleep(0)  # the poke's wait completes; the loop has not resumed yet
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=2)
+    assert task in done and task.cancelled(), "the cancel was swallowed: the loop runs on"

@@ -182,8 +182,10 @@ class Elector:
             if change is not None:
                 log.info("leader %s in epoch %d", change.leader, change.epoch)
                 yield change
-            try:
-                await asyncio.wait_for(self._poke.wait(), self.interval)
+            try:  # not asyncio.wait_for: on Python 3.11 it swallows a cancel that lands as the poke
+                # completes (gh-86296), and a daemon told to stop by SIGTERM then ran on
+                async with asyncio.timeout(self.interval):
+                    await self._poke.wait()
             except TimeoutError:
                 pass
             self._poke.clear()

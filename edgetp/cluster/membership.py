@@ -228,7 +228,8 @@ class Membership:
                 if remaining <= 0:
                     break
                 try:
-                    await asyncio.wait_for(self._stirred.wait(), min(self.settle, remaining))
+                    async with asyncio.timeout(min(self.settle, remaining)):  # not wait_for: see election.py
+                        await self._stirred.wait()
                 except TimeoutError:
                     break
             self._stirred.clear()

@@ -143,7 +143,8 @@ class Link:
         name = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         loop = asyncio.get_running_loop()
         try:
-            infos = await asyncio.wait_for(loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), timeout)
+            async with asyncio.timeout(timeout):
+                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except (OSError, asyncio.TimeoutError) as exc:
             raise LinkClosed(f"link {name}: cannot resolve {host!r} ({exc or 'timed out'})", name) from None
         why = "no address"
@@ -151,7 +152,8 @@ class Link:
             sock = socket.socket(family, kind, proto)
             sock.setblocking(False)
             try:
-                await asyncio.wait_for(loop.sock_connect(sock, addr), timeout)
+                async with asyncio.timeout(timeout):
+                    await loop.sock_connect(sock, addr)
             except (OSError, asyncio.TimeoutError) as exc:
                 sock.close()
                 why = str(exc) or "timed out"
@@ -176,7 +178,8 @@ class Link:
 
     async def recv(self, timeout: float | None = None) -> Frame:
         try:
-            return await asyncio.wait_for(self._recv(), timeout or self.timeout)
+            async with asyncio.timeout(timeout or self.timeout):  # not wait_for: see cluster/election.py
+                return await self._recv()
         except asyncio.TimeoutError:
             raise self._closed(f"no frame within {timeout or self.timeout:.0f} s") from None
 
@@ -325,7 +328,8 @@ class Link:
 
     async def _try_error(self, message: str) -> None:
         try:
-            await asyncio.wait_for(self.send(FrameType.ERROR, {"message": message}), 1)
+            async with asyncio.timeout(1):
+                await self.send(FrameType.ERROR, {"message": message})
         except (LinkClosed, asyncio.TimeoutError):
             pass
 

@@ -173,11 +173,12 @@ class Worker:
             self._link.cut()  # a receive blocked on it, on the compute thread or the loop, fails out
             if self._task is not None:
                 self._task.cancel()  # and so does whatever else the session awaits
-        deadline = time.monotonic() + BUSY_WAIT
+        deadline = asyncio.get_running_loop().time() + BUSY_WAIT
         while self.busy:  # a root re-planning may reconnect before its old session has wound down
             try:
-                await asyncio.wait_for(self._idle.wait(), max(0.0, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
+                async with asyncio.timeout_at(deadline):
+                    await self._idle.wait()
+            except TimeoutError:
                 await link._try_error(f"worker {self.node_id} is busy with another root")
                 link.close()
                 return

@@ -77,6 +77,8 @@ async def test_the_star_all_reduce_sums_partials_in_either_link_mode(mode, sync)
 async def test_a_link_waiting_in_blocking_mode_burns_no_cpu():
     a, b = await _pair()
     a.enter_blocking()
+    await b.send(FrameType.PING, {})  # one frame first: the receive's compiled code loads (or compiles) then
+    await asyncio.to_thread(a.recv_blocking, FrameType.PING)
     used: list[float] = []
 
     def wait() -> None:

@@ -262,6 +262,13 @@ class Scheduler:
         self.cache.forget()
         return gone
 
+    def begin(self) -> None:
+        """runner.begin() (a cluster's workers enter their generation loop), re-planned around a node
+        lost since the last pass as a step would be: a worker that died while the cluster was idle
+        fails the first frame sent to it, and that is this one. Raises as step() does."""
+        fresh = self.runner
+        self._run(lambda r: r.begin() if r is fresh else None)  # a recovered runner has begun already
+
     # ---------------------------------------------------------------- one step
 
     def step(self) -> list[tuple[Seq, TokenEvent]]:

@@ -300,6 +300,13 @@ class Engine:
                     stop.set()
                     await asyncio.wait([fut], timeout=STOP_GRACE_S)
                     raise
+                except Exception as exc:  # noqa: BLE001 - a bug costs the requests it held, never the engine
+                    log.exception("the generation loop failed")
+                    self._sched = None  # nothing it held is sure
+                    with self._lock:
+                        running, self._running = list(self._running), []
+                    for job in running:
+                        self._finish(job, "error", GenerationFailed(f"generation failed: {exc}"))
         finally:
             self._serving = False
             self._closed = True
@@ -351,11 +358,11 @@ class Engine:
                     if not self._waiting:
                         return
                     continue
-                if not began:
-                    sched.runner.begin()
-                    began = True
-                before = self._counters()
                 try:
+                    if not began:
+                        began = True  # (ended, even half begun: runner.end skips links that are gone)
+                        sched.begin()
+                    before = self._counters()
                     produced = sched.step()
                 except Exception as exc:  # noqa: BLE001 - every running job learns why; the engine serves on
                     self._step_failed(loop, sched, jobs, exc)

@@ -10,7 +10,9 @@ failures in tests/test_daemon.py. Expected text: `generate` on the model, outsid
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -18,6 +20,7 @@ import time
 import aiohttp
 import openai
 import pytest
+from aiohttp import web
 
 from edgetp.model import sampling
 from edgetp.model.generate import LocalRunner, generate
@@ -110,6 +113,36 @@ def cutting():
         c.close()
 
 
+WORDS = [f"w{i} " for i in range(10)]
+
+
+@pytest.fixture
+async def trickling():
+    """The URL of a root that streams a completion of WORDS, one every 0.25 s (a slow cluster's tokens)."""
+    async def complete(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i, word in enumerate(WORDS):
+            await asyncio.sleep(0.25)
+            chunk = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "stories260K",
+                     "choices": [{"index": 0, "text": word, "logprobs": None,
+                                  "finish_reason": "length" if i == len(WORDS) - 1 else None}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", complete)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    sock = socket.create_server(("127.0.0.1", 0))
+    await web.SockSite(runner, sock).start()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        await runner.cleanup()
+
+
 def until(seconds: float, then, before):
     """A membership whose answer changes `seconds` from now (a re-election, a loss)."""
     at = time.monotonic() + seconds
@@ -176,6 +209,14 @@ async def test_a_request_held_by_a_silent_root_moves_to_the_next_root_once_the_c
     t0 = time.monotonic()
     assert await ask(url, stream) == expected  # before: it waited on the silent root until the client gave up
     assert time.monotonic() - t0 >= 1.0
+
+
+async def test_a_stream_that_flows_is_not_cut_when_its_roots_heartbeats_stop_reaching_the_cluster(member, trickling):
+    """Only a root that also stopped sending is lost: here the membership loses the root 0.5 s into a
+    2.5 s stream that keeps flowing (a heartbeat gap, not a dead root). Before, the stream ended there
+    with the lost-mid-answer error."""
+    url = await member(lambda: trickling, live=until(0.5, False, True))
+    assert await ask(url, stream=True) == "".join(WORDS)
 
 
 async def test_a_silent_root_still_in_the_cluster_keeps_the_request_waiting(member, silent):

@@ -63,6 +63,8 @@ MAX_HOPS = 2  # a client -> a node -> the root is one hop; a second means the ro
 FAILOVER_S = 8.0        # how long a request waits for a new root when the root cannot be connected to
 FAILOVER_POLL_S = 0.25  # how often it asks the membership who leads meanwhile
 CONNECT_S = 3.0         # a root on the LAN accepts in milliseconds; one that takes this long is gone
+HEARD_S = 3.0           # a root that sent part of an answer this recently is still answering, whatever
+                        # its heartbeats say (the membership's default loss timeout)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ApiError = shape.ApiError
@@ -246,6 +248,18 @@ class RootLost(Exception):
     """The root a request was forwarded to was lost from the cluster before any of its answer was passed on."""
 
 
+class Heard:
+    """When the root last sent something on one exchange (time.monotonic(); never: -inf)."""
+
+    __slots__ = ("at",)
+
+    def __init__(self) -> None:
+        self.at = float("-inf")
+
+    def now(self) -> None:
+        self.at = time.monotonic()
+
+
 class AnswerCut(RootLost):
     """The root closed the connection before the client got any of its answer (killed mid-answer)."""
 
@@ -312,8 +326,9 @@ async def _proxy(request: web.Request, target: str, hops: int, body: bytes) -> w
     event a root lost mid-answer gets.
     """
     begun: list[web.StreamResponse] = []
+    heard = Heard()
     try:
-        return await _unless_lost(request.app, target, _exchange(request, target, hops, body, begun))
+        return await _unless_lost(request.app, target, _exchange(request, target, hops, body, begun, heard), heard)
     except RootLost:
         if not begun:
             raise
@@ -330,10 +345,12 @@ async def _lost_mid_answer(request: web.Request, resp: web.StreamResponse, targe
         await resp.write_eof()
 
 
-async def _unless_lost(app: web.Application, target: str, aw: Awaitable[Any]) -> Any:
+async def _unless_lost(app: web.Application, target: str, aw: Awaitable[Any], heard: Heard) -> Any:
     """`aw`'s result, unless the cluster loses the root at `target` first: then `aw` is cancelled and
     RootLost raised. A root that hangs or is suspended (a laptop put to sleep) keeps its connections
-    open, and its kernel accepts new ones, so only the membership's heartbeats tell it is gone."""
+    open, and its kernel accepts new ones, so only the membership's heartbeats tell it is gone. A
+    root still sending on this exchange (`heard` within HEARD_S) is not lost, though: a heartbeat gap
+    must not cut a stream that flows."""
     live = app[LIVE]
     if live is None:  # no membership to ask (a node outside a cluster)
         return await aw
@@ -341,7 +358,7 @@ async def _unless_lost(app: web.Application, target: str, aw: Awaitable[Any]) ->
     try:
         while not work.done():
             await asyncio.wait([work], timeout=FAILOVER_POLL_S)
-            if not work.done() and not live(target):
+            if not work.done() and not live(target) and time.monotonic() - heard.at > HEARD_S:
                 work.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await work
@@ -352,7 +369,7 @@ async def _unless_lost(app: web.Application, target: str, aw: Awaitable[Any]) ->
 
 
 async def _exchange(request: web.Request, target: str, hops: int, body: bytes,
-                    begun: list[web.StreamResponse]) -> web.StreamResponse:
+                    begun: list[web.StreamResponse], heard: Heard) -> web.StreamResponse:
     """The relay itself (`_relay_answer`). A whole answer is read before the client gets any of it,
     so a root that closes the connection before it is whole (killed mid-answer) has passed nothing
     on: AnswerCut, and `_routed` asks the next root. A stream is passed on as it comes (its response
@@ -360,7 +377,7 @@ async def _exchange(request: web.Request, target: str, hops: int, body: bytes,
     the root's own failures do, rather than a cut connection.
     """
     try:
-        return await _relay_answer(request, target, hops, body, begun)
+        return await _relay_answer(request, target, hops, body, begun, heard)
     except aiohttp.ClientConnectorError:
         raise
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as exc:
@@ -370,7 +387,7 @@ async def _exchange(request: web.Request, target: str, hops: int, body: bytes,
 
 
 async def _relay_answer(request: web.Request, target: str, hops: int, body: bytes,
-                        begun: list[web.StreamResponse]) -> web.StreamResponse:
+                        begun: list[web.StreamResponse], heard: Heard) -> web.StreamResponse:
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_S)
     headers = {"Content-Type": "application/json", HEADER_HOPS: str(hops + 1)}
     if "Authorization" in request.headers:
@@ -390,6 +407,7 @@ async def _relay_answer(request: web.Request, target: str, hops: int, body: byte
             begun.append(resp)
             try:
                 async for chunk in upstream.content.iter_any():
+                    heard.now()
                     await resp.write(chunk)
             except aiohttp.ClientError as exc:
                 await _lost_mid_answer(request, resp, target, exc)
@@ -555,7 +573,8 @@ async def _relay(app: web.Application, ws: web.WebSocketResponse, root: str) -> 
     root; then close, so the watcher reconnects (and finds the new root, if it changed)."""
     why = "the root's event stream ended"
     try:
-        await _unless_lost(app, root, _pass_events(app, ws, root))
+        heard = Heard()
+        await _unless_lost(app, root, _pass_events(app, ws, root, heard), heard)
     except (aiohttp.ClientError, httpauth.ProofError, ConnectionResetError, RootLost) as exc:
         why = str(exc) if isinstance(exc, RootLost) else f"the root at {root} gave no event stream: {exc}"
         with contextlib.suppress(ConnectionResetError):
@@ -564,13 +583,14 @@ async def _relay(app: web.Application, ws: web.WebSocketResponse, root: str) -> 
         await ws.close(code=WSCloseCode.GOING_AWAY, message=why.encode()[:120])
 
 
-async def _pass_events(app: web.Application, ws: web.WebSocketResponse, root: str) -> None:
+async def _pass_events(app: web.Application, ws: web.WebSocketResponse, root: str, heard: Heard) -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as session:
         headers = await httpauth.proven_headers(session, root, app[KEY], "GET", "/v1/events") \
             if app[KEY] is not None else {}
         async with session.ws_connect(root + "/v1/events", headers=headers, heartbeat=30) as up:
             async def pump() -> None:
                 async for msg in up:
+                    heard.now()
                     if msg.type == aiohttp.WSMsgType.TEXT:
                         await ws.send_str(msg.data)
 

@@ -26,7 +26,7 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Awaitable, Callable, Sequence
 
 from aiohttp import web
 from gguf import GGMLQuantizationType as QT
@@ -54,6 +54,8 @@ from edgetp.serve.weights import ShardServer
 from edgetp.serve.worker import Worker
 
 log = logging.getLogger(__name__)
+
+WATCH_S = 0.25  # how often a plan being made checks that its peers still answer heartbeats
 
 
 @dataclass(frozen=True)
@@ -130,10 +132,12 @@ class Recovery:
 
     def __init__(self, engine: Engine, bus: EventBus, loop: asyncio.AbstractEventLoop,
                  epoch: Callable[[], int] | None = None,
-                 view: Callable[[], events.ClusterView] | None = None) -> None:
+                 view: Callable[[], events.ClusterView] | None = None,
+                 replan: Callable[[ClusterRunner, RunnerLost], Awaitable[ClusterRunner]] | None = None) -> None:
         self.engine, self.bus, self.loop = engine, bus, loop
         self.epoch = epoch  # in a cluster the election owns epochs; alone, a re-plan starts the next one
         self.view = view    # a fresh snapshot for watchers after the re-plan
+        self.replan = replan  # in a cluster, Roles.recovered: over the members; alone, the runner's own
 
     def __call__(self, exc: RunnerLost) -> ClusterRunner:
         old: ClusterRunner = self.engine.runner
@@ -143,7 +147,8 @@ class Recovery:
             self._publish(events.ClusterEvent("leave", f"worker {exc.link_name} lost: {exc}", exc.link_name,
                                               old.plan.epoch))
         epoch = self.epoch() if self.epoch else None
-        new = asyncio.run_coroutine_threadsafe(old.recovered(exc, epoch), self.loop).result(600)
+        replanning = self.replan(old, exc) if self.replan else old.recovered(exc, epoch)
+        new = asyncio.run_coroutine_threadsafe(replanning, self.loop).result(600)
         self.engine.runner = new
         self._publish(replan_event(new))
         if self.view is not None:
@@ -256,7 +261,8 @@ async def serve_cluster(opts: ServeOptions, on_listening: Callable[[str], None] 
             roles.append(Roles(engine, membership, mf, opts, node_id, ctx, http_port, shards))
             engine.between = roles[0].between
             on_roles(roles[0])
-            engine.recover = Recovery(engine, bus, loop, lambda: membership.epoch, view=roles[0].view)
+            engine.recover = Recovery(engine, bus, loop, lambda: membership.epoch, view=roles[0].view,
+                                      replan=roles[0].recovered)
             tg.create_task(roles[0].follow_members(beat))
             if mf is None:
                 log.info("node %s holds no model: it never leads, and fetches its slice from the root", node_id)
@@ -374,6 +380,20 @@ class Roles:
             self.planned = revision  # the re-plan takes them in; if it cannot, `between` sees them missing
             runner.due = Rebalance(f"{', '.join(names[a] for a in joined)} joined", want)
 
+    async def recovered(self, old: ClusterRunner, exc: RunnerLost) -> ClusterRunner:
+        """The runner that takes over mid-answer after exc, planned as `between` plans: over the members
+        that still answer heartbeats, a lost worker left out for its backoff, any peer that fails on the
+        way left out too. (Planning over the old plan's other workers, as ClusterRunner.recovered does,
+        waited out the handshake timeout of a second worker lost at the same moment, suspended or
+        powered off, and then failed every running answer.)"""
+        old.close()
+        lost = None if isinstance(exc, Rebalance) else getattr(exc, "link_name", None)
+        if lost:
+            self.backoff.failed(lost, str(exc), time.monotonic())
+        names, want = self._wanted()
+        log.warning("re-planning over %d node(s), epoch %d: %s", len(want) + 1, self.membership.epoch, exc)
+        return await self._connect(want, names)
+
     async def _connect(self, addresses: list[str], names: dict[str, str]) -> ClusterRunner:
         """A runner over every peer that works; each that fails is left out (with a backoff) and logged.
 
@@ -382,12 +402,12 @@ class Roles:
         try:
             for _ in range(len(addresses) + 1):
                 try:
-                    runner = await ClusterRunner.connect(
+                    runner = await self._unless_lost(addresses, ClusterRunner.connect(
                         self.mf, addresses, ctx=self.ctx, sync=self.opts.sync, key=self.opts.key,
                         threads=self.opts.threads, epoch=self.membership.epoch, node_id=self.node_id,
                         fetch_port=self.http_port, on_progress=self._progress, slots=self.opts.slots,
                         kv_type=self.opts.kv_type, parallel=self.opts.parallel, experts=self.opts.experts,
-                        sync_pieces=self.opts.sync_pieces)
+                        sync_pieces=self.opts.sync_pieces))
                 except Exception as exc:  # noqa: BLE001 - whatever a peer did, plan without it
                     if not addresses:
                         raise
@@ -409,6 +429,26 @@ class Roles:
             raise AssertionError("not reached: the last attempt plans this node alone")
         finally:
             self.fetching.clear()
+
+    async def _unless_lost(self, addresses: list[str], connecting: Awaitable[ClusterRunner]) -> ClusterRunner:
+        """`connecting`, given up once the membership loses one of `addresses` (no heartbeat answered for
+        the loss timeout): a peer suspended or powered off mid-plan would otherwise hold the plan, and every
+        answer waiting on it, for the handshake's timeout or a profile's or load's (a minute). Raises
+        LinkClosed naming the lost peer (its links closed before it returns)."""
+        task = asyncio.ensure_future(connecting)
+        try:
+            while not task.done():  # ends with the connect, which is bounded by its own timeouts
+                await asyncio.wait([task], timeout=WATCH_S)
+                live = {data_address(p.advert) for p in self.membership.usable()}
+                gone = [a for a in addresses if a not in live]
+                if gone and not task.done():
+                    raise LinkClosed(f"{gone[0]} was lost from the cluster while the plan was made (no heartbeat "
+                                     f"answered for {self.membership.timeout:.0f} s)", gone[0])
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     async def _culprits(self, exc: Exception, addresses: list[str], names: dict[str, str]) -> set[str]:
         """Which peers a failed connect is to blame on; all of them when it cannot be told.

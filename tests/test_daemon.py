@@ -24,6 +24,7 @@ from edgetp.serve.spawn import start_daemon, stop
 from tests.test_cli_errors import edgetp
 
 PROMPT = "Once upon a time"
+LONG = 400  # tokens: still being generated when a test's signals land
 
 
 def view(url: str) -> dict:
@@ -44,10 +45,12 @@ def wait_for(check, seconds: float, what: str):
 
 
 def stream(url: str, kill_after: int | None = None, victim: subprocess.Popen | None = None,
-           retries: int = 2, max_tokens: int = 48, how: signal.Signals = signal.SIGKILL, timeout: float = 120) -> str:
+           retries: int = 2, max_tokens: int = 48, how: signal.Signals = signal.SIGKILL, timeout: float = 120,
+           also: subprocess.Popen | None = None) -> str:
     """The greedy text of PROMPT streamed through `url`; `retries` as the openai client's (0: one attempt).
 
-    After chunk `kill_after`, `victim` gets signal `how`: SIGKILL (waited for) or SIGSTOP (suspended)."""
+    After chunk `kill_after`, `victim` gets signal `how`: SIGKILL (waited for) or SIGSTOP (suspended);
+    `also` (when given) is then suspended at once."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=timeout, max_retries=retries)
     text = ""
     for n, chunk in enumerate(client.completions.create(prompt=PROMPT, model="stories260K", max_tokens=max_tokens,
@@ -55,6 +58,8 @@ def stream(url: str, kill_after: int | None = None, victim: subprocess.Popen | N
         text += chunk.choices[0].text
         if n == kill_after:
             victim.send_signal(how)
+            if also is not None:
+                also.send_signal(signal.SIGSTOP)
             if how == signal.SIGKILL:
                 victim.wait()
     return text
@@ -125,6 +130,42 @@ def test_daemons_form_a_cluster_serve_through_any_node_and_survive_losing_a_work
         assert procs["b"][0].wait(15) == 0
     finally:
         for proc, _ in procs.values():
+            stop(proc)
+
+
+def test_two_workers_lost_at_once_mid_answer_are_planned_around_and_the_answer_keeps_its_text(
+        stories_path, tmp_path):
+    """One worker killed (its port refuses) and the other suspended (its kernel accepts a connection nothing
+    answers) at the same token: the root re-plans over the members that still answer heartbeats, not over
+    the old plan's other worker, whose handshake would hold the recovery for its whole timeout and then
+    fail the answer."""
+    key = tmp_path / "cluster.key"
+    assert edgetp("keygen", str(key)).returncode == 0
+    mf = gguf.open_model(stories_path)
+    tok = Tokenizer.from_metadata(mf.metadata)
+    long = "".join(ev.text for ev in generate(LocalRunner(mf, 512), tok, tok.encode(PROMPT),
+                                              sampling.SamplingParams(temperature=0), LONG))
+    procs = {}
+    try:
+        procs["a"] = start_daemon(stories_path, key, "node-a", priority=5)
+        procs["b"] = start_daemon(stories_path, key, "node-b")
+        procs["c"] = start_daemon(stories_path, key, "node-c")
+        url = procs["a"][1]
+        wait_for(lambda: {n["node_id"] for n in view(url)["nodes"] if n["state"] == "ready"} >= {"node-b", "node-c"},
+                 60, "node-a has node-b and node-c settled")
+        first = stream(url, max_tokens=8)
+        assert first and long.startswith(first)
+        assert sorted(n["node_id"] for n in view(url)["nodes"]) == ["node-a", "node-b", "node-c"]
+
+        t0 = time.monotonic()
+        assert stream(url, kill_after=4, victim=procs["b"][0], also=procs["c"][0], max_tokens=LONG,
+                      timeout=60) == long, f"answered in {time.monotonic() - t0:.1f} s"
+        # re-planned mid-answer (a plan made before the next request would not have come yet)
+        assert [n["node_id"] for n in view(url)["nodes"]] == ["node-a"]
+    finally:
+        for proc, _ in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)  # a suspended daemon hears SIGTERM at once
             stop(proc)
 
 

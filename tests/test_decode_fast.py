@@ -3,6 +3,7 @@ the partial sums each shard hands to reduce, and logits, token after token."""
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 from dataclasses import replace
@@ -184,12 +185,14 @@ import numpy as np
 from edgetp.model import isa, kvcache, ops
 d, inp = sys.argv[1], np.load(sys.argv[2])
 for hd in (24, 64):
-    q, kc, vc = inp[f"q{hd}"], inp[f"k{hd}"], inp[f"v{hd}"]
+    kc, vc = inp[f"k{hd}"], inp[f"v{hd}"]
     for kind in ("f32", "f16"):
         k, v = (kc, vc) if kind == "f32" else (kc.astype(np.float16), vc.astype(np.float16))
-        out = np.empty_like(q)
-        ops.attention(q, kvcache.kernel_view(k), kvcache.kernel_view(v), 11, 2, out, 1)
-        np.save(d + f"/{kind}{hd}.npy", out)
+        for group in (2, 4):
+            q = inp[f"q{hd}g{group}"]
+            out = np.empty_like(q)
+            ops.attention(q, kvcache.kernel_view(k), kvcache.kernel_view(v), 11, group, out, 1)
+            np.save(d + f"/{kind}{hd}g{group}.npy", out)
 open(d + "/isa", "w").write(isa.current())
 """
 
@@ -200,7 +203,8 @@ def test_decode_attention_gives_the_reference_bits_on_every_isa_this_cpu_runs(tm
     rng = np.random.default_rng(5)
     arrays = {}
     for hd in (24, 64):
-        arrays[f"q{hd}"] = rng.standard_normal((1, 2 * 2 * hd)).astype(np.float32)
+        for group in (2, 4):  # the group's heads two and four at a time (lanes.scores2, scores4)
+            arrays[f"q{hd}g{group}"] = rng.standard_normal((1, 2 * group * hd)).astype(np.float32)
         arrays[f"k{hd}"] = (rng.standard_normal((2, 16, hd)) * 2).astype(np.float32)
         arrays[f"v{hd}"] = rng.standard_normal((2, 16, hd)).astype(np.float32)
     np.savez(tmp_path / "in.npz", **arrays)
@@ -212,13 +216,14 @@ def test_decode_attention_gives_the_reference_bits_on_every_isa_this_cpu_runs(tm
                        env=isas.child_env(name), cwd=isas.REPO, timeout=isas.child_timeout(600))
         assert (d / "isa").read_text() == name
         for hd in (24, 64):
-            q, kc, vc = arrays[f"q{hd}"], arrays[f"k{hd}"], arrays[f"v{hd}"]
-            for kind in ("f32", "f16"):
+            kc, vc = arrays[f"k{hd}"], arrays[f"v{hd}"]
+            for kind, group in itertools.product(("f32", "f16"), (2, 4)):
                 k, v = (kc, vc) if kind == "f32" else (kc.astype(np.float16).astype(np.float32),
                                                        vc.astype(np.float16).astype(np.float32))
-                want = _attention_reference(q, k, v, 11, 2)
-                got = np.load(d / f"{kind}{hd}.npy")
-                assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), f"{name}, {kind} cache, hd {hd}"
+                want = _attention_reference(arrays[f"q{hd}g{group}"], k, v, 11, group)
+                got = np.load(d / f"{kind}{hd}g{group}.npy")
+                assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), \
+                    f"{name}, {kind} cache, hd {hd}, group {group}"
 
 
 def test_the_lane_order_differs_from_one_chain_so_the_reference_can_tell_them_apart():
@@ -235,7 +240,8 @@ def test_the_lane_order_differs_from_one_chain_so_the_reference_can_tell_them_ap
 # lanes (stories260K's 8, SmolLM2's 64, Phi-3's 96, Qwen3's 128)
 @pytest.mark.parametrize("pos,hd", [(0, 64), (2, 64), (3, 64), (4, 64), (37, 64),
                                     (9, 8), (9, 16), (9, 24), (9, 40), (9, 96), (9, 128)])
-@pytest.mark.parametrize("threads,n_kv,group", [(1, 3, 3), (2, 3, 3), (2, 4, 2)])  # by KV head, by head, by KV head
+@pytest.mark.parametrize("threads,n_kv,group", [(1, 3, 3), (2, 3, 3), (2, 4, 2),  # by KV head, by head, by KV head
+                                                (1, 2, 4), (1, 2, 7)])  # the 1B shape's 4 heads a KV head; 4 + 2 + 1
 def test_decode_attention_is_the_canonical_float32_order_bit_for_bit(pos, hd, threads, n_kv, group):
     rng = np.random.default_rng(pos + hd)
     kc = rng.standard_normal((n_kv, 48, hd)).astype(np.float32)

@@ -8,6 +8,10 @@ in that order, so every ISA returns the same bits: 16 lanes are one AVX-512 regi
 ones, four NEON ones or sixteen scalars, and LLVM may not reorder float arithmetic without
 fast-math. numba cannot keep 16 sums in registers across a loop (it stores an accumulator
 array back on every step), so the loop is LLVM IR in an intrinsic.
+
+`scores1`, `scores2`, `scores4` give the dots of 1, 2 or 4 query rows with one key, times a
+scale, each the bits of `dot`: the key is read once for them all, and their folds share
+shuffles. Attention's query heads that read one KV head go through them together.
 """
 
 from __future__ import annotations
@@ -23,22 +27,35 @@ _I1, _I32, _I64, _F32 = ir.IntType(1), ir.IntType(32), ir.IntType(64), ir.FloatT
 _VF = ir.VectorType(_F32, LANES)
 
 
-def _fold(builder, v):
-    """Lane 0 of v after lane l += lane l + w for w = 8, 4, 2, 1 (the halves of v added in turn)."""
+def _fold_heads(builder, vs):
+    """One vector of len(vs) lanes, lane h the fold of vs[h]: lane l += lane l + w for w = 8, 4, 2, 1,
+    then lane 0. Each head's additions are those alone, in that order; the heads are packed side by
+    side so that one shuffle pair and one add serve two or four of them. len(vs) is 1, 2 or 4."""
+    items = [(v, 1) for v in vs]  # (vector, heads in it), each head's lanes w wide, head after head
     width = LANES
     while width > 1:
-        width //= 2
-        lo = builder.shuffle_vector(v, v, _vec(_I32, range(width)))
-        hi = builder.shuffle_vector(v, v, _vec(_I32, range(width, 2 * width)))
-        v = builder.fadd(lo, hi)
-    return builder.extract_element(v, ir.Constant(_I32, 0))
+        half = width // 2
+        pairs = list(zip(items[::2], items[1::2])) if len(items) > 1 else [(items[0], None)]
+        nxt = []
+        for (vx, hx), other in pairs:
+            vy, hy = other if other is not None else (vx, 0)
+            heads = hx + hy
+            lo = builder.shuffle_vector(vx, vy, _vec(_I32, [h * width + j for h in range(heads) for j in range(half)]))
+            hi = builder.shuffle_vector(vx, vy, _vec(_I32, [h * width + half + j for h in range(heads)
+                                                           for j in range(half)]))
+            nxt.append((builder.fadd(lo, hi), heads))
+        items, width = nxt, half
+    return items[0][0]
 
 
-def _emit_dot(builder, a, b, n):
-    """The IR of dot(a, b, n): a loop over whole groups of 16, then the last n % 16 under a mask."""
+def _emit_dots(builder, a, b, n, heads):
+    """The IR of dot(a + h n 4, b, n) for h < heads, as one vector of `heads` lanes: a loop over whole
+    groups of 16 (each of b's read once for every head), then the last n % 16 under a mask, then
+    _fold_heads."""
     c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
     pf = _VF.as_pointer()
     zero = ir.Constant(_VF, [0.0] * LANES)
+    rows = [builder.add(a, builder.mul(n, c64(4 * h))) for h in range(heads)]
     whole = builder.and_(n, c64(-LANES))
     entry = builder.block
     loop = builder.append_basic_block("lanes.loop")
@@ -47,32 +64,55 @@ def _emit_dot(builder, a, b, n):
 
     builder.position_at_end(loop)
     i = builder.phi(_I64)
-    acc = builder.phi(_VF)
+    accs = [builder.phi(_VF) for _ in range(heads)]
     off = builder.mul(i, c64(4))
-    va = builder.load(builder.inttoptr(builder.add(a, off), pf), align=4)
     vb = builder.load(builder.inttoptr(builder.add(b, off), pf), align=4)
-    summed = builder.fadd(acc, builder.fmul(va, vb))
+    summed = [builder.fadd(acc, builder.fmul(builder.load(builder.inttoptr(builder.add(row, off), pf), align=4), vb))
+              for acc, row in zip(accs, rows)]
     nxt = builder.add(i, c64(LANES))
     i.add_incoming(c64(0), entry)
     i.add_incoming(nxt, loop)
-    acc.add_incoming(zero, entry)
-    acc.add_incoming(summed, loop)
+    for acc, s in zip(accs, summed):
+        acc.add_incoming(zero, entry)
+        acc.add_incoming(s, loop)
     builder.cbranch(builder.icmp_signed("<", nxt, whole), loop, after)
 
     builder.position_at_end(after)
-    total = builder.phi(_VF)
-    total.add_incoming(zero, entry)
-    total.add_incoming(summed, loop)
+    totals = []
+    for s in summed:
+        total = builder.phi(_VF)
+        total.add_incoming(zero, entry)
+        total.add_incoming(s, loop)
+        totals.append(total)
     rest = builder.trunc(builder.sub(n, whole), _I32)
+    tail = builder.append_basic_block("lanes.tail")
+    done = builder.append_basic_block("lanes.done")
+    builder.cbranch(builder.icmp_signed(">", rest, ir.Constant(_I32, 0)), tail, done)
+    whole_only = builder.block
+
+    builder.position_at_end(tail)  # the last n % 16 under a mask (none when n is a multiple of 16)
     mask = builder.icmp_signed("<", _vec(_I32, range(LANES)), _splat(builder, rest, ir.VectorType(_I32, LANES)))
     i8p = ir.IntType(8).as_pointer()
     mload = _decl(builder.module, f"llvm.masked.load.v{LANES}f32.p0", _VF,
                   [i8p, _I32, ir.VectorType(_I1, LANES), _VF])
     off = builder.mul(whole, c64(4))
-    ta = builder.call(mload, [builder.inttoptr(builder.add(a, off), i8p), ir.Constant(_I32, 4), mask, zero])
-    tb = builder.call(mload, [builder.inttoptr(builder.add(b, off), i8p), ir.Constant(_I32, 4), mask, zero])
-    total = builder.select(mask, builder.fadd(total, builder.fmul(ta, tb)), total)
-    return _fold(builder, total)
+
+    def masked(addr):
+        return builder.call(mload, [builder.inttoptr(builder.add(addr, off), i8p), ir.Constant(_I32, 4), mask, zero])
+
+    tb = masked(b)
+    tails = [builder.select(mask, builder.fadd(total, builder.fmul(masked(row), tb)), total)
+             for total, row in zip(totals, rows)]
+    builder.branch(done)
+
+    builder.position_at_end(done)
+    lasts = []
+    for total, t in zip(totals, tails):
+        last = builder.phi(_VF)
+        last.add_incoming(total, whole_only)
+        last.add_incoming(t, tail)
+        lasts.append(last)
+    return _fold_heads(builder, lasts)
 
 
 @intrinsic
@@ -82,6 +122,31 @@ def dot(typingctx, a, b, n):
     sig = types.float32(types.int64, types.int64, types.int64)
 
     def codegen(context, builder, signature, args):
-        return _emit_dot(builder, *args)
+        return builder.extract_element(_emit_dots(builder, *args, 1), ir.Constant(_I32, 0))
 
     return sig, codegen
+
+
+def _scores(heads: int):
+    @intrinsic
+    def scores(typingctx, a, b, n, out, stride, scale):
+        """out[h * stride] = dot(a + h n 4, b, n) * scale for h < heads (float32 at address out, stride in
+        values): the dots of `heads` query rows, n float32 apart, with one key b, each the bits dot gives."""
+        sig = types.void(types.int64, types.int64, types.int64, types.int64, types.int64, types.float32)
+
+        def codegen(context, builder, signature, args):
+            a, b, n, out, stride, scale = args
+            v = builder.fmul(_emit_dots(builder, a, b, n, heads), _splat(builder, scale, ir.VectorType(_F32, heads)))
+            step = builder.mul(stride, ir.Constant(_I64, 4))
+            for h in range(heads):
+                at = builder.add(out, builder.mul(step, ir.Constant(_I64, h)))
+                builder.store(builder.extract_element(v, ir.Constant(_I32, h)),
+                              builder.inttoptr(at, _F32.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return scores
+
+
+scores1, scores2, scores4 = _scores(1), _scores(2), _scores(4)

@@ -167,6 +167,7 @@ def attend_heads(q, k_cache, v_cache, pos0, group, out, t, h0, count, scale, win
     for g in range(count):
         qh[g] = q[t, (h0 + g) * hd : (h0 + g) * hd + hd]
     qa = qh.ctypes.data
+    sa, span = scores.ctypes.data, (last + 1) * 4  # scores[g, s] at sa + g * span + s * 4
     kc, vc = k_cache[kv], v_cache[kv]
     scratch = np.empty((4, hd), dtype=np.float32)
     s0 = first
@@ -176,10 +177,18 @@ def attend_heads(q, k_cache, v_cache, pos0, group, out, t, h0, count, scale, win
         if keys.strides[1] != 4:  # a float32 cache whose rows are not contiguous
             scratch[:m] = keys
             keys = scratch[:m]
-        for r in range(m):
+        for r in range(m):  # the group's heads 4, 2 and 1 at a time, each score the bits of lanes.dot * sc
             ka = keys.ctypes.data + r * keys.strides[0]
-            for g in range(count):
-                scores[g, s0 + r] = lanes.dot(qa + g * hd * 4, ka, hd) * sc
+            at = sa + (s0 + r) * 4
+            g = 0
+            while g + 4 <= count:
+                lanes.scores4(qa + g * hd * 4, ka, hd, at + g * span, last + 1, sc)
+                g += 4
+            if g + 2 <= count:
+                lanes.scores2(qa + g * hd * 4, ka, hd, at + g * span, last + 1, sc)
+                g += 2
+            if g < count:
+                lanes.scores1(qa + g * hd * 4, ka, hd, at + g * span, last + 1, sc)
         s0 += m
     inv = np.empty(count, dtype=np.float32)
     for g in range(count):

@@ -16,6 +16,10 @@ For each setup and number of clients, every client streams one completion at onc
 * aggregate decode tok/s: every token after each stream's first, over the time from the
   earliest first token to the last token of all streams (queueing and prefills included:
   what the cluster delivers while that many people wait on it);
+* aggregate tok/s while all decode: the tokens that arrive between the moment every stream has
+  its first token and the moment the first stream ends, over that window (no prefill runs in
+  it: what a decode step of that many sequences delivers; the single-client row's is its whole
+  stream, as above);
 * p50, p95 and max of the time between tokens, pooled over every stream (gaps between
   consecutive streamed chunks of one stream; the max is the longest stall);
 * p50 and max of the time to first token (request sent to first text);
@@ -263,6 +267,7 @@ class Row:
     short: int                # streams that ended before max_tokens
     errors: list[str]
     replans: int = 0          # re-plans of the cluster during the level (each replays every running sequence)
+    steady: float | None = None  # tok/s while every stream decodes (after the last first token, before the first end)
 
 
 def pct(values: Sequence[float], p: float) -> float | None:
@@ -285,7 +290,19 @@ def figures(clients: int, streams: list[Stream], max_tokens: int) -> Row:
         agg = after_first / (end - start) if end > start else None
     return Row(clients, agg, pct(gaps, 50), pct(gaps, 95), max(gaps, default=None), pct(ttfts, 50),
                max(ttfts, default=None),
-               sum(s.tokens for s in ok), sum(1 for s in ok if s.tokens < max_tokens), errors)
+               sum(s.tokens for s in ok), sum(1 for s in ok if s.tokens < max_tokens), errors,
+               steady=all_decoding(streams))
+
+
+def all_decoding(streams: list[Stream]) -> float | None:
+    """Chunks a second that arrive while every stream of the level decodes: after the last stream's first
+    token, up to the end of the first stream to finish; None when a stream failed or no such window is."""
+    if not streams or any(s.error is not None or len(s.arrivals) < 2 for s in streams):
+        return None
+    start, end = max(s.arrivals[0] for s in streams), min(s.arrivals[-1] for s in streams)
+    if end <= start:
+        return None
+    return sum(1 for s in streams for t in s.arrivals if start < t <= end) / (end - start)
 
 
 def ms(x: float | None) -> str:
@@ -298,7 +315,7 @@ def ratio(x: float | None, base: float | None) -> str:
 
 def table(title: str, rows: list[Row], max_tokens: int) -> str:
     base = next((r for r in rows if r.clients == 1), None)
-    head = ["clients", "agg tok/s", "x1", "TBT p50 ms", "TBT p95 ms", "p95 x1", "TBT max ms", "TTFT p50 ms",
+    head = ["clients", "agg tok/s", "x1", "all decoding tok/s", "x1", "TBT p50 ms", "TBT p95 ms", "p95 x1", "TBT max ms", "TTFT p50 ms",
             "TTFT max ms",
             "tokens", "notes"]
     body = []
@@ -312,7 +329,8 @@ def table(title: str, rows: list[Row], max_tokens: int) -> str:
         if r.replans:
             notes.append(f"{r.replans} re-plan(s) during the level")
         body.append([str(r.clients), "-" if r.agg is None else f"{r.agg:.1f}",
-                     ratio(r.agg, base.agg if base else None), ms(r.tbt50), ms(r.tbt95),
+                     ratio(r.agg, base.agg if base else None), "-" if r.steady is None else f"{r.steady:.1f}",
+                     ratio(r.steady, base.steady if base else None), ms(r.tbt50), ms(r.tbt95),
                      ratio(r.tbt95, base.tbt95 if base else None), ms(r.tbt_max), ms(r.ttft50), ms(r.ttft_max),
                      str(r.tokens),
                      "; ".join(notes)])

@@ -50,6 +50,7 @@ from edgetp import events
 from edgetp.serve.backoff import Backoff
 from edgetp.serve.api import NoRoot, make_app, run_api, serving
 from edgetp.serve.root import Engine, EventBus, local_view
+from edgetp.serve.watch import unless
 from edgetp.serve.weights import ShardServer
 from edgetp.serve.worker import Worker
 
@@ -435,20 +436,13 @@ class Roles:
         the loss timeout): a peer suspended or powered off mid-plan would otherwise hold the plan, and every
         answer waiting on it, for the handshake's timeout or a profile's or load's (a minute). Raises
         LinkClosed naming the lost peer (its links closed before it returns)."""
-        task = asyncio.ensure_future(connecting)
-        try:
-            while not task.done():  # ends with the connect, which is bounded by its own timeouts
-                await asyncio.wait([task], timeout=WATCH_S)
-                live = {data_address(p.advert) for p in self.membership.usable()}
-                gone = [a for a in addresses if a not in live]
-                if gone and not task.done():
-                    raise LinkClosed(f"{gone[0]} was lost from the cluster while the plan was made (no heartbeat "
-                                     f"answered for {self.membership.timeout:.0f} s)", gone[0])
-            return task.result()
-        finally:
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        def lost() -> LinkClosed | None:
+            live = {data_address(p.advert) for p in self.membership.usable()}
+            gone = [a for a in addresses if a not in live]
+            return LinkClosed(f"{gone[0]} was lost from the cluster while the plan was made (no heartbeat "
+                              f"answered for {self.membership.timeout:.0f} s)", gone[0]) if gone else None
+
+        return await unless(connecting, lost, WATCH_S)
 
     async def _culprits(self, exc: Exception, addresses: list[str], names: dict[str, str]) -> set[str]:
         """Which peers a failed connect is to blame on; all of them when it cannot be told.

@@ -42,6 +42,7 @@ from edgetp.model.chat import ChatTemplateError
 from edgetp.net import httpauth
 from edgetp import events
 from edgetp.serve import openai_shape as shape
+from edgetp.serve.watch import unless
 from edgetp.serve.root import (Engine, EngineClosed, GenerationFailed, Job, QueueFull, Request, Unavailable,
                                local_view)
 
@@ -354,18 +355,13 @@ async def _unless_lost(app: web.Application, target: str, aw: Awaitable[Any], he
     live = app[LIVE]
     if live is None:  # no membership to ask (a node outside a cluster)
         return await aw
-    work = asyncio.ensure_future(aw)
-    try:
-        while not work.done():
-            await asyncio.wait([work], timeout=FAILOVER_POLL_S)
-            if not work.done() and not live(target) and time.monotonic() - heard.at > HEARD_S:
-                work.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await work
-                raise RootLost(f"the root at {target} was lost from the cluster")
-        return work.result()
-    finally:
-        work.cancel()  # a no-op once it is done; if our caller was cancelled, the work goes too
+
+    def lost() -> RootLost | None:
+        if live(target) or time.monotonic() - heard.at <= HEARD_S:
+            return None
+        return RootLost(f"the root at {target} was lost from the cluster")
+
+    return await unless(aw, lost, FAILOVER_POLL_S)
 
 
 async def _exchange(request: web.Request, target: str, hops: int, body: bytes,

@@ -254,7 +254,7 @@ def test_decode_attention_is_the_canonical_float32_order_bit_for_bit(pos, hd, th
 
 
 def test_decode_attention_reads_a_float32_cache_whose_rows_are_not_contiguous():
-    # lanes.dot reads addresses, so keys with a stride between values are copied into rows first
+    # lanes.scores* read addresses, so keys with a stride between values are copied into rows first
     rng = np.random.default_rng(11)
     n_kv, group, hd, pos = 2, 2, 24, 9
     wide = rng.standard_normal((n_kv, 16, 2 * hd)).astype(np.float32)

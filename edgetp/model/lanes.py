@@ -1,6 +1,6 @@
-"""A float32 dot product in one fixed order that vectorizes: attention's q.k.
+"""Float32 dot products in one fixed order that vectorize: attention's q.k.
 
-`dot(a, b, n)` (addresses of n float32 each) sums in 16 lanes: lane l starts at +0.0 and adds
+The dot of a and b (addresses of n float32 each) sums in 16 lanes: lane l starts at +0.0 and adds
 the products a[d] * b[d] of d = l, l + 16, l + 32, ... in turn (a product rounded to f32, then
 the sum rounded: no fused multiply-add); then the lanes fold in halves, lane l += lane l + 8,
 then l + 4, then l + 2, then l + 1, and lane 0 is the result. Every step is one IEEE operation
@@ -10,8 +10,8 @@ fast-math. numba cannot keep 16 sums in registers across a loop (it stores an ac
 array back on every step), so the loop is LLVM IR in an intrinsic.
 
 `scores1`, `scores2`, `scores4` give the dots of 1, 2 or 4 query rows with one key, times a
-scale, each the bits of `dot`: the key is read once for them all, and their folds share
-shuffles. Attention's query heads that read one KV head go through them together.
+scale, each with the bits of that order alone: the key is read once for them all, and their
+folds share shuffles. Attention's query heads that read one KV head go through them together.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _fold_heads(builder, vs):
 
 
 def _emit_dots(builder, a, b, n, heads):
-    """The IR of dot(a + h n 4, b, n) for h < heads, as one vector of `heads` lanes: a loop over whole
+    """The IR of the dots of a + h n 4 and b (n values each) for h < heads, as one vector of `heads` lanes: a loop over whole
     groups of 16 (each of b's read once for every head), then the last n % 16 under a mask, then
     _fold_heads."""
     c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
@@ -115,23 +115,11 @@ def _emit_dots(builder, a, b, n, heads):
     return _fold_heads(builder, lasts)
 
 
-@intrinsic
-def dot(typingctx, a, b, n):
-    """The float32 sum of a[d] * b[d] for d < n in the lane order above; a, b: int64 addresses of
-    n float32 each (compiled code only)."""
-    sig = types.float32(types.int64, types.int64, types.int64)
-
-    def codegen(context, builder, signature, args):
-        return builder.extract_element(_emit_dots(builder, *args, 1), ir.Constant(_I32, 0))
-
-    return sig, codegen
-
-
 def _scores(heads: int):
     @intrinsic
     def scores(typingctx, a, b, n, out, stride, scale):
-        """out[h * stride] = dot(a + h n 4, b, n) * scale for h < heads (float32 at address out, stride in
-        values): the dots of `heads` query rows, n float32 apart, with one key b, each the bits dot gives."""
+        """out[h * stride] = (the dot of a + h n 4 and b, n values each) * scale for h < heads (float32 at
+        address out, stride in values): the dots of `heads` query rows, n float32 apart, with one key b."""
         sig = types.void(types.int64, types.int64, types.int64, types.int64, types.int64, types.float32)
 
         def codegen(context, builder, signature, args):

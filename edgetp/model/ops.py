@@ -149,7 +149,7 @@ def attend_job(q, k_cache, v_cache, pos0, group, out, job, per_kv, scale=0.0, wi
 @njit(**_JIT)
 def attend_heads(q, k_cache, v_cache, pos0, group, out, t, h0, count, scale, window, cap):  # pragma: no cover
     # query heads h0 .. h0+count-1 of token t, which read one KV head. Each head's arithmetic is
-    # its own and the same whatever count is: each score is lanes.dot of q and the key (16 lanes,
+    # its own and the same whatever count is: each score is lanes' dot of q and the key (16 lanes,
     # folded in halves: one order on every ISA), times the scale; e**x is exp32 (float32 steps,
     # the same bits on every ISA and C library: libm's expf, one call per value, was a third of
     # the time); softmax's sum is one chain over positions in order, and so is each output
@@ -163,7 +163,7 @@ def attend_heads(q, k_cache, v_cache, pos0, group, out, t, h0, count, scale, win
     last = pos0 + t  # attends to first .. last
     first = max(0, last - window + 1) if window > 0 else 0
     scores = np.empty((count, last + 1), dtype=np.float32)
-    qh = np.empty((count, hd), dtype=np.float32)  # contiguous, for lanes.dot
+    qh = np.empty((count, hd), dtype=np.float32)  # contiguous, for lanes.scores*
     for g in range(count):
         qh[g] = q[t, (h0 + g) * hd : (h0 + g) * hd + hd]
     qa = qh.ctypes.data
@@ -177,7 +177,7 @@ def attend_heads(q, k_cache, v_cache, pos0, group, out, t, h0, count, scale, win
         if keys.strides[1] != 4:  # a float32 cache whose rows are not contiguous
             scratch[:m] = keys
             keys = scratch[:m]
-        for r in range(m):  # the group's heads 4, 2 and 1 at a time, each score the bits of lanes.dot * sc
+        for r in range(m):  # the group's heads 4, 2 and 1 at a time, each score the bits of its own lane dot * sc
             ka = keys.ctypes.data + r * keys.strides[0]
             at = sa + (s0 + r) * 4
             g = 0

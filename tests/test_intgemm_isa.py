@@ -248,7 +248,7 @@ def test_every_isas_tiles_compile_for_its_cpu_and_use_its_instructions(name):
         b = ir.IRBuilder(fn.append_basic_block("entry"))
         intgemm._emit_tile(b, qt, name, list(fn.args))
         b.ret_void()
-        pack = ir.Function(mod, ir.FunctionType(ir.VoidType(), [ir.IntType(64)] * 6), name="pack")
+        pack = ir.Function(mod, ir.FunctionType(ir.VoidType(), [ir.IntType(64)] * 7), name="pack")
         b = ir.IRBuilder(pack.append_basic_block("entry"))
         intgemm._emit_pack(b, qt, name, list(pack.args))
         b.ret_void()

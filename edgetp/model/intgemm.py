@@ -72,9 +72,13 @@ Activations are rounded per block of 32 columns:
 
 AVX-512 VNNI, one core, 256 tokens, 2048- and 8192-column shapes: ~270 GOPS
 (int8) and ~155 GOPS (int16), against ~80 for f32 sgemm on decoded tiles.
-Packing the panels is ~1% of that. (Measured before the panels were packed by
-`_emit_pack`; a table-driven numba pack in its place cost AVX2 Q4_0 18%, the
-emitted one runs ~5% faster than the hand-written numba packs it replaced.)
+A prefill chunk is 64 tokens (batch.PREFILL_CHUNK), and a type whose panels are
+not kept packs them for each chunk: packed a row at a time, 4-byte words 4 * P
+bytes apart, that was half of a 64-token Q8_0 or Q5_0 product (Zen 4, one core,
+8192 x 2048: 10.2 and 10.0 ms). `_emit_pack` now packs a block of all P rows at
+once, their words transposed in registers and each panel vector stored whole:
+7.5 and 7.7 ms (Q5_K 11.3 -> 10.4; Q4_1, whose int16 products bind it, 13.4 either
+way; Q4_0's kept pack at load 1.2 -> 1.0 ms).
 
 AVX2 (AMD EPYC Zen 3 VM, avx2/fma/f16c, one core of a busy 2-core machine,
 tools/bench_intgemm.py, 2048x2048 and 8192x2048, 256 tokens): tiles of one
@@ -607,59 +611,81 @@ def _tile(typingctx, kind, which, pq, pd, pm, nb, xa, xs, da, sa, s16, ds, oa, o
 
 
 def _emit_pack(builder, qtype: int, which: str, args) -> None:
-    """One GGUF block of one row into its panel column: each 32 values' codes as `Kind` packs
+    """One GGUF block of each row of a panel into the panel: each 32 values' codes as `Kind` packs
     them (one per byte, or nibbles: byte k holds value k low, 16 + k high), each unit's scale
     and offset. The codes and scales come from the type's intdot_layouts row through the
     decode kernels' emitter (intdot_ir.Emit), so they are gguf-py's values: a K-quant's
-    d * sc and -(dmin * mn) in f32."""
-    src, pq, pd, pm, P, tab = args
+    d * sc and -(dmin * mn) in f32. Row i's block is at src + min(i, m - 1) * rstride (rows
+    past the weight's end repeat its last); the rows' codes are transposed in registers and each
+    panel vector is stored whole (a row's codes stored word by word, 4 bytes 4 * P apart, took
+    half of a 64-token Q8_0 prefill on a Zen 4)."""
+    src, rstride, m, pq, pd, pm, tab = args
+    P = ISA_TILES[which][1].rows
     L, k = IL.LAYOUTS[qtype], KINDS[qtype]
     em = intdot_ir.Emit(builder, L, which, tab)
-    stride = builder.mul(P, ir.Constant(_I64, 4))  # bytes from one panel vector to the next
+    c = lambda v: ir.Constant(_I64, v)  # noqa: E731
+    stride = c(4 * P)  # bytes from one panel vector to the next
+    db = 2 if half(qtype, which) else 4  # bytes of a scale entry
 
     def store(base, j, v, step=stride):
-        builder.store(v, _at(builder, builder.add(base, builder.mul(ir.Constant(_I64, j), step)), 0, v.type),
+        builder.store(v, _at(builder, builder.add(base, builder.mul(c(j), step)), 0, v.type),
                       align=v.type.width // 8 if isinstance(v.type, ir.IntType) else 4)
 
-    if half(qtype, which):  # the block's f16 scale as it is (KEPT: no offset, one unit)
-        store(pd, 0, intdot_ir._load(builder, src, L.chunks[0].lo.d, _I16), builder.mul(P, ir.Constant(_I64, 2)))
-        ws, wm = [], None
-    elif compact(qtype, which):  # pd: this block's scale bytes in the panel, pm: the row (`compact`)
-        _pack_compact(builder, em, COMPACT[qtype], src, pd, pm, P)
-        ws, wm = [], None
-    elif L.values == 32:
-        ch = L.chunks[0]
-        ws, wm = [em.f16(src, ch.lo.d)], [em.f16(src, ch.lo.m)] if k.offset else None
-    else:
-        wsv, wmv = em.slot_weights(src)
-        n = wsv.type.count
-        ws = [builder.extract_element(wsv, ir.Constant(_I32, j)) for j in range(n)]
-        wm = [builder.extract_element(wmv, ir.Constant(_I32, j)) for j in range(n)] if k.offset else None
-    for j, v in enumerate(ws):
-        store(pd, j, v)
-    for j, v in enumerate(wm or ()):
-        store(pm, j, v)
-    for c, ch in enumerate(L.chunks):
-        u = em.chunk(src, ch)  # <32 x i8>: unsigned codes, int8 (Q8_0) or the code book's values (IQ4)
-        if k.planes:  # 16 bytes of nibbles as below, then 8 of 2-bit fields: byte k holds values k, 8+k, 16+k, 24+k
-            nib = builder.and_(u, _vec(_I8, [15] * 32))
-            top = builder.lshr(u, _vec(_I8, [4] * 32))
-            lo = builder.shuffle_vector(nib, nib, _vec(_I32, range(16)))
-            hi = builder.shuffle_vector(nib, nib, _vec(_I32, range(16, 32)))
-            two = builder.shuffle_vector(top, top, _vec(_I32, range(8)))
-            for f in range(1, 4):
-                two = builder.or_(two, builder.shl(builder.shuffle_vector(top, top, _vec(_I32, range(8 * f, 8 * f + 8))),
-                                                   _vec(_I8, [2 * f] * 8)))
-            both = builder.or_(lo, builder.shl(hi, _vec(_I8, [4] * 16)))
-            u = builder.shuffle_vector(both, builder.shuffle_vector(two, two, _vec(_I32, list(range(8)) + [0] * 8)),
-                                       _vec(_I32, list(range(16)) + list(range(16, 24))))
-        elif k.nibbles:
-            lo = builder.shuffle_vector(u, u, _vec(_I32, range(16)))
-            hi = builder.shuffle_vector(u, u, _vec(_I32, range(16, 32)))
-            u = builder.or_(lo, builder.shl(hi, _vec(_I8, [4] * 16)))
-        words = builder.bitcast(u, ir.VectorType(_I32, k.groups))
-        for g in range(k.groups):
-            store(pq, c * k.groups + g, builder.extract_element(words, ir.Constant(_I32, g)))
+    last = builder.sub(m, c(1))
+    words = []  # words[i][chunk]: row i's <groups x i32> codes of that chunk
+    for i in range(P):
+        row = builder.select(builder.icmp_signed("<", c(i), m), c(i), last) if i else c(0)
+        s = builder.add(src, builder.mul(row, rstride))
+        di, mi = builder.add(pd, c(i * db)), builder.add(pm, c(i * 4))
+        if half(qtype, which):  # the block's f16 scale as it is (KEPT: no offset, one unit)
+            store(di, 0, intdot_ir._load(builder, s, L.chunks[0].lo.d, _I16), c(2 * P))
+            ws, wm = [], None
+        elif compact(qtype, which):  # pd: this block's scale bytes in the panel (`compact`)
+            _pack_compact(builder, em, COMPACT[qtype], s, pd, c(i), c(P))
+            ws, wm = [], None
+        elif L.values == 32:
+            ch = L.chunks[0]
+            ws, wm = [em.f16(s, ch.lo.d)], [em.f16(s, ch.lo.m)] if k.offset else None
+        else:
+            wsv, wmv = em.slot_weights(s)
+            n = wsv.type.count
+            ws = [builder.extract_element(wsv, ir.Constant(_I32, j)) for j in range(n)]
+            wm = [builder.extract_element(wmv, ir.Constant(_I32, j)) for j in range(n)] if k.offset else None
+        for j, v in enumerate(ws):
+            store(di, j, v)
+        for j, v in enumerate(wm or ()):
+            store(mi, j, v)
+        words.append([builder.bitcast(_chunk_bytes(builder, em, k, s, ch), ir.VectorType(_I32, k.groups))
+                      for ch in L.chunks])
+    for ci in range(len(L.chunks)):
+        rows = [w[ci] for w in words]
+        while len(rows) > 1:  # one vector of every row's words, row after row
+            rows = [builder.shuffle_vector(a, b, _vec(_I32, range(2 * a.type.count))) for a, b in zip(rows[::2], rows[1::2])]
+        for g in range(k.groups):  # panel vector g: word g of each row
+            store(pq, ci * k.groups + g, builder.shuffle_vector(rows[0], rows[0], _vec(_I32, [i * k.groups + g for i in range(P)])))
+
+
+def _chunk_bytes(builder, em, k: Kind, src, ch):
+    """A chunk's codes as its panel holds them, 4 * k.groups bytes: em.chunk's <32 x i8> (unsigned
+    codes, int8 for Q8_0, a code book's values for IQ4), nibbles or planes packed."""
+    u = em.chunk(src, ch)
+    if k.planes:  # 16 bytes of nibbles as below, then 8 of 2-bit fields: byte k holds values k, 8+k, 16+k, 24+k
+        nib = builder.and_(u, _vec(_I8, [15] * 32))
+        top = builder.lshr(u, _vec(_I8, [4] * 32))
+        lo = builder.shuffle_vector(nib, nib, _vec(_I32, range(16)))
+        hi = builder.shuffle_vector(nib, nib, _vec(_I32, range(16, 32)))
+        two = builder.shuffle_vector(top, top, _vec(_I32, range(8)))
+        for f in range(1, 4):
+            two = builder.or_(two, builder.shl(builder.shuffle_vector(top, top, _vec(_I32, range(8 * f, 8 * f + 8))),
+                                               _vec(_I8, [2 * f] * 8)))
+        both = builder.or_(lo, builder.shl(hi, _vec(_I8, [4] * 16)))
+        return builder.shuffle_vector(both, builder.shuffle_vector(two, two, _vec(_I32, list(range(8)) + [0] * 8)),
+                                      _vec(_I32, list(range(16)) + list(range(16, 24))))
+    if k.nibbles:
+        lo = builder.shuffle_vector(u, u, _vec(_I32, range(16)))
+        hi = builder.shuffle_vector(u, u, _vec(_I32, range(16, 32)))
+        return builder.or_(lo, builder.shl(hi, _vec(_I8, [4] * 16)))
+    return u
 
 
 def _pack_compact(builder, em, cp: Compact, src, pd, row, P) -> None:
@@ -677,11 +703,12 @@ def _pack_compact(builder, em, cp: Compact, src, pd, row, P) -> None:
 
 
 @intrinsic
-def _pack_block(typingctx, kind, which, src, pq, pd, pm, P, tab):
-    """kind: a literal qtype; which: a literal ISA name (its f16 conversion). src: the block's
-    bytes; pq/pd/pm: the addresses of its first vector's, scale's and offset's entry for this row
-    in the panel (rows P apart); tab: the f16 table (generic ISA)."""
-    return _emitted(kind, which, _emit_pack, 6)
+def _pack_block(typingctx, kind, which, src, rstride, m, pq, pd, pm, tab):
+    """kind: a literal qtype; which: a literal ISA name (its f16 conversion). src: the first row's
+    block, rstride the bytes from a row's block to the next row's, m the rows that exist (1..P);
+    pq/pd/pm: the addresses of the block's first vector, scale and offset entry in the panel
+    (row 0's); tab: the f16 table (generic ISA)."""
+    return _emitted(kind, which, _emit_pack, 7)
 
 
 @functools.cache
@@ -708,13 +735,11 @@ def _gemm(qtype: int, which: str):
             pm = np.empty((nb * UNITS if OFF else 1, P), np.float32)
             a, b, c = pq.ctypes.data, pd.ctypes.data, pm.ctypes.data
             r0 = p * P
-            for i in range(P):  # the panel: rows past the end repeat the last
-                src = wa + min(r0 + i, rows - 1) * w.shape[1]
-                for kb in range(nblk):
-                    at = kb * SUB * UNITS * P + i
-                    _pack_block(KIND, which, src + kb * BSZ, a + (kb * SUB * GROUPS * P + i) * 4, b + at * 4,
-                                c + at * 4, P, ta)
             m = min(P, rows - r0)
+            for kb in range(nblk):  # the panel, a block of its rows at a time (rows past the end repeat the last)
+                at = kb * SUB * UNITS * P
+                _pack_block(KIND, which, wa + r0 * w.shape[1] + kb * BSZ, w.shape[1], m,
+                            a + kb * SUB * GROUPS * P * 4, b + at * 4, c + at * 4, ta)
             for t in range(0, n, NTI):
                 _tile(KIND, which, a, b, c, nb, qa + t * xs, xs, da + t * ds, sa + t * ds, s16 + 2 * t * ds, ds,
                       oa + t * os_ + r0 * 4, os_, m, min(NTI, n - t))
@@ -776,16 +801,12 @@ def _packer(qtype: int, which: str):
         nblk = w.shape[1] // BSZ
         for p in prange(pq.shape[0]):
             a, b, c = pq[p].ctypes.data, pd[p].ctypes.data, pm[p].ctypes.data
-            for i in range(P):
-                src = w.ctypes.data + min(p * P + i, rows - 1) * w.shape[1]
-                for kb in range(nblk):
-                    at = kb * SUB * UNITS * P + i
-                    if PACKED:  # the block's scale bytes, and the row (_pack_compact)
-                        sd, sm = b + kb * CBYTES * P, i
-                    else:
-                        sd, sm = b + at * DB, c + at * 4
-                    _pack_block(KIND, which, src + kb * BSZ, a + (kb * SUB * GROUPS * P + i) * 4, sd, sm, P,
-                                tab.ctypes.data)
+            m = min(P, rows - p * P)
+            for kb in range(nblk):
+                at = kb * SUB * UNITS * P
+                sd = b + kb * CBYTES * P if PACKED else b + at * DB  # (compact: the block's scale bytes)
+                _pack_block(KIND, which, w.ctypes.data + p * P * w.shape[1] + kb * BSZ, w.shape[1], m,
+                            a + kb * SUB * GROUPS * P * 4, sd, c + at * 4, tab.ctypes.data)
 
     return pack
 

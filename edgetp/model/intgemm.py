@@ -636,6 +636,9 @@ def _emit_pack(builder, qtype: int, which: str, args) -> None:
     for i in range(P):
         row = builder.select(builder.icmp_signed("<", c(i), m), c(i), last) if i else c(0)
         s = builder.add(src, builder.mul(row, rstride))
+        # the next panel's block (its rows follow these): the rows are read across, a block of each at
+        # a time, which the hardware prefetchers do not follow from one panel into the next
+        intdot_ir._prefetch(builder, [s], builder.sub(builder.mul(rstride, c(P)), c(intdot_ir.PREFETCH)), 1)
         di, mi = builder.add(pd, c(i * db)), builder.add(pm, c(i * 4))
         if half(qtype, which):  # the block's f16 scale as it is (KEPT: no offset, one unit)
             store(di, 0, intdot_ir._load(builder, s, L.chunks[0].lo.d, _I16), c(2 * P))

@@ -78,7 +78,10 @@ bytes apart, that was half of a 64-token Q8_0 or Q5_0 product (Zen 4, one core,
 8192 x 2048: 10.2 and 10.0 ms). `_emit_pack` now packs a block of all P rows at
 once, their words transposed in registers and each panel vector stored whole:
 7.5 and 7.7 ms (Q5_K 11.3 -> 10.4; Q4_1, whose int16 products bind it, 13.4 either
-way; Q4_0's kept pack at load 1.2 -> 1.0 ms).
+way; Q4_0's kept pack at load 1.2 -> 1.0 ms). Read across its rows, the weight lost
+the hardware prefetchers from one panel to the next (SmolLM2's 576-wide Q5_0 weights,
+from RAM, packed 8% slower than row by row), so each row's block of the next panel is
+asked for: Q5_0 6.9 ms.
 
 AVX2 (AMD EPYC Zen 3 VM, avx2/fma/f16c, one core of a busy 2-core machine,
 tools/bench_intgemm.py, 2048x2048 and 8192x2048, 256 tokens): tiles of one
@@ -663,9 +666,11 @@ def _emit_pack(builder, qtype: int, which: str, args) -> None:
     for ci in range(len(L.chunks)):
         rows = [w[ci] for w in words]
         while len(rows) > 1:  # one vector of every row's words, row after row
-            rows = [builder.shuffle_vector(a, b, _vec(_I32, range(2 * a.type.count))) for a, b in zip(rows[::2], rows[1::2])]
+            rows = [builder.shuffle_vector(a, b, _vec(_I32, range(2 * a.type.count)))
+                    for a, b in zip(rows[::2], rows[1::2])]
         for g in range(k.groups):  # panel vector g: word g of each row
-            store(pq, ci * k.groups + g, builder.shuffle_vector(rows[0], rows[0], _vec(_I32, [i * k.groups + g for i in range(P)])))
+            lanes = _vec(_I32, [i * k.groups + g for i in range(P)])
+            store(pq, ci * k.groups + g, builder.shuffle_vector(rows[0], rows[0], lanes))
 
 
 def _chunk_bytes(builder, em, k: Kind, src, ch):

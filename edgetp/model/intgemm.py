@@ -666,8 +666,7 @@ def _emit_pack(builder, qtype: int, which: str, args) -> None:
     for ci in range(len(L.chunks)):
         rows = [w[ci] for w in words]
         while len(rows) > 1:  # one vector of every row's words, row after row
-            rows = [builder.shuffle_vector(a, b, _vec(_I32, range(2 * a.type.count)))
-                    for a, b in zip(rows[::2], rows[1::2])]
+            rows = [intdot_ir._cat(builder, a, b) for a, b in zip(rows[::2], rows[1::2])]
         for g in range(k.groups):  # panel vector g: word g of each row
             lanes = _vec(_I32, [i * k.groups + g for i in range(P)])
             store(pq, ci * k.groups + g, builder.shuffle_vector(rows[0], rows[0], lanes))

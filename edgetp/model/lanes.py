@@ -49,9 +49,9 @@ def _fold_heads(builder, vs):
 
 
 def _emit_dots(builder, a, b, n, heads):
-    """The IR of the dots of a + h n 4 and b (n values each) for h < heads, as one vector of `heads` lanes: a loop over whole
-    groups of 16 (each of b's read once for every head), then the last n % 16 under a mask, then
-    _fold_heads."""
+    """The IR of the dots of a + h n 4 and b (n values each) for h < heads, as one vector of `heads`
+    lanes: a loop over whole groups of 16 (each of b's read once for every head), then the last
+    n % 16 under a mask, then _fold_heads."""
     c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
     pf = _VF.as_pointer()
     zero = ir.Constant(_VF, [0.0] * LANES)

@@ -44,8 +44,7 @@ from edgetp.model.gguf import ModelFile, open_model
 from edgetp.model.tokenizer import Tokenizer
 from edgetp.net import auth
 from edgetp.net.link import LinkClosed
-from edgetp.parallel.plan import PlanError
-from edgetp.parallel.runner import ClusterRunner
+from edgetp.parallel.runner import ClusterRunner, culprits_of
 from edgetp import events
 from edgetp.serve.backoff import Backoff
 from edgetp.serve.api import NoRoot, make_app, run_api, serving
@@ -412,7 +411,7 @@ class Roles:
                 except Exception as exc:  # noqa: BLE001 - whatever a peer did, plan without it
                     if not addresses:
                         raise
-                    culprits = await self._culprits(exc, addresses, names)
+                    culprits = await culprits_of(exc, addresses, names)
                     now = time.monotonic()
                     for address in culprits:
                         cause = f"{type(exc).__name__}: {exc}" if not str(exc) else str(exc)
@@ -443,26 +442,6 @@ class Roles:
                               f"answered for {self.membership.timeout:.0f} s)", gone[0]) if gone else None
 
         return await unless(connecting, lost, WATCH_S)
-
-    async def _culprits(self, exc: Exception, addresses: list[str], names: dict[str, str]) -> set[str]:
-        """Which peers a failed connect is to blame on; all of them when it cannot be told.
-
-        A LinkClosed names its link, a PlanError the node too small; else each peer's data port is
-        tried (a refusal or a name that does not resolve shows up there). A PlanError that names this
-        node, or none (the whole cluster is too small), is not a peer's fault: it is raised.
-        """
-        if isinstance(exc, LinkClosed) and exc.link_name in addresses:
-            return {exc.link_name}
-        if isinstance(exc, PlanError):
-            by_id = {node: a for a, node in names.items() if a in addresses}
-            if exc.node_id in by_id:
-                return {by_id[exc.node_id]}
-            raise exc
-        bad = {a for a, ok in zip(addresses, await asyncio.gather(*(_reachable(a) for a in addresses))) if not ok}
-        if not bad:
-            log.warning("cannot tell which peer made planning fail (%s: %s); planning without all %d",
-                        type(exc).__name__, exc, len(addresses))
-        return bad or set(addresses)
 
     def _progress(self, node: str, done: int, total: int) -> None:
         """A worker's PROGRESS while it fetches its slice from us (about once a second, and at the end)."""
@@ -518,18 +497,6 @@ class Roles:
     def close(self) -> None:
         if self.engine.runner is not None:
             self.engine.runner.close()
-
-
-async def _reachable(address: str, timeout: float = 3.0) -> bool:
-    """Whether HOST:PORT accepts a TCP connection (closed at once)."""
-    host, _, port = address.rpartition(":")
-    try:
-        async with asyncio.timeout(timeout):
-            _, writer = await asyncio.open_connection(host.strip("[]"), int(port))
-    except (OSError, asyncio.TimeoutError, ValueError):
-        return False
-    writer.close()
-    return True
 
 
 def _view(engine: Engine, mf: ModelFile, model: str) -> Callable[[], events.ClusterView]:

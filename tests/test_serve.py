@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -26,7 +27,10 @@ def start_server(*args: str) -> tuple[subprocess.Popen, str]:
     return proc, m.group(1)
 
 
-def stream_text(url: str, kill_after: int | None = None, victim: subprocess.Popen | None = None) -> str:
+def stream_text(url: str, kill_after: int | None = None, victim: subprocess.Popen | None = None,
+                suspend: subprocess.Popen | None = None) -> str:
+    """The streamed answer; after `kill_after` chunks `victim` is killed and `suspend` stopped (SIGSTOP:
+    a laptop closed or a Pi hung, whose socket stays open and silent)."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120)
     text, chunks = "", 0
     for chunk in client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=60, temperature=0,
@@ -36,6 +40,8 @@ def stream_text(url: str, kill_after: int | None = None, victim: subprocess.Pope
         if kill_after is not None and chunks == kill_after:
             victim.kill()
             victim.wait()
+            if suspend is not None:
+                suspend.send_signal(signal.SIGSTOP)
     return text
 
 
@@ -65,6 +71,28 @@ def test_a_served_cluster_streams_the_single_node_text_even_when_a_worker_dies_m
         stop(keep)
         stop(victim)
     assert server.returncode is not None
+
+
+def test_a_static_cluster_streams_on_when_two_workers_drop_at_once_one_killed_one_suspended(stories_path):
+    """The re-plan after the first loss must not wait on, and then fail over, the second: it plans
+    without each worker that fails on the way and the answer continues with the single-node text."""
+    expected = single_node_text(stories_path)
+    (keep, a), (killed, b), (hung, c) = start_worker(), start_worker(), start_worker()
+    server = None
+    try:
+        server, url = start_server("--model", str(stories_path), "--workers", f"{a},{b},{c}", "--weights", "1,1,1,1")
+        assert stream_text(url, kill_after=15, victim=killed, suspend=hung) == expected
+        view = json.load(urllib.request.urlopen(f"{url}/v1/cluster", timeout=10))
+        assert view["epoch"] == 2 and sorted(n["address"] for n in view["nodes"]) == sorted([a, "local"])
+        server.terminate()
+        _, err = server.communicate(timeout=30)
+        assert f"re-planning without {c} too" in err
+        assert "Traceback" not in err  # nor a token record with the new links' counters taken from the old ones'
+    finally:
+        hung.send_signal(signal.SIGCONT)
+        for proc in (server, keep, killed, hung):
+            if proc:
+                stop(proc)
 
 
 def test_a_served_pipeline_streams_the_single_node_text_and_shows_its_stages(stories_path):

@@ -50,6 +50,40 @@ def _lost(exc: LinkClosed) -> WorkerLost:
     return WorkerLost(str(exc), exc.link_name)
 
 
+async def culprits_of(exc: Exception, addresses: Sequence[str], ids: dict[str, str]) -> set[str]:
+    """Which of `addresses` a failed connect or plan is to blame on; all of them when it cannot be told.
+
+    A LinkClosed names its link, a PlanError the node too small (`ids`: address -> node id); else each
+    address's data port is tried (a refusal or a name that does not resolve shows up there). A
+    PlanError that names no worker (the root, or the whole cluster too small) is not a worker's
+    fault: it is raised.
+    """
+    if isinstance(exc, LinkClosed) and exc.link_name in addresses:
+        return {exc.link_name}
+    if isinstance(exc, planner.PlanError):
+        by_id = {node: a for a, node in ids.items() if a in addresses}
+        if exc.node_id in by_id:
+            return {by_id[exc.node_id]}
+        raise exc
+    bad = {a for a, ok in zip(addresses, await asyncio.gather(*(reachable(a) for a in addresses))) if not ok}
+    if not bad:
+        log.warning("cannot tell which worker made planning fail (%s: %s); planning without all %d",
+                    type(exc).__name__, exc, len(addresses))
+    return bad or set(addresses)
+
+
+async def reachable(address: str, timeout: float = 3.0) -> bool:
+    """Whether HOST:PORT accepts a TCP connection (closed at once)."""
+    host, _, port = address.rpartition(":")
+    try:
+        async with asyncio.timeout(timeout):
+            _, writer = await asyncio.open_connection(host.strip("[]"), int(port))
+    except (OSError, asyncio.TimeoutError, ValueError):
+        return False
+    writer.close()
+    return True
+
+
 @dataclass(frozen=True)
 class NodeInfo:
     node_id: str
@@ -201,17 +235,31 @@ class ClusterRunner:
         return cls(mf, ctx, plan, links, shard, infos, asyncio.get_running_loop(), options)
 
     async def without(self, address: str, epoch: int | None = None) -> "ClusterRunner":
-        """A new runner over every node but `address`, with a fresh plan (one epoch later unless given)."""
+        """A new runner over every node but `address`, with a fresh plan (one epoch later unless given).
+        A worker that fails on the way (lost at the same moment, suspended or powered off) is left
+        out too (culprits_of), so the answers running go on over the nodes that still answer;
+        bounded: each failed attempt drops at least one worker, the last plans the root alone."""
         self.close()
         opts = dict(self.options)
         addresses = opts.pop("addresses")
-        keep = [i for i, a in enumerate(addresses) if a != address]
-        if opts["weights"] is not None:
-            opts["weights"] = [opts["weights"][0]] + [opts["weights"][i + 1] for i in keep]
+        weights = opts["weights"]
+        ids = {n.address: n.node_id for n in self.nodes}
         opts["layout"] = None  # a forced layout names nodes that are gone: the kind's planner decides
         epoch = self.plan.epoch + 1 if epoch is None else epoch
-        log.warning("worker %s lost; re-planning over %d node(s), epoch %d", address, len(keep) + 1, epoch)
-        return await ClusterRunner.connect(self.mf, [addresses[i] for i in keep], epoch=epoch, **opts)
+        left = [a for a in addresses if a != address]
+        log.warning("worker %s lost; re-planning over %d node(s), epoch %d", address, len(left) + 1, epoch)
+        for _ in range(len(left) + 1):
+            if weights is not None:
+                opts["weights"] = [weights[0]] + [weights[addresses.index(a) + 1] for a in left]
+            try:
+                return await ClusterRunner.connect(self.mf, left, epoch=epoch, **opts)
+            except Exception as exc:  # noqa: BLE001 - whatever a worker did, plan without it
+                if not left:
+                    raise
+                bad = await culprits_of(exc, left, ids)
+                log.warning("re-planning without %s too: %s", ", ".join(sorted(bad)), exc)
+                left = [a for a in left if a not in bad]
+        raise AssertionError("not reached: the last attempt plans the root alone")
 
     async def replanned(self, reason: str, epoch: int | None = None,
                         addresses: Sequence[str] | None = None) -> "ClusterRunner":

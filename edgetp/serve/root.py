@@ -362,13 +362,15 @@ class Engine:
                     if not began:
                         began = True  # (ended, even half begun: runner.end skips links that are gone)
                         sched.begin()
-                    before = self._counters()
+                    runner, before = self.runner, self._counters()
                     produced = sched.step()
                 except Exception as exc:  # noqa: BLE001 - every running job learns why; the engine serves on
                     self._step_failed(loop, sched, jobs, exc)
                     began = False
                     continue
                 after = self._counters()
+                if self.runner is not runner:  # recovered mid-step: the new links counted from 0 in this step
+                    before = {}
                 self._publish_step(loop, sched)
                 shares = _split(before, after, len(produced))
                 for (seq, ev), (b, a) in zip(produced, shares):

@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--top-p", type=float, default=0.95)
     ask.add_argument("--min-p", type=float, default=0.05)
     ask.add_argument("--repeat-penalty", type=float, default=1.0)
+    ask.add_argument("--frequency-penalty", type=float, default=0.0, help="-2 to 2, per repeat in the last 64 tokens")
+    ask.add_argument("--presence-penalty", type=float, default=0.0, help="-2 to 2, once for any repeat in the last 64")
     ask.add_argument("--seed", type=int, default=None)
     ask.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     ask.add_argument("--ctx", type=_positive, default=2048, help="context length (KV cache size)")
@@ -97,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                      ("--max-tokens", dict(type=_positive, default=512)),
                      ("--temperature", dict(type=float, default=0.8)), ("--top-k", dict(type=int, default=40)),
                      ("--top-p", dict(type=float, default=0.95)), ("--min-p", dict(type=float, default=0.05)),
-                     ("--repeat-penalty", dict(type=float, default=1.0)), ("--seed", dict(type=int, default=None))):
+                     ("--repeat-penalty", dict(type=float, default=1.0)),
+                     ("--frequency-penalty", dict(type=float, default=0.0)),
+                     ("--presence-penalty", dict(type=float, default=0.0)), ("--seed", dict(type=int, default=None))):
         chat.add_argument(flag, **kw)
     chat.set_defaults(func=commands.chat)
 

@@ -64,6 +64,8 @@ def sampling_params(args: argparse.Namespace) -> sampling.SamplingParams:
         top_p=args.top_p,
         min_p=args.min_p,
         repeat_penalty=args.repeat_penalty,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
         seed=args.seed,
     )
 
@@ -140,7 +142,8 @@ def ask(args: argparse.Namespace) -> int:
 def _remote_options(args: argparse.Namespace) -> dict:
     sampling_params(args)  # the same checks as --local, before anything is sent
     opts = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
-            "top_k": args.top_k, "min_p": args.min_p, "repeat_penalty": args.repeat_penalty}
+            "top_k": args.top_k, "min_p": args.min_p, "repeat_penalty": args.repeat_penalty,
+            "frequency_penalty": args.frequency_penalty, "presence_penalty": args.presence_penalty}
     return opts | ({"seed": args.seed} if args.seed is not None else {})
 
 

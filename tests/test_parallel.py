@@ -83,12 +83,12 @@ def control():
         yield lt
 
 
-def greedy(runner, ids, n):
-    runner.begin(GREEDY)
+def greedy(runner, ids, n, params=GREEDY):
+    runner.begin(params)
     try:
         history, out, pending, pos = list(ids), [], list(ids), 0
         for _ in range(n):
-            tok = int(runner.run(pending, pos, history, GREEDY).ids[0])
+            tok = int(runner.run(pending, pos, history, params).ids[0])
             pos += len(pending)
             out.append(tok)
             history.append(tok)
@@ -128,6 +128,22 @@ def test_greedy_tokens_of_1_to_4_processes_with_uneven_weights_equal_single_node
             assert greedy(runner, ids, 64) == expected, f"{n} processes, shares {shares}"
         finally:
             runner.close()
+
+
+def test_penalties_and_logit_bias_reach_every_vocabulary_shard(workers, control, stories_path):
+    """Each node penalises and biases its own vocabulary rows: a cluster's penalised greedy text is one node's."""
+    path, ids = _model("stories", stories_path, None, None)
+    plain = greedy(LocalRunner(gguf.open_model(path), 256), ids, 48)
+    params = sampling.SamplingParams(temperature=0, frequency_penalty=0.5, presence_penalty=0.4, repeat_penalty=1.1,
+                                     logit_bias=((plain[1], -100.0), (plain[5], -100.0)))
+    expected = greedy(LocalRunner(gguf.open_model(path), 256), ids, 48, params)
+    assert expected != plain
+    runner = cluster(control, path, workers, [1, 2, 3, 4])
+    try:
+        assert len({s.vocab_rows for s in runner.plan.shares}) == 4  # the vocabulary is split four ways
+        assert greedy(runner, ids, 48, params) == expected
+    finally:
+        runner.close()
 
 
 def test_weights_1_2_3_give_the_slow_node_the_smallest_share(workers, control, stories_path):

@@ -1,10 +1,11 @@
-"""Sampling: greedy, temperature, top-k, top-p, min-p, repetition penalty, seed.
+"""Sampling: greedy, temperature, top-k, top-p, min-p, logit bias, repetition, frequency and presence
+penalties (llama.cpp's, over the last `repeat_last_n` tokens, prompt included), seed.
 
 Sampling is split in two so that it stays exact when the vocabulary is
 spread over several nodes:
 
 1. `candidates()` runs where the logits are (each node, on its own rows):
-   it applies the repetition penalty, keeps the local top-k, and reports the
+   it applies the logit bias and the penalties, keeps the local top-k, and reports the
    log-sum-exp of all its (penalised, temperature-scaled) logits.
 2. `merge()` + `Sampler.pick()` run on the root over the union of the
    candidates. The global top-k is always inside the union of local top-ks,
@@ -39,8 +40,18 @@ class SamplingParams:
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
     seed: int | None = None
+    frequency_penalty: float = 0.0  # subtracted once per time a token occurs in the last repeat_last_n
+    presence_penalty: float = 0.0   # subtracted once from each token that occurs there
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), before the penalties
 
     def __post_init__(self) -> None:
+        # pairs as a frame carries them (lists), sorted: equal settings compare equal
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in self.logit_bias)))
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise SamplingError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias):
+            raise SamplingError("logit_bias takes token ids >= 0 and biases in [-100, 100]")
         if not self.temperature >= 0:
             raise SamplingError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -72,14 +83,27 @@ class Candidates:
 
 
 def penalise(logits: np.ndarray, offset: int, history: Sequence[int], params: SamplingParams) -> np.ndarray:
-    """llama.cpp's repetition penalty on the tokens of the last `repeat_last_n` (this shard's rows)."""
-    if params.repeat_penalty == 1.0 or not history:
+    """This shard's rows (offset ..) of the logits as llama.cpp's sampler chain leaves them before
+    temperature: the logit bias added, then its penalties on each token that occurs c > 0 times in
+    the last `repeat_last_n` of history: divided by repeat_penalty (multiplied when <= 0), then
+    c * frequency_penalty + presence_penalty subtracted (llama_sampler_penalties)."""
+    p = params
+    penalties = p.repeat_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+    if not p.logit_bias and not (penalties and history):
         return logits
     out = logits.copy()
-    recent = np.unique(np.asarray(history[-params.repeat_last_n:], dtype=np.int64)) - offset
-    recent = recent[(recent >= 0) & (recent < out.shape[0])]
-    vals = out[recent]
-    out[recent] = np.where(vals > 0, vals / params.repeat_penalty, vals * params.repeat_penalty)
+    for token, bias in p.logit_bias:
+        if 0 <= token - offset < out.shape[0]:
+            out[token - offset] += np.float32(bias)
+    if not penalties or not history:
+        return out
+    recent, count = np.unique(np.asarray(history[-p.repeat_last_n:], dtype=np.int64), return_counts=True)
+    mine = (recent >= offset) & (recent < offset + out.shape[0])
+    rows, count = recent[mine] - offset, count[mine].astype(np.float32)
+    vals = out[rows]
+    if p.repeat_penalty != 1.0:
+        vals = np.where(vals > 0, vals / np.float32(p.repeat_penalty), vals * np.float32(p.repeat_penalty))
+    out[rows] = vals - (count * np.float32(p.frequency_penalty) + np.float32(p.presence_penalty))
     return out
 
 

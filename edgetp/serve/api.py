@@ -448,6 +448,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _complete(request: web.Request, kind: str, ids: list[int], text: str,
                     opts: shape.Options) -> web.StreamResponse:
     engine = request.app[ENGINE]
+    vocab = engine.tokenizer.vocab_size
+    if any(t >= vocab for t, _ in opts.params.logit_bias):
+        raise ApiError(400, f"'logit_bias' has token ids outside 0..{vocab - 1}", param="logit_bias",
+                       code="invalid_value")
     max_tokens = shape.fit(len(ids), opts.max_tokens, engine.ctx, "messages" if kind == "chat" else "prompt")
     out = shape.Shaper(kind, ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24],
                        engine.model_name, include_usage=opts.include_usage)

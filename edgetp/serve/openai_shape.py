@@ -129,7 +129,11 @@ def options(body: dict, model_name: str, *, chat: bool) -> Options:
                        code="invalid_value")
     fields = {"temperature": _number(body, "temperature", 0, 2), "top_p": _number(body, "top_p", 0, 1),
               "min_p": _number(body, "min_p", 0, 1), "repeat_penalty": _number(body, "repeat_penalty", 0, 10),
-              "top_k": _integer(body, "top_k"), "seed": _integer(body, "seed")}
+              "top_k": _integer(body, "top_k"), "seed": _integer(body, "seed"),
+              "frequency_penalty": _number(body, "frequency_penalty", -2, 2),
+              "presence_penalty": _number(body, "presence_penalty", -2, 2),
+              "logit_bias": _logit_bias(body.get("logit_bias"))}
+    _unsupported(body)
     if fields["seed"] is not None:
         fields["seed"] %= 2**64  # OpenAI takes any integer; numpy's generator wants one >= 0
     try:
@@ -144,6 +148,40 @@ def options(body: dict, model_name: str, *, chat: bool) -> Options:
                        code="invalid_type")
     include_usage = _boolean(so or {}, "include_usage")
     return Options(params, max_tokens, _stop(body.get("stop")), stream, stream and include_usage)
+
+
+def _logit_bias(v: Any) -> tuple[tuple[int, float], ...] | None:
+    """OpenAI's {"token id": bias in [-100, 100]}; the ids are checked against the vocabulary by the caller."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise ApiError(400, f"'logit_bias' must be an object, not {_kind(v)}", param="logit_bias", code="invalid_type")
+    out = []
+    for k, b in v.items():
+        if not (isinstance(k, str) and k.isdigit()):
+            raise ApiError(400, f"'logit_bias' keys are token ids, got {k!r}", param="logit_bias", code="invalid_value")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+            raise ApiError(400, f"'logit_bias[{k}]' is {b!r}; it must be a number between -100 and 100",
+                           param="logit_bias", code="invalid_value")
+        out.append((int(k), float(b)))
+    return tuple(out) or None
+
+
+# fields whose answer this server cannot give, refused rather than ignored: the client would take an
+# answer without them for one with them (field -> the values that ask for nothing)
+_NOT_GIVEN = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
+              "best_of": (None, 1), "tools": (None, []), "functions": (None, [])}
+
+
+def _unsupported(body: dict) -> None:
+    for name, nothing in _NOT_GIVEN.items():
+        v = body.get(name)
+        if not any(v is x or (type(v) is type(x) and v == x) for x in nothing):
+            raise ApiError(400, f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise ApiError(400, "'response_format' other than {\"type\": \"text\"} is not supported by this server",
+                       param="response_format", code="unsupported_parameter")
 
 
 def _stop(v: Any) -> tuple[str, ...]:

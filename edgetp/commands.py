@@ -401,8 +401,6 @@ def serve(args: argparse.Namespace) -> int:
     except (OSError, ExceptionGroup) as exc:  # in a cluster the ports and the mDNS name open inside a TaskGroup
         if (taken := _found(exc, DiscoveryError)) is not None:
             raise WorkerError(f"cannot join the cluster: {taken}; give each node its own --node-id") from None
-        if (lost := _found(exc, LinkClosed)) is not None:  # a ConnectionError: a worker, not our ports
-            raise WorkerError(f"cannot plan over the workers given: {lost}") from None
         if (err := _found(exc, OSError)) is None:
             raise
         raise WorkerError(f"cannot serve on {settings.host} (HTTP {settings.http_port}, data "

@@ -47,6 +47,7 @@ from edgetp.net.link import LinkClosed
 from edgetp.parallel.runner import ClusterRunner, culprits_of
 from edgetp import events
 from edgetp.serve.backoff import Backoff
+from edgetp.serve.static import StaticRoot
 from edgetp.serve.api import NoRoot, make_app, run_api, serving
 from edgetp.serve.root import Engine, EventBus, local_view
 from edgetp.serve.watch import unless
@@ -176,15 +177,19 @@ async def serve(opts: ServeOptions, on_listening: Callable[[str], None] | None =
     await _warm(mf, tok, opts.kv_type)
     bus = EventBus()
     ctx = min(opts.ctx, mf.config.ctx_train)
-    if opts.workers:
-        runner = await ClusterRunner.connect(mf, list(opts.workers), ctx=ctx, weights=opts.weights, sync=opts.sync,
-                                             key=opts.key, threads=opts.threads, slots=opts.slots, kv_type=opts.kv_type,
-                                             parallel=opts.parallel, experts=opts.experts, sync_pieces=opts.sync_pieces)
+    static = None
+    if opts.workers:  # a worker that does not answer is planned without, and taken back once it does
+        static = StaticRoot(mf, opts.workers, opts.weights, bus.publish, lambda r: bus.publish(replan_event(r)),
+                            ctx=ctx, sync=opts.sync, key=opts.key, threads=opts.threads, slots=opts.slots,
+                            kv_type=opts.kv_type, parallel=opts.parallel, experts=opts.experts,
+                            sync_pieces=opts.sync_pieces)
+        runner = await static.connect()
     else:
         runner = await asyncio.to_thread(LocalRunner, mf, ctx, opts.slots, opts.kv_type)
     engine = Engine(runner, tok, opts.model_name, queue_size=opts.queue_size, bus=bus)
     on_engine(engine)
-    if opts.workers:
+    if static is not None:
+        static.holder, engine.between = engine, static.between
         engine.recover = Recovery(engine, bus, asyncio.get_running_loop(), view=_view(engine, mf, opts.model_name))
     app = make_app(engine, cluster_view=_view(engine, mf, opts.model_name), key=opts.key,
                    tokens=opts.api_tokens)

@@ -208,18 +208,6 @@ def test_a_port_in_use_is_refused_in_one_line(cluster, stories_path, tmp_path):
     assert_one_line_error(result, f"{port}", "in use")
 
 
-def test_a_static_worker_that_refuses_is_named_not_blamed_on_our_own_ports(stories_path, tmp_path):
-    import socket  # noqa: PLC0415
-
-    with socket.socket() as free:  # a port nobody listens on: bound, never listening, so it refuses
-        free.bind(("127.0.0.1", 0))
-        worker = f"127.0.0.1:{free.getsockname()[1]}"
-        result = edgetp("serve", "--model", str(stories_path), "--listen", "127.0.0.1:0", "--workers", worker,
-                        env={"EDGETP_CACHE_DIR": str(tmp_path)})
-    assert_one_line_error(result, "workers given", worker, "cannot connect")
-    assert "cannot serve on" not in result.stderr
-
-
 # Another mDNS user on the same host (a zeroconf process that only listens), as a home server running
 # Home Assistant or a second edgetp has. Its sockets join port 5353's SO_REUSEPORT group, where Linux
 # gives each unicast datagram to one socket: the holder's unicast answer to a probe may go to it.

@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 
 import openai
@@ -22,8 +23,9 @@ def start_server(*args: str) -> tuple[subprocess.Popen, str]:
     line = proc.stdout.readline()
     m = re.search(r"serving on (http://\S+)", line)
     if not m:
-        stop(proc)
-        raise RuntimeError(f"server did not start: {line}{proc.stderr.read()}")
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+        raise RuntimeError(f"server did not start: {line}{err}")
     return proc, m.group(1)
 
 
@@ -91,6 +93,41 @@ def test_a_static_cluster_streams_on_when_two_workers_drop_at_once_one_killed_on
     finally:
         hung.send_signal(signal.SIGCONT)
         for proc in (server, keep, killed, hung):
+            if proc:
+                stop(proc)
+
+
+def test_a_static_root_serves_without_a_worker_that_is_down_and_takes_it_in_once_it_is_up(stories_path):
+    """A Pi of the --workers list that is off when the root starts (or lost later) is planned around;
+    once it is up again, a request or two later the plan holds it, without restarting the root."""
+    import socket  # noqa: PLC0415
+
+    expected = single_node_text(stories_path)
+    with socket.socket() as s:  # a port for the late worker: free now, nobody listening
+        s.bind(("127.0.0.1", 0))
+        late = f"127.0.0.1:{s.getsockname()[1]}"
+    (early, a), server, up = start_worker(), None, None
+    try:
+        server, url = start_server("--model", str(stories_path), "--workers", f"{a},{late}")
+        assert stream_text(url) == expected
+
+        def addresses() -> set[str]:
+            return {n["address"] for n in json.load(urllib.request.urlopen(f"{url}/v1/cluster", timeout=10))["nodes"]}
+
+        assert addresses() == {"local", a}
+        up, _ = start_worker("--listen", late)
+        for _ in range(10):  # its backoff (2 s after the first failure), a knock, then the next request re-plans
+            time.sleep(1.0)
+            assert stream_text(url) == expected
+            if late in addresses():
+                break
+        assert addresses() == {"local", a, late}
+        server.terminate()
+        _, err = server.communicate(timeout=30)
+        assert f"planning without worker {late}" in err and f"worker {late} answers again" in err
+        assert "Traceback" not in err
+    finally:
+        for proc in (server, early, up):
             if proc:
                 stop(proc)
 

@@ -53,15 +53,15 @@ def _lost(exc: LinkClosed) -> WorkerLost:
 async def culprits_of(exc: Exception, addresses: Sequence[str], ids: dict[str, str]) -> set[str]:
     """Which of `addresses` a failed connect or plan is to blame on; all of them when it cannot be told.
 
-    A LinkClosed names its link, a PlanError the node too small (`ids`: address -> node id); else each
-    address's data port is tried (a refusal or a name that does not resolve shows up there). A
-    PlanError that names no worker (the root, or the whole cluster too small) is not a worker's
-    fault: it is raised.
+    A LinkClosed names its link, a PlanError the node too small (by `ids`: address -> node id, or by
+    its address, a node that gave no id); else each address's data port is tried (a refusal or a
+    name that does not resolve shows up there). A PlanError that names no worker (the root, or the
+    whole cluster too small) is not a worker's fault: it is raised.
     """
     if isinstance(exc, LinkClosed) and exc.link_name in addresses:
         return {exc.link_name}
     if isinstance(exc, planner.PlanError):
-        by_id = {node: a for a, node in ids.items() if a in addresses}
+        by_id = {a: a for a in addresses} | {node: a for a, node in ids.items() if a in addresses}
         if exc.node_id in by_id:
             return {by_id[exc.node_id]}
         raise exc
@@ -70,6 +70,28 @@ async def culprits_of(exc: Exception, addresses: Sequence[str], ids: dict[str, s
         log.warning("cannot tell which worker made planning fail (%s: %s); planning without all %d",
                     type(exc).__name__, exc, len(addresses))
     return bad or set(addresses)
+
+
+async def connect_around(mf: ModelFile, addresses: Sequence[str], *, weights: Sequence[float] | None = None,
+                         ids: dict[str, str] | None = None,
+                         left_out: Callable[[str, Exception], None] = lambda address, exc: None,
+                         **connect) -> "ClusterRunner":
+    """ClusterRunner.connect over `addresses`, each worker that fails on the way left out (culprits_of;
+    `left_out(address, why)` hears of it) and the plan made again. `weights`: the root's, then each
+    address's. Bounded: every failed attempt drops a worker or more; the last plans the root alone."""
+    chosen = list(addresses)
+    for _ in range(len(chosen) + 1):
+        try:
+            return await ClusterRunner.connect(mf, chosen, weights=None if weights is None else
+                                               [weights[0]] + [weights[addresses.index(a) + 1] for a in chosen],
+                                               **connect)
+        except Exception as exc:  # noqa: BLE001 - whatever a worker did, plan without it
+            if not chosen:
+                raise
+            for address in await culprits_of(exc, chosen, ids or {}):
+                left_out(address, exc)
+                chosen.remove(address)
+    raise AssertionError("not reached: the last attempt plans the root alone")
 
 
 async def reachable(address: str, timeout: float = 3.0) -> bool:
@@ -237,29 +259,20 @@ class ClusterRunner:
     async def without(self, address: str, epoch: int | None = None) -> "ClusterRunner":
         """A new runner over every node but `address`, with a fresh plan (one epoch later unless given).
         A worker that fails on the way (lost at the same moment, suspended or powered off) is left
-        out too (culprits_of), so the answers running go on over the nodes that still answer;
-        bounded: each failed attempt drops at least one worker, the last plans the root alone."""
+        out too (connect_around), so the answers running go on over the nodes that still answer."""
         self.close()
         opts = dict(self.options)
-        addresses = opts.pop("addresses")
-        weights = opts["weights"]
-        ids = {n.address: n.node_id for n in self.nodes}
+        addresses, weights = opts.pop("addresses"), opts.pop("weights")
+        keep = [i for i, a in enumerate(addresses) if a != address]
+        if weights is not None:
+            weights = [weights[0]] + [weights[i + 1] for i in keep]
         opts["layout"] = None  # a forced layout names nodes that are gone: the kind's planner decides
         epoch = self.plan.epoch + 1 if epoch is None else epoch
-        left = [a for a in addresses if a != address]
-        log.warning("worker %s lost; re-planning over %d node(s), epoch %d", address, len(left) + 1, epoch)
-        for _ in range(len(left) + 1):
-            if weights is not None:
-                opts["weights"] = [weights[0]] + [weights[addresses.index(a) + 1] for a in left]
-            try:
-                return await ClusterRunner.connect(self.mf, left, epoch=epoch, **opts)
-            except Exception as exc:  # noqa: BLE001 - whatever a worker did, plan without it
-                if not left:
-                    raise
-                bad = await culprits_of(exc, left, ids)
-                log.warning("re-planning without %s too: %s", ", ".join(sorted(bad)), exc)
-                left = [a for a in left if a not in bad]
-        raise AssertionError("not reached: the last attempt plans the root alone")
+        log.warning("worker %s lost; re-planning over %d node(s), epoch %d", address, len(keep) + 1, epoch)
+        return await connect_around(self.mf, [addresses[i] for i in keep], weights=weights,
+                                    ids={n.address: n.node_id for n in self.nodes}, epoch=epoch,
+                                    left_out=lambda a, exc: log.warning("re-planning without %s too: %s", a, exc),
+                                    **opts)
 
     async def replanned(self, reason: str, epoch: int | None = None,
                         addresses: Sequence[str] | None = None) -> "ClusterRunner":

@@ -179,20 +179,20 @@ async def serve(opts: ServeOptions, on_listening: Callable[[str], None] | None =
     ctx = min(opts.ctx, mf.config.ctx_train)
     static = None
     if opts.workers:  # a worker that does not answer is planned without, and taken back once it does
-        static = StaticRoot(mf, opts.workers, opts.weights, bus.publish, lambda r: bus.publish(replan_event(r)),
-                            ctx=ctx, sync=opts.sync, key=opts.key, threads=opts.threads, slots=opts.slots,
-                            kv_type=opts.kv_type, parallel=opts.parallel, experts=opts.experts,
-                            sync_pieces=opts.sync_pieces)
+        static = StaticRoot(mf, opts.workers, opts.weights, bus.publish, ctx=ctx, sync=opts.sync, key=opts.key,
+                            threads=opts.threads, slots=opts.slots, kv_type=opts.kv_type, parallel=opts.parallel,
+                            experts=opts.experts, sync_pieces=opts.sync_pieces)
         runner = await static.connect()
     else:
         runner = await asyncio.to_thread(LocalRunner, mf, ctx, opts.slots, opts.kv_type)
     engine = Engine(runner, tok, opts.model_name, queue_size=opts.queue_size, bus=bus)
     on_engine(engine)
+    view = _view(engine, mf, opts.model_name)
     if static is not None:
         static.holder, engine.between = engine, static.between
-        engine.recover = Recovery(engine, bus, asyncio.get_running_loop(), view=_view(engine, mf, opts.model_name))
-    app = make_app(engine, cluster_view=_view(engine, mf, opts.model_name), key=opts.key,
-                   tokens=opts.api_tokens)
+        static.planned = lambda r: (bus.publish(replan_event(r)), bus.publish(view()))  # watchers see it at once
+        engine.recover = Recovery(engine, bus, asyncio.get_running_loop(), view=view)
+    app = make_app(engine, cluster_view=view, key=opts.key, tokens=opts.api_tokens)
     try:
         await run_api(app, opts.host, opts.port, on_listening)
     finally:

@@ -27,14 +27,15 @@ class StaticRoot:
 
     `holder` holds the runner in use (the engine: a recovery mid-answer replaces it there);
     `publish` takes the ClusterEvents for the log, the event stream and the dashboard; `planned`
-    hears of every runner `between` makes.
+    hears of every runner `between` makes. Events name no node: a worker is known here by its
+    address, which is not its node id when the cluster has a key.
     """
 
     def __init__(self, mf: ModelFile, workers: Sequence[str], weights: Sequence[float] | None,
-                 publish: Callable[[events.ClusterEvent], None], planned: Callable[[ClusterRunner], None],
-                 **connect: Any) -> None:
+                 publish: Callable[[events.ClusterEvent], None], **connect: Any) -> None:
         self.mf, self.workers, self.weights, self.connect_kw = mf, list(workers), weights, connect
-        self.publish, self.planned = publish, planned
+        self.publish = publish
+        self.planned: Callable[[ClusterRunner], None] = lambda runner: None
         self.backoff = Backoff()
         self.holder: Any = None  # the engine, once there is one
         self.epoch = 0  # the latest plan's
@@ -46,7 +47,7 @@ class StaticRoot:
         def left_out(address: str, exc: Exception) -> None:
             now = time.monotonic()
             strike = self.backoff.failed(address, str(exc) or type(exc).__name__, now)
-            self._say(f"planning without worker {address} for {strike.until - now:.0f} s: {strike.cause}", address)
+            self._say(f"planning without worker {address} for {strike.until - now:.0f} s: {strike.cause}")
 
         runner = await connect_around(self.mf, list(self.workers if addresses is None else addresses),
                                       weights=self._weights(addresses), epoch=epoch, left_out=left_out,
@@ -82,7 +83,7 @@ class StaticRoot:
             elif address not in self.backoff.excluded(now):
                 self._knocks[address] = asyncio.create_task(reachable(address))
         if back:
-            self._say(f"worker {', '.join(back)} answers again: re-planning with it", back[0], "join")
+            self._say(f"worker {', '.join(back)} answers again: re-planning with it", "join")
             await self._replace(runner, self._ordered(have | set(back)))
 
     async def _replace(self, old: ClusterRunner | None, addresses: list[str]) -> None:
@@ -107,6 +108,6 @@ class StaticRoot:
             return None if self.weights is None else list(self.weights)
         return [self.weights[0]] + [self.weights[self.workers.index(a) + 1] for a in addresses]
 
-    def _say(self, message: str, node: str, kind: str = "error") -> None:
+    def _say(self, message: str, kind: str = "error") -> None:
         log.warning("%s", message)
-        self.publish(events.ClusterEvent(kind, message, node))
+        self.publish(events.ClusterEvent(kind, message))

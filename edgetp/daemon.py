@@ -44,7 +44,7 @@ from edgetp.model.gguf import ModelFile, open_model
 from edgetp.model.tokenizer import Tokenizer
 from edgetp.net import auth
 from edgetp.net.link import LinkClosed
-from edgetp.parallel.runner import ClusterRunner, culprits_of
+from edgetp.parallel.runner import ClusterRunner, connect_around
 from edgetp import events
 from edgetp.serve.backoff import Backoff
 from edgetp.serve.static import StaticRoot
@@ -404,36 +404,27 @@ class Roles:
 
         Bounded: every failed attempt drops at least one peer, and the last one is this node alone.
         """
+        def left_out(address: str, exc: Exception) -> None:
+            cause = f"{type(exc).__name__}: {exc}" if not str(exc) else str(exc)
+            now = time.monotonic()
+            strike = self.backoff.failed(address, cause, now)
+            message = (f"planning without {names.get(address, address)} ({address}) for "
+                       f"{strike.until - now:.0f} s: {cause}")
+            log.warning("%s", message)
+            self.engine.bus.publish(events.ClusterEvent("error", message, names.get(address), self.membership.epoch))
+
         try:
-            for _ in range(len(addresses) + 1):
-                try:
-                    runner = await self._unless_lost(addresses, ClusterRunner.connect(
-                        self.mf, addresses, ctx=self.ctx, sync=self.opts.sync, key=self.opts.key,
-                        threads=self.opts.threads, epoch=self.membership.epoch, node_id=self.node_id,
-                        fetch_port=self.http_port, on_progress=self._progress, slots=self.opts.slots,
-                        kv_type=self.opts.kv_type, parallel=self.opts.parallel, experts=self.opts.experts,
-                        sync_pieces=self.opts.sync_pieces))
-                except Exception as exc:  # noqa: BLE001 - whatever a peer did, plan without it
-                    if not addresses:
-                        raise
-                    culprits = await culprits_of(exc, addresses, names)
-                    now = time.monotonic()
-                    for address in culprits:
-                        cause = f"{type(exc).__name__}: {exc}" if not str(exc) else str(exc)
-                        strike = self.backoff.failed(address, cause, now)
-                        message = (f"planning without {names.get(address, address)} ({address}) for "
-                                   f"{strike.until - now:.0f} s: {cause}")
-                        log.warning("%s", message)
-                        self.engine.bus.publish(events.ClusterEvent("error", message, names.get(address),
-                                                                    self.membership.epoch))
-                    addresses = [a for a in addresses if a not in culprits]
-                    continue
-                for address in addresses:
-                    self.backoff.succeeded(address)
-                return runner
-            raise AssertionError("not reached: the last attempt plans this node alone")
+            runner = await connect_around(
+                self.mf, addresses, ids=names, left_out=left_out, guard=self._unless_lost, ctx=self.ctx,
+                sync=self.opts.sync, key=self.opts.key, threads=self.opts.threads, epoch=self.membership.epoch,
+                node_id=self.node_id, fetch_port=self.http_port, on_progress=self._progress, slots=self.opts.slots,
+                kv_type=self.opts.kv_type, parallel=self.opts.parallel, experts=self.opts.experts,
+                sync_pieces=self.opts.sync_pieces)
         finally:
             self.fetching.clear()
+        for address in runner.options["addresses"]:
+            self.backoff.succeeded(address)
+        return runner
 
     async def _unless_lost(self, addresses: list[str], connecting: Awaitable[ClusterRunner]) -> ClusterRunner:
         """`connecting`, given up once the membership loses one of `addresses` (no heartbeat answered for

@@ -13,6 +13,7 @@ from edgetp.serve.spawn import stop
 from tests import reference
 from tests.test_serve import start_server
 
+
 @pytest.fixture(scope="module")
 def served_stories(stories_path):
     """A real `edgetp serve` process on stories260K: its URL."""

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Callable, Sequence
+from typing import Awaitable, Callable, Sequence
 
 import numpy as np
 
@@ -75,16 +75,20 @@ async def culprits_of(exc: Exception, addresses: Sequence[str], ids: dict[str, s
 async def connect_around(mf: ModelFile, addresses: Sequence[str], *, weights: Sequence[float] | None = None,
                          ids: dict[str, str] | None = None,
                          left_out: Callable[[str, Exception], None] = lambda address, exc: None,
-                         **connect) -> "ClusterRunner":
+                         guard: Callable[[list[str], Awaitable["ClusterRunner"]], Awaitable["ClusterRunner"]] | None
+                         = None, **connect) -> "ClusterRunner":
     """ClusterRunner.connect over `addresses`, each worker that fails on the way left out (culprits_of;
     `left_out(address, why)` hears of it) and the plan made again. `weights`: the root's, then each
-    address's. Bounded: every failed attempt drops a worker or more; the last plans the root alone."""
+    address's; `guard(chosen, connecting)`, if given, awaits each attempt (the daemon's gives up on a
+    peer its membership loses). Bounded: every failed attempt drops a worker or more; the last plans
+    the root alone."""
     chosen = list(addresses)
     for _ in range(len(chosen) + 1):
         try:
-            return await ClusterRunner.connect(mf, chosen, weights=None if weights is None else
+            connecting = ClusterRunner.connect(mf, chosen, weights=None if weights is None else
                                                [weights[0]] + [weights[addresses.index(a) + 1] for a in chosen],
                                                **connect)
+            return await (connecting if guard is None else guard(list(chosen), connecting))
         except Exception as exc:  # noqa: BLE001 - whatever a worker did, plan without it
             if not chosen:
                 raise

@@ -79,6 +79,7 @@ class TokenEvent:
     ms: float                  # wall time since this sequence's previous token (prefill and waiting included for index 0)
     finish_reason: str | None  # None, "stop" (end token or stop string), "length" (max_tokens) or "context" (KV cache full)
     note: str | None = None    # what happened on the way, e.g. a node lost and a recovery
+    logprobs: sampling.Logprobs | None = None  # when params.logprobs asked for them
 
 
 @dataclass(frozen=True)
@@ -333,6 +334,7 @@ class Scheduler:
 
     def _answer(self, s: Seq, cand: Candidates) -> TokenEvent:
         tid = self._samplers[id(s)].pick(cand)
+        lp = None if s.params.logprobs is None else sampling.logprobs(cand, tid, s.params.logprobs)
         now = time.perf_counter()
         ms, self._t[id(s)] = (now - self._t[id(s)]) * 1000, now
         note = "; ".join(s.notes) or None
@@ -342,16 +344,17 @@ class Scheduler:
         out = self._stream[id(s)]
         s.pending = None
         if tid in self.tok.stop_ids:
+            # (an end token is no part of the answer: OpenAI's logprobs leave it out)
             return self._finish(s, TokenEvent(index, tid, out.finish(), ms, "stop", note))
         text, stopped = out.feed(tid)
         if stopped:
-            return self._finish(s, TokenEvent(index, tid, text, ms, "stop", note))
+            return self._finish(s, TokenEvent(index, tid, text, ms, "stop", note, lp))
         if s.fed >= self.ctx:  # no room to feed this token back: stop, never wrap around
-            return self._finish(s, TokenEvent(index, tid, text + out.finish(), ms, "context", note))
+            return self._finish(s, TokenEvent(index, tid, text + out.finish(), ms, "context", note, lp))
         if index == s.max_tokens - 1:
-            return self._finish(s, TokenEvent(index, tid, text + out.finish(), ms, "length", note))
+            return self._finish(s, TokenEvent(index, tid, text + out.finish(), ms, "length", note, lp))
         s.pending = tid
-        return TokenEvent(index, tid, text, ms, None, note)
+        return TokenEvent(index, tid, text, ms, None, note, lp)
 
     @staticmethod
     def _finish(s: Seq, ev: TokenEvent) -> TokenEvent:

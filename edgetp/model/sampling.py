@@ -14,6 +14,11 @@ spread over several nodes:
 
 A single node runs the same two steps, so it samples identically to a
 cluster with the same seed.
+
+Log probabilities (`SamplingParams.logprobs`, the API's `logprobs`) are the model's own: the
+log-softmax of its logits before the bias, the penalties and the temperature, as vLLM's default
+and the OpenAI API report them. Each shard sends the log-sum-exp of its own logits, their values at
+its candidates and its `logprobs` best; `merge` joins them as it joins the candidates.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import numpy as np
 from numba import njit
 
 MAX_CANDIDATES = 256  # top_k == 0 ("all") is capped here; see Candidates.complete
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
 
 
 class SamplingError(ValueError):
@@ -43,6 +49,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted once per time a token occurs in the last repeat_last_n
     presence_penalty: float = 0.0   # subtracted once from each token that occurs there
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), before the penalties
+    logprobs: int | None = None  # None: none; n: each token's log probability and the n likeliest beside it
 
     def __post_init__(self) -> None:
         # pairs as a frame carries them (lists), sorted: equal settings compare equal
@@ -52,6 +59,8 @@ class SamplingParams:
                 raise SamplingError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias):
             raise SamplingError("logit_bias takes token ids >= 0 and biases in [-100, 100]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise SamplingError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if not self.temperature >= 0:
             raise SamplingError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -76,10 +85,40 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class Own:
+    """A shard's own logits (no bias, penalty or temperature), for log probabilities."""
+
+    at: np.ndarray         # (k,) f32, at the candidates' ids
+    lse: float             # log-sum-exp of all of them (f64 sum)
+    top_ids: np.ndarray    # (n,) int64, the n highest, best first (ties: lower id first)
+    top: np.ndarray        # (n,) f32
+
+
+@dataclass(frozen=True)
 class Candidates:
     ids: np.ndarray      # (k,) int64, global token ids, best first (ties: lower id first)
     logits: np.ndarray   # (k,) f32, penalised and divided by the temperature
     lse: float           # log-sum-exp of every logit of the shard (after penalty and temperature)
+    own: Own | None = None  # with params.logprobs
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """One answered token's log probability under the model, and the n likeliest tokens beside it."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, log probability), likeliest first
+
+
+def logprobs(c: Candidates, token: int, n: int) -> Logprobs:
+    """`token`'s (one of c.ids) log probability and the n likeliest, from merged candidates with `own`."""
+    own = c.own
+    if own is None:
+        raise ValueError("these candidates carry no logits of the model's own (params.logprobs was not set)")
+    at = int(np.flatnonzero(c.ids == token)[0])
+    top = tuple((int(t), float(np.float64(v) - own.lse)) for t, v in zip(own.top_ids[:n], own.top[:n]))
+    return Logprobs(int(token), float(np.float64(own.at[at]) - own.lse), top)
 
 
 def penalise(logits: np.ndarray, offset: int, history: Sequence[int], params: SamplingParams) -> np.ndarray:
@@ -109,17 +148,27 @@ def penalise(logits: np.ndarray, offset: int, history: Sequence[int], params: Sa
 
 def candidates(logits: np.ndarray, offset: int, history: Sequence[int], params: SamplingParams) -> Candidates:
     """A shard's best tokens; `logits` are rows offset .. offset+len of the vocabulary."""
-    x = penalise(np.asarray(logits, np.float32), offset, history, params)
+    raw = np.asarray(logits, np.float32)
+    x = penalise(raw, offset, history, params)
     if x.size == 0:  # a shard with no vocabulary rows
         return Candidates(np.zeros(0, np.int64), np.zeros(0, np.float32), float("-inf"))
     if params.greedy:
         best = int(np.argmax(x))
-        return Candidates(np.array([best + offset]), x[best:best + 1].copy(), 0.0)
+        return _with_own(Candidates(np.array([best + offset]), x[best:best + 1].copy(), 0.0), raw, offset, params)
     x = x / np.float32(params.temperature)
     k = min(params.k, x.shape[0])
     idx, vals = np.empty(k, np.int64), np.empty(k, np.float32)
     lse = _top_lse(x, idx, vals)
-    return Candidates(idx + offset, vals, lse)
+    return _with_own(Candidates(idx + offset, vals, lse), raw, offset, params)
+
+
+def _with_own(c: Candidates, raw: np.ndarray, offset: int, params: SamplingParams) -> Candidates:
+    if params.logprobs is None:
+        return c
+    n = min(params.logprobs, raw.shape[0])
+    idx, vals = np.empty(max(n, 1), np.int64), np.empty(max(n, 1), np.float32)
+    lse = _top_lse(raw, idx, vals)
+    return Candidates(c.ids, c.logits, c.lse, Own(raw[c.ids - offset].copy(), float(lse), idx[:n] + offset, vals[:n]))
 
 
 @njit(cache=True, nogil=True)
@@ -160,10 +209,23 @@ def merge(parts: Iterable[Candidates]) -> Candidates:
     ids = np.concatenate([p.ids for p in parts])
     vals = np.concatenate([p.logits for p in parts])
     order = np.lexsort((ids, -vals))
-    lses = np.array([p.lse for p in parts])
+    own = _merge_own(parts, order) if all(p.own is not None for p in parts) else None
+    return Candidates(ids[order], vals[order], _lse([p.lse for p in parts]), own)
+
+
+def _lse(parts: list[float]) -> float:
+    lses = np.array(parts)
     top = lses.max()
-    lse = float(top + np.log(np.exp(lses - top).sum()))
-    return Candidates(ids[order], vals[order], lse)
+    return float(top + np.log(np.exp(lses - top).sum()))
+
+
+def _merge_own(parts: list[Candidates], order: np.ndarray) -> Own:
+    n = max(p.own.top.size for p in parts)
+    ids = np.concatenate([p.own.top_ids for p in parts])
+    vals = np.concatenate([p.own.top for p in parts])
+    best = np.lexsort((ids, -vals))[:n]
+    return Own(np.concatenate([p.own.at for p in parts])[order], _lse([p.own.lse for p in parts]), ids[best],
+               vals[best])
 
 
 class Sampler:

@@ -200,34 +200,43 @@ def _columns(p: Pieces) -> list[slice]:
 
 
 def candidates_message(c: sampling.Candidates) -> tuple[dict[str, Any], np.ndarray]:
-    """Candidates as a LOGITS frame: ids and lse in the header, logits as the payload."""
-    return {"ids": c.ids.tolist(), "lse": c.lse}, c.logits.astype(np.float32)
+    """Candidates as a LOGITS frame (one row of candidates_rows_message)."""
+    return candidates_rows_message([c])
 
 
 def candidates_from(frame: Frame) -> sampling.Candidates:
-    ids = np.asarray(frame.header["ids"], dtype=np.int64)
-    logits = np.array(frame.array(), dtype=np.float32)
-    if logits.shape != ids.shape:
-        raise ValueError(f"{ids.size} candidate ids but {logits.size} logits")
-    return sampling.Candidates(ids, logits, float(frame.header["lse"]))
+    return candidates_rows_from(frame, 1)[0]
 
 
 def candidates_rows_message(cs: Sequence[sampling.Candidates]) -> tuple[dict[str, Any], np.ndarray]:
-    """Candidates of every row of a decode step as one LOGITS frame."""
-    logits = np.concatenate([c.logits.astype(np.float32) for c in cs]) if cs else np.zeros(0, np.float32)
-    return {"rows": [c.ids.tolist() for c in cs], "lse": [c.lse for c in cs]}, logits
+    """Candidates of every row of a step as one LOGITS frame: each row's ids, lse and, where log
+    probabilities were asked for, its own log-sum-exp and top in the header; the payload holds every
+    row's logits, then the own logits at the ids of each row that has them."""
+    parts = [c.logits for c in cs] + [c.own.at for c in cs if c.own is not None]
+    logits = np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, np.float32)
+    own = [None if c.own is None else [c.own.lse, c.own.top_ids.tolist(), c.own.top.tolist()] for c in cs]
+    return {"rows": [c.ids.tolist() for c in cs], "lse": [c.lse for c in cs], "own": own}, logits
 
 
 def candidates_rows_from(frame: Frame, n: int) -> list[sampling.Candidates]:
-    ids, lse = frame.header.get("rows"), frame.header.get("lse")
-    if not isinstance(ids, list) or not isinstance(lse, list) or len(ids) != n or len(lse) != n:
+    ids, lse, own = frame.header.get("rows"), frame.header.get("lse"), frame.header.get("own")
+    if not all(isinstance(v, list) and len(v) == n for v in (ids, lse, own)):
         raise ValueError(f"LOGITS for {n} rows expected")
+    if not all(o is None or (isinstance(o, list) and len(o) == 3 and isinstance(o[1], list)
+                             and isinstance(o[2], list) and len(o[1]) == len(o[2])) for o in own):
+        raise ValueError("a LOGITS frame's own logits are malformed")
     logits = np.array(frame.array(), dtype=np.float32)
     sizes = [len(r) for r in ids]
-    if logits.size != sum(sizes):
-        raise ValueError(f"{sum(sizes)} candidate ids but {logits.size} logits")
-    out, at = [], 0
-    for r, k, e in zip(ids, sizes, lse):
-        out.append(sampling.Candidates(np.asarray(r, dtype=np.int64), logits[at:at + k], float(e)))
+    want = sum(sizes) + sum(k for k, o in zip(sizes, own) if o is not None)
+    if logits.size != want:
+        raise ValueError(f"{want} candidate logits expected but {logits.size} came")
+    out, at, extra = [], 0, sum(sizes)
+    for r, k, e, o in zip(ids, sizes, lse, own):
+        mine = None
+        if o is not None:
+            mine = sampling.Own(logits[extra:extra + k], float(o[0]), np.asarray(o[1], np.int64),
+                                np.asarray(o[2], np.float32))
+            extra += k
+        out.append(sampling.Candidates(np.asarray(r, dtype=np.int64), logits[at:at + k], float(e), mine))
         at += k
     return out

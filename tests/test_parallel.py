@@ -146,6 +146,35 @@ def test_penalties_and_logit_bias_reach_every_vocabulary_shard(workers, control,
         runner.close()
 
 
+def test_log_probabilities_over_four_vocabulary_shards_are_llama_cpps(workers, control, stories_path):
+    """Each worker sends the log-sum-exp and best logits of its own vocabulary rows; merged on the root
+    they give the log-softmax of the whole vocabulary (llama.cpp's logits, f32 KV caches both)."""
+    from tests import reference  # noqa: PLC0415
+    from tests.test_logprobs import assert_like_reference, reference_logprobs  # noqa: PLC0415
+
+    path, ids = _model("stories", stories_path, None, None)
+    params = sampling.SamplingParams(temperature=0, logprobs=5)
+    answer = reference.greedy(str(path), ids, 16)
+    ref = reference_logprobs(path, ids, answer)
+    runner = cluster(control, path, workers, [1, 2, 3, 4], kv_type="f32")
+    try:
+        assert len({s.vocab_rows for s in runner.plan.shares}) == 4
+        runner.begin(params)
+        try:
+            pending, pos, history = list(ids), 0, list(ids)
+            for i, t in enumerate(answer):
+                c = runner.run(pending, pos, history, params)
+                assert int(c.ids[0]) == t
+                lp = sampling.logprobs(c, t, 5)
+                assert_like_reference(ref[i], t, lp.logprob, list(lp.top), 5)
+                pos, pending = pos + len(pending), [t]
+                history.append(t)
+        finally:
+            runner.end()
+    finally:
+        runner.close()
+
+
 def test_weights_1_2_3_give_the_slow_node_the_smallest_share(workers, control, stories_path):
     runner = cluster(control, stories_path, workers[:2], [1, 2, 3])
     try:

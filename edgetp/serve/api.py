@@ -454,16 +454,19 @@ async def _complete(request: web.Request, kind: str, ids: list[int], text: str,
                        code="invalid_value")
     max_tokens = shape.fit(len(ids), opts.max_tokens, engine.ctx, "messages" if kind == "chat" else "prompt")
     out = shape.Shaper(kind, ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24],
-                       engine.model_name, include_usage=opts.include_usage)
+                       engine.model_name, include_usage=opts.include_usage,
+                       tok=None if opts.params.logprobs is None else engine.tokenizer)
     job = engine.submit(Request(out.id, tuple(ids), opts.params, max_tokens, opts.stop, text))
     async with job:
         if opts.stream:
             return await _stream(request, job, out, len(ids))
-        pieces, reason = [], None
+        pieces, reason, lps = [], None, []
         async for ev in job:
             pieces.append(ev.text)
             reason = ev.finish_reason
-        return web.json_response(out.whole("".join(pieces), reason, len(ids), job.tokens, job.cached_tokens),
+            if ev.logprobs is not None:
+                lps.append(ev.logprobs)
+        return web.json_response(out.whole("".join(pieces), reason, len(ids), job.tokens, job.cached_tokens, lps),
                                  dumps=shape.dumps)
 
 
@@ -474,11 +477,15 @@ async def _stream(request: web.Request, job: Job, out: shape.Shaper, prompt_toke
     try:
         if out.kind == "chat":
             await resp.write(shape.sse(out.chunk("", None, first=True)))
+        lps = []  # of tokens whose text has not been sent yet (a character split across tokens)
         async for ev in job:
+            if ev.logprobs is not None:
+                lps.append(ev.logprobs)
             if ev.text:
-                await resp.write(shape.sse(out.chunk(ev.text, None)))
+                await resp.write(shape.sse(out.chunk(ev.text, None, logprobs=lps)))
+                lps = []
             if ev.finish_reason is not None:
-                await resp.write(shape.sse(out.chunk("", ev.finish_reason)))
+                await resp.write(shape.sse(out.chunk("", ev.finish_reason, logprobs=lps)))
         if out.include_usage:
             await resp.write(shape.sse(out.usage_chunk(prompt_tokens, job.tokens, job.cached_tokens)))
         await resp.write(shape.DONE)

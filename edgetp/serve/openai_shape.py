@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from edgetp.model.sampling import SamplingError, SamplingParams
+from edgetp.model.sampling import MAX_LOGPROBS, Logprobs, SamplingError, SamplingParams
 from edgetp.model.tokenizer import Tokenizer
 
 DONE = b"data: [DONE]\n\n"
@@ -132,8 +132,8 @@ def options(body: dict, model_name: str, *, chat: bool) -> Options:
               "top_k": _integer(body, "top_k"), "seed": _integer(body, "seed"),
               "frequency_penalty": _number(body, "frequency_penalty", -2, 2),
               "presence_penalty": _number(body, "presence_penalty", -2, 2),
-              "logit_bias": _logit_bias(body.get("logit_bias"))}
-    _unsupported(body)
+              "logit_bias": _logit_bias(body.get("logit_bias")), "logprobs": _logprobs(body, chat)}
+    _unsupported(body, chat)
     if fields["seed"] is not None:
         fields["seed"] %= 2**64  # OpenAI takes any integer; numpy's generator wants one >= 0
     try:
@@ -167,14 +167,33 @@ def _logit_bias(v: Any) -> tuple[tuple[int, float], ...] | None:
     return tuple(out) or None
 
 
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """SamplingParams.logprobs: chat's `logprobs` (a boolean) with `top_logprobs` (alternatives), or a
+    completion's `logprobs` (the alternatives; 0: the answered tokens' alone). None: not asked."""
+    if not chat:
+        n = _integer(body, "logprobs")
+        if n is not None and not 0 <= n <= MAX_LOGPROBS:
+            raise ApiError(400, f"'logprobs' is {n}; it must be between 0 and {MAX_LOGPROBS}", param="logprobs",
+                           code="invalid_value")
+        return n
+    on = _boolean(body, "logprobs")
+    n = _integer(body, "top_logprobs")
+    if n is not None and not 0 <= n <= MAX_LOGPROBS:
+        raise ApiError(400, f"'top_logprobs' is {n}; it must be between 0 and {MAX_LOGPROBS}", param="top_logprobs",
+                       code="invalid_value")
+    if n and not on:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs' set to true", param="top_logprobs", code="invalid_value")
+    return (n or 0) if on else None
+
+
 # fields whose answer this server cannot give, refused rather than ignored: the client would take an
 # answer without them for one with them (field -> the values that ask for nothing)
-_NOT_GIVEN = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
-              "best_of": (None, 1), "tools": (None, []), "functions": (None, [])}
+_NOT_GIVEN = {"echo": (None, False), "suffix": (None, ""), "best_of": (None, 1), "tools": (None, []),
+              "functions": (None, [])}
 
 
-def _unsupported(body: dict) -> None:
-    for name, nothing in _NOT_GIVEN.items():
+def _unsupported(body: dict, chat: bool) -> None:
+    for name, nothing in (_NOT_GIVEN if chat else _NOT_GIVEN | {"top_logprobs": (None, 0)}).items():
         v = body.get(name)
         if not any(v is x or (type(v) is type(x) and v == x) for x in nothing):
             raise ApiError(400, f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
@@ -279,38 +298,70 @@ def model_card(name: str) -> dict[str, Any]:
 
 
 class Shaper:
-    """Answers and stream chunks of one request, chat ("chat") or completion ("text")."""
+    """Answers and stream chunks of one request, chat ("chat") or completion ("text"). With `tok`, each
+    answer or chunk carries the log probabilities of its tokens (the request asked for them)."""
 
-    def __init__(self, kind: str, id: str, model: str, *, include_usage: bool = False) -> None:
+    def __init__(self, kind: str, id: str, model: str, *, include_usage: bool = False,
+                 tok: Tokenizer | None = None) -> None:
         self.kind, self.id, self.model, self.include_usage = kind, id, model, include_usage
         self.created = int(time.time())
+        self.tok = tok
+        self._offset = 0  # a completion's text_offset: characters of the token strings so far
+
+    def _token(self, tid: int) -> tuple[str, list[int]]:
+        raw = self.tok.token_bytes(tid)
+        return raw.decode("utf-8", "replace"), list(raw)
+
+    def logprobs(self, lps: list[Logprobs]) -> dict[str, Any] | None:
+        """OpenAI's logprobs object of these tokens: chat's `content` list, or a completion's four lists."""
+        if self.tok is None:
+            return None
+        if self.kind == "chat":
+            def entry(tid: int, lp: float) -> dict[str, Any]:
+                text, raw = self._token(tid)
+                return {"token": text, "logprob": lp, "bytes": raw}
+            return {"content": [entry(p.token, p.logprob) | {"top_logprobs": [entry(t, v) for t, v in p.top]}
+                                for p in lps], "refusal": None}
+        out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for p in lps:
+            text = self._token(p.token)[0]
+            out["tokens"].append(text)
+            out["token_logprobs"].append(p.logprob)
+            out["top_logprobs"].append({self._token(t)[0]: v for t, v in p.top})
+            out["text_offset"].append(self._offset)
+            self._offset += len(text)
+        return out
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None}
 
     def whole(self, text: str, reason: str | None, prompt_tokens: int, completion_tokens: int,
-              cached_tokens: int = 0) -> dict[str, Any]:
+              cached_tokens: int = 0, logprobs: list[Logprobs] = ()) -> dict[str, Any]:
         finish = FINISH.get(reason or "", None)
+        lp = self.logprobs(list(logprobs))
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                      "logprobs": None, "finish_reason": finish}
+                      "logprobs": lp, "finish_reason": finish}
             out = self._head("chat.completion")
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
             out = self._head("text_completion")
         return out | {"choices": [choice], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
-    def chunk(self, text: str, reason: str | None, *, first: bool = False) -> dict[str, Any]:
+    def chunk(self, text: str, reason: str | None, *, first: bool = False,
+              logprobs: list[Logprobs] = ()) -> dict[str, Any]:
+        """A stream chunk; `logprobs`: of the tokens whose text it carries (none: null)."""
         finish = FINISH.get(reason, "stop") if reason is not None else None
+        lp = self.logprobs(list(logprobs)) if logprobs else None
         if self.kind == "chat":
             delta: dict[str, Any] = {} if reason is not None else {"content": text}
             if first:
                 delta = {"role": "assistant", "content": ""}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
             out = self._head("chat.completion.chunk")
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
             out = self._head("text_completion")
         out["choices"] = [choice]
         if self.include_usage:

@@ -1,0 +1,190 @@
+"""Log probabilities (the API's `logprobs`, `top_logprobs`) against llama.cpp's own logits: the
+log-softmax of the model's logits, before bias, penalties and temperature, for every answered token
+and its likeliest alternatives, on one node, over vocabulary shards and through a served pipeline."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgetp.model import gguf, sampling
+from edgetp.model.generate import LocalRunner, generate
+from edgetp.model.tokenizer import Tokenizer
+from edgetp.serve.spawn import stop
+from tests import reference
+from tests.test_serve import start_server, start_worker
+
+PROMPT = "Once upon a time, there was a little girl named Lily. She"
+N = 24
+# |ours - llama.cpp's| of a log probability, both with an f32 KV cache: measured at most 4.8e-6 on
+# stories260K (the logits themselves agree to ~1e-4 of their spread, test_engine_reference)
+TOL = 1e-4
+
+
+def reference_logprobs(path, ids: list[int], answer: list[int]) -> np.ndarray:
+    """llama.cpp's log-softmax (float64) at each answered position: (len(answer), vocab)."""
+    x = reference.logits(path, list(ids) + list(answer))[len(ids) - 1:len(ids) - 1 + len(answer)].astype(np.float64)
+    top = x.max(axis=1, keepdims=True)
+    return x - top - np.log(np.exp(x - top).sum(axis=1, keepdims=True))
+
+
+def assert_like_reference(ref_row: np.ndarray, token: int, logprob: float, top: list[tuple[int, float]], n: int):
+    assert abs(logprob - ref_row[token]) <= TOL
+    assert len(top) == n
+    for t, v in top:
+        assert abs(v - ref_row[t]) <= TOL, (t, v, ref_row[t])
+    if n:  # the n likeliest: nothing left out is likelier than the least of them (beyond rounding)
+        assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+        assert np.sort(ref_row)[::-1][n - 1] <= top[-1][1] + TOL
+
+
+def test_shards_merge_to_one_nodes_log_probabilities_which_ignore_bias_penalties_and_temperature():
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(1000) * 3).astype(np.float32)
+    history = rng.integers(0, 1000, 60).tolist()
+    p = sampling.SamplingParams(temperature=0.6, top_k=30, frequency_penalty=0.8, presence_penalty=0.5,
+                                repeat_penalty=1.2, logit_bias=((int(np.argmax(x)), -100.0), (17, 100.0)), logprobs=7)
+    whole = sampling.candidates(x, 0, history, p)
+    parts = sampling.merge([sampling.candidates(x[a:b], a, history, p) for a, b in ((0, 250), (250, 600), (600, 1000))])
+    exact = x.astype(np.float64) - np.log(np.exp(x.astype(np.float64)).sum())  # the model's own, by formula
+    want_top = np.argsort(-exact, kind="stable")[:7]
+    for c in (whole, parts):
+        token = int(c.ids[3])  # any candidate may be the one sampled
+        lp = sampling.logprobs(c, token, 7)
+        assert abs(lp.logprob - exact[token]) <= 1e-9
+        assert [t for t, _ in lp.top] == want_top.tolist()
+        assert max(abs(v - exact[t]) for t, v in lp.top) <= 1e-9
+    assert int(whole.ids[0]) == 17 and sampling.logprobs(whole, 17, 0).top == ()  # the bias picks 17; n = 0
+    # the greedy path carries them too
+    g = sampling.candidates(x, 0, [], sampling.SamplingParams(temperature=0, logprobs=2))
+    assert sampling.logprobs(g, int(g.ids[0]), 2).top[0][0] == int(np.argmax(x))
+
+
+@pytest.fixture(scope="module")
+def served(stories_path):
+    """`edgetp serve` on stories260K with an f32 KV cache, as the reference runs: its URL."""
+    proc, url = start_server("--model", str(stories_path), "--kv-type", "f32")
+    yield url
+    stop(proc)
+
+
+def _client(url):
+    import openai  # noqa: PLC0415
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120)
+
+
+def test_a_completions_logprobs_are_llama_cpps_greedy_and_sampled(served, stories_path):
+    client = _client(served)
+    mf = gguf.open_model(stories_path)
+    tok = Tokenizer.from_metadata(mf.metadata)
+    ids = reference.tokenize(stories_path, PROMPT)
+    greedy = reference.greedy(stories_path, ids, N)
+    sampled = sampling.SamplingParams(temperature=0.9, seed=11, frequency_penalty=0.7, logit_bias=((greedy[0], -5.0),),
+                                      logprobs=3)
+    # the sampled answer's ids (the same seed gives the same tokens in and out of the server)
+    drawn = [ev.token_id for ev in generate(LocalRunner(mf, ctx=256, kv_type="f32"), tok, ids, sampled, N)]
+    assert drawn != greedy
+    for answer, n_top, kw in ((greedy, 5, dict(temperature=0)),
+                              (drawn, 3, dict(temperature=0.9, seed=11, frequency_penalty=0.7,
+                                              logit_bias={str(greedy[0]): -5}))):
+        got = client.completions.create(model="stories260K", prompt=ids, max_tokens=N, logprobs=n_top, **kw)
+        lp = got.choices[0].logprobs
+        strings = [tok.token_bytes(t).decode("utf-8", "replace") for t in answer]
+        assert lp.tokens == strings and "".join(strings) == got.choices[0].text
+        assert lp.text_offset == [sum(len(s) for s in strings[:i]) for i in range(N)]
+        ref = reference_logprobs(stories_path, ids, answer)
+        for i, t in enumerate(answer):
+            top = sorted(lp.top_logprobs[i].items(), key=lambda kv: -kv[1])
+            assert len(top) == n_top
+            assert abs(lp.token_logprobs[i] - ref[i, t]) <= TOL
+            for s, v in top:  # token strings: the likeliest tokens with that text
+                assert min(abs(v - ref[i, u]) for u in range(ref.shape[1]) if strings_of(tok, u) == s) <= TOL
+        # the model's own probabilities: the first greedy token stays the likeliest, though biased down by 5
+        assert max(lp.top_logprobs[0].items(), key=lambda kv: kv[1])[0] == strings[0] if answer is greedy else \
+            max(lp.top_logprobs[0].items(), key=lambda kv: kv[1])[0] == strings_of(tok, greedy[0])
+
+
+def strings_of(tok, u: int) -> str:
+    return tok.token_bytes(u).decode("utf-8", "replace")
+
+
+def test_chat_logprobs_stream_as_they_answer_and_match_llama_cpp(served, stories_path):
+    client = _client(served)
+    mf = gguf.open_model(stories_path)
+    tok = Tokenizer.from_metadata(mf.metadata)
+    messages = [{"role": "user", "content": "Tell me a story about a cat."}]
+    whole = client.chat.completions.create(model="stories260K", messages=messages, max_tokens=N, temperature=0,
+                                           logprobs=True, top_logprobs=4)
+    content = whole.choices[0].logprobs.content
+    streamed = []
+    for chunk in client.chat.completions.create(model="stories260K", messages=messages, max_tokens=N, temperature=0,
+                                                logprobs=True, top_logprobs=4, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.content
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    assert b"".join(bytes(e.bytes) for e in content).decode() == whole.choices[0].message.content
+    _, ids = tok.encode_chat(messages)
+    answer = reference.greedy(stories_path, ids, N)[:len(content)]
+    assert [e.token for e in content] == [strings_of(tok, t) for t in answer]
+    ref = reference_logprobs(stories_path, ids, answer)
+    for i, (e, t) in enumerate(zip(content, answer)):
+        top = [(tok_id(tok, x.bytes, ref[i]), x.logprob) for x in e.top_logprobs]
+        assert_like_reference(ref[i], t, e.logprob, top, 4)
+
+
+def tok_id(tok, raw: list[int], row: np.ndarray) -> int:
+    """The likeliest token whose bytes are `raw` (several ids may share them)."""
+    ids = [u for u in range(row.shape[0]) if tok.token_bytes(u) == bytes(raw)]
+    return max(ids, key=lambda u: row[u])
+
+
+def test_no_logprobs_unless_asked(served):
+    client = _client(served)
+    got = client.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "Hi"}],
+                                         max_tokens=4, temperature=0)
+    assert got.choices[0].logprobs is None
+    got = client.completions.create(model="stories260K", prompt="Once", max_tokens=4, temperature=0)
+    assert got.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("chat, bad, field", [
+    (True, dict(top_logprobs=3), "top_logprobs"),  # without logprobs: true
+    (True, dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (True, dict(logprobs=2), "logprobs"),  # chat's is a boolean
+    (False, dict(logprobs=21), "logprobs"),
+    (False, dict(logprobs=True), "logprobs"),  # a completion's is a count
+    (False, dict(top_logprobs=2), "top_logprobs"),  # no such field for completions
+])
+def test_bad_logprobs_get_a_400_naming_the_field(served, chat, bad, field):
+    import openai  # noqa: PLC0415
+
+    client = _client(served)
+    with pytest.raises(openai.BadRequestError) as err:
+        if chat:
+            client.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=4, extra_body=bad)
+        else:
+            client.completions.create(model="stories260K", prompt="Once", max_tokens=4, extra_body=bad)
+    assert err.value.body["param"] == field
+
+
+def test_a_served_pipeline_gives_llama_cpps_logprobs(stories_path):
+    """The last stage of a pipeline computes the logits and sends them as candidates to the root."""
+    (w1, a), (w2, b) = start_worker(), start_worker()
+    server = None
+    try:
+        server, url = start_server("--model", str(stories_path), "--workers", f"{a},{b}", "--parallel", "pp",
+                                   "--kv-type", "f32")
+        ids = reference.tokenize(stories_path, PROMPT)
+        got = _client(url).completions.create(model="stories260K", prompt=ids, max_tokens=N, temperature=0, logprobs=2)
+        answer = reference.greedy(stories_path, ids, N)
+        ref = reference_logprobs(stories_path, ids, answer)
+        lp = got.choices[0].logprobs
+        assert len(lp.token_logprobs) == N
+        assert max(abs(v - ref[i, t]) for i, (v, t) in enumerate(zip(lp.token_logprobs, answer))) <= TOL
+    finally:
+        if server:
+            stop(server)
+        stop(w1)
+        stop(w2)

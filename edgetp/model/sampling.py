@@ -16,8 +16,8 @@ A single node runs the same two steps, so it samples identically to a
 cluster with the same seed.
 
 Log probabilities (`SamplingParams.logprobs`, the API's `logprobs`) are the model's own: the
-log-softmax of its logits before the bias, the penalties and the temperature, as vLLM's default
-and the OpenAI API report them. Each shard sends the log-sum-exp of its own logits, their values at
+log-softmax of its logits before the bias, the penalties and the temperature, as vLLM reports
+them by default. Each shard sends the log-sum-exp of its own logits, their values at
 its candidates and its `logprobs` best; `merge` joins them as it joins the candidates.
 """
 

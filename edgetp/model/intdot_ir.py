@@ -620,16 +620,17 @@ def _quads(b: ir.IRBuilder, em: Emit, rows, nb, accs, apply, name: str, pairs: b
 PREFETCH = 2048  # bytes ahead of each row's reads, into L2 (prefetcht1; PRFM PLDL2KEEP on aarch64)
 
 
-def _prefetch(b: ir.IRBuilder, rows, off, step):
+def _prefetch(b: ir.IRBuilder, rows, off, step, locality: int = 2):
     """Ask for the bytes PREFETCH ahead of [row + off, row + off + step) of every row: one request
     per 64-byte line. The rows are streams the hardware prefetchers follow, but not far enough
     ahead of a kernel that keeps the core busy, and they stop at 4 KiB pages. On a Zen 4 these
     raised the 1-thread decode kernels' speed from RAM by 18-30% (Q4_0 15.4 -> 19.9 GB/s, Q4_K
     14.0 -> 16.6, Q8_0 22.3 -> 26.4, tools/bench_kernels.py --intdot's shapes; 1B Q4_0 decode
     19.8 -> 22.3 tok/s, Q4_K_M 17.3 -> 19.3, tools/bench_local.py); 1 KiB ahead or into L1 gained
-    less. A prefetch never faults, so asking past a weight's end is harmless."""
+    less. A prefetch never faults, so asking past a weight's end is harmless. `locality` 3 asks into
+    L1 (prefetcht0, PLDL1KEEP), as the kept panels do (intgemm.KEPT_LOCALITY)."""
     fn = _decl(b.module, "llvm.prefetch.p0i8", ir.VoidType(), [ir.IntType(8).as_pointer(), _I32, _I32, _I32])
-    read, locality, data = (ir.Constant(_I32, v) for v in (0, 2, 1))
+    read, locality, data = (ir.Constant(_I32, v) for v in (0, locality, 1))
     for r in rows:
         at = b.add(r, off)
         for j in range(-(-step // 64)):

@@ -195,6 +195,12 @@ KEPT = frozenset({int(QT.Q4_0), int(QT.Q4_K), int(QT.Q6_K)})
 # core, 65536 x 2048 Q4_0 from RAM, min of 40, one token / 8 tokens (ms): 1 KiB 7.8 / 10.9,
 # 2 KiB 5.7 / 8.2, 4 KiB 5.4 / 7.7, 8 KiB 5.3 / 8.0; the scales not prefetched, 5-10% slower.
 KEPT_PREFETCH = 4096
+# ... into L1 (prefetcht0), not L2 as intdot's rows: on the Zen 4, one core, 8192 x 2048 and 2048 x 8192
+# from RAM (tools/bench_kernels.py --intdot), kept panels read Q4_K 19.0-22.8 GB/s into L2 against
+# 23.8-29.0 into L1 (three rounds each), Q4_0 20.1-20.7 against 25.6-27.8, Q6_K 21.1-21.6 against
+# 25.4-26.3; forced avx2 Q4_0 20.7-24.2 against 21.1-30.6, Q4_K level within the noise. intdot's own
+# rows gained nothing from it (Q4_K 15.3-16.9 either way) and keep L2.
+KEPT_LOCALITY = 3
 
 
 def half(qtype: int, which: str) -> bool:
@@ -497,9 +503,9 @@ def _emit_tile(builder, qtype: int, which: str, args, tokens: int | None = None)
     b4 = builder.mul(b, c(4))
     qb = builder.add(pq, builder.mul(b, c(4 * L * groups)))
     if qtype in KEPT:  # packed at load, so read from RAM: ask ahead, as the decode kernels do
-        intdot_ir._prefetch(builder, [qb], c(KEPT_PREFETCH - intdot_ir.PREFETCH), 4 * L * groups)
+        intdot_ir._prefetch(builder, [qb], c(KEPT_PREFETCH - intdot_ir.PREFETCH), 4 * L * groups, KEPT_LOCALITY)
         dstep = 2 * L if half(qtype, which) else COMPACT[qtype].nbytes * L // 8 if compact(qtype, which) else 4 * L
-        intdot_ir._prefetch(builder, [builder.add(pd, builder.mul(b, c(dstep)))], c(0), dstep)
+        intdot_ir._prefetch(builder, [builder.add(pd, builder.mul(b, c(dstep)))], c(0), dstep, KEPT_LOCALITY)
     xrows = [builder.add(builder.add(xa, builder.mul(xs, c(t))), builder.mul(b, c(64 if wide else 32)))
              for t in range(nt)]
     dxs = [scalar(da, t, b4, _F32) for t in range(nt)]

@@ -247,15 +247,15 @@ class CpuQuota:
 
 
 _CAPTURED: list[dict[str, Any]] = []
-_orig_candidates_from = runner_mod.candidates_from
+_orig_candidates_rows_from = runner_mod.candidates_rows_from
 
 
-def _capturing_candidates_from(frame):  # the root's view of each worker's LOGITS header
-    _CAPTURED.append({"ids": list(frame.header.get("ids", []))})
-    return _orig_candidates_from(frame)
+def _capturing_candidates_rows_from(frame, n):  # the root's view of each worker's LOGITS header
+    _CAPTURED.append({"ids": list(frame.header.get("rows", [[]])[0])})
+    return _orig_candidates_rows_from(frame, n)
 
 
-runner_mod.candidates_from = _capturing_candidates_from
+runner_mod.candidates_rows_from = _capturing_candidates_rows_from
 
 
 @dataclass
@@ -356,9 +356,10 @@ def step_frame_bytes(dim: int, pos: int, fed: int) -> int:
 
 
 def logits_frame_bytes(cids: list[int]) -> int:
-    """Greedy candidates: header {ids, lse} (+ dtype/shape) and one f32 per candidate."""
+    """Greedy candidates of one row: header {rows, lse, own} (+ dtype/shape) and one f32 per candidate."""
     lse = 0.0 if cids else float("-inf")
-    return frame_bytes({"ids": list(cids), "lse": lse, "dtype": "float32", "shape": [len(cids)]}, 4 * len(cids))
+    return frame_bytes({"rows": [list(cids)], "lse": [lse], "own": [None], "dtype": "float32",
+                        "shape": [len(cids)]}, 4 * len(cids))
 
 
 def ours_per_link(dim: int, layers: int, sync: str, pos: int, fed: int, cids: list[int]) -> tuple[int, int]:

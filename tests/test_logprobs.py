@@ -154,6 +154,9 @@ def test_no_logprobs_unless_asked(served):
     (False, dict(logprobs=21), "logprobs"),
     (False, dict(logprobs=True), "logprobs"),  # a completion's is a count
     (False, dict(top_logprobs=2), "top_logprobs"),  # no such field for completions
+    (True, dict(echo=True), "echo"),  # chat has no echo
+    (False, dict(echo="yes"), "echo"),
+    (False, dict(max_tokens=0), "max_tokens"),  # nothing to answer, and nothing echoed
 ])
 def test_bad_logprobs_get_a_400_naming_the_field(served, chat, bad, field):
     import openai  # noqa: PLC0415
@@ -164,8 +167,94 @@ def test_bad_logprobs_get_a_400_naming_the_field(served, chat, bad, field):
             client.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "Hi"}],
                                            max_tokens=4, extra_body=bad)
         else:
-            client.completions.create(model="stories260K", prompt="Once", max_tokens=4, extra_body=bad)
+            body = {"max_tokens": 4} | bad
+            client.completions.create(model="stories260K", prompt="Once", max_tokens=body.pop("max_tokens"),
+                                      extra_body=body)
     assert err.value.body["param"] == field
+
+
+# longer than a prefill chunk (64), so the scores of two chunks join, the first chunk's last
+# position scoring the second chunk's first token
+LONG = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the sun. One day, she "
+        "saw a big red ball in the park. She ran to the ball and kicked it very hard. The ball went up high into "
+        "the sky and came down in a tree. Lily was sad because she could not reach it.")
+
+
+def assert_prompt_scored_like_reference(lp, ids: list[int], ref_prompt: np.ndarray, tok, n: int) -> None:
+    """OpenAI's echo: one entry per prompt token, the first null, each other token's log probability
+    and top n as the log-softmax of llama.cpp's logits one position earlier."""
+    assert lp.tokens[:len(ids)] == [strings_of(tok, t) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, len(ids)):
+        row = ref_prompt[i - 1]
+        assert abs(lp.token_logprobs[i] - row[ids[i]]) <= TOL, (i, lp.token_logprobs[i], row[ids[i]])
+        top = sorted(lp.top_logprobs[i].items(), key=lambda kv: -kv[1])
+        assert len(top) == n
+        for s, v in top:  # token strings: the likeliest tokens with that text
+            assert min(abs(v - row[u]) for u in range(row.shape[0]) if strings_of(tok, u) == s) <= TOL
+
+
+def reference_prompt_logprobs(path, ids: list[int]) -> np.ndarray:
+    """llama.cpp's log-softmax (float64) at every prompt position: (len(ids), vocab)."""
+    x = reference.logits(path, list(ids)).astype(np.float64)
+    top = x.max(axis=1, keepdims=True)
+    return x - top - np.log(np.exp(x - top).sum(axis=1, keepdims=True))
+
+
+def test_echo_scores_the_prompt_as_llama_cpp_does(served, stories_path):
+    """lm-evaluation-harness's loglikelihood request (echo, logprobs, max_tokens 1), OpenAI's older
+    scoring request (max_tokens 0), streamed and whole, and after the prompt sat in the prefix cache."""
+    client = _client(served)
+    tok = Tokenizer.from_metadata(gguf.open_model(stories_path).metadata)
+    ids = reference.tokenize(stories_path, LONG)
+    assert 64 < len(ids) < 200
+    ref = reference_prompt_logprobs(stories_path, ids)
+    prompt_text = tok.decode(ids)
+    first = reference.greedy(stories_path, ids, 1)[0]
+    # cached first: the scored request must read its prompt in full all the same
+    client.completions.create(model="stories260K", prompt=ids, max_tokens=2, temperature=0)
+    one = client.completions.create(model="stories260K", prompt=ids, max_tokens=1, temperature=0, logprobs=2,
+                                    echo=True)
+    lp = one.choices[0].logprobs
+    assert one.choices[0].text == prompt_text + strings_of(tok, first)
+    assert len(lp.token_logprobs) == len(ids) + 1 and lp.tokens[-1] == strings_of(tok, first)
+    assert_prompt_scored_like_reference(lp, ids, ref, tok, 2)
+    assert one.usage.completion_tokens == 1 and one.usage.prompt_tokens_details.cached_tokens == 0
+
+    # lm-evaluation-harness's loglikelihood request as it sends it, and its reading of the answer:
+    # the continuation's summed log probability and whether greedy decoding would produce it
+    ctxlen = 40
+    harness = client.completions.create(model="stories260K", prompt=[ids], temperature=0, max_tokens=1, logprobs=1,
+                                        seed=1234, echo=True).choices[0].logprobs
+    total = sum(harness.token_logprobs[ctxlen:-1])
+    assert abs(total - sum(ref[i - 1, ids[i]] for i in range(ctxlen, len(ids)))) <= TOL * (len(ids) - ctxlen)
+    greedy = all(t == max(top.values()) for t, top in zip(harness.token_logprobs[ctxlen:-1],
+                                                          harness.top_logprobs[ctxlen:-1]))
+    assert greedy == all(int(np.argmax(ref[i - 1])) == ids[i] for i in range(ctxlen, len(ids)))
+
+    zero = client.completions.create(model="stories260K", prompt=LONG, max_tokens=0, logprobs=3, echo=True)
+    assert zero.choices[0].text == LONG and zero.choices[0].finish_reason == "length"
+    assert zero.usage.completion_tokens == 0 and len(zero.choices[0].logprobs.tokens) == len(ids)
+    assert_prompt_scored_like_reference(zero.choices[0].logprobs, ids, ref, tok, 3)
+
+    chunks = list(client.completions.create(model="stories260K", prompt=ids, max_tokens=1, temperature=0,
+                                            logprobs=2, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == one.choices[0].text
+    assert chunks[0].choices[0].text == prompt_text  # the prompt first, in a chunk of its own
+    joined = {k: sum((getattr(c.choices[0].logprobs, k) for c in chunks if c.choices[0].logprobs), [])
+              for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    assert joined == {k: getattr(lp, k) for k in joined}
+
+
+def test_echo_without_logprobs_gives_the_prompt_then_the_answer(served, stories_path):
+    client = _client(served)
+    alone = client.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=6, temperature=0)
+    echoed = client.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=6, temperature=0,
+                                       echo=True)
+    assert echoed.choices[0].text == "Once upon a time" + alone.choices[0].text
+    assert echoed.choices[0].logprobs is None
+    only = client.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=0, echo=True)
+    assert only.choices[0].text == "Once upon a time" and only.usage.completion_tokens == 0
 
 
 def test_a_served_pipeline_gives_llama_cpps_logprobs(stories_path):
@@ -182,6 +271,13 @@ def test_a_served_pipeline_gives_llama_cpps_logprobs(stories_path):
         lp = got.choices[0].logprobs
         assert len(lp.token_logprobs) == N
         assert max(abs(v - ref[i, t]) for i, (v, t) in enumerate(zip(lp.token_logprobs, answer))) <= TOL
+        # the prompt scored by the last stage's worker, two chunks of it
+        long_ids = reference.tokenize(stories_path, LONG)
+        echoed = _client(url).completions.create(model="stories260K", prompt=long_ids, max_tokens=0, logprobs=1,
+                                                 echo=True)
+        tok = Tokenizer.from_metadata(gguf.open_model(stories_path).metadata)
+        assert_prompt_scored_like_reference(echoed.choices[0].logprobs, long_ids,
+                                            reference_prompt_logprobs(stories_path, long_ids), tok, 1)
     finally:
         if server:
             stop(server)

@@ -144,7 +144,7 @@ def _script(runner, base, mixed):
     for chunk in chunks:
         rows = [Row(base + k, len(hist[k]) - 1, hist[k][-1], hist[k], params[k]) for k in range(2)]
         if mixed:
-            cands, last = runner.mixed(rows, chunk)
+            cands, last, _ = runner.mixed(rows, chunk)
         else:
             cands = runner.decode(rows)
             last = runner.prefill(chunk.slot, chunk.ids, chunk.pos, chunk.history, chunk.params)

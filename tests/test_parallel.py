@@ -175,6 +175,44 @@ def test_log_probabilities_over_four_vocabulary_shards_are_llama_cpps(workers, c
         runner.close()
 
 
+def test_a_prompt_scored_over_four_vocabulary_shards_beside_a_running_stream_is_llama_cpps(workers, control,
+                                                                                        stories_path):
+    """echo's scores: each shard's log-sum-exp, best logits and (the one that holds it) the logit of
+    the prompt's next token at every position, in chunks that ride mixed steps beside another
+    sequence's decode rows; merged on the root, the log-softmax of llama.cpp's logits."""
+    from edgetp.model.batch import Scheduler, Seq  # noqa: PLC0415
+    from edgetp.model.tokenizer import Tokenizer  # noqa: PLC0415
+    from tests import reference  # noqa: PLC0415
+    from tests.test_logprobs import reference_prompt_logprobs  # noqa: PLC0415
+
+    path, ids = _model("stories", stories_path, None, None)
+    ref = reference_prompt_logprobs(path, ids)
+    runner = cluster(control, path, workers, [1, 2, 3, 4], kv_type="f32", slots=2)
+    try:
+        sched = Scheduler(runner, Tokenizer.from_metadata(gguf.open_model(path).metadata), chunk=8)
+        other = Seq(ids[:5], sampling.SamplingParams(temperature=0), 40)
+        scored = Seq(ids, sampling.SamplingParams(temperature=0), 0, score=3)
+        sched.admit(other)
+        sched.begin()
+        try:
+            sched.step()  # other's prompt: it decodes from now on, beside every chunk of the scored one
+            sched.admit(scored)
+            mixed = 0
+            while not scored.done:
+                sched.step()
+                mixed += any(m for _, _, _, m in sched.last)
+        finally:
+            runner.end()
+        assert mixed == -(-len(ids) // 8)
+        assert len(scored.scores) == len(ids) - 1
+        for i, lp in enumerate(scored.scores):
+            row = ref[i]
+            assert lp.token == ids[i + 1] and abs(lp.logprob - row[ids[i + 1]]) <= 1e-4
+            assert [t for t, _ in lp.top] == np.argsort(-row, kind="stable")[:3].tolist()
+    finally:
+        runner.close()
+
+
 def test_weights_1_2_3_give_the_slow_node_the_smallest_share(workers, control, stories_path):
     runner = cluster(control, stories_path, workers[:2], [1, 2, 3])
     try:

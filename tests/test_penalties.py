@@ -110,7 +110,7 @@ def test_penalties_and_bias_on_vocabulary_shards_merge_to_one_nodes_candidates()
     (dict(logit_bias=[5]), "logit_bias"),
     (dict(logit_bias={"999999": 1}), "logit_bias"),
     (dict(top_logprobs=2), "top_logprobs"),
-    (dict(echo=True), "echo"),
+    (dict(echo=1), "echo"),  # a boolean
     (dict(best_of=3), "best_of"),
     (dict(suffix="and then"), "suffix"),
     (dict(response_format={"type": "json_object"}), "response_format"),

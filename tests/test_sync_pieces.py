@@ -69,7 +69,7 @@ def _trace(runner: ClusterRunner, prompts: list[list[int]]) -> tuple[list[np.nda
                 out = runner.decode(rows)
             else:  # sequence 1's token as a chunk beside sequence 0's row: one pass (passes.together)
                 h = histories[1]
-                out, last = runner.mixed(rows[:1], Chunk(1, len(h) - 1, [nxt[1]], list(h), TOP))
+                out, last, _ = runner.mixed(rows[:1], Chunk(1, len(h) - 1, [nxt[1]], list(h), TOP))
                 out.append(last)
             for s, c in enumerate(out):
                 cands.append((c.ids.tolist(), c.logits.view(np.uint32).tolist(), c.lse))

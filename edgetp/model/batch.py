@@ -32,12 +32,21 @@ only, and only in chunks that were themselves computed as whole prefill
 chunks at the same positions: those are exactly the bits a cold prefill of
 the new prompt would compute. Answer tokens (computed one at a time) and a
 prompt's last partial chunk are computed again.
+
+Scoring a prompt (`Seq.score`, the API's `echo` with `logprobs`): each chunk
+of the prompt also asks, at every position, the log probability of the
+prompt's next token (`Chunk.targets`), so the prompt is read in full, never
+from the prefix cache. The scores are kept by position as chunks are read;
+a replay after a lost node re-reads chunks without scoring them, so nothing
+is counted twice. They reach the caller with the answer's first event, or
+with a token-less finishing event when `max_tokens` is 0 (which, unscored,
+only reads the prompt: into the prefix cache).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Sequence
 
 from edgetp.model import sampling
@@ -80,6 +89,13 @@ class TokenEvent:
     finish_reason: str | None  # None, "stop" (end token or stop string), "length" (max_tokens) or "context" (KV cache full)
     note: str | None = None    # what happened on the way, e.g. a node lost and a recovery
     logprobs: sampling.Logprobs | None = None  # when params.logprobs asked for them
+    # with Seq.score, on the first event: the log probability of each prompt token after the first
+    prompt_logprobs: tuple[sampling.Logprobs, ...] | None = None
+
+    @property
+    def answered(self) -> bool:
+        """False for the one event of a sequence that answers nothing (max_tokens 0: its prompt only)."""
+        return self.token_id >= 0
 
 
 @dataclass(frozen=True)
@@ -103,6 +119,8 @@ class Chunk:
     ids: Sequence[int]
     history: Sequence[int] | None = None  # every token of the sequence so far (penalties); None: no candidates
     params: SamplingParams | None = None
+    score: int | None = None              # with targets: the log probability of each, and the `score` likeliest
+    targets: Sequence[int] = ()           # per row of ids: the token after it (-1: none, the prompt's last)
 
 
 def chunks(start: int, end: int, size: int = PREFILL_CHUNK) -> Iterator[tuple[int, int]]:
@@ -120,9 +138,10 @@ class Seq:
 
     prompt: Sequence[int]
     params: SamplingParams
-    max_tokens: int
+    max_tokens: int                 # 0: the prompt is read (and scored, with score), nothing is answered
     stop: Sequence[str] = ()
     tag: Any = None                 # the caller's handle (the engine's Job)
+    score: int | None = None        # score the prompt: each token's log probability and the `score` likeliest
     slot: int = -1
     fed: int = 0                    # positions of the slot that hold this sequence's tokens
     cached: int = 0                 # prompt tokens taken from the prefix cache
@@ -132,6 +151,7 @@ class Seq:
     finish_reason: str | None = None
     history: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    scores: list[sampling.Logprobs] = field(default_factory=list)  # prompt tokens 1.. scored so far
 
     @property
     def done(self) -> bool:
@@ -153,10 +173,10 @@ class PrefixCache:
     def free(self) -> int:
         return self.busy.count(False)
 
-    def take(self, prompt: Sequence[int]) -> tuple[int, int]:
+    def take(self, prompt: Sequence[int], reuse: bool = True) -> tuple[int, int]:
         """A free slot for prompt and how many of its leading positions are reused: the slot with
-        the longest reusable prefix, else the least recently used."""
-        limit = (len(prompt) - 1) // self.chunk * self.chunk  # the last token is always computed
+        the longest reusable prefix, else the least recently used (reuse False: none is reused)."""
+        limit = (len(prompt) - 1) // self.chunk * self.chunk if reuse else 0  # the last token is always computed
         best: tuple[int, int, int] | None = None                # (reuse, -last_used, slot)
         for s in range(len(self.busy)):
             if self.busy[s]:
@@ -236,7 +256,7 @@ class Scheduler:
     def admit(self, seq: Seq) -> None:
         """seq takes a free slot (ContextError for a prompt that cannot run; RuntimeError when none is free)."""
         self.check(seq.prompt)
-        seq.slot, seq.fed = self.cache.take(seq.prompt)
+        seq.slot, seq.fed = self.cache.take(seq.prompt, reuse=seq.score is None)
         seq.cached = seq.fed
         if seq.cached:
             self.prefix_hits += 1
@@ -285,20 +305,20 @@ class Scheduler:
         filling = self._next_to_fill()
         chunk = None
         if filling is not None:
-            a, b = next(chunks(filling.fed, len(filling.prompt), self.chunk))
-            last = b == len(filling.prompt)
-            chunk = Chunk(filling.slot, a, list(filling.prompt[a:b]), filling.history if last else None,
-                          filling.params if last else None)
+            chunk = self._chunk(filling)
         if not rows and chunk is None:
             return []
         t0 = time.perf_counter()
-        if not rows:
+        scores: list[Candidates] = []
+        if chunk is not None and chunk.score is not None:
+            cands, cand, scores = self._run(lambda r: r.mixed(rows, chunk))
+        elif not rows:
             cands, cand = [], self._run(lambda r: r.prefill(chunk.slot, chunk.ids, chunk.pos, chunk.history,
                                                             chunk.params))
         elif chunk is None:
             cands, cand = self._run(lambda r: r.decode(rows)), None
         else:
-            cands, cand = self._run(lambda r: r.mixed(rows, chunk))
+            cands, cand, _ = self._run(lambda r: r.mixed(rows, chunk))
         ms = (time.perf_counter() - t0) * 1000
         out: list[tuple[Seq, TokenEvent]] = []
         if rows:
@@ -313,12 +333,31 @@ class Scheduler:
             self.last.append(("prefill", len(chunk.ids), ms, bool(rows)))
             self.cache.fed(s.slot, chunk.pos, chunk.ids, len(chunk.ids) == self.chunk)
             s.fed = chunk.pos + len(chunk.ids)
+            s.scores += [sampling.logprobs(c, t, chunk.score) for c, t in zip(scores, [t for t in chunk.targets
+                                                                                       if t >= 0])]
             if chunk.params is not None:
-                out.append((s, self._answer(s, cand)))
+                ev = self._answer(s, cand)
+                out.append((s, ev if s.score is None else replace(ev, prompt_logprobs=tuple(s.scores))))
+            elif s.fed == len(s.prompt) and s.max_tokens == 0:
+                note = "; ".join(s.notes) or None
+                ms_s = (time.perf_counter() - self._t[id(s)]) * 1000
+                scored = None if s.score is None else tuple(s.scores)
+                out.append((s, self._finish(s, TokenEvent(0, -1, "", ms_s, "length", note, prompt_logprobs=scored))))
         for s, ev in out:
             if ev.finish_reason is not None:
                 self.drop(s)
         return out
+
+    def _chunk(self, s: Seq) -> Chunk:
+        """The next chunk of s's prompt; the prompt's last asks the first answer's candidates (none
+        when max_tokens is 0), and each chunk of a scored prompt the scores of its next tokens."""
+        a, b = next(chunks(s.fed, len(s.prompt), self.chunk))
+        ask = b == len(s.prompt) and s.max_tokens > 0
+        history, params = (s.history, s.params) if ask else (None, None)
+        if s.score is None:
+            return Chunk(s.slot, a, list(s.prompt[a:b]), history, params)
+        targets = [int(t) for t in s.prompt[a + 1:b + 1]] + ([-1] if b == len(s.prompt) else [])
+        return Chunk(s.slot, a, list(s.prompt[a:b]), history, params, s.score, targets)
 
     def _next_to_fill(self) -> Seq | None:
         """The sequence whose prompt the next chunk reads: the least left to read (the oldest among equals),

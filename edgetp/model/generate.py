@@ -40,9 +40,11 @@ class Runner(Protocol):
     def decode(self, rows: Sequence[Row]) -> list[Candidates]:
         """Feed one token of each row's slot at its position; the candidates for each row's next token."""
 
-    def mixed(self, rows: Sequence[Row], chunk: Chunk) -> tuple[list[Candidates], Candidates | None]:
-        """decode(rows) and prefill of chunk in one pass (each all-reduce carries both), each computed
-        as alone: decode's candidates, and prefill's (None without chunk.params)."""
+    def mixed(self, rows: Sequence[Row], chunk: Chunk) -> tuple[list[Candidates], Candidates | None,
+                                                                 list[Candidates]]:
+        """decode(rows) (none or several) and prefill of chunk in one pass (each all-reduce carries both),
+        each computed as alone: decode's candidates, prefill's (None without chunk.params), and with
+        chunk.score the merged scores of its targets (one per target >= 0, `sampling.scored`)."""
 
     def logits(self, ids: Sequence[int], pos: int) -> np.ndarray:
         """Feed ids at positions pos.. of slot 0, return the full logits of every position: (n, vocab)."""
@@ -78,10 +80,13 @@ class LocalRunner:
 
     def mixed(self, rows, chunk):
         x = llama.embed(self.mf, [r.token for r in rows] + list(chunk.ids))
-        h = self.shard.forward_mixed(x, [r.slot for r in rows], [r.pos for r in rows], chunk.pos, chunk.slot)
+        if rows:
+            h = self.shard.forward_mixed(x, [r.slot for r in rows], [r.pos for r in rows], chunk.pos, chunk.slot)
+        else:
+            h = self.shard.forward(x, chunk.pos, slot=chunk.slot)
         last = None if chunk.params is None else \
             sampling.candidates(self.shard.logits(h[-1:])[0], 0, chunk.history, chunk.params)
-        return self._rows(h[:len(rows)], rows), last
+        return self._rows(h[:len(rows)], rows), last, scores(self.shard, h[len(rows):], 0, chunk)
 
     def _rows(self, h, rows):
         logits = self.shard.logits_rows(h)
@@ -94,6 +99,15 @@ class LocalRunner:
     def logits(self, ids, pos):
         return np.concatenate([self.shard.logits(self.shard.forward(llama.embed(self.mf, list(ids[a - pos:b - pos])), a))
                                for a, b in chunks(pos, pos + len(ids))])
+
+
+def scores(shard: llama.Shard, h: np.ndarray, offset: int, chunk: Chunk) -> list[Candidates]:
+    """This shard's part of the scores chunk asks for (none without chunk.score): h holds the chunk's
+    final hidden states, and each row with a target gets `sampling.scored` of its logits."""
+    if chunk.score is None:
+        return []
+    logits = shard.logits(h)
+    return [sampling.scored(logits[i], offset, int(t), chunk.score) for i, t in enumerate(chunk.targets) if t >= 0]
 
 
 def feed(runner: Runner, ids: Sequence[int], pos: int, history: Sequence[int], params: SamplingParams) -> Candidates:

@@ -19,6 +19,10 @@ Log probabilities (`SamplingParams.logprobs`, the API's `logprobs`) are the mode
 log-softmax of its logits before the bias, the penalties and the temperature, as vLLM reports
 them by default. Each shard sends the log-sum-exp of its own logits, their values at
 its candidates and its `logprobs` best; `merge` joins them as it joins the candidates.
+
+Scoring a prompt (the API's `echo`) asks the same of every prompt position, at the prompt's next
+token instead of at candidates: `scored()` is one position's part from one shard, and `merge` +
+`logprobs` join the parts as they join a sampled token's.
 """
 
 from __future__ import annotations
@@ -104,11 +108,12 @@ class Candidates:
 
 @dataclass(frozen=True)
 class Logprobs:
-    """One answered token's log probability under the model, and the n likeliest tokens beside it."""
+    """One answered (or scored prompt) token's log probability under the model, and the n likeliest
+    tokens beside it. A prompt's first token has neither (None): nothing before it predicts it."""
 
     token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # (token id, log probability), likeliest first
+    logprob: float | None
+    top: tuple[tuple[int, float], ...] | None  # (token id, log probability), likeliest first
 
 
 def logprobs(c: Candidates, token: int, n: int) -> Logprobs:
@@ -162,6 +167,22 @@ def candidates(logits: np.ndarray, offset: int, history: Sequence[int], params: 
     return _with_own(Candidates(idx + offset, vals, lse), raw, offset, params)
 
 
+def scored(logits: np.ndarray, offset: int, target: int, n: int) -> Candidates:
+    """A shard's part of one prompt position's score: the model's own logit at `target` (the prompt's
+    next token; none when another shard holds it), its log-sum-exp and its n best, as `Own`. The ids
+    hold target when this shard has it, so `merge` and `logprobs` take it as a sampled token."""
+    raw = np.asarray(logits, np.float32)
+    if raw.size == 0:
+        return Candidates(np.zeros(0, np.int64), np.zeros(0, np.float32), float("-inf"))
+    mine = 0 <= target - offset < raw.shape[0]
+    ids = np.array([target] if mine else [], np.int64)
+    k = min(n, raw.shape[0])
+    idx, vals = np.empty(max(k, 1), np.int64), np.empty(max(k, 1), np.float32)
+    lse = float(_top_lse(raw, idx, vals))
+    at = raw[ids - offset].copy()
+    return Candidates(ids, at.copy(), lse, Own(at, lse, idx[:k] + offset, vals[:k]))
+
+
 def _with_own(c: Candidates, raw: np.ndarray, offset: int, params: SamplingParams) -> Candidates:
     if params.logprobs is None:
         return c
@@ -204,8 +225,10 @@ def _top_lse(x, idx, vals):  # pragma: no cover - compiled
 
 
 def merge(parts: Iterable[Candidates]) -> Candidates:
-    """The union of shard candidates, best first, with the total log-sum-exp."""
-    parts = [p for p in parts if p.ids.size]
+    """The union of shard candidates, best first, with the total log-sum-exp. A part with no ids
+    counts only when it carries its own logits (a prompt position's score from a shard that does not
+    hold the scored token); else it is a shard with no vocabulary rows."""
+    parts = [p for p in parts if p.ids.size or p.own is not None]
     ids = np.concatenate([p.ids for p in parts])
     vals = np.concatenate([p.logits for p in parts])
     order = np.lexsort((ids, -vals))

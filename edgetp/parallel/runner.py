@@ -22,7 +22,7 @@ from typing import Awaitable, Callable, Sequence
 import numpy as np
 
 from edgetp.parallel import profile
-from edgetp.model import llama, sampling
+from edgetp.model import generate, llama, sampling
 from edgetp.model.batch import Chunk, Rebalance, Row, RunnerLost, chunks
 from edgetp.model.generate import feed
 from edgetp.model.gguf import ModelFile
@@ -31,7 +31,7 @@ from edgetp.net.link import BLOCKING, Counters, Link, LinkClosed, choose_mode, e
 from edgetp.parallel import cost, packing, pipeline, plan as planner
 from edgetp.parallel import experts as expert_plan
 from edgetp.parallel.rebalance import StepWatch
-from edgetp.parallel.collective import Hot, RootReduce, candidates_from, candidates_rows_from
+from edgetp.parallel.collective import Hot, RootReduce, candidates_rows_from
 from edgetp.parallel.shard import model_shape, spec_for
 
 log = logging.getLogger(__name__)
@@ -341,10 +341,12 @@ class ClusterRunner:
                 self.due = Rebalance(why)
         return out
 
-    def mixed(self, rows: Sequence[Row], chunk: Chunk) -> tuple[list[sampling.Candidates], sampling.Candidates | None]:
+    def mixed(self, rows: Sequence[Row], chunk: Chunk) -> tuple[list[sampling.Candidates],
+                                                                 sampling.Candidates | None, list[sampling.Candidates]]:
         """decode(rows) and prefill(chunk) in one pass: one STEP to each worker carrying both, one
-        all-reduce per half-layer over both, one LOGITS answer (the rows' candidates, then the chunk's
-        when it ends its prompt). Through a pipeline the chunk rides with the first micro-batch."""
+        all-reduce per half-layer over both, one LOGITS answer (the rows' candidates, the chunk's
+        scores when it asks them, then its candidates when it ends its prompt). Through a pipeline
+        the chunk rides with the first micro-batch."""
         self._due()
         return self._step(rows, chunk)
 
@@ -353,34 +355,37 @@ class ClusterRunner:
             raise self.due
 
     def _step(self, rows: Sequence[Row], chunk: Chunk | None) -> tuple[list[sampling.Candidates],
-                                                                         sampling.Candidates | None]:
-        """rows and chunk through every stage; the merged candidates of each row, and of the chunk's
-        last token when it asks for them (chunk.params)."""
+                                                                         sampling.Candidates | None,
+                                                                         list[sampling.Candidates]]:
+        """rows and chunk through every stage; the merged candidates of each row, the chunk's merged
+        scores (chunk.score), and the candidates after its last token when it asks for them (chunk.params)."""
         out: list[sampling.Candidates] = []
-        last = None
+        last, scores = None, []
         for batch, c, h in self._pass(rows, chunk, "none" if chunk is None or chunk.params is None else "candidates"):
-            wants = [r.params for r in batch] + ([c.params] if c is not None and c.params is not None else [])
-            if not wants:
+            B = len(batch)
+            n_scores = 0 if c is None or c.score is None else sum(1 for t in c.targets if t >= 0)
+            n_last = 1 if c is not None and c.params is not None else 0
+            n = B + n_scores + n_last
+            if not n:
                 continue  # a prefill chunk before its prompt's last: nobody answers
             own: list[sampling.Candidates] = []
             if h is not None:
-                B = len(batch)
                 logits = self.shard.logits_rows(h[:B])
                 own = [sampling.candidates(logits[i], self.offset, r.history, r.params) for i, r in enumerate(batch)]
-                if len(wants) > B:
+                if c is not None:
+                    own += generate.scores(self.shard, h[B:], self.offset, c)
+                if n_last:
                     own.append(sampling.candidates(self.shard.logits(h[-1:])[0], self.offset, c.history, c.params))
             try:
-                if batch:
-                    theirs = [candidates_rows_from(hot.recv(FrameType.LOGITS), len(wants)) for hot in self.answering]
-                else:
-                    theirs = [[candidates_from(hot.recv(FrameType.LOGITS))] for hot in self.answering]
+                theirs = [candidates_rows_from(hot.recv(FrameType.LOGITS), n) for hot in self.answering]
             except LinkClosed as exc:
                 raise _lost(exc) from None
-            merged = [sampling.merge(([own[i]] if own else []) + [t[i] for t in theirs]) for i in range(len(wants))]
-            out += merged[:len(batch)]
-            if len(wants) > len(batch):
+            merged = [sampling.merge(([own[i]] if own else []) + [t[i] for t in theirs]) for i in range(n)]
+            out += merged[:B]
+            scores += merged[B:B + n_scores]
+            if n_last:
                 last = merged[-1]
-        return out, last
+        return out, last, scores
 
     def _pass(self, rows: Sequence[Row], chunk: Chunk | None, want: str) -> list[tuple[list[Row], Chunk | None,
                                                                                       np.ndarray | None]]:
@@ -423,6 +428,8 @@ class ClusterRunner:
         if c is None:
             return header, x, lambda: self.shard.forward_rows(x, slots, positions)
         header |= {"slot": c.slot, "pos": c.pos, "ids": [int(t) for t in c.ids], "want": want}
+        if c.score is not None:
+            header["score"] = [c.score, [int(t) for t in c.targets]]
         if want == "candidates":
             chunk_params = asdict(c.params)
             header["params"] = params + [chunk_params] if batch else chunk_params

@@ -32,13 +32,15 @@ import socket
 import time
 import uuid
 import weakref
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 import aiohttp
 from aiohttp import WSCloseCode, web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from edgetp.model.batch import TokenEvent
 from edgetp.model.chat import ChatTemplateError
+from edgetp.model.sampling import Logprobs
 from edgetp.net import httpauth
 from edgetp import events
 from edgetp.serve import openai_shape as shape
@@ -456,12 +458,17 @@ async def _complete(request: web.Request, kind: str, ids: list[int], text: str,
     out = shape.Shaper(kind, ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24],
                        engine.model_name, include_usage=opts.include_usage,
                        tok=None if opts.params.logprobs is None else engine.tokenizer)
-    job = engine.submit(Request(out.id, tuple(ids), opts.params, max_tokens, opts.stop, text))
+    # echo: the answer starts with the prompt, scored when logprobs are asked for
+    score = opts.params.logprobs if opts.echo else None
+    job = engine.submit(Request(out.id, tuple(ids), opts.params, max_tokens, opts.stop, text, score))
+    echo = _Echo(text, ids) if opts.echo else None
     async with job:
         if opts.stream:
-            return await _stream(request, job, out, len(ids))
+            return await _stream(request, job, out, len(ids), echo)
         pieces, reason, lps = [], None, []
         async for ev in job:
+            if echo is not None and not pieces:
+                pieces, lps = [text], echo.logprobs(ev)
             pieces.append(ev.text)
             reason = ev.finish_reason
             if ev.logprobs is not None:
@@ -470,7 +477,23 @@ async def _complete(request: web.Request, kind: str, ids: list[int], text: str,
                                  dumps=shape.dumps)
 
 
-async def _stream(request: web.Request, job: Job, out: shape.Shaper, prompt_tokens: int) -> web.StreamResponse:
+@dataclasses.dataclass(frozen=True)
+class _Echo:
+    """A completion's prompt, sent back before its answer (`echo`)."""
+
+    text: str
+    ids: Sequence[int]
+
+    def logprobs(self, first: TokenEvent) -> list[Logprobs]:
+        """The prompt's tokens as logprobs entries: the first has none (nothing predicts it), the
+        others what the first event's prompt_logprobs scored (none when logprobs were not asked)."""
+        if first.prompt_logprobs is None:
+            return []
+        return [Logprobs(int(self.ids[0]), None, None), *first.prompt_logprobs]
+
+
+async def _stream(request: web.Request, job: Job, out: shape.Shaper, prompt_tokens: int,
+                  echo: _Echo | None = None) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                        "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     await resp.prepare(request)
@@ -479,6 +502,9 @@ async def _stream(request: web.Request, job: Job, out: shape.Shaper, prompt_toke
             await resp.write(shape.sse(out.chunk("", None, first=True)))
         lps = []  # of tokens whose text has not been sent yet (a character split across tokens)
         async for ev in job:
+            if echo is not None:  # the prompt first, in a chunk of its own
+                await resp.write(shape.sse(out.chunk(echo.text, None, logprobs=echo.logprobs(ev))))
+                echo = None
             if ev.logprobs is not None:
                 lps.append(ev.logprobs)
             if ev.text:

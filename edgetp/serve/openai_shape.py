@@ -108,6 +108,7 @@ class Options:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    echo: bool = False  # a completion's answer starts with its prompt (scored too, with logprobs)
 
 
 def options(body: dict, model_name: str, *, chat: bool) -> Options:
@@ -124,9 +125,10 @@ def options(body: dict, model_name: str, *, chat: bool) -> Options:
                        code="invalid_value")
     max_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _integer(body, max_name)
-    if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, f"'{max_name}' is {max_tokens}; it must be at least 1", param=max_name,
-                       code="invalid_value")
+    echo = False if chat else _boolean(body, "echo")
+    if max_tokens is not None and max_tokens < (0 if echo else 1):
+        raise ApiError(400, f"'{max_name}' is {max_tokens}; it must be at least 1 (0 only with 'echo')",
+                       param=max_name, code="invalid_value")
     fields = {"temperature": _number(body, "temperature", 0, 2), "top_p": _number(body, "top_p", 0, 1),
               "min_p": _number(body, "min_p", 0, 1), "repeat_penalty": _number(body, "repeat_penalty", 0, 10),
               "top_k": _integer(body, "top_k"), "seed": _integer(body, "seed"),
@@ -147,7 +149,7 @@ def options(body: dict, model_name: str, *, chat: bool) -> Options:
         raise ApiError(400, f"'stream_options' must be an object, not {_kind(so)}", param="stream_options",
                        code="invalid_type")
     include_usage = _boolean(so or {}, "include_usage")
-    return Options(params, max_tokens, _stop(body.get("stop")), stream, stream and include_usage)
+    return Options(params, max_tokens, _stop(body.get("stop")), stream, stream and include_usage, echo)
 
 
 def _logit_bias(v: Any) -> tuple[tuple[int, float], ...] | None:
@@ -188,12 +190,12 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 
 # fields whose answer this server cannot give, refused rather than ignored: the client would take an
 # answer without them for one with them (field -> the values that ask for nothing)
-_NOT_GIVEN = {"echo": (None, False), "suffix": (None, ""), "best_of": (None, 1), "tools": (None, []),
-              "functions": (None, [])}
+_NOT_GIVEN = {"suffix": (None, ""), "best_of": (None, 1), "tools": (None, []), "functions": (None, [])}
 
 
 def _unsupported(body: dict, chat: bool) -> None:
-    for name, nothing in (_NOT_GIVEN if chat else _NOT_GIVEN | {"top_logprobs": (None, 0)}).items():
+    for name, nothing in (_NOT_GIVEN | {"echo": (None, False)} if chat else
+                          _NOT_GIVEN | {"top_logprobs": (None, 0)}).items():
         v = body.get(name)
         if not any(v is x or (type(v) is type(x) and v == x) for x in nothing):
             raise ApiError(400, f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
@@ -323,11 +325,11 @@ class Shaper:
             return {"content": [entry(p.token, p.logprob) | {"top_logprobs": [entry(t, v) for t, v in p.top]}
                                 for p in lps], "refusal": None}
         out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for p in lps:
+        for p in lps:  # (an echoed prompt's first token has no logprob nor top: null, as OpenAI's)
             text = self._token(p.token)[0]
             out["tokens"].append(text)
             out["token_logprobs"].append(p.logprob)
-            out["top_logprobs"].append({self._token(t)[0]: v for t, v in p.top})
+            out["top_logprobs"].append(None if p.top is None else {self._token(t)[0]: v for t, v in p.top})
             out["text_offset"].append(self._offset)
             self._offset += len(text)
         return out

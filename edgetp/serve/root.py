@@ -148,6 +148,7 @@ class Request:
     max_tokens: int
     stop: tuple[str, ...] = ()
     prompt: str = ""  # for the request record
+    score: int | None = None  # score the prompt (the API's echo with logprobs): see batch.Seq.score
 
 
 @dataclass(eq=False)
@@ -401,7 +402,7 @@ class Engine:
                 job = self._waiting.popleft()
                 self._running.append(job)
             req = job.request
-            seq = Seq(req.prompt_ids, req.params, req.max_tokens, req.stop, tag=job)
+            seq = Seq(req.prompt_ids, req.params, req.max_tokens, req.stop, tag=job, score=req.score)
             try:
                 sched.admit(seq)
             except ContextError as exc:
@@ -450,10 +451,11 @@ class Engine:
         return counters() if counters else {}
 
     def _deliver(self, job: Job, ev: TokenEvent, record: events.TokenRecord) -> None:
-        job.tokens += 1
         if not job.done:
             job._out.put_nowait(ev)
-        self.bus.publish(record)
+        if ev.answered:  # (a scored prompt's token-less finish is no token)
+            job.tokens += 1
+            self.bus.publish(record)
 
 
 def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:

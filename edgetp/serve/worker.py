@@ -45,11 +45,11 @@ from gguf import GGMLQuantizationType as QT
 
 from edgetp.parallel import profile
 from edgetp.cluster.election import EpochError, EpochState, StaleEpoch
-from edgetp.model import kvcache, llama, quant, sampling
+from edgetp.model import batch, generate, kvcache, llama, quant, sampling
 from edgetp.model.gguf import GGUFError, ModelFile, open_model
 from edgetp.net.frames import FrameType
 from edgetp.net.link import BLOCKING, HANDSHAKE_TIMEOUT, MAX_ROUNDS, Link, LinkClosed
-from edgetp.parallel.collective import Hot, WorkerReduce, candidates_message, candidates_rows_message
+from edgetp.parallel.collective import Hot, WorkerReduce, candidates_rows_message
 from edgetp.serve.weights import fetch_shard
 from edgetp.store.errors import DownloadError
 
@@ -470,15 +470,20 @@ def _hot_loop(hot: Hot, shard: llama.Shard, mf, hands_on: bool = False) -> None:
         want = "none" if chunk is None else h.get("want", "candidates")
         if want == "logits":
             hot.send(FrameType.LOGITS, {"all": True}, shard.logits(out))
-        elif rows:
+            continue
+        cands: list[sampling.Candidates] = []
+        if rows:
             params = [sampling.SamplingParams(**p) for p in h["params"]]
             logits = shard.logits_rows(out[:len(rows)])
             cands = [sampling.candidates(logits[i], offset, _upto(history, s, at), p)
                      for i, (s, at, p) in enumerate(zip(slots, positions, params))]
-            if want == "candidates":
-                cands.append(sampling.candidates(shard.logits(out[-1:])[0], offset, history[slot], params[len(rows)]))
+        if "score" in h:
+            n, targets = h["score"]
+            cands += generate.scores(shard, out[len(rows):], offset,
+                                     batch.Chunk(slot, pos, chunk, score=int(n), targets=[int(t) for t in targets]))
+        if want == "candidates":
+            p = h["params"][len(rows)] if rows else h["params"]
+            cands.append(sampling.candidates(shard.logits(out[-1:])[0], offset, history[slot],
+                                             sampling.SamplingParams(**p)))
+        if cands:
             hot.send(FrameType.LOGITS, *candidates_rows_message(cands))
-        elif want == "candidates":
-            local = shard.logits(out[-1:])[0]
-            params = sampling.SamplingParams(**h["params"])
-            hot.send(FrameType.LOGITS, *candidates_message(sampling.candidates(local, offset, history[slot], params)))

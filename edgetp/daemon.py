@@ -185,9 +185,9 @@ async def serve(opts: ServeOptions, on_listening: Callable[[str], None] | None =
         runner = await static.connect()
     else:
         runner = await asyncio.to_thread(LocalRunner, mf, ctx, opts.slots, opts.kv_type)
-    engine = Engine(runner, tok, opts.model_name, queue_size=opts.queue_size, bus=bus)
+    engine = Engine(runner, tok, opts.model_name, queue_size=opts.queue_size, bus=bus, ctx=ctx)
     on_engine(engine)
-    view = _view(engine, mf, opts.model_name)
+    view = _view(engine, mf, opts.model_name, static)
     if static is not None:
         static.holder, engine.between = engine, static.between
         static.planned = lambda r: (bus.publish(replan_event(r)), bus.publish(view()))  # watchers see it at once
@@ -495,10 +495,12 @@ class Roles:
             self.engine.runner.close()
 
 
-def _view(engine: Engine, mf: ModelFile, model: str) -> Callable[[], events.ClusterView]:
+def _view(engine: Engine, mf: ModelFile, model: str, static: StaticRoot | None = None) -> Callable[[], events.ClusterView]:
     def view() -> events.ClusterView:
         if isinstance(engine.runner, ClusterRunner):
             return cluster_view(engine.runner, model)
+        if static is not None:  # its last re-plan failed: no plan, rather than one node holding everything
+            return static.unplanned(model)
         return local_view(model, mf.config)
     return view
 

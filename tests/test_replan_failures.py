@@ -6,7 +6,8 @@
   the planner's reason, and planned in again once it restarts with room;
 - a root that cannot plan even alone (its cap lowered, applied by SIGHUP) answers 503 saying why,
   withholds its systemd watchdog pings (a real notify socket) meanwhile, and serves the next
-  request once the cap is raised again.
+  request once the cap is raised again;
+- the same for a static root (`--workers`) whose worker is lost, which also shows no plan meanwhile.
 """
 
 from __future__ import annotations
@@ -206,3 +207,45 @@ def test_a_root_that_cannot_plan_even_alone_says_why_withholds_the_watchdog_and_
             assert proc.wait(20) == 0
         finally:
             stop(proc)
+
+
+def test_a_static_root_that_cannot_plan_shows_no_plan_rather_than_one_node_holding_everything(
+        stories_path, expected, tmp_path):
+    """`edgetp serve --workers`: its worker gone and its own cap too small to serve alone, it answers
+    503 saying why, /v1/cluster shows the root and the worker in no plan (no shares), and once the cap
+    is lifted the next request re-plans and is answered (it used to fail every request with a 500
+    while no runner held the context length, so nothing ever re-planned)."""
+    from edgetp.serve.spawn import start_worker  # noqa: PLC0415
+    from tests.test_serve import start_server  # noqa: PLC0415
+
+    config = tmp_path / "edgetp.toml"
+    write_config(config, None)
+    (worker, address), root = start_worker(), None
+    try:
+        root, url = start_server("--model", str(stories_path), "--workers", address, "--config", str(config),
+                                 "--parallel", "tp")  # the worker in the plan, so losing it re-plans
+        status, answer = complete(url)
+        assert status == 200 and text_of(answer) == expected
+        assert {n["address"] for n in view(url)["nodes"]} == {"local", address}
+
+        write_config(config, 1)  # 1 MiB: this node cannot even hold its own runtime
+        root.send_signal(signal.SIGHUP)
+        stop(worker)
+        wait_for(lambda: complete(url)[0] == 503, 60, "a 503 once no plan can be made")
+        nodes = {n["address"]: n for n in view(url)["nodes"]}
+        assert set(nodes) == {"local", address}
+        assert nodes["local"]["state"] == "joining" and nodes[address]["state"] in ("joining", "lost")
+        assert all(tuple(n["ffn_cols"]) == (0, 0) and tuple(n["vocab_rows"]) == (0, 0) for n in nodes.values())
+        assert view(url)["plan"] is None
+
+        write_config(config, None)
+        root.send_signal(signal.SIGHUP)
+        status, answer = wait_for(lambda: (r := complete(url))[0] == 200 and r, 60, "serving alone")
+        assert text_of(answer) == expected
+        mine = {n["address"]: n for n in view(url)["nodes"]}["local"]
+        assert mine["state"] == "ready" and tuple(mine["vocab_rows"]) != (0, 0)
+        assert "Traceback" not in log_of(root)
+    finally:
+        for proc in (root, worker):
+            if proc:
+                stop(proc)

@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+from edgetp.parallel.plan import PlanError
 from edgetp.parallel.profile import mem_available
 from edgetp.model.batch import ContextError, RunnerLost, Scheduler, Seq, TokenEvent
 from edgetp.model.sampling import SamplingParams
@@ -416,7 +417,8 @@ class Engine:
 
     def _step_failed(self, loop, sched: Scheduler, jobs: dict[int, tuple[Job, float]], exc: Exception) -> None:
         """A step raised: nothing in the KV caches is sure any more, so every running job fails with the reason."""
-        log.error("generation step failed: %s", exc, exc_info=not isinstance(exc, RunnerLost))
+        # a lost node, or a re-plan that found no plan (memory), is said in one line; anything else is a bug
+        log.error("generation step failed: %s", exc, exc_info=not isinstance(exc, (RunnerLost, PlanError)))
         _post(loop, self.bus.publish, events.ClusterEvent("error", f"generation failed: {exc}"))
         for seq in sched.drop_all():
             self._ended(loop, jobs.pop(id(seq)), seq, "error", GenerationFailed(f"generation failed: {exc}"))

@@ -16,8 +16,9 @@ from typing import Any, Callable, Sequence
 
 from edgetp import events
 from edgetp.model.gguf import ModelFile
-from edgetp.parallel.runner import ClusterRunner, connect_around, reachable
+from edgetp.parallel.runner import ROOT_ID, ClusterRunner, connect_around, reachable
 from edgetp.serve.backoff import Backoff
+from edgetp.parallel.profile import mem_available
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,14 @@ class StaticRoot:
         if self.weights is None or addresses is None:
             return None if self.weights is None else list(self.weights)
         return [self.weights[0]] + [self.weights[self.workers.index(a) + 1] for a in addresses]
+
+    def unplanned(self, model: str) -> events.ClusterView:
+        """The view while no plan runs (the last re-plan failed; the next request plans again): this
+        node and every worker, none holding a share; a worker waiting out a failure shows as lost."""
+        waiting = self.backoff.excluded(time.monotonic())
+        root = events.NodeView(ROOT_ID, "local", "root", "joining", 0.0, mem_available())
+        workers = [events.NodeView(a, a, "worker", "lost" if a in waiting else "joining", 0.0, 0) for a in self.workers]
+        return events.ClusterView(self.epoch, ROOT_ID, model, (root, *workers))
 
     def _say(self, message: str, kind: str = "error") -> None:
         log.warning("%s", message)

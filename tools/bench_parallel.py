@@ -49,7 +49,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
+from dataclasses import asdict, dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Callable, Sequence  # noqa: E402
 
@@ -351,8 +351,9 @@ def sync_frame_bytes(dim: int, sync: str) -> int:
 
 
 def step_frame_bytes(dim: int, pos: int, fed: int) -> int:
-    """STEP to a worker that maps the embedding table: the token id only, no vector."""
-    return frame_bytes({"pos": pos, "ids": [fed], "want": "candidates"}, 0)
+    """STEP to a worker that maps the embedding table: the token id only, no vector; its slot and the
+    sampling parameters it answers candidates for."""
+    return frame_bytes({"slot": 0, "pos": pos, "ids": [fed], "want": "candidates", "params": asdict(GREEDY)}, 0)
 
 
 def logits_frame_bytes(cids: list[int]) -> int:

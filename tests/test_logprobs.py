@@ -283,3 +283,20 @@ def test_a_served_pipeline_gives_llama_cpps_logprobs(stories_path):
             stop(server)
         stop(w1)
         stop(w2)
+
+
+@pytest.mark.parametrize("score, ids", [
+    ([2, [5, -1]], None),          # no chunk to score
+    ([21, [5, -1]], [1, 5]),       # more alternatives than any API request asks
+    ([-1, [5, -1]], [1, 5]),
+    ([2, [5]], [1, 5]),            # a target per chunk row
+    ([2, [5, -2]], [1, 5]),
+    ([2.0, [5, -1]], [1, 5]),
+    ("2", [1, 5]),
+])
+def test_a_worker_refuses_a_malformed_score_request(score, ids):
+    from edgetp.serve.worker import _scored_chunk  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match="score is malformed"):
+        _scored_chunk(score, 0, 0, ids)
+    assert _scored_chunk([2, [5, -1]], 3, 64, [1, 5]).targets == [5, -1]

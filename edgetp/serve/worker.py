@@ -420,6 +420,16 @@ def _upto(history: dict[int, list[int]], slot: int, pos: int) -> list[int]:
     return h if len(h) == pos + 1 else h[:pos + 1]
 
 
+def _scored_chunk(score: Any, slot: int, pos: int, ids: list[int] | None) -> batch.Chunk:
+    """A STEP's "score": [n, a target per chunk row (-1: none)], checked, as the chunk it scores."""
+    if not (ids is not None and isinstance(score, list) and len(score) == 2 and isinstance(score[1], list)
+            and len(score[1]) == len(ids) and type(score[0]) is int and 0 <= score[0] <= sampling.MAX_LOGPROBS
+            and all(type(t) is int and t >= -1 for t in score[1])):
+        raise ValueError(f"STEP's score is malformed: [n in 0..{sampling.MAX_LOGPROBS}, one target >= -1 per "
+                         "chunk row] with a chunk")
+    return batch.Chunk(slot, pos, ids, score=score[0], targets=score[1])
+
+
 def _hot_loop(hot: Hot, shard: llama.Shard, mf, hands_on: bool = False) -> None:
     """STEP after STEP until the root says end; runs on the compute thread.
 
@@ -478,9 +488,7 @@ def _hot_loop(hot: Hot, shard: llama.Shard, mf, hands_on: bool = False) -> None:
             cands = [sampling.candidates(logits[i], offset, _upto(history, s, at), p)
                      for i, (s, at, p) in enumerate(zip(slots, positions, params))]
         if "score" in h:
-            n, targets = h["score"]
-            cands += generate.scores(shard, out[len(rows):], offset,
-                                     batch.Chunk(slot, pos, chunk, score=int(n), targets=[int(t) for t in targets]))
+            cands += generate.scores(shard, out[len(rows):], offset, _scored_chunk(h["score"], slot, pos, chunk))
         if want == "candidates":
             p = h["params"][len(rows)] if rows else h["params"]
             cands.append(sampling.candidates(shard.logits(out[-1:])[0], offset, history[slot],

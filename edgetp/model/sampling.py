@@ -179,8 +179,8 @@ def scored(logits: np.ndarray, offset: int, target: int, n: int) -> Candidates:
     k = min(n, raw.shape[0])
     idx, vals = np.empty(max(k, 1), np.int64), np.empty(max(k, 1), np.float32)
     lse = float(_top_lse(raw, idx, vals))
-    at = raw[ids - offset].copy()
-    return Candidates(ids, at.copy(), lse, Own(at, lse, idx[:k] + offset, vals[:k]))
+    at = raw[ids - offset]  # (an index array: a copy of its own)
+    return Candidates(ids, at, lse, Own(at, lse, idx[:k] + offset, vals[:k]))
 
 
 def _with_own(c: Candidates, raw: np.ndarray, offset: int, params: SamplingParams) -> Candidates:

@@ -16,9 +16,9 @@ from typing import Any, Callable, Sequence
 
 from edgetp import events
 from edgetp.model.gguf import ModelFile
+from edgetp.parallel.profile import mem_available
 from edgetp.parallel.runner import ROOT_ID, ClusterRunner, connect_around, reachable
 from edgetp.serve.backoff import Backoff
-from edgetp.parallel.profile import mem_available
 
 log = logging.getLogger(__name__)
 

@@ -194,6 +194,15 @@ def assert_prompt_scored_like_reference(lp, ids: list[int], ref_prompt: np.ndarr
             assert min(abs(v - row[u]) for u in range(row.shape[0]) if strings_of(tok, u) == s) <= TOL
 
 
+def assert_offsets_index_the_text(text: str, lp, prompt_tokens: int) -> None:
+    """Each token's text_offset is where its string starts in the echoed answer's text (an SPM prompt's
+    first word is sent back without the space its token carries), and the answer starts after the prompt."""
+    for i, (s, at) in enumerate(zip(lp.tokens, lp.text_offset)):
+        assert text[at:].startswith(s) or (at == 0 and s.startswith(" ") and text.startswith(s[1:])), (i, s, at)
+    if len(lp.tokens) > prompt_tokens:
+        assert lp.text_offset[prompt_tokens] == len(text) - sum(len(s) for s in lp.tokens[prompt_tokens:])
+
+
 def reference_prompt_logprobs(path, ids: list[int]) -> np.ndarray:
     """llama.cpp's log-softmax (float64) at every prompt position: (len(ids), vocab)."""
     x = reference.logits(path, list(ids)).astype(np.float64)
@@ -219,6 +228,7 @@ def test_echo_scores_the_prompt_as_llama_cpp_does(served, stories_path):
     assert one.choices[0].text == prompt_text + strings_of(tok, first)
     assert len(lp.token_logprobs) == len(ids) + 1 and lp.tokens[-1] == strings_of(tok, first)
     assert_prompt_scored_like_reference(lp, ids, ref, tok, 2)
+    assert_offsets_index_the_text(one.choices[0].text, lp, len(ids))
     assert one.usage.completion_tokens == 1 and one.usage.prompt_tokens_details.cached_tokens == 0
 
     # lm-evaluation-harness's loglikelihood request as it sends it, and its reading of the answer:
@@ -236,6 +246,7 @@ def test_echo_scores_the_prompt_as_llama_cpp_does(served, stories_path):
     assert zero.choices[0].text == LONG and zero.choices[0].finish_reason == "length"
     assert zero.usage.completion_tokens == 0 and len(zero.choices[0].logprobs.tokens) == len(ids)
     assert_prompt_scored_like_reference(zero.choices[0].logprobs, ids, ref, tok, 3)
+    assert_offsets_index_the_text(LONG, zero.choices[0].logprobs, len(ids))
 
     chunks = list(client.completions.create(model="stories260K", prompt=ids, max_tokens=1, temperature=0,
                                             logprobs=2, echo=True, stream=True))

@@ -462,6 +462,8 @@ async def _complete(request: web.Request, kind: str, ids: list[int], text: str,
     score = opts.params.logprobs if opts.echo else None
     job = engine.submit(Request(out.id, tuple(ids), opts.params, max_tokens, opts.stop, text, score))
     echo = _Echo(text, ids) if opts.echo else None
+    if echo is not None and out.tok is not None:
+        out.echoing(text, len(ids))
     async with job:
         if opts.stream:
             return await _stream(request, job, out, len(ids), echo)

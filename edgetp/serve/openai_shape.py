@@ -15,7 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from edgetp.model.sampling import MAX_LOGPROBS, Logprobs, SamplingError, SamplingParams
-from edgetp.model.tokenizer import Tokenizer
+from edgetp.model.tokenizer import StreamDecoder, Tokenizer
 
 DONE = b"data: [DONE]\n\n"
 MAX_STOP = 4  # as OpenAI
@@ -308,7 +308,23 @@ class Shaper:
         self.kind, self.id, self.model, self.include_usage = kind, id, model, include_usage
         self.created = int(time.time())
         self.tok = tok
-        self._offset = 0  # a completion's text_offset: characters of the token strings so far
+        # a completion's text_offset: where each token's text starts in the answer's text
+        self._offset, self._decoder, self._echoed = 0, None if tok is None else StreamDecoder(tok), 0
+
+    def echoing(self, text: str, tokens: int) -> None:
+        """The answer starts with the prompt `text` of `tokens` tokens: their offsets are into `text`
+        as decoding the prompt gives it (an SPM prompt's first token's space is not in it)."""
+        self._decoder = StreamDecoder(self.tok, strip_prefix=True)
+        self._echoed, self._end = tokens, len(text)
+
+    def _text_offset(self, tid: int) -> int:
+        at = self._offset
+        self._offset += len(self._decoder.feed(tid))
+        if self._echoed:
+            self._echoed -= 1
+            if not self._echoed:  # the answer follows the prompt's text as sent back
+                self._offset, self._decoder = self._end, StreamDecoder(self.tok)
+        return at
 
     def _token(self, tid: int) -> tuple[str, list[int]]:
         raw = self.tok.token_bytes(tid)
@@ -330,8 +346,7 @@ class Shaper:
             out["tokens"].append(text)
             out["token_logprobs"].append(p.logprob)
             out["top_logprobs"].append(None if p.top is None else {self._token(t)[0]: v for t, v in p.top})
-            out["text_offset"].append(self._offset)
-            self._offset += len(text)
+            out["text_offset"].append(self._text_offset(p.token))
         return out
 
     def _head(self, obj: str) -> dict[str, Any]:

@@ -149,7 +149,12 @@ class Recovery:
                                               old.plan.epoch))
         epoch = self.epoch() if self.epoch else None
         replanning = self.replan(old, exc) if self.replan else old.recovered(exc, epoch)
-        new = asyncio.run_coroutine_threadsafe(replanning, self.loop).result(600)
+        try:
+            new = asyncio.run_coroutine_threadsafe(replanning, self.loop).result(600)
+        except BaseException:  # no plan holds now (nor a view of one): the next request plans afresh
+            old.close()
+            self.engine.runner = None
+            raise
         self.engine.runner = new
         self._publish(replan_event(new))
         if self.view is not None:

@@ -369,6 +369,8 @@ class Engine:
                 except Exception as exc:  # noqa: BLE001 - every running job learns why; the engine serves on
                     self._step_failed(loop, sched, jobs, exc)
                     began = False
+                    if self.runner is not sched.runner:  # a failed re-plan left none: plan before the next
+                        return
                     continue
                 after = self._counters()
                 if self.runner is not runner:  # recovered mid-step: the new links counted from 0 in this step
@@ -420,8 +422,10 @@ class Engine:
         # a lost node, or a re-plan that found no plan (memory), is said in one line; anything else is a bug
         log.error("generation step failed: %s", exc, exc_info=not isinstance(exc, (RunnerLost, PlanError)))
         _post(loop, self.bus.publish, events.ClusterEvent("error", f"generation failed: {exc}"))
-        for seq in sched.drop_all():
-            self._ended(loop, jobs.pop(id(seq)), seq, "error", GenerationFailed(f"generation failed: {exc}"))
+        for seq in sched.drop_all():  # a node lost for good is a 503 to retry, not a server fault
+            error = (Unavailable(f"a node was lost and no plan could be made without it: {exc}; retry later")
+                     if isinstance(exc, (RunnerLost, PlanError)) else GenerationFailed(f"generation failed: {exc}"))
+            self._ended(loop, jobs.pop(id(seq)), seq, "error", error)
         try:
             sched.runner.end()
         except Exception:  # noqa: BLE001

@@ -455,28 +455,42 @@ async def _complete(request: web.Request, kind: str, ids: list[int], text: str,
         raise ApiError(400, f"'logit_bias' has token ids outside 0..{vocab - 1}", param="logit_bias",
                        code="invalid_value")
     max_tokens = shape.fit(len(ids), opts.max_tokens, engine.ctx, "messages" if kind == "chat" else "prompt")
-    out = shape.Shaper(kind, ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24],
-                       engine.model_name, include_usage=opts.include_usage,
-                       tok=None if opts.params.logprobs is None else engine.tokenizer)
+    if engine.slots and opts.n > engine.slots + engine.queue_size:
+        raise ApiError(400, f"'n' is {opts.n}; this server runs {engine.slots} sequences at once and queues "
+                       f"{engine.queue_size} more", param="n", code="invalid_value")
+    first = shape.Shaper(kind, ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24],
+                         engine.model_name, include_usage=opts.include_usage,
+                         tok=None if opts.params.logprobs is None else engine.tokenizer)
+    outs = [first] + [first.choice(i) for i in range(1, opts.n)]
     # echo: the answer starts with the prompt, scored when logprobs are asked for
     score = opts.params.logprobs if opts.echo else None
-    job = engine.submit(Request(out.id, tuple(ids), opts.params, max_tokens, opts.stop, text, score))
+    jobs = engine.submit_all([Request(first.id if opts.n == 1 else f"{first.id}-{i}", tuple(ids), opts.seeded(i),
+                                      max_tokens, opts.stop, text, score) for i in range(opts.n)])
     echo = _Echo(text, ids) if opts.echo else None
-    if echo is not None and out.tok is not None:
+    for out in outs if echo is not None and first.tok is not None else ():
         out.echoing(text, len(ids))
-    async with job:
+    try:
         if opts.stream:
-            return await _stream(request, job, out, len(ids), echo)
-        pieces, reason, lps = [], None, []
-        async for ev in job:
-            if echo is not None and not pieces:
-                pieces, lps = [text], echo.logprobs(ev)
-            pieces.append(ev.text)
-            reason = ev.finish_reason
-            if ev.logprobs is not None:
-                lps.append(ev.logprobs)
-        return web.json_response(out.whole("".join(pieces), reason, len(ids), job.tokens, job.cached_tokens, lps),
-                                 dumps=shape.dumps)
+            return await _stream(request, jobs, outs, len(ids), echo)
+        choices = await asyncio.gather(*(_answer(job, out, echo) for job, out in zip(jobs, outs)))
+        return web.json_response(first.whole(list(choices), len(ids), sum(j.tokens for j in jobs),
+                                             min(j.cached_tokens for j in jobs)), dumps=shape.dumps)
+    finally:  # (a choice not finished, when another failed or the client left)
+        for job in jobs:
+            job.cancel()
+
+
+async def _answer(job: Job, out: shape.Shaper, echo: _Echo | None) -> dict[str, Any]:
+    """One choice of a whole answer, once its job has finished."""
+    pieces, reason, lps = [], None, []
+    async for ev in job:
+        if echo is not None and not pieces:
+            pieces, lps = [echo.text], echo.logprobs(ev)
+        pieces.append(ev.text)
+        reason = ev.finish_reason
+        if ev.logprobs is not None:
+            lps.append(ev.logprobs)
+    return out.answer("".join(pieces), reason, lps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -494,36 +508,73 @@ class _Echo:
         return [Logprobs(int(self.ids[0]), None, None), *first.prompt_logprobs]
 
 
-async def _stream(request: web.Request, job: Job, out: shape.Shaper, prompt_tokens: int,
+async def _stream(request: web.Request, jobs: list[Job], outs: list[shape.Shaper], prompt_tokens: int,
                   echo: _Echo | None = None) -> web.StreamResponse:
+    """The choices' chunks as their tokens come, each naming its choice (index)."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                        "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     await resp.prepare(request)
     try:
-        if out.kind == "chat":
+        for out in outs if outs[0].kind == "chat" else ():
             await resp.write(shape.sse(out.chunk("", None, first=True)))
-        lps = []  # of tokens whose text has not been sent yet (a character split across tokens)
-        async for ev in job:
-            if echo is not None:  # the prompt first, in a chunk of its own
-                await resp.write(shape.sse(out.chunk(echo.text, None, logprobs=echo.logprobs(ev))))
-                echo = None
-            if ev.logprobs is not None:
-                lps.append(ev.logprobs)
-            if ev.text:
-                await resp.write(shape.sse(out.chunk(ev.text, None, logprobs=lps)))
-                lps = []
-            if ev.finish_reason is not None:
-                await resp.write(shape.sse(out.chunk("", ev.finish_reason, logprobs=lps)))
-        if out.include_usage:
-            await resp.write(shape.sse(out.usage_chunk(prompt_tokens, job.tokens, job.cached_tokens)))
+        echoing = [echo is not None] * len(jobs)
+        lps: list[list[Logprobs]] = [[] for _ in jobs]  # of tokens whose text is not sent yet (a split character)
+        async with contextlib.aclosing(_merged(jobs)) as merged:
+            async for i, ev in merged:
+                out = outs[i]
+                if echoing[i]:  # the prompt first, in a chunk of its own
+                    await resp.write(shape.sse(out.chunk(echo.text, None, logprobs=echo.logprobs(ev))))
+                    echoing[i] = False
+                if ev.logprobs is not None:
+                    lps[i].append(ev.logprobs)
+                if ev.text:
+                    await resp.write(shape.sse(out.chunk(ev.text, None, logprobs=lps[i])))
+                    lps[i] = []
+                if ev.finish_reason is not None:
+                    await resp.write(shape.sse(out.chunk("", ev.finish_reason, logprobs=lps[i])))
+        if outs[0].include_usage:
+            await resp.write(shape.sse(outs[0].usage_chunk(prompt_tokens, sum(j.tokens for j in jobs),
+                                                           min(j.cached_tokens for j in jobs))))
         await resp.write(shape.DONE)
     except (GenerationFailed, EngineClosed) as exc:
         await resp.write(shape.sse_error(str(exc)))
     except ConnectionResetError:
-        log.info("client went away during %s; generation cancelled", out.id)
+        log.info("client went away during %s; generation cancelled", outs[0].id)
         return resp
     await resp.write_eof()
     return resp
+
+
+async def _merged(jobs: list[Job]) -> AsyncIterator[tuple[int, TokenEvent]]:
+    """(choice, event) of every job as each comes; the first job's failure is raised."""
+    if len(jobs) == 1:
+        async for ev in jobs[0]:
+            yield 0, ev
+        return
+    queue: asyncio.Queue[tuple[int, TokenEvent | Exception | None]] = asyncio.Queue()
+
+    async def pump(i: int, job: Job) -> None:
+        try:
+            async for ev in job:
+                queue.put_nowait((i, ev))
+            queue.put_nowait((i, None))
+        except Exception as exc:  # noqa: BLE001 - raised where the chunks are written
+            queue.put_nowait((i, exc))
+
+    pumps = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+    try:
+        running = len(jobs)
+        while running:
+            i, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in pumps:
+            task.cancel()
 
 
 # --------------------------------------------------------------------------- cluster, models, events

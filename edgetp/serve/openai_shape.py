@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ from edgetp.model.tokenizer import StreamDecoder, Tokenizer
 
 DONE = b"data: [DONE]\n\n"
 MAX_STOP = 4  # as OpenAI
+MAX_N = 128  # choices per request, as OpenAI
 ROLES = ("system", "developer", "user", "assistant", "tool")
 FINISH = {"stop": "stop", "length": "length", "context": "length"}  # ours -> OpenAI's
 
@@ -109,6 +111,13 @@ class Options:
     stream: bool
     include_usage: bool
     echo: bool = False  # a completion's answer starts with its prompt (scored too, with logprobs)
+    n: int = 1  # choices: each its own sequence, choice i seeded seed + i (see `seeded`)
+
+    def seeded(self, i: int) -> SamplingParams:
+        """Choice i's sampling: with a seed, seed + i, so choice i is what n=1 gives with that seed."""
+        if i == 0 or self.params.seed is None:
+            return self.params
+        return dataclasses.replace(self.params, seed=(self.params.seed + i) % 2**64)
 
 
 def options(body: dict, model_name: str, *, chat: bool) -> Options:
@@ -120,9 +129,8 @@ def options(body: dict, model_name: str, *, chat: bool) -> Options:
         raise ApiError(400, f"the model {model!r} does not exist; this server has {model_name!r}",
                        param="model", code="model_not_found")
     n = _integer(body, "n")
-    if n not in (None, 1):
-        raise ApiError(400, f"'n' is {n}; this server makes one choice per request", param="n",
-                       code="invalid_value")
+    if n is not None and not 1 <= n <= MAX_N:
+        raise ApiError(400, f"'n' is {n}; it must be between 1 and {MAX_N}", param="n", code="invalid_value")
     max_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _integer(body, max_name)
     echo = False if chat else _boolean(body, "echo")
@@ -149,7 +157,7 @@ def options(body: dict, model_name: str, *, chat: bool) -> Options:
         raise ApiError(400, f"'stream_options' must be an object, not {_kind(so)}", param="stream_options",
                        code="invalid_type")
     include_usage = _boolean(so or {}, "include_usage")
-    return Options(params, max_tokens, _stop(body.get("stop")), stream, stream and include_usage, echo)
+    return Options(params, max_tokens, _stop(body.get("stop")), stream, stream and include_usage, echo, n or 1)
 
 
 def _logit_bias(v: Any) -> tuple[tuple[int, float], ...] | None:
@@ -300,16 +308,22 @@ def model_card(name: str) -> dict[str, Any]:
 
 
 class Shaper:
-    """Answers and stream chunks of one request, chat ("chat") or completion ("text"). With `tok`, each
-    answer or chunk carries the log probabilities of its tokens (the request asked for them)."""
+    """Answers and stream chunks of one choice of a request, chat ("chat") or completion ("text"). With
+    `tok`, each answer or chunk carries the log probabilities of its tokens (the request asked for them).
+    `choice(i)` shapes the request's choice i (`n`): the same id, its own index and text offsets."""
 
     def __init__(self, kind: str, id: str, model: str, *, include_usage: bool = False,
-                 tok: Tokenizer | None = None) -> None:
+                 tok: Tokenizer | None = None, index: int = 0) -> None:
         self.kind, self.id, self.model, self.include_usage = kind, id, model, include_usage
         self.created = int(time.time())
-        self.tok = tok
+        self.tok, self.index = tok, index
         # a completion's text_offset: where each token's text starts in the answer's text
         self._offset, self._decoder, self._echoed = 0, None if tok is None else StreamDecoder(tok), 0
+
+    def choice(self, index: int) -> Shaper:
+        out = Shaper(self.kind, self.id, self.model, include_usage=self.include_usage, tok=self.tok, index=index)
+        out.created = self.created
+        return out
 
     def echoing(self, text: str, tokens: int) -> None:
         """The answer starts with the prompt `text` of `tokens` tokens: their offsets are into `text`
@@ -353,18 +367,20 @@ class Shaper:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None}
 
-    def whole(self, text: str, reason: str | None, prompt_tokens: int, completion_tokens: int,
-              cached_tokens: int = 0, logprobs: list[Logprobs] = ()) -> dict[str, Any]:
+    def answer(self, text: str, reason: str | None, logprobs: list[Logprobs] = ()) -> dict[str, Any]:
+        """This choice of a whole answer."""
         finish = FINISH.get(reason or "", None)
         lp = self.logprobs(list(logprobs))
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                      "logprobs": lp, "finish_reason": finish}
-            out = self._head("chat.completion")
-        else:
-            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
-            out = self._head("text_completion")
-        return out | {"choices": [choice], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
+            return {"index": self.index, "message": {"role": "assistant", "content": text, "refusal": None},
+                    "logprobs": lp, "finish_reason": finish}
+        return {"index": self.index, "text": text, "logprobs": lp, "finish_reason": finish}
+
+    def whole(self, choices: list[dict[str, Any]], prompt_tokens: int, completion_tokens: int,
+              cached_tokens: int = 0) -> dict[str, Any]:
+        """The whole answer of `choices` (`answer`s); completion_tokens: of every choice together."""
+        out = self._head("chat.completion" if self.kind == "chat" else "text_completion")
+        return out | {"choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
     def chunk(self, text: str, reason: str | None, *, first: bool = False,
               logprobs: list[Logprobs] = ()) -> dict[str, Any]:
@@ -375,10 +391,10 @@ class Shaper:
             delta: dict[str, Any] = {} if reason is not None else {"content": text}
             if first:
                 delta = {"role": "assistant", "content": ""}
-            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            choice = {"index": self.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
             out = self._head("chat.completion.chunk")
         else:
-            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
+            choice = {"index": self.index, "text": text, "logprobs": lp, "finish_reason": finish}
             out = self._head("text_completion")
         out["choices"] = [choice]
         if self.include_usage:

@@ -30,7 +30,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 from edgetp.parallel.plan import PlanError
 from edgetp.parallel.profile import mem_available
@@ -247,16 +247,21 @@ class Engine:
 
     def submit(self, request: Request) -> Job:
         """Queue a request; QueueFull when every slot is busy and `queue_size` are already waiting."""
+        return self.submit_all([request])[0]
+
+    def submit_all(self, requests: Sequence[Request]) -> list[Job]:
+        """Queue every request (a request's choices), or none: QueueFull unless the free slots and the
+        queue have room for all of them."""
         if self._closed:
             raise EngineClosed("the server is shutting down")
         with self._lock:
             free = self.slots - len(self._running) if self.runner is not None else 0
-            if len(self._waiting) - max(free, 0) >= self.queue_size:
+            if len(self._waiting) + len(requests) - max(free, 0) > self.queue_size:
                 raise QueueFull(len(self._waiting), self.retry_after())
-            job = Job(request, self)
-            self._waiting.append(job)
+            jobs = [Job(request, self) for request in requests]
+            self._waiting.extend(jobs)
         self._wake.set()
-        return job
+        return jobs
 
     def retry_after(self) -> int:
         """Seconds until a queue slot is likely free: one recent mean request time, at least 1."""

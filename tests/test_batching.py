@@ -284,6 +284,71 @@ def test_with_a_q8_0_cache_each_sequence_and_a_cached_prefix_give_the_tokens_the
     assert again.cached == (len(prompts[-1]) - 1) // PREFILL_CHUNK * PREFILL_CHUNK and got == [want[-1]]
 
 
+def shared_beginnings(tok) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Three prompts that begin alike (one twice, as a request's choices; one with more after it) and
+    one that does not, greedy and seeded."""
+    ids = tok.encode(LONG, add_special=True)
+    longer = tok.encode(LONG + " Her mother said no.", add_special=True)
+    assert longer[:len(ids) - 1] == ids[:-1] and len(ids) > 2 * PREFILL_CHUNK + 1
+    prompts = [ids, ids, longer, tok.encode(PROMPTS[1], add_special=True)]
+    return prompts, [GREEDY, SamplingParams(temperature=0.9, seed=5), GREEDY, GREEDY]
+
+
+def test_prompts_that_begin_alike_copy_whole_chunks_from_each_other_and_answer_as_alone(stories):
+    """Admitted together, the first reads the shared chunks and the others copy them from its slot
+    (Chunk.copy) instead of reading them again: each still gets its tokens alone. A scored prompt
+    (echo) is read in full."""
+    mf, tok = stories
+    prompts, params = shared_beginnings(tok)
+    want = [[ev.token_id for ev in generate(LocalRunner(mf, CTX), tok, ids, p, 12)] for ids, p in zip(prompts, params)]
+    sched = Scheduler(LocalRunner(mf, CTX, 4), tok)
+    seqs = [Seq(ids, p, 12) for ids, p in zip(prompts, params)]
+    read: list[int] = []
+    got: dict[int, list[int]] = {id(s): [] for s in seqs}
+    for s in seqs:
+        sched.admit(s)
+    for _ in range(400):
+        if not sched.seqs:
+            break
+        for seq, ev in sched.step():
+            got[id(seq)].append(ev.token_id)
+        read += [n for kind, n, _, _ in sched.last if kind == "prefill"]
+    assert [got[id(s)] for s in seqs] == want
+    shared = (len(prompts[0]) - 1) // PREFILL_CHUNK * PREFILL_CHUNK
+    # whoever reads a shared chunk first, the other two copy it (taking turns: PATIENCE)
+    assert sum(s.cached for s in seqs[:3]) == 2 * shared and seqs[3].cached == 0
+    assert sum(read) == sum(len(ids) for ids in prompts) - 2 * shared  # each shared chunk read once
+
+    scored = Seq(prompts[0], GREEDY, 1, score=1)
+    sched.cache.forget()
+    sched.admit(copier := Seq(prompts[0], GREEDY, 1))
+    sched.admit(scored)
+    for _ in range(100):
+        if not sched.seqs:
+            break
+        sched.step()
+    assert scored.cached == 0 and copier.cached == 0
+
+
+@pytest.mark.parametrize("copy", [
+    [0, 0, 1],    # [src slot, a]
+    [1, 0],       # from the slot it copies into
+    [2, 0],       # a slot that holds nothing here
+    [0, 80],      # a past the chunk's position
+    [0, -1],
+    [0, 32],      # before a, the slot holds nothing here
+    [0.0, 0],
+    "0",
+])
+def test_a_worker_refuses_a_malformed_copy(copy):
+    from edgetp.serve.worker import _copy_of  # noqa: PLC0415
+
+    history = {0: list(range(70)), 1: []}
+    with pytest.raises(ValueError, match="copy is malformed"):
+        _copy_of(copy, history, 1, 64)
+    assert _copy_of([0, 0], history, 1, 64) == (0, 0)
+
+
 # --------------------------------------------------------------------------- a cluster
 
 
@@ -350,3 +415,37 @@ async def test_a_client_that_leaves_frees_its_slot_while_the_other_streams_go_on
     assert engine.slots_view().active == 0
     gone = next(r for r in finished if r.prompt == "Once upon a time")
     assert gone.finish_reason == "cancelled" and gone.completion_tokens < 900
+
+
+def test_workers_copy_a_shared_beginning_between_slots_as_the_root_does(float_workers, stories_path, monkeypatch):
+    """Tensor-parallel over three processes and as a pipeline of three stages: every node copies its
+    part of the shared chunks (a STEP's "copy"), and each sequence gets its single-node tokens."""
+    monkeypatch.setenv("EDGETP_INT8", "0")
+    quant.set_threads(1)
+    mf = gguf.open_model(stories_path)
+    tok = Tokenizer.from_metadata(mf.metadata)
+    prompts, params = shared_beginnings(tok)
+    want = [[ev.token_id for ev in generate(LocalRunner(mf, CTX), tok, ids, p, 12)] for ids, p in zip(prompts, params)]
+    with LoopThread() as lt:
+        for parallel in ("tp", "pp"):
+            runner = lt.run(ClusterRunner.connect(mf, float_workers[:2], ctx=CTX, slots=4, parallel=parallel),
+                            timeout=300)
+            try:
+                sched = Scheduler(runner, tok)
+                seqs = [Seq(ids, p, 12) for ids, p in zip(prompts, params)]
+                for s in seqs:
+                    sched.admit(s)
+                got: dict[int, list[int]] = {id(s): [] for s in seqs}
+                runner.begin()
+                try:
+                    for _ in range(400):
+                        if not sched.seqs:
+                            break
+                        for seq, ev in sched.step():
+                            got[id(seq)].append(ev.token_id)
+                finally:
+                    runner.end()
+            finally:
+                runner.close()
+            assert [got[id(s)] for s in seqs] == want, parallel
+            assert seqs[1].cached > 0 and seqs[2].cached > 0, parallel

@@ -31,7 +31,12 @@ that starts with what a free slot holds skips that part, in whole chunks
 only, and only in chunks that were themselves computed as whole prefill
 chunks at the same positions: those are exactly the bits a cold prefill of
 the new prompt would compute. Answer tokens (computed one at a time) and a
-prompt's last partial chunk are computed again.
+prompt's last partial chunk are computed again. Running sequences share too:
+before a prompt's chunk is read, the whole chunks of its beginning that any
+other slot holds (a system prompt several clients send, a request's `n`
+choices) are copied into its slot on every node (`Chunk.copy`,
+`Shard.copy_kv`) instead of being read again; whoever reads a shared chunk
+first, the others copy it.
 
 Scoring a prompt (`Seq.score`, the API's `echo` with `logprobs`): each chunk
 of the prompt also asks, at every position, the log probability of the
@@ -121,6 +126,7 @@ class Chunk:
     params: SamplingParams | None = None
     score: int | None = None              # with targets: the log probability of each, and the `score` likeliest
     targets: Sequence[int] = ()           # per row of ids: the token after it (-1: none, the prompt's last)
+    copy: tuple[int, int] | None = None   # (src slot, a): first copy positions a..pos-1 of src's KV into slot
 
 
 def chunks(start: int, end: int, size: int = PREFILL_CHUNK) -> Iterator[tuple[int, int]]:
@@ -204,6 +210,23 @@ class PrefixCache:
             self.exact[slot] = pos + len(ids)
         elif self.exact[slot] > pos:
             self.exact[slot] = pos
+
+    def holder(self, slot: int, prompt: Sequence[int], fed: int) -> tuple[int, int]:
+        """Another slot, running or free, that holds more of prompt's leading whole chunks than the fed
+        positions of `slot`: (that slot, how many positions it holds), else (-1, fed). The prompt's last
+        token is always computed, as by `take`."""
+        limit = (len(prompt) - 1) // self.chunk * self.chunk
+        best = (fed, -1)
+        for s in range(len(self.busy)):
+            held, n = self.tokens[s], min(self.exact[s], limit)
+            if s == slot or n <= best[0]:
+                continue
+            same = 0
+            while same < n and held[same:same + self.chunk] == list(prompt[same:same + self.chunk]):
+                same += self.chunk
+            if min(same, n) > best[0]:
+                best = (min(same, n), s)
+        return best[1], best[0]
 
     def release(self, slot: int) -> None:
         self._clock += 1
@@ -310,7 +333,10 @@ class Scheduler:
             return []
         t0 = time.perf_counter()
         scores: list[Candidates] = []
-        if chunk is not None and chunk.score is not None:
+        if chunk is not None and chunk.copy is not None:  # (a new runner after a lost node copies nothing)
+            first = self.runner
+            cands, cand, _ = self._run(lambda r: r.mixed(rows, chunk if r is first else replace(chunk, copy=None)))
+        elif chunk is not None and chunk.score is not None:
             cands, cand, scores = self._run(lambda r: r.mixed(rows, chunk))
         elif not rows:
             cands, cand = [], self._run(lambda r: r.prefill(chunk.slot, chunk.ids, chunk.pos, chunk.history,
@@ -350,12 +376,27 @@ class Scheduler:
 
     def _chunk(self, s: Seq) -> Chunk:
         """The next chunk of s's prompt; the prompt's last asks the first answer's candidates (none
-        when max_tokens is 0), and each chunk of a scored prompt the scores of its next tokens."""
+        when max_tokens is 0), and each chunk of a scored prompt the scores of its next tokens.
+
+        Whole chunks of the prompt that another slot holds (a sequence running with the same
+        beginning: a shared system prompt, a request's other choices) are copied, not read: the chunk
+        is the one after them, and copies them first (Chunk.copy). s counts them as fed and cached
+        from here, so a replay after a lost node reads them (the slot they came from may be gone)."""
+        copy = None
+        if s.score is None:
+            src, held = self.cache.holder(s.slot, s.prompt, s.fed)
+            if src >= 0:
+                copy = (src, s.fed)
+                self.cache.fed(s.slot, s.fed, s.prompt[s.fed:held], True)
+                self.prefix_hits += 1
+                self.cached_tokens += held - s.fed
+                s.cached += held - s.fed
+                s.fed = held
         a, b = next(chunks(s.fed, len(s.prompt), self.chunk))
         ask = b == len(s.prompt) and s.max_tokens > 0
         history, params = (s.history, s.params) if ask else (None, None)
         if s.score is None:
-            return Chunk(s.slot, a, list(s.prompt[a:b]), history, params)
+            return Chunk(s.slot, a, list(s.prompt[a:b]), history, params, copy=copy)
         targets = [int(t) for t in s.prompt[a + 1:b + 1]] + ([-1] if b == len(s.prompt) else [])
         return Chunk(s.slot, a, list(s.prompt[a:b]), history, params, s.score, targets)
 

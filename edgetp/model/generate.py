@@ -44,7 +44,9 @@ class Runner(Protocol):
                                                                  list[Candidates]]:
         """decode(rows) (none or several) and prefill of chunk in one pass (each all-reduce carries both),
         each computed as alone: decode's candidates, prefill's (None without chunk.params), and with
-        chunk.score the merged scores of its targets (one per target >= 0, `sampling.scored`)."""
+        chunk.score the merged scores of its targets (one per target >= 0, `sampling.scored`). With
+        chunk.copy, positions copy[1]..chunk.pos-1 of slot copy[0] are first copied into chunk.slot
+        on every node (`Shard.copy_kv`)."""
 
     def logits(self, ids: Sequence[int], pos: int) -> np.ndarray:
         """Feed ids at positions pos.. of slot 0, return the full logits of every position: (n, vocab)."""
@@ -79,6 +81,8 @@ class LocalRunner:
         return self._rows(h, rows)
 
     def mixed(self, rows, chunk):
+        if chunk.copy is not None:
+            self.shard.copy_kv(chunk.copy[0], chunk.slot, chunk.copy[1], chunk.pos)
         x = llama.embed(self.mf, [r.token for r in rows] + list(chunk.ids))
         if rows:
             h = self.shard.forward_mixed(x, [r.slot for r in rows], [r.pos for r in rows], chunk.pos, chunk.slot)

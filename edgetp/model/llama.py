@@ -323,6 +323,15 @@ class Shard:
     def kv_bytes(self) -> int:
         return sum(c.nbytes for c in self.k_cache + self.v_cache)
 
+    def copy_kv(self, src: int, dst: int, a: int, b: int) -> None:
+        """Positions a..b-1 of slot src's keys and values into slot dst, in every layer held here (a
+        prompt prefix another sequence computed: the same bits a prefill of it would write)."""
+        if not (0 <= src < self.slots and 0 <= dst < self.slots and src != dst and 0 <= a <= b <= self.ctx):
+            raise ValueError(f"cannot copy positions {a}..{b} of KV slot {src} into slot {dst} "
+                             f"({self.slots} slots of {self.ctx} positions)")
+        for cache in self.k_cache + self.v_cache:
+            cache[dst, :, a:b] = cache[src, :, a:b]
+
     def forward(self, x: np.ndarray, pos: int, slot: int = 0) -> np.ndarray:
         """Run every layer on x: (n, dim) hidden states of positions pos..pos+n-1 of one
         sequence, whose KV cache is slot `slot`, in place.

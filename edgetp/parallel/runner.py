@@ -428,14 +428,21 @@ class ClusterRunner:
         if c is None:
             return header, x, lambda: self.shard.forward_rows(x, slots, positions)
         header |= {"slot": c.slot, "pos": c.pos, "ids": [int(t) for t in c.ids], "want": want}
+        if c.copy is not None:  # every stage copies its layers' KV of the prefix first, the root too
+            header["copy"] = [int(c.copy[0]), int(c.copy[1])]
         if c.score is not None:
             header["score"] = [c.score, [int(t) for t in c.targets]]
         if want == "candidates":
             chunk_params = asdict(c.params)
             header["params"] = params + [chunk_params] if batch else chunk_params
-        if not batch:
-            return header, x, lambda: self.shard.forward(x, c.pos, slot=c.slot)
-        return header, x, lambda: self.shard.forward_mixed(x, slots, positions, c.pos, c.slot)
+
+        def own() -> np.ndarray:
+            if c.copy is not None:
+                self.shard.copy_kv(c.copy[0], c.slot, c.copy[1], c.pos)
+            if not batch:
+                return self.shard.forward(x, c.pos, slot=c.slot)
+            return self.shard.forward_mixed(x, slots, positions, c.pos, c.slot)
+        return header, x, own
 
     def run(self, ids, pos, history, params):
         """ids at pos.. of slot 0 in aligned chunks; the candidates for the next token."""

@@ -446,7 +446,10 @@ class Engine:
         record = events.RequestRecord(req.request_id, "finished", req.prompt, reason, len(req.prompt_ids),
                                       seq.index, seq.cached, seq.slot if seq.slot >= 0 else None)
 
+        cached = seq.cached  # (with what was copied from other slots while it read its prompt)
+
         def finish() -> None:
+            job.cached_tokens = cached
             self.bus.publish(record)
             self._finish(job, reason, error)
 

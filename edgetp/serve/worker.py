@@ -420,6 +420,17 @@ def _upto(history: dict[int, list[int]], slot: int, pos: int) -> list[int]:
     return h if len(h) == pos + 1 else h[:pos + 1]
 
 
+def _copy_of(copy: Any, history: dict[int, list[int]], slot: int, pos: int) -> tuple[int, int]:
+    """A STEP's "copy": [src slot, a], checked: src holds the tokens of positions a..pos-1 here and slot
+    holds those before a."""
+    if not (isinstance(copy, list) and len(copy) == 2 and all(type(v) is int for v in copy)
+            and copy[0] != slot and len(history.get(copy[0], ())) >= pos >= copy[1] >= 0
+            and len(history.get(slot, ())) >= copy[1]):
+        raise ValueError(f"STEP's copy is malformed: [src slot, a] with a slot other than {slot} that holds "
+                         f"positions a..{pos - 1} here")
+    return copy[0], copy[1]
+
+
 def _scored_chunk(score: Any, slot: int, pos: int, ids: list[int] | None) -> batch.Chunk:
     """A STEP's "score": [n, a target per chunk row (-1: none)], checked, as the chunk it scores."""
     if not (ids is not None and isinstance(score, list) and len(score) == 2 and isinstance(score[1], list)
@@ -441,7 +452,8 @@ def _hot_loop(hot: Hot, shard: llama.Shard, mf, hands_on: bool = False) -> None:
     candidates), and its payload carries the embeddings (rows first) only when
     this node has no embedding table of its own (or, for a later pipeline
     stage, the residual stream). Each slot's tokens are kept here for the
-    repetition penalties. With rows, LOGITS holds the candidates of each row,
+    repetition penalties. A chunk may first copy the KV (and tokens) of the
+    positions before it from another slot ("copy": [src, a]; batch.Chunk.copy). With rows, LOGITS holds the candidates of each row,
     then the chunk's; a chunk alone answers its candidates (or every logit).
 
     A pipeline stage before the last answers no candidates: when it is a
@@ -469,6 +481,10 @@ def _hot_loop(hot: Hot, shard: llama.Shard, mf, hands_on: bool = False) -> None:
             _feed(history, slot, pos, [t])
         if chunk is not None:
             slot, pos = int(h.get("slot", 0)), int(h["pos"])
+            if "copy" in h:  # a prefix another slot holds: its KV and tokens, before the chunk after it
+                src, a = _copy_of(h["copy"], history, slot, pos)
+                shard.copy_kv(src, slot, a, pos)
+                _feed(history, slot, a, history[src][a:pos])
             _feed(history, slot, pos, chunk)
             out = shard.forward_mixed(x, slots, positions, pos, slot) if rows else shard.forward(x, pos, slot=slot)
         else:

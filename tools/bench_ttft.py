@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Time to first token where it hurts: a short request behind a long prompt, and a chat's second turn.
+"""Time to first token where it hurts: a short request behind a long prompt, a chat's second turn, and
+clients that send one long system prompt at the same time.
 
     python tools/bench_ttft.py                                        # 1B shape Q4_0, one node
     python tools/bench_ttft.py --models smollm2,llama1b-q4_0 --setups one,two --long 2000 --chat 1000
@@ -19,6 +20,12 @@ Two scenarios, each reported as the time from a request sent to its first stream
   request per slot has taken every slot in turn (least recently used first), so nothing of turn 1
   is left. Reported: both first-token times, the ``cached_tokens`` usage says for each, and the
   cold/warm ratio.
+* **one system prompt, two clients at once.** Two requests are sent together, each ``--shared``
+  ids and then 48 of its own (one answer token): first with different beginnings (nothing to
+  share: the reference), then with the same one (a shared system prompt), each pair on prompts no
+  slot holds yet. Reported: the later first-token time of each pair, the ``cached_tokens`` of the
+  shared pair together (the whole chunks one copied from the other instead of reading them) and
+  the distinct/shared ratio.
 
 A warm-up request runs first (kernels loaded). Every daemon started is stopped, whatever happens.
 One run on a machine that may be shared: read the figures as one sample.
@@ -90,6 +97,8 @@ class Result:
     long_ttft: float | None = None
     cold: Reply | None = None
     warm: Reply | None = None
+    distinct: tuple[Reply, ...] = ()          # two at once, different beginnings
+    shared: tuple[Reply, ...] = ()            # two at once, the same beginning
     error: str | None = None
 
 
@@ -140,6 +149,15 @@ async def second_turn(client: Any, model: str, chat: int, out: Result) -> None:
     out.cold = await ask(client, model, turn2, TURN_ANSWER)
 
 
+async def together(client: Any, model: str, shared: int, seeds: tuple[int, int]) -> tuple[Reply, ...]:
+    """SLOTS requests sent at once: `shared` ids of beginning seeds[0] + k * seeds[1], then 48 of their own."""
+    prompts = [token_ids(shared, seeds[0] + k * seeds[1]) + token_ids(TURN_MORE, 500 + k) for k in range(SLOTS)]
+    replies = await asyncio.gather(*(ask(client, model, p, 1) for p in prompts))
+    if any(r.error for r in replies):
+        raise RuntimeError(f"two at once: {next(r.error for r in replies if r.error)}")
+    return tuple(replies)
+
+
 async def scenarios(url: str, args: argparse.Namespace) -> Result:
     import openai  # noqa: PLC0415
 
@@ -153,12 +171,16 @@ async def scenarios(url: str, args: argparse.Namespace) -> Result:
             await short_behind_long(client, url, model, args.long, args.shorts, args.limit, out)
         if args.chat:
             await second_turn(client, model, args.chat, out)
+        if args.shared:
+            out.distinct = await together(client, model, args.shared, (400, 1))
+            out.shared = await together(client, model, args.shared, (450, 0))
     return out
 
 
 def run_setup(setup: str, path: Path, args: argparse.Namespace, flags: set[str]) -> tuple[str, Result]:
     daemons: list[Daemon] = []
-    ctx = -(-(max(args.long, args.chat + TURN_MORE + TURN_ANSWER, PROMPT_TOKENS + 200) + 16) // 64) * 64
+    ctx = -(-(max(args.long, args.chat + TURN_MORE + TURN_ANSWER, args.shared + TURN_MORE, PROMPT_TOKENS + 200)
+              + 16) // 64) * 64
     ns = argparse.Namespace(clients=[SLOTS], slots=SLOTS, threads=args.threads, start_timeout=args.start_timeout,
                             logs=args.logs)
     try:
@@ -176,8 +198,11 @@ def row(label: str, setup: str, r: Result, plan: str) -> list[str]:
     cold, warm = r.cold or Reply(), r.warm or Reply()
     speedup = f"{cold.ttft / warm.ttft:.1f}x" if cold.ttft and warm.ttft else "-"
     cached = "-" if r.cold is None else f"{warm.cached} / {cold.cached}"
+    apart, alike = (max(x.ttft for x in replies) if replies else None for replies in (r.distinct, r.shared))
+    sharing = f"{apart / alike:.1f}x" if apart and alike else "-"
+    copied = str(sum(x.cached or 0 for x in r.shared)) if r.shared else "-"
     return [label, setup, ms(r.alone), behind, ms(r.long_ttft), ms(cold.ttft), ms(warm.ttft), cached, speedup,
-            r.error or plan]
+            ms(apart), ms(alike), copied, sharing, r.error or plan]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,21 +212,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long", type=int, default=2000, help="token ids in the long prompt (2000; 0: skip)")
     ap.add_argument("--shorts", type=int, default=8, help="short requests sent while it is read, at most (8)")
     ap.add_argument("--chat", type=int, default=1000, help="token ids in the chat's first turn (1000; 0: skip)")
+    ap.add_argument("--shared", type=int, default=1000,
+                    help="token ids of the system prompt two clients send at once (1000; 0: skip)")
     ap.add_argument("--parallel", default="tp", choices=("tp", "pp", "auto"), help="plan kind of the 2-node cluster")
     ap.add_argument("--limit", type=float, default=600.0, help="seconds one request may take (600)")
     add_daemon_args(ap)
     args = ap.parse_args(argv)
     setups = setups_of(ap, args.setups)
-    if args.long < 0 or args.chat < 0 or args.shorts < 1 or not (args.long or args.chat):
-        ap.error("--long and --chat must not be negative (one of them above 0), --shorts at least 1")
+    if min(args.long, args.chat, args.shared) < 0 or args.shorts < 1 or not (args.long or args.chat or args.shared):
+        ap.error("--long, --chat and --shared must not be negative (one of them above 0), --shorts at least 1")
     if args.long and args.long <= PROMPT_TOKENS + 200:
         ap.error(f"--long must exceed {PROMPT_TOKENS + 200} token ids (more than two prefill chunks)")
     flags = serve_flags()
     print(preamble("time to first token") +
           f"\n- {args.threads} thread(s) per daemon, {SLOTS} slots; short requests: {PROMPT_TOKENS} ids, one token; "
-          f"long prompt: {args.long} ids; chat: {args.chat} ids, then {TURN_MORE} more\n", flush=True)
+          f"long prompt: {args.long} ids; chat: {args.chat} ids, then {TURN_MORE} more; system prompt: "
+          f"{args.shared} ids, then {TURN_MORE} of each client's\n", flush=True)
     head = ["model", "setup", "short alone ms", "short behind long p50 / max ms (n)", "long TTFT ms",
-            "turn 2 cold ms", "turn 2 warm ms", "cached warm / cold", "cold / warm", "notes"]
+            "turn 2 cold ms", "turn 2 warm ms", "cached warm / cold", "cold / warm",
+            "2 at once, distinct: later ms", "2 at once, one system prompt: later ms", "cached (both)",
+            "distinct / shared", "notes"]
     body = []
     for spec, path in models_of(args.models, args.cache_dir):
         for setup in setups:

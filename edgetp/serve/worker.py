@@ -453,8 +453,9 @@ def _hot_loop(hot: Hot, shard: llama.Shard, mf, hands_on: bool = False) -> None:
     this node has no embedding table of its own (or, for a later pipeline
     stage, the residual stream). Each slot's tokens are kept here for the
     repetition penalties. A chunk may first copy the KV (and tokens) of the
-    positions before it from another slot ("copy": [src, a]; batch.Chunk.copy). With rows, LOGITS holds the candidates of each row,
-    then the chunk's; a chunk alone answers its candidates (or every logit).
+    positions before it from another slot ("copy": [src, a]; batch.Chunk.copy).
+    With rows, LOGITS holds the candidates of each row, then the chunk's; a
+    chunk alone answers its candidates (or every logit).
 
     A pipeline stage before the last answers no candidates: when it is a
     stage of its own (`hands_on`) it hands its residual stream back (HIDDEN)

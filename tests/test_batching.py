@@ -267,17 +267,21 @@ def _run_together(sched, seqs, limit=4000):
 def test_with_a_q8_0_cache_each_sequence_and_a_cached_prefix_give_the_tokens_they_get_alone(smollm2_path):
     # SmolLM2's head size (64) holds q8_0 (stories260K's cannot). The long prompt is read in chunks
     # (BLAS attention over the dequantized cache) between the decode rows of the short ones (the
-    # compiled kernel), and then again from the prefix cache: every token as it comes alone.
+    # compiled kernel), copied by a second sequence with the same prompt, and then taken again from
+    # the prefix cache: every token as it comes alone.
     mf = gguf.open_model(smollm2_path)
     tok = Tokenizer.from_metadata(mf.metadata)
-    prompts = [tok.encode(p, add_special=True) for p in (*PROMPTS[:3], LONG)]
+    # (LONG twice: the second copies the first's whole chunks, q8_0 blocks and all)
+    prompts = [tok.encode(p, add_special=True) for p in (*PROMPTS[:3], LONG, LONG)]
     assert len(prompts[-1]) > PREFILL_CHUNK + 1
-    params = [params_of(k) for k in range(4)]
+    params = [params_of(k) for k in range(5)]
     want = [[ev.token_id for ev in generate(LocalRunner(mf, CTX, kv_type="q8_0"), tok, ids, p, 16)]
             for ids, p in zip(prompts, params)]
-    sched = Scheduler(LocalRunner(mf, CTX, 4, "q8_0"), tok)
-    got, batches = _run_together(sched, [Seq(ids, p, 16) for ids, p in zip(prompts, params)])
+    sched = Scheduler(LocalRunner(mf, CTX, 5, "q8_0"), tok)
+    seqs = [Seq(ids, p, 16) for ids, p in zip(prompts, params)]
+    got, batches = _run_together(sched, seqs)
     assert got == want
+    assert seqs[3].cached + seqs[4].cached == (len(prompts[-1]) - 1) // PREFILL_CHUNK * PREFILL_CHUNK
     assert max(batches) >= 3  # the short ones decoded together
     again = Seq(prompts[-1], params[-1], 16)
     got, _ = _run_together(sched, [again])

@@ -318,7 +318,8 @@ class Shaper:
         self.created = int(time.time())
         self.tok, self.index = tok, index
         # a completion's text_offset: where each token's text starts in the answer's text
-        self._offset, self._decoder, self._echoed = 0, None if tok is None else StreamDecoder(tok), 0
+        self._offset, self._decoder = 0, None if tok is None else StreamDecoder(tok)
+        self._echoed, self._end = 0, 0  # prompt tokens still to come of an echo, and its text's length
 
     def choice(self, index: int) -> Shaper:
         out = Shaper(self.kind, self.id, self.model, include_usage=self.include_usage, tok=self.tok, index=index)

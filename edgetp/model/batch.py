@@ -483,23 +483,28 @@ class _StopFilter:
     """Streams decoded text, holding back what could still become a stop string.
 
     Text that ends with the first characters of a stop string is kept until
-    the next token shows whether the stop string follows; the stop string and
-    everything after it are never sent.
+    the next token shows whether the stop string follows. The first token
+    that completes a stop string ends the text, where that stop string starts
+    (of several it completes, the one that starts first, whatever their order
+    in the request); the stop string and everything after it are never sent.
+    Each stop string is followed by a `_Match` as the text grows, so a token
+    costs its own characters, however long the stop strings.
     """
 
     def __init__(self, decoder, stop: list[str]) -> None:
         self.decoder = decoder
-        self.stop = stop
+        self.matches = [_Match(s) for s in stop if s]
         self.text = ""   # everything decoded so far
         self.sent = 0    # how much of it went out
 
     def feed(self, tid: int) -> tuple[str, bool]:
-        self.text += self.decoder.feed(tid)
-        for s in self.stop:
-            at = self.text.find(s, max(0, self.sent - len(s)))
-            if at >= 0:
-                return self._send(at), True
-        hold = max((k for s in self.stop for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+        piece = self.decoder.feed(tid)
+        self.text += piece
+        ends = [(m.feed(piece), len(m.s)) for m in self.matches]
+        starts = [len(self.text) - len(piece) + end - n for end, n in ends if end is not None]
+        if starts:
+            return self._send(min(starts)), True
+        hold = max((m.held for m in self.matches), default=0)
         return self._send(len(self.text) - hold), False
 
     def finish(self) -> str:
@@ -510,3 +515,33 @@ class _StopFilter:
         upto = max(upto, self.sent)
         piece, self.sent = self.text[self.sent:upto], upto
         return piece
+
+
+class _Match:
+    """Knuth-Morris-Pratt over one stop string: `held` is the length of the longest beginning of it the
+    text fed so far ends with; `feed` says where in a piece the whole string first ends."""
+
+    def __init__(self, s: str) -> None:
+        self.s, self.held = s, 0
+        self.back = back = [0] * len(s)  # back[i]: the longest beginning of s that s[:i + 1] ends with, s itself not
+        k = 0
+        for i in range(1, len(s)):
+            while k and s[i] != s[k]:
+                k = back[k - 1]
+            if s[i] == s[k]:
+                k += 1
+            back[i] = k
+
+    def feed(self, piece: str) -> int | None:
+        """The index in piece just past where s first ends in the text (None: it does not, yet)."""
+        s, back, k = self.s, self.back, self.held
+        for i, c in enumerate(piece):
+            while k and s[k] != c:
+                k = back[k - 1]
+            if s[k] == c:
+                k += 1
+                if k == len(s):
+                    self.held = 0
+                    return i + 1
+        self.held = k
+        return None

@@ -307,7 +307,6 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     ("/v1/completions", {"prompt": "hi", "stop": 5}, "'stop' must be a string or an array"),
     ("/v1/completions", {"prompt": 3.5}, "'prompt' must be a string"),
-    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, "the model 'gpt-4' does not exist"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -5}, "'max_tokens' is -5; it must be at least 1"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, "at most"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p must be in (0, 1]"),
@@ -315,6 +314,23 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "once upon a time " * 200}]},
      "but the context holds 256"),
     ("/v1/chat/completions", {"messages": []}, "'messages' is empty"),
+    # what json.loads cannot take: nesting past Python's recursion limit, an integer past its 4300 digits
+    ("/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+    ("/v1/completions", b'{"prompt": "hi", "top_k": ' + b"9" * 5000 + b"}", "not valid JSON"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"\u00b2": 5}}, "'logit_bias' keys are token ids"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"9" * 5000: 5}}, "'logit_bias' keys are token ids"),
+    # JSON's \u escapes can spell half of a UTF-16 pair, which is no character (json.dumps writes \ud83d)
+    ("/v1/completions", {"prompt": "abc\ud83d"}, "'prompt' holds a lone UTF-16 surrogate (U+D83D"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]},
+     "'messages[0].content' holds a lone UTF-16 surrogate"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**9},
+     "'max_completion_tokens' is 1000000000 but the context holds"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4,
+                              "max_tokens": "bad"}, "'max_tokens' must be an integer"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
+     "'tool_choice' is not supported"),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}},
+     "'stream_options.include_usage' must be a boolean"),
 ]
 
 
@@ -330,15 +346,31 @@ async def test_each_bad_request_gets_a_400_in_openais_error_shape_with_a_clear_m
     assert set(err) == {"message", "type", "param", "code"}
     assert err["type"] == "invalid_request_error"
     assert says in err["message"]
+    assert err["param"] is None or err["param"] in err["message"]  # the field the message names
     assert "Traceback" not in text
     assert not engine.busy and engine.queue_depth == 0
 
 
-async def test_the_openai_client_raises_bad_request_for_an_unknown_model(server):
+async def test_a_body_that_does_not_follow_its_content_encoding_is_a_400_and_the_next_request_is_served(server):
+    url, engine = server
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        async with s.post(url + "/v1/completions", data=b"this is not gzip",
+                          headers={"Content-Type": "application/json", "Content-Encoding": "gzip"}) as r:
+            text = await r.text()
+            assert r.status == 400, text
+        assert "the request body could not be read" in json.loads(text)["error"]["message"]
+        async with s.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}) as r:
+            assert r.status == 200, await r.text()
+
+
+async def test_the_openai_client_raises_not_found_for_an_unknown_model_as_openais_api_does(server):
     url, _ = server
     async with client(url) as c:
-        with pytest.raises(openai.BadRequestError, match="does not exist"):
+        with pytest.raises(openai.NotFoundError, match="the model 'nope' does not exist") as caught:
             await c.completions.create(model="nope", prompt="hi", max_tokens=2)
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            await c.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
+    assert caught.value.body["code"] == "model_not_found" and caught.value.body["param"] == "model"
 
 
 async def test_an_unexpected_server_error_is_a_500_in_openais_shape_without_a_traceback(start, stories):

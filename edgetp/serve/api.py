@@ -186,6 +186,9 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         text = exc.text or ""
         message = exc.reason if not text or text.startswith(f"{exc.status}:") else text
         return ApiError(exc.status, message, headers=headers).response()
+    except web.RequestPayloadError as exc:  # e.g. a body that does not follow its Content-Encoding
+        # the connection's stream is broken past this body: it closes after the answer
+        return ApiError(400, f"the request body could not be read: {exc}", headers={"Connection": "close"}).response()
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
@@ -454,7 +457,8 @@ async def _complete(request: web.Request, kind: str, ids: list[int], text: str,
     if any(t >= vocab for t, _ in opts.params.logit_bias):
         raise ApiError(400, f"'logit_bias' has token ids outside 0..{vocab - 1}", param="logit_bias",
                        code="invalid_value")
-    max_tokens = shape.fit(len(ids), opts.max_tokens, engine.ctx, "messages" if kind == "chat" else "prompt")
+    max_tokens = shape.fit(len(ids), opts.max_tokens, engine.ctx, "messages" if kind == "chat" else "prompt",
+                           opts.max_name)
     if engine.slots and opts.n > engine.slots + engine.queue_size:
         raise ApiError(400, f"'n' is {opts.n}; this server runs {engine.slots} sequences at once and queues "
                        f"{engine.queue_size} more", param="n", code="invalid_value")

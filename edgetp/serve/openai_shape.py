@@ -55,11 +55,13 @@ def sse_error(message: str) -> bytes:
 
 
 async def json_body(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
+    raw = await request.read()  # one it cannot read is a 400 (api._errors)
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except ValueError as exc:  # bad JSON or UTF-8, or an integer of more digits than Python converts
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is not valid JSON: it is nested too deeply") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, not {_kind(body)}")
     return body
@@ -94,12 +96,13 @@ def _integer(body: dict, name: str) -> int | None:
     return v
 
 
-def _boolean(body: dict, name: str) -> bool:
+def _boolean(body: dict, name: str, where: str | None = None) -> bool:
     v = body.get(name, False)
     if v is None:
         return False
     if not isinstance(v, bool):
-        raise ApiError(400, f"'{name}' must be a boolean, not {_kind(v)}", param=name, code="invalid_type")
+        where = where or name
+        raise ApiError(400, f"'{where}' must be a boolean, not {_kind(v)}", param=where, code="invalid_type")
     return v
 
 
@@ -112,6 +115,7 @@ class Options:
     include_usage: bool
     echo: bool = False  # a completion's answer starts with its prompt (scored too, with logprobs)
     n: int = 1  # choices: each its own sequence, choice i seeded seed + i (see `seeded`)
+    max_name: str = "max_tokens"  # the field max_tokens came from (chat's max_completion_tokens too)
 
     def seeded(self, i: int) -> SamplingParams:
         """Choice i's sampling: with a seed, seed + i, so choice i is what n=1 gives with that seed."""
@@ -125,12 +129,13 @@ def options(body: dict, model_name: str, *, chat: bool) -> Options:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(400, f"'model' must be a string, not {_kind(model)}", param="model", code="invalid_type")
-    if model not in (None, model_name):
-        raise ApiError(400, f"the model {model!r} does not exist; this server has {model_name!r}",
+    if model not in (None, model_name):  # a 404, as OpenAI's (and GET /v1/models/{model}'s)
+        raise ApiError(404, f"the model {model!r} does not exist; this server has {model_name!r}",
                        param="model", code="model_not_found")
     n = _integer(body, "n")
     if n is not None and not 1 <= n <= MAX_N:
         raise ApiError(400, f"'n' is {n}; it must be between 1 and {MAX_N}", param="n", code="invalid_value")
+    max_tokens = _integer(body, "max_tokens")  # checked even when chat's max_completion_tokens overrides it
     max_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _integer(body, max_name)
     echo = False if chat else _boolean(body, "echo")
@@ -156,8 +161,9 @@ def options(body: dict, model_name: str, *, chat: bool) -> Options:
     if so is not None and not isinstance(so, dict):
         raise ApiError(400, f"'stream_options' must be an object, not {_kind(so)}", param="stream_options",
                        code="invalid_type")
-    include_usage = _boolean(so or {}, "include_usage")
-    return Options(params, max_tokens, _stop(body.get("stop")), stream, stream and include_usage, echo, n or 1)
+    include_usage = _boolean(so or {}, "include_usage", "stream_options.include_usage")
+    return Options(params, max_tokens, _stop(body.get("stop")), stream, stream and include_usage, echo, n or 1,
+                   max_name)
 
 
 def _logit_bias(v: Any) -> tuple[tuple[int, float], ...] | None:
@@ -168,7 +174,7 @@ def _logit_bias(v: Any) -> tuple[tuple[int, float], ...] | None:
         raise ApiError(400, f"'logit_bias' must be an object, not {_kind(v)}", param="logit_bias", code="invalid_type")
     out = []
     for k, b in v.items():
-        if not (isinstance(k, str) and k.isdigit()):
+        if not (isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 12):  # not "²": int() refuses it
             raise ApiError(400, f"'logit_bias' keys are token ids, got {k!r}", param="logit_bias", code="invalid_value")
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
             raise ApiError(400, f"'logit_bias[{k}]' is {b!r}; it must be a number between -100 and 100",
@@ -198,7 +204,8 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 
 # fields whose answer this server cannot give, refused rather than ignored: the client would take an
 # answer without them for one with them (field -> the values that ask for nothing)
-_NOT_GIVEN = {"suffix": (None, ""), "best_of": (None, 1), "tools": (None, []), "functions": (None, [])}
+_NOT_GIVEN = {"suffix": (None, ""), "best_of": (None, 1), "tools": (None, []), "functions": (None, []),
+              "tool_choice": (None, "none"), "function_call": (None, "none")}
 
 
 def _unsupported(body: dict, chat: bool) -> None:
@@ -248,14 +255,24 @@ def messages(v: Any) -> list[dict[str, str]]:
     return out
 
 
+def _text(s: str, where: str) -> str:
+    """s, if it is text: a JSON string's \\u escapes may carry half of a UTF-16 pair, which is no character."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, f"'{where}' holds a lone UTF-16 surrogate (U+{ord(s[exc.start]):04X} at character "
+                            f"{exc.start}), which is not text", param=where, code="invalid_value") from None
+    return s
+
+
 def _content(c: Any, where: str) -> str:
     if c is None:
         return ""
     if isinstance(c, str):
-        return c
+        return _text(c, where)
     if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                                    for p in c):
-        return "".join(p["text"] for p in c)
+        return _text("".join(p["text"] for p in c), where)
     raise ApiError(400, f"'{where}' must be a string or an array of text parts", param=where,
                    code="invalid_type")
 
@@ -265,8 +282,8 @@ def prompt(v: Any, tok: Tokenizer) -> tuple[str, list[int]]:
     if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
         v = v[0]
     if isinstance(v, str):
-        ids = tok.encode(v, add_special=True, parse_special=False)
-        text = v
+        text = _text(v, "prompt")
+        ids = tok.encode(text, add_special=True, parse_special=False)
     elif isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
         if not all(0 <= t < tok.vocab_size for t in v):
             raise ApiError(400, f"'prompt' has token ids outside 0..{tok.vocab_size - 1}", param="prompt",
@@ -285,17 +302,18 @@ def prompt(v: Any, tok: Tokenizer) -> tuple[str, list[int]]:
     return text, ids
 
 
-def fit(prompt_tokens: int, max_tokens: int | None, ctx: int, param: str) -> int:
+def fit(prompt_tokens: int, max_tokens: int | None, ctx: int, param: str, max_name: str = "max_tokens") -> int:
     """max_tokens that fit the context (all the room left when unset), or a 400 saying why not."""
     if prompt_tokens >= ctx:
-        raise ApiError(400, f"the prompt has {prompt_tokens} tokens but the context holds {ctx}, "
+        subject = "the prompt" if param == "prompt" else f"the prompt ('{param}')"
+        raise ApiError(400, f"{subject} has {prompt_tokens} tokens but the context holds {ctx}, "
                        f"leaving no room for an answer", param=param, code="context_length_exceeded")
     room = ctx - prompt_tokens
     if max_tokens is None:
         return room
     if max_tokens > room:
-        raise ApiError(400, f"'max_tokens' is {max_tokens} but the context holds {ctx} tokens and the prompt "
-                       f"takes {prompt_tokens}: at most {room} can be generated", param="max_tokens",
+        raise ApiError(400, f"'{max_name}' is {max_tokens} but the context holds {ctx} tokens and the prompt "
+                       f"takes {prompt_tokens}: at most {room} can be generated", param=max_name,
                        code="context_length_exceeded")
     return max_tokens
 

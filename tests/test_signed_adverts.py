@@ -88,3 +88,61 @@ def test_a_heartbeat_answer_for_another_nonce_another_key_or_without_a_proof_is_
         check_heartbeat(KEY, fresh, {"advert": a.to_txt()}, ())  # any 200 is not a proof
     with pytest.raises(DiscoveryError):
         check_heartbeat(KEY, fresh, "ok", ())
+
+
+@pytest.mark.parametrize("proof", ["é" * 64, "\ud800" * 64, "0" * 10_000], ids=["non-ascii", "surrogate", "long"])
+def test_a_heartbeat_proof_beyond_ascii_or_of_any_length_is_refused_not_raised(proof):
+    a = member()
+    with pytest.raises(DiscoveryError, match="does not prove"):
+        check_heartbeat(KEY, secrets.token_hex(16), {"advert": a.to_txt(), "proof": proof}, ())
+
+
+# --------------------------------------------------------------------------- a hostile peer over real HTTP
+
+HOSTILE = {
+    "nested": b"[" * 100_000 + b"]" * 100_000,  # past the recursion limit of json.loads
+    "huge": b'"' + b"x" * (3 << 20) + b'"',     # 3 MiB: read no further than 1 MiB
+    "not json": b"<html>hello</html>",
+}
+
+
+@pytest.fixture(params=sorted(HOSTILE))
+async def hostile(request):
+    """An HTTP server on loopback that answers every request, challenges included, with one bad body."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    async def answer(_request):
+        return web.Response(body=HOSTILE[request.param], content_type="application/json")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", answer)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        yield request.param, server.port
+    finally:
+        await server.close()
+
+
+@pytest.mark.asyncio
+async def test_a_peer_answering_json_too_deep_too_long_or_not_json_is_a_failed_peer_not_a_dead_daemon(hostile):
+    import aiohttp
+
+    from edgetp.cluster.discovery import Peer
+    from edgetp.cluster.membership import Membership
+    from edgetp.cluster.peering import introduce
+    from edgetp.net import httpauth
+
+    kind, port = hostile
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        # --peer: the introduction fails as a peer that cannot be reached would (the loop logs it, retries)
+        with pytest.raises((aiohttp.ClientError, ValueError)):
+            await introduce(session, ("127.0.0.1", port), KEY, member(node_id="me"))
+        # a heartbeat: no proof, so no member
+        membership = Membership(member(node_id="me"), key=KEY, interfaces=["127.0.0.1"])
+        peer = Peer(member(addresses=("127.0.0.1",), http_port=port), 0.0, None, True)
+        assert await membership._ping(session, peer) is None
+        # the client side of a key proof: a peer that gives no challenge
+        with pytest.raises(httpauth.ProofError, match="gave no key challenge"):
+            await httpauth.proven_headers(session, f"http://127.0.0.1:{port}", KEY, "POST", "/v1/cluster/peers")

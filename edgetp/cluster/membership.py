@@ -11,6 +11,9 @@
   (any HTTP 200 does not). Each advertised address is tried, the last one that
   answered first. A peer that has not proven itself for `timeout` seconds is
   no longer usable: this catches a node that died without an mDNS goodbye.
+  A goodbye is unsigned, so one for a live member only prompts a challenge
+  at once: the member is gone if it fails it (a node that leaves stops
+  answering first, `leaving`), and stays if it proves the key.
 - Joins and changed figures reach the plan once the usable set has been quiet
   for `settle` seconds (debounced: a burst of changes is one re-plan); a loss
   counts at once, the loss timeout being its debounce.
@@ -34,6 +37,7 @@ from typing import Callable, Sequence
 import aiohttp
 
 from edgetp.cluster import peering
+from edgetp.net import httpauth
 from edgetp.cluster.discovery import Discovery, DiscoveryError, Joined, Left, Peer, PeerAdvert, PeerTable, \
     Updated, ballot_of, sign
 from edgetp.cluster.election import Elector, Term
@@ -74,6 +78,8 @@ class Membership:
         self._members: frozenset[str] = frozenset()  # the settled set: what plans and elections use
         self._figures: dict[str, tuple] = {}         # their plan inputs when settled
         self._stirred = asyncio.Event()              # the raw usable set changed
+        self.leaving = False                         # set before our goodbye: heartbeats are no longer answered
+        self._goodbyes: dict[str, asyncio.Task] = {}  # live peers said to have left, being challenged
 
     @property
     def leader(self) -> str | None:
@@ -115,6 +121,9 @@ class Membership:
                 if self.static_peers:
                     tg.create_task(self._introduce_loop())
         finally:
+            self.leaving = True  # peers that hear our goodbye challenge us: they find us gone
+            for task in self._goodbyes.values():
+                task.cancel()
             await self.discovery.stop()
 
     async def _discover(self) -> None:
@@ -123,6 +132,13 @@ class Membership:
 
     def _apply(self, ev: Joined | Updated | Left) -> None:
         node_id = ev.node_id if isinstance(ev, Left) else ev.advert.node_id
+        peer = self.peer(node_id)
+        if isinstance(ev, Left) and peer is not None and self.table.alive(peer):
+            if node_id not in self._goodbyes:  # unsigned: anyone on the LAN can send one; the peer is asked
+                task = asyncio.get_running_loop().create_task(self._goodbye(peer), name=f"goodbye-{node_id}")
+                self._goodbyes[node_id] = task
+                task.add_done_callback(lambda _: self._goodbyes.pop(node_id, None))
+            return
         known = self.peer(node_id) is not None
         if not self.table.apply(ev):
             return
@@ -135,6 +151,19 @@ class Membership:
                                              detail={"address": _addr(ev.advert), "speed": ev.advert.speed,
                                                      "mem_free": ev.advert.mem_free}))
         self._stir()
+
+    async def _goodbye(self, peer: Peer) -> None:
+        """An mDNS goodbye for a live peer. It carries no signature, so before the peer counts as gone
+        it is challenged at once: a node that leaves stops answering first (`leaving`), so it goes
+        now; one that still proves the key stays, and the goodbye (forged, or stale) is ignored."""
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.heartbeat)) as session:
+            advert = await self._ping(session, peer)
+        if advert is not None and self.table.prove(advert):
+            log.warning("an mDNS goodbye for %s, which still proves the cluster key: ignored (forged or stale)",
+                        peer.node_id)
+        elif self.table.apply(Left(peer.node_id)):
+            self.publish(events.ClusterEvent("leave", f"{peer.node_id} left", peer.node_id))
+            self._stir()
 
     def introduced(self, advert: PeerAdvert) -> None:
         """A peer told us it is here (POST /v1/cluster/peers); the heartbeats prove it, as any other."""
@@ -167,7 +196,7 @@ class Membership:
                         self.introduced(await peering.introduce(session, address, self.key, self.me))
                         if failing.pop(address, None):
                             log.info("peer %s:%d answers again", *address)
-                    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, DiscoveryError) as exc:
+                    except Exception as exc:  # noqa: BLE001 - whatever a peer answers, this node carries on
                         why = str(exc) or type(exc).__name__
                         if failing.get(address) != why:
                             log.warning("peer %s:%d: %s", *address, why)
@@ -203,11 +232,15 @@ class Membership:
             url = f"{_url_host(address)}:{peer.advert.http_port}{peering.NODE_PATH}?nonce={nonce}"
             try:
                 async with session.get(url) as resp:
-                    body = await resp.json() if resp.status == 200 else None
+                    body = await httpauth.read_json(resp) if resp.status == 200 else None
                 order = (address, *addresses[:n], *addresses[n + 1:], *peer.advert.addresses[MAX_ADDRESSES:])
                 advert = peering.check_heartbeat(self.key, nonce, body, order)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, DiscoveryError) as exc:
                 log.debug("heartbeat to %s at %s failed: %s", peer.node_id, address, exc)
+                continue
+            except Exception as exc:  # noqa: BLE001 - whatever a peer answers, this node carries on
+                log.warning("heartbeat to %s at %s: unexpected %s: %s", peer.node_id, address,
+                            type(exc).__name__, exc)
                 continue
             if advert.node_id != peer.node_id:
                 log.warning("%s answered a heartbeat for %s as %s", address, peer.node_id, advert.node_id)

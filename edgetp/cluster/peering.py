@@ -62,7 +62,8 @@ def check_heartbeat(key: bytes, nonce: str, body: object, addresses: tuple[str, 
     if not isinstance(body, dict) or not isinstance(body.get("proof"), str):
         raise DiscoveryError("a heartbeat answer must be {advert, proof}")
     advert = parse_advert(body.get("advert"), addresses)
-    if not advert.sig or not hmac.compare_digest(body["proof"], heartbeat_proof(key, nonce, advert.sig)):
+    given = body["proof"].encode("utf-8", "replace")  # compare_digest refuses str beyond ASCII
+    if not advert.sig or not hmac.compare_digest(given, heartbeat_proof(key, nonce, advert.sig).encode()):
         raise DiscoveryError("the heartbeat answer does not prove the cluster key")
     return advert
 
@@ -75,8 +76,9 @@ class PeerEndpoints:
     """
 
     def __init__(self, key: bytes, me: Callable[[], PeerAdvert], introduce: Callable[[PeerAdvert], None],
-                 reprofile: Callable[[], Awaitable[PeerAdvert]]) -> None:
+                 reprofile: Callable[[], Awaitable[PeerAdvert]], leaving: Callable[[], bool] = lambda: False) -> None:
         self._key, self._me, self._introduce, self._reprofile = key, me, introduce, reprofile
+        self._leaving = leaving
         self.gate = httpauth.KeyGate(key)  # replaced by the app's one gate in add_routes
         self._profiling = asyncio.Lock()
 
@@ -91,13 +93,15 @@ class PeerEndpoints:
         nonce = request.query.get("nonce", "")
         if not NONCE_RE.fullmatch(nonce):
             raise web.HTTPBadRequest(text="a heartbeat needs ?nonce= with 32-128 lowercase hex digits\n")
+        if self._leaving():  # our goodbye is on its way: peers that challenge it must find us gone
+            raise web.HTTPServiceUnavailable(text="this node is leaving the cluster\n")
         me = self._me()
         return web.json_response({"advert": me.to_txt(), "proof": heartbeat_proof(self._key, nonce, me.sig)})
 
     async def peers(self, request: web.Request) -> web.Response:
         body = await self._signed(request)
         try:
-            advert = parse_advert(json.loads(body), request.remote or "")
+            advert = parse_advert(httpauth.loads(body), request.remote or "")
         except (ValueError, DiscoveryError) as exc:
             raise web.HTTPBadRequest(text=f"bad advert: {exc}\n") from None
         self._introduce(advert)
@@ -132,7 +136,7 @@ async def signed_post(session: aiohttp.ClientSession, base_url: str, path: str, 
         if resp.status != 200:
             raise aiohttp.ClientResponseError(resp.request_info, resp.history, status=resp.status,
                                               message=(await resp.text()).strip()[:200])
-        return await resp.json()
+        return await httpauth.read_json(resp)
 
 
 async def introduce(session: aiohttp.ClientSession, address: tuple[str, int], key: bytes,

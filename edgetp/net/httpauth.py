@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import hmac
+import json
 import secrets
 import time
 from dataclasses import dataclass
@@ -35,7 +36,9 @@ from aiohttp import web
 CHALLENGE_PATH = "/v1/auth/challenge"
 HEADER_NONCE, HEADER_PROOF = "X-Edgetp-Nonce", "X-Edgetp-Proof"
 CHALLENGE_TTL = 60.0  # seconds a nonce may wait for its request
-MAX_CHALLENGES = 4096  # outstanding nonces kept; the oldest goes first (a flood costs its senders only)
+MAX_CHALLENGES = 4096  # outstanding nonces kept; the oldest goes first
+MAX_PER_SOURCE = 64   # outstanding nonces kept for one caller's address; its own oldest goes first
+MAX_ANSWER = 1 << 20  # bytes of a peer's JSON answer read at most (a challenge, a heartbeat, an advert)
 
 
 class ProofError(Exception):
@@ -43,31 +46,48 @@ class ProofError(Exception):
 
 
 class Challenges:
-    """Nonces this node issued and has not yet seen used: each is good once, for CHALLENGE_TTL seconds."""
+    """Nonces this node issued and has not yet seen used: each is good once, for CHALLENGE_TTL seconds.
+
+    At most `max_size` are kept, and at most `per_source` for one caller's address: a caller that asks
+    for more makes room among its own, so a flood from a few addresses cannot push out the nonce a
+    member is about to use (only one from every address at once could)."""
 
     def __init__(self, ttl: float = CHALLENGE_TTL, max_size: int = MAX_CHALLENGES,
-                 clock: Any = time.monotonic) -> None:
-        self.ttl, self.max_size, self._clock = ttl, max_size, clock
-        self._issued: collections.OrderedDict[str, float] = collections.OrderedDict()
+                 clock: Any = time.monotonic, per_source: int = MAX_PER_SOURCE) -> None:
+        self.ttl, self.max_size, self.per_source, self._clock = ttl, max_size, per_source, clock
+        self._issued: collections.OrderedDict[str, tuple[float, str]] = collections.OrderedDict()  # -> expiry, source
+        self._by_source: dict[str, collections.OrderedDict[str, None]] = {}
 
-    def issue(self) -> str:
+    def issue(self, source: str = "") -> str:
         self._expire()
+        mine = self._by_source.get(source)
+        while mine and len(mine) >= self.per_source:
+            self._drop(next(iter(mine)))
         while len(self._issued) >= self.max_size:
-            self._issued.popitem(last=False)
+            self._drop(next(iter(self._issued)))
         nonce = secrets.token_hex(16)
-        self._issued[nonce] = self._clock() + self.ttl
+        self._issued[nonce] = (self._clock() + self.ttl, source)
+        self._by_source.setdefault(source, collections.OrderedDict())[nonce] = None
         return nonce
 
     def take(self, nonce: str) -> None:
         """Use up a nonce; ProofError when it was never issued, is used, or expired."""
         self._expire()
-        if not isinstance(nonce, str) or self._issued.pop(nonce, None) is None:
+        if not isinstance(nonce, str) or nonce not in self._issued:
             raise ProofError("unknown, used or expired nonce (fetch a new one from " + CHALLENGE_PATH + ")")
+        self._drop(nonce)
+
+    def _drop(self, nonce: str) -> None:
+        _, source = self._issued.pop(nonce)
+        mine = self._by_source[source]
+        del mine[nonce]
+        if not mine:
+            del self._by_source[source]
 
     def _expire(self) -> None:
         now = self._clock()
-        while self._issued and next(iter(self._issued.values())) < now:
-            self._issued.popitem(last=False)
+        while self._issued and next(iter(self._issued.values()))[0] < now:
+            self._drop(next(iter(self._issued)))
 
     def __len__(self) -> int:
         return len(self._issued)
@@ -106,7 +126,7 @@ class KeyGate:
 
     async def challenge(self, request: web.Request) -> web.Response:
         """GET CHALLENGE_PATH: a fresh nonce for one key-proven request."""
-        return web.json_response({"nonce": self.challenges.issue(), "ttl_s": self.challenges.ttl})
+        return web.json_response({"nonce": self.challenges.issue(request.remote or ""), "ttl_s": self.challenges.ttl})
 
     async def verify(self, request: web.Request) -> bytes:
         """The request's body once its headers prove the key; ProofError otherwise."""
@@ -131,13 +151,12 @@ def gate_of(app: web.Application, key: bytes | None) -> KeyGate:
 def proven_headers_sync(base_url: str, key: bytes, method: str, path_qs: str, body: bytes = b"",
                         timeout: float = 30) -> dict[str, str]:
     """proven_headers for blocking clients (urllib, in a thread); ProofError when no challenge comes."""
-    import json  # noqa: PLC0415
     import urllib.error  # noqa: PLC0415
     import urllib.request  # noqa: PLC0415
 
     try:
         with urllib.request.urlopen(base_url.rstrip("/") + CHALLENGE_PATH, timeout=timeout) as resp:
-            nonce = str(json.load(resp)["nonce"])
+            nonce = str(loads(resp.read(MAX_ANSWER + 1))["nonce"])
     except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as exc:
         raise ProofError(f"{base_url} gave no key challenge: {exc}") from None
     return {HEADER_NONCE: nonce, HEADER_PROOF: proof(key, method, path_qs, body, nonce)}
@@ -167,8 +186,8 @@ async def proven_headers(session: aiohttp.ClientSession, base_url: str, key: byt
     """
     async with session.get(base_url.rstrip("/") + CHALLENGE_PATH) as resp:
         try:
-            nonce = str((await resp.json())["nonce"]) if resp.status == 200 else None
-        except (aiohttp.ContentTypeError, ValueError, KeyError, TypeError):
+            nonce = str((await read_json(resp))["nonce"]) if resp.status == 200 else None
+        except (ValueError, KeyError, TypeError):
             nonce = None
     if not nonce:
         raise ProofError(f"{base_url} gave no key challenge (HTTP {resp.status}): is it an edgetp node?")
@@ -188,3 +207,25 @@ class Credentials:
         if self.key is not None:
             out |= await proven_headers(session, base_url, self.key, method, path_qs, body)
         return out
+
+
+def loads(data: bytes) -> Any:
+    """JSON from a peer or server; ValueError for anything else (too long, not JSON, nested past what
+    Python parses): what another node answers must never take this one down."""
+    if len(data) > MAX_ANSWER:
+        raise ValueError(f"the answer is longer than {MAX_ANSWER} bytes")
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("the answer is JSON nested too deeply") from None
+
+
+async def read_json(resp: aiohttp.ClientResponse) -> Any:
+    """`loads` of an aiohttp answer, reading at most MAX_ANSWER + 1 bytes of it."""
+    data = bytearray()
+    while len(data) <= MAX_ANSWER:
+        chunk = await resp.content.read(MAX_ANSWER + 1 - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return loads(bytes(data))

@@ -257,7 +257,8 @@ async def serve_cluster(opts: ServeOptions, on_listening: Callable[[str], None] 
     if shards is not None:
         shards.add_routes(app)
     PeerEndpoints(opts.key, lambda: this().membership.me, lambda advert: this().membership.introduced(advert),
-                  lambda: this().reprofile()).add_routes(app)
+                  lambda: this().reprofile(), leaving=lambda: bool(roles) and roles[0].membership.leaving
+                  ).add_routes(app)
     async with asyncio.TaskGroup() as tg:
         tg.create_task(worker.serve(opts.host, opts.data_port, bound.set_result))
         data_port = await bound
@@ -371,8 +372,9 @@ class Roles:
         live = {p.node_id for p in self.membership.usable()}
         for link in runner.links:
             if link.peer_id is not None and link.peer_id not in live and link.cut():
-                log.warning("worker %s (%s) lost from the cluster (no heartbeat for %.0f s): its link is cut, so "
-                            "the running plan re-plans without it", link.peer_id, link.name, self.membership.timeout)
+                log.warning("worker %s (%s) lost from the cluster (it left, or answered no heartbeat for %.0f s): "
+                            "its link is cut, so the running plan re-plans without it", link.peer_id, link.name,
+                            self.membership.timeout)
 
     def offer_joins(self) -> None:
         """Under unbroken load `between` never runs, so a node that joined would wait for a quiet moment.

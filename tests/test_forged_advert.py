@@ -3,17 +3,25 @@ daemons on loopback, real zeroconf.
 
 1. A forged advert (the public cluster id, no key, top priority, the model's fingerprint, pointing at a
    real node's ports) is listed as foreign and never becomes root; requests keep their right text.
+   Forged mDNS goodbyes (unsigned: anyone on the LAN can send one) for a serving member change
+   nothing, while a member that really leaves is gone at once, not after the loss timeout.
 2. The preferred root is killed and restarted: it rejoins and leads again, the other node following
    it as a worker, and nothing else is restarted.
 """
 
 from __future__ import annotations
 
+import re
 import secrets
+import socket
+import signal
+import threading
 import time
+import urllib.request
 
 import pytest
-from zeroconf import ServiceInfo, Zeroconf
+from zeroconf import DNSOutgoing, DNSPointer, ServiceInfo, Zeroconf
+from zeroconf.const import _CLASS_IN, _FLAGS_AA, _FLAGS_QR_RESPONSE, _TYPE_PTR
 
 from edgetp.cluster.discovery import SERVICE_TYPE
 from edgetp.model import gguf
@@ -43,6 +51,29 @@ def forge(key_path, model_path, http_port: int, data_port: int) -> tuple[Zerocon
     return zc, info
 
 
+def goodbyes(node_id: str, count: int, gap: float) -> None:
+    """What a stranger can send to say a node left: its PTR record with TTL 0, on loopback's multicast."""
+    out = DNSOutgoing(_FLAGS_QR_RESPONSE | _FLAGS_AA)
+    out.add_answer_at_time(DNSPointer(SERVICE_TYPE, _TYPE_PTR, _CLASS_IN, 0, f"{node_id}.{SERVICE_TYPE}"), 0)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton("127.0.0.1"))
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)
+        for _ in range(count):
+            for packet in out.packets():
+                sock.sendto(packet, ("224.0.0.251", 5353))
+            time.sleep(gap)
+
+
+def replans(url: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+        return float(re.search(r"^edgetp_replans_total (\S+)$", resp.read().decode(), re.M).group(1))
+
+
+def members(url: str) -> list[str]:
+    """The nodes `url` plans over, or counts as members while it has no plan (not foreign, not lost)."""
+    return sorted(n["node_id"] for n in view(url)["nodes"] if n["state"] not in ("foreign", "lost"))
+
+
 @pytest.mark.slow
 def test_a_forged_advert_never_leads_and_a_rebooted_preferred_root_leads_again(stories_path, tmp_path, expected):
     key = tmp_path / "cluster.key"
@@ -50,7 +81,9 @@ def test_a_forged_advert_never_leads_and_a_rebooted_preferred_root_leads_again(s
     procs: dict[str, tuple] = {}
     zc = None
     try:
-        procs["a"] = start_daemon(stories_path, key, "node-a", priority=5)
+        # node-a counts a silent member lost only after 10 minutes: what it drops sooner, it drops by a goodbye
+        procs["a"] = start_daemon(stories_path, key, "node-a", priority=5, extra=("--parallel", "tp"),
+                                  env={"EDGETP_HEARTBEAT_TIMEOUT_S": "600"})
         procs["b"] = start_daemon(stories_path, key, "node-b")
         url = {name: u for name, (_, u) in procs.items()}
         wait_for(lambda: roots(url["a"], url["b"]) == ["node-a", "node-b"][:1] * 2, 30, "both follow node-a")
@@ -68,6 +101,28 @@ def test_a_forged_advert_never_leads_and_a_rebooted_preferred_root_leads_again(s
             assert stream(url["b"]) == expected
             assert state(url["b"]) == "foreign"  # (the root's view, once it has planned, lists its plan only)
             assert sorted(n["node_id"] for n in view(url["a"])["nodes"]) == ["node-a", "node-b"]
+
+        # 1b. forged goodbyes for node-b while it serves: it is challenged, still proves the key, and stays
+        before = replans(url["a"])
+        sender = threading.Thread(target=goodbyes, args=("node-b", 8, 0.25))
+        sender.start()
+        try:
+            for _ in range(3):
+                assert stream(url["b"]) == expected
+        finally:
+            sender.join()
+        time.sleep(1.5)  # a goodbye still being checked
+        assert stream(url["b"]) == expected
+        assert replans(url["a"]) == before, "a forged goodbye made the root re-plan"
+        assert members(url["a"]) == ["node-a", "node-b"]
+
+        # 1c. a member that leaves (SIGTERM) stops answering heartbeats, then says goodbye: gone at once
+        procs["c"] = start_daemon(stories_path, key, "node-c")
+        wait_for(lambda: stream(url["b"]) == expected and "node-c" in members(url["a"]), 60, "node-c planned in")
+        procs["c"][0].send_signal(signal.SIGTERM)
+        assert procs["c"][0].wait(15) == 0
+        wait_for(lambda: stream(url["b"], timeout=30) == expected and "node-c" not in members(url["a"]), 60,
+                 "node-c gone from the root's plan by its goodbye (the next request re-plans)")
 
         # 2. the preferred root is killed; node-b leads in a later epoch and serves
         procs["a"][0].kill()

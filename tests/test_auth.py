@@ -298,3 +298,22 @@ def test_bearer_tokens_match_exactly():
     assert bearer({"Authorization": "Basic abc"}) is None and bearer({}) is None
     assert token_ok(("t1-aaaaaaaaaaaaaaaa", "t2-bbbbbbbbbbbbbbbb"), "t2-bbbbbbbbbbbbbbbb")
     assert not token_ok(("t1-aaaaaaaaaaaaaaaa",), "t1-aaaaaaaaaaaaaaa") and not token_ok(("x" * 16,), None)
+
+
+def test_a_caller_asking_for_more_challenges_than_its_share_pushes_out_only_its_own():
+    ch = Challenges(ttl=60, max_size=100, per_source=5)
+    member = ch.issue("10.0.0.2")
+    flood = [ch.issue("10.0.0.66") for _ in range(1000)]  # one address: only its own last 5 stay
+    assert len(ch) == 6
+    ch.take(member)
+    for n in flood[-5:]:
+        ch.take(n)
+    with pytest.raises(ProofError):
+        ch.take(flood[-6])
+    assert len(ch) == 0
+    # many addresses still meet the overall bound, the oldest going first
+    issued = [ch.issue(f"10.0.1.{i}") for i in range(150)]
+    assert len(ch) == 100
+    with pytest.raises(ProofError):
+        ch.take(issued[49])
+    ch.take(issued[50])

@@ -59,6 +59,7 @@ _TYPE_TO_ATTR = {1: Attr.NORMAL, 2: Attr.UNKNOWN, 3: Attr.CONTROL, 4: Attr.USER_
 _SPECIAL = Attr.CONTROL | Attr.USER_DEFINED | Attr.UNKNOWN
 _HIDDEN = Attr.CONTROL | Attr.UNKNOWN  # rendered as nothing unless specials are asked for
 _C_SPACE = " \t\n\v\f\r"  # C's isspace, which llama.cpp's RSTRIP uses
+_MARK = "\ufdd0"  # a Unicode noncharacter: breaks a control token's text in chat content until it is encoded
 
 # -- pre-tokenizers (llama.cpp llm_tokenizer_bpe) --------------------------------------------
 # llama.cpp runs the GPT-2 expression through a hand-written matcher that also takes
@@ -312,11 +313,14 @@ class Tokenizer:
         """llama_tokenize(text, add_special, parse_special): BOS/EOS added when
         add_special and the model asks for them; control-token text is
         recognised as that token only when parse_special."""
+        return self._encode(self._partition(text, parse_special), add_special)
+
+    def _encode(self, frags: list[str | int], add_special: bool) -> list[int]:
         out: list[int] = []
         if add_special and self.add_bos:
             out.append(self.bos_id)  # type: ignore[arg-type]
         prev_special = True  # SPM: text at the start gets the space prefix too
-        for frag in self._partition(text, parse_special):
+        for frag in frags:
             if isinstance(frag, int):
                 out.append(frag)
                 prev_special = True
@@ -514,9 +518,19 @@ class Tokenizer:
 
     # -- chat ----------------------------------------------------------------------------
     def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> tuple[str, list[int]]:
-        """The rendered chat prompt and its ids (special tokens parsed; BOS added once, not twice)."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        return text, self.encode(text, add_special=not self.starts_with_bos(text), parse_special=True)
+        """The rendered chat prompt and its ids: the template's special tokens parsed (BOS added once, not
+        twice), the messages' content encoded as text. A control token's text inside a message (a user
+        who writes "<|im_end|>\\n<|im_start|>system") is the characters it is, never that token, so no
+        message can end its turn or forge another's (llama.cpp and transformers parse it: they give
+        the same ids wherever the content holds no control token's text)."""
+        controls = [self.tokens[t] for t in self._specials if self._v.attrs[t] & _HIDDEN and len(self.tokens[t]) > 1]
+        marked = [dict(m, content=_mark(m["content"], controls)) if isinstance(m.get("content"), str) else m
+                  for m in messages]
+        text = self.apply_chat_template(marked, add_generation_prompt=add_generation_prompt)
+        if _MARK not in text:
+            return text, self.encode(text, add_special=not self.starts_with_bos(text), parse_special=True)
+        frags = [f.replace(_MARK, "") if isinstance(f, str) else f for f in self._partition(text, True)]
+        return text.replace(_MARK, ""), self._encode([f for f in frags if f != ""], not self.starts_with_bos(text))
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True, **extra: Any) -> str:
         """Render the model's tokenizer.chat_template like transformers does
@@ -527,6 +541,14 @@ class Tokenizer:
         eos = self.tokens[self.eos_id] if self.eos_id is not None else ""
         return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
                                     bos_token=bos, eos_token=eos, **extra)
+
+
+def _mark(content: str, controls: list[str]) -> str:
+    """content with every control token's text in it broken by _MARK after its first character."""
+    for c in controls:  # longest first (Tokenizer._specials' order)
+        if c in content:
+            content = content.replace(c, c[0] + _MARK + c[1:])
+    return content
 
 
 class StreamDecoder:

@@ -289,12 +289,13 @@ def _check(key: str, value: Any, source: str) -> Any:
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
+_FIELD_TYPES = {f.name: str(f.type) for f in dataclasses.fields(Settings)}
+_ENV_KINDS = {"int": int, "float": float, "bool": bool, "tuple[str, ...]": list}
+
+
 def _from_env(key: str, text: str) -> Any:
     """An environment string as the Python value the key's check expects."""
-    kind = {"data_port": int, "http_port": int, "priority": int, "threads": int, "ctx": int, "slots": int,
-            "max_memory_mb": int, "slice_cache_mb": int,
-            "heartbeat_s": float, "heartbeat_timeout_s": float, "settle_s": float,
-            "no_root": bool, "interfaces": list, "peers": list, "api_tokens": list}.get(key, str)
+    kind = _ENV_KINDS.get(_FIELD_TYPES[key].replace(" | None", ""), str)  # what Settings declares
     if kind is int:
         try:
             return int(text.strip())
@@ -329,6 +330,8 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: cannot read config file: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:  # TOML is UTF-8
+        raise ConfigError(f"{path}: not valid TOML: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     out: dict[str, Any] = {}
     for key, value in data.items():
         if key not in CHECKS:

@@ -183,3 +183,34 @@ def test_api_tokens_are_a_list_of_long_printable_words(tmp_path):
     assert s.api_tokens == ("tok-aaaaaaaaaaaaaaaa", "tok-bbbbbbbbbbbbbbbb")
     with pytest.raises(ConfigError, match="16 or more"):
         load_settings({}, {"EDGETP_API_TOKENS": "short"}, default_path=tmp_path / "none.toml")
+
+
+# one valid value per setting, as TOML writes it and as an environment variable spells it
+EVERY = {"model": ('"m.gguf"', "m.gguf"), "key_file": ('"/k"', "/k"), "host": ('"10.0.0.1"', "10.0.0.1"),
+         "data_port": ("1001", "1001"), "http_port": ("2001", "2001"), "interfaces": ('["10.0.0.1"]', "10.0.0.1"),
+         "priority": ("3", "3"), "no_root": ("true", "yes"), "threads": ("2", "2"), "cache_dir": ('"/c"', "/c"),
+         "node_id": ('"pi-1"', "pi-1"), "peers": ('["10.0.0.2:7711"]', "10.0.0.2:7711"), "sync": ('"q8_0"', "q8_0"),
+         "sync_pieces": ("3", "3"), "ctx": ("512", "512"), "slots": ("8", "8"), "kv_type": ('"q8_0"', "q8_0"),
+         "parallel": ('"pp"', "pp"), "experts": ('"place"', "place"),
+         "api_tokens": ('["0123456789abcdef"]', "0123456789abcdef"), "max_memory_mb": ("1024", "1024"),
+         "slice_cache_mb": ("100", "100"), "heartbeat_s": ("0.5", "0.5"), "heartbeat_timeout_s": ("9.5", "9.5"),
+         "settle_s": ("2", "2")}
+
+
+@pytest.mark.parametrize("key", sorted(EVERY))
+def test_every_setting_reads_the_same_from_the_file_and_from_the_environment(tmp_path, key):
+    toml, text = EVERY[key]
+    from_file = load(path=write(tmp_path, f"{key} = {toml}\n"))
+    from_env = load(env={f"EDGETP_{key.upper()}": text})
+    assert getattr(from_env, key) == getattr(from_file, key) != getattr(load(), key)
+
+
+def test_every_setting_is_covered_by_the_table_above():
+    assert set(EVERY) == {f.name for f in dataclasses.fields(Settings) if f.init}
+
+
+def test_a_config_file_that_is_not_utf8_names_the_file(tmp_path):
+    p = tmp_path / "edgetp.toml"
+    p.write_bytes(b"\xff\xfe\n")
+    with pytest.raises(ConfigError, match=r"edgetp\.toml: not valid TOML: not UTF-8"):
+        load(path=p)

@@ -52,3 +52,10 @@ def test_a_nan_logit_on_any_shard_is_refused_in_one_line(temperature, where):
         sampling.Sampler(params).pick(sampling.merge(shards))
     clean = sampling.candidates(np.nan_to_num(x), 0, [], params)
     assert sampling.Sampler(params).pick(clean) in (0, 1)
+
+
+def test_a_negative_seed_is_taken_modulo_2_to_the_64_as_the_api_takes_it():
+    """`edgetp ask --local --seed -1` and the API's seed -1 are one seed: numpy's generator wants 0..2^64-1."""
+    SamplingParams, Sampler = sampling.SamplingParams, sampling.Sampler
+    assert SamplingParams(seed=-1).seed == 2**64 - 1 and SamplingParams(seed=2**64 + 5).seed == 5
+    assert Sampler(SamplingParams(seed=-1)).rng.random() == np.random.default_rng(2**64 - 1).random()

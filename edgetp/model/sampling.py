@@ -58,6 +58,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         # pairs as a frame carries them (lists), sorted: equal settings compare equal
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in self.logit_bias)))
+        if self.seed is not None:  # any integer, as OpenAI's seed (numpy's generator takes 0..2^64-1): -1 is 2^64-1
+            object.__setattr__(self, "seed", int(self.seed) % 2**64)
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise SamplingError(f"{name} must be in [-2, 2], got {getattr(self, name)}")

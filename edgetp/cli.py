@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -44,8 +45,8 @@ def _weights(text: str) -> list[float]:
         values = [float(t) for t in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected numbers like 1,2,3, got {text!r}") from None
-    if any(not v > 0 for v in values):
-        raise argparse.ArgumentTypeError(f"weights must be positive, got {text!r}")
+    if any(not 0 < v < math.inf for v in values):
+        raise argparse.ArgumentTypeError(f"weights must be positive and finite, got {text!r}")
     return values
 
 
@@ -190,7 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    weights, workers = getattr(args, "weights", None), getattr(args, "workers", None) or []
+    if weights is not None and (not workers or len(weights) != len(workers) + 1):
+        parser.error(f"--weights needs {len(workers) + 1} numbers, the root's then one for each of --workers, "
+                     f"got {len(weights)}" if workers else "--weights needs --workers (the measured speeds are used)")
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import aiohttp
+from yarl import URL
 
 from edgetp.cluster.discovery import browse, signature_error
 from edgetp.cluster.membership import http_url
 from edgetp.net import auth
-from edgetp.net.httpauth import Credentials, ProofError
+from edgetp.net.httpauth import Credentials, ProofError, read_json
 from edgetp import events
 
 
@@ -42,7 +43,7 @@ async def find_url(url: str | None, key: bytes | None, seconds: float = 2.0,
                    interfaces: list[str] | None = None) -> str:
     """The given URL, or a node found by mDNS (of our cluster when we hold its key)."""
     if url:
-        return url.rstrip("/")
+        return checked_url(url)
     found = await browse(seconds, interfaces)
     nodes = [n for n in found if key is None or (n.cluster_id == auth.cluster_id(key) and
                                               signature_error(key, n) is None)]  # no forged adverts
@@ -54,13 +55,25 @@ async def find_url(url: str | None, key: bytes | None, seconds: float = 2.0,
     return http_url(best)
 
 
+def checked_url(url: str) -> str:
+    """`url` without its trailing slash, if it is an http(s)://HOST[:PORT] address; ClientError if not."""
+    try:
+        parsed = URL(url)
+        ok = parsed.scheme in ("http", "https") and bool(parsed.host)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ClientError(f"--url {url!r} is not an address like http://HOST:PORT")
+    return url.rstrip("/")
+
+
 async def _check(resp: aiohttp.ClientResponse, url: str) -> None:
     if resp.status == 200:
         return
     try:
-        message = (await resp.json())["error"]["message"]
-    except (aiohttp.ContentTypeError, KeyError, TypeError, ValueError):
-        message = (await resp.text())[:200]
+        message = str((await read_json(resp))["error"]["message"])
+    except (KeyError, TypeError, ValueError, aiohttp.ClientError):  # not edgetp's (OpenAI's) error shape
+        message = f"HTTP {resp.status} {resp.reason or ''}".strip() + " (is it an edgetp API?)"
     if resp.status in (401, 403):
         raise KeyRefused(f"{url}: refused: {message}")
     if resp.status >= 500:
@@ -91,22 +104,43 @@ async def _stream(url: str, path: str, request: dict[str, Any],
             headers = {"Content-Type": "application/json"} | await creds.headers(session, url, "POST", path, body)
             async with session.post(url + path, data=body, headers=headers) as resp:
                 await _check(resp, url)
+                done = False
                 async for raw in resp.content:
-                    line = raw.decode().strip()
-                    if not line.startswith("data: ") or line == "data: [DONE]":
+                    line = raw.decode(errors="replace").strip()
+                    if line == "data: [DONE]":
+                        done = True
+                    if not line.startswith("data: ") or done:
                         continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        raise ServerError(f"{url}: {chunk['error'].get('message', 'error')}")
-                    for choice in chunk.get("choices", []):
-                        text = choice["delta"].get("content") if "delta" in choice else choice.get("text")
-                        yield text or "", choice.get("finish_reason"), chunk["id"]
+                    for piece in _pieces(line[6:], url):
+                        yield piece
+                if not done:
+                    raise ServerError(f"{url}: the answer ended without its end mark (data: [DONE]): "
+                                      "is it an edgetp API?")
     except aiohttp.ClientConnectorError as exc:
         raise NoCluster(f"{url}: cannot connect ({exc.os_error or exc})") from None
     except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
         raise ServerError(f"{url}: the answer broke off ({exc})") from None
+    except aiohttp.ClientError as exc:
+        raise ServerError(f"{url}: {type(exc).__name__}: {exc}") from None
     except ProofError as exc:
         raise KeyRefused(str(exc)) from None
+
+
+def _pieces(data: str, url: str) -> list[tuple[str, str | None, str]]:
+    """(text piece, finish_reason, request id) of each choice of one SSE chunk; ServerError if it is not
+    an OpenAI stream chunk or it carries an error."""
+    try:
+        chunk = json.loads(data)
+        if "error" in chunk:
+            raise ServerError(f"{url}: {chunk['error'].get('message', 'error')}")
+        out = []
+        for choice in chunk.get("choices", []):
+            text = choice["delta"].get("content") if "delta" in choice else choice.get("text")
+            out.append((text or "", choice.get("finish_reason"), str(chunk["id"])))
+        return out
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ServerError(f"{url}: a chunk of the answer is not OpenAI's ({type(exc).__name__}: {exc}): "
+                          f"is it an edgetp API?") from None
 
 
 async def get_json(url: str, path: str, creds: Credentials = Credentials()) -> Any:
@@ -114,11 +148,25 @@ async def get_json(url: str, path: str, creds: Credentials = Credentials()) -> A
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
             async with session.get(url + path, headers=await creds.headers(session, url, "GET", path)) as resp:
                 await _check(resp, url)
-                return await resp.json()
+                return await read_json(resp)
     except aiohttp.ClientConnectorError as exc:
         raise NoCluster(f"{url}: cannot connect ({exc.os_error or exc})") from None
+    except aiohttp.ClientError as exc:
+        raise ServerError(f"{url}{path}: {type(exc).__name__}: {exc}") from None
+    except ValueError as exc:
+        raise ServerError(f"{url}{path}: the answer is not JSON ({exc}): is it an edgetp API?") from None
     except ProofError as exc:
         raise KeyRefused(str(exc)) from None
+
+
+async def cluster_view(url: str, creds: Credentials = Credentials()) -> dict[str, Any]:
+    """GET /v1/cluster, checked to be a cluster view (events.ClusterView); ServerError if it is not."""
+    view = await get_json(url, "/v1/cluster", creds)
+    try:
+        events.from_dict({**view, "type": "snapshot"})
+    except (events.EventError, TypeError) as exc:
+        raise ServerError(f"{url}/v1/cluster: not an edgetp cluster view ({exc})") from None
+    return view
 
 
 @dataclass

@@ -26,7 +26,8 @@ from edgetp.net.link import LinkClosed, SpinError, spin_ns
 from edgetp.net.loopthread import LoopThread
 from edgetp.cluster.discovery import DiscoveryError
 from edgetp.config import ConfigError
-from edgetp.parallel import pipeline
+from edgetp.parallel import pipeline, profile
+from edgetp.parallel.shard import local_slots
 from edgetp.parallel.plan import PlanError
 from edgetp.parallel.runner import ClusterRunner, WorkerLost
 from edgetp.serve.worker import Worker
@@ -108,6 +109,7 @@ def ask(args: argparse.Namespace) -> int:
     ids = encode_prompt(tok, prompt, args.raw)
     t0 = time.perf_counter()
     if not args.workers:
+        local_slots(mf, ctx, 1, "f16", profile.memory_free())  # PlanError: a context this machine cannot hold
         runner = LocalRunner(mf, ctx)
         return _stream(runner, tok, ids, params, args, ctx, t0)
     with LoopThread() as lt:
@@ -155,7 +157,7 @@ async def _ask_cluster(args: argparse.Namespace) -> int:
     stats = client.TokenStats()
     events_url = url
     if args.stats:  # per-token records are published where the tokens are made: on the root
-        events_url = (await client.get_json(url, "/v1/cluster", creds)).get("root_url") or url
+        events_url = (await client.cluster_view(url, creds)).get("root_url") or url
     request_id: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     watching = asyncio.Event()
     watcher = asyncio.create_task(client.watch_tokens(events_url, stats, request_id, watching, creds)) \
@@ -187,7 +189,7 @@ async def _ask_cluster(args: argparse.Namespace) -> int:
 def status(args: argparse.Namespace) -> int:
     async def go() -> dict:
         creds = credentials(args)
-        return await client.get_json(await client.find_url(args.url, creds.key), "/v1/cluster", creds)
+        return await client.cluster_view(await client.find_url(args.url, creds.key), creds)
 
     view = asyncio.run(go())
     print(f"epoch {view['epoch']}  root {view['root']}  model {view['model']}")
@@ -335,7 +337,8 @@ def worker(args: argparse.Namespace) -> int:
     if args.max_memory_mb:
         from edgetp.parallel import profile  # noqa: PLC0415
         profile.limit_memory(args.max_memory_mb * 2**20)
-    w = Worker(node_id, key=key, threads=args.threads, model_path=args.model,
+    model = str(store.resolve(args.model)) if args.model else None  # a missing file stops here, not at a LOAD
+    w = Worker(node_id, key=key, threads=args.threads, model_path=model,
                resolve=lambda ref: str(store.resolve(ref)), index_dir=str(store.cache_dir() / "index"))
 
     def listening(bound: int) -> None:

@@ -33,6 +33,7 @@ from gguf import GGMLQuantizationType as QT
 
 from edgetp import store
 from edgetp.parallel import pipeline, profile
+from edgetp.parallel.shard import local_slots
 from edgetp.cluster.discovery import PeerAdvert
 from edgetp.cluster.membership import Membership, data_address, http_url, http_urls
 from edgetp.cluster.peering import PeerEndpoints
@@ -189,7 +190,11 @@ async def serve(opts: ServeOptions, on_listening: Callable[[str], None] | None =
                             experts=opts.experts, sync_pieces=opts.sync_pieces)
         runner = await static.connect()
     else:
-        runner = await asyncio.to_thread(LocalRunner, mf, ctx, opts.slots, opts.kv_type)
+        slots = local_slots(mf, ctx, opts.slots, opts.kv_type, profile.memory_free())
+        if slots < opts.slots:
+            log.warning("%d slots of %d positions do not fit this machine's free memory beside the model: "
+                        "serving %d", opts.slots, ctx, slots)
+        runner = await asyncio.to_thread(LocalRunner, mf, ctx, slots, opts.kv_type)
     engine = Engine(runner, tok, opts.model_name, queue_size=opts.queue_size, bus=bus, ctx=ctx)
     on_engine(engine)
     view = _view(engine, mf, opts.model_name, static)

@@ -311,3 +311,19 @@ def test_serving_a_model_whose_head_size_cannot_hold_q8_0_stops_with_one_line(st
     assert p.returncode == 1 and p.stdout == ""
     assert p.stderr == ("edgetp: KV cache type 'q8_0' needs a head size that is a multiple of 32, "
                         "this model's is 8 (use f16 or f32)\n")
+
+
+@pytest.mark.parametrize("kv_type,value_bytes", [("f16", 2), ("f32", 4)])
+def test_one_node_serves_as_many_slots_as_fit_beside_the_weights_halving_as_a_plan_does(smollm2_path, kv_type,
+                                                                                       value_bytes):
+    from edgetp.parallel.shard import local_slots
+
+    mf = gguf.open_model(smollm2_path)
+    cfg, weights = mf.config, smollm2_path.stat().st_size
+    per_slot = 2 * cfg.n_layers * cfg.n_kv_heads * 1024 * cfg.head_dim * value_bytes  # K and V, every layer
+    assert local_slots(mf, 1024, 8, kv_type, weights + 8 * per_slot) == 8
+    assert local_slots(mf, 1024, 8, kv_type, weights + 8 * per_slot - 1) == 4
+    assert local_slots(mf, 1024, 8, kv_type, weights + 3 * per_slot) == 2
+    assert local_slots(mf, 1024, 3_000_000, kv_type, weights + per_slot) == 1
+    with pytest.raises(planner.PlanError, match="a KV cache of 1024 positions needs .* lower --ctx"):
+        local_slots(mf, 1024, 1, kv_type, weights + per_slot - 1)

@@ -65,7 +65,17 @@ def write_key(path: str | os.PathLike[str], key: bytes | None = None, *, force: 
     if len(key) < KEY_BYTES:
         raise KeyFileError(f"a cluster key needs {KEY_BYTES} bytes, got {len(key)}")
     path = Path(path)
+    if not path.name or path.is_dir():
+        raise KeyFileError(f"cannot write a key to {str(path)!r}: give a file name, not a directory")
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    try:
+        _write_key(path, tmp, key, force)
+    except OSError as exc:
+        raise KeyFileError(f"cannot write the key to {path}: {exc.strerror or exc}") from None
+    return key
+
+
+def _write_key(path: Path, tmp: Path, key: bytes, force: bool) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.fchmod(fd, 0o600)  # whatever the umask
@@ -84,7 +94,6 @@ def write_key(path: str | os.PathLike[str], key: bytes | None = None, *, force: 
         if fd >= 0:
             os.close(fd)
         tmp.unlink(missing_ok=True)
-    return key
 
 
 def read_key(path: str | os.PathLike[str]) -> bytes:

@@ -12,7 +12,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from edgetp.model import kvcache
 from edgetp.model.gguf import ModelFile, split_block
 from edgetp.model.llama import ShardSpec
-from edgetp.parallel.plan import ModelShape, Plan
+from edgetp.parallel.plan import ModelShape, Plan, PlanError
 
 
 def _bpw(mf: ModelFile, name: str) -> float:
@@ -55,6 +55,20 @@ def model_shape(mf: ModelFile, ctx: int, slots: int = 1, kv_type: str = "f16") -
         experts_used=cfg.n_experts_used,
         shared_bpw=_bpw(mf, "blk.0.ffn_up_shexp.weight") * cfg.ffn_shared / cfg.ffn if cfg.ffn_shared else 0.0,
     )
+
+
+def local_slots(mf: ModelFile, ctx: int, slots: int, kv_type: str, free: int) -> int:
+    """Slots whose KV caches fit `free` bytes beside the model's weights on one node, up to `slots`,
+    halved as a cluster plan's are until they fit; PlanError (one line) when not even one does."""
+    per_slot = model_shape(mf, ctx, 1, kv_type).group_kv_bytes * mf.config.n_kv_heads
+    room = free - mf.path.stat().st_size
+    n = slots
+    while n > 1 and n * per_slot > room:
+        n //= 2
+    if n * per_slot > room:
+        raise PlanError(f"a KV cache of {ctx} positions needs {per_slot / 1e9:.2f} GB beside the model's "
+                        f"{mf.path.stat().st_size / 1e9:.2f} GB, and {free / 1e9:.2f} GB are free: lower --ctx")
+    return n
 
 
 def spec_for(plan: Plan, node_id: str) -> ShardSpec:

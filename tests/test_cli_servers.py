@@ -1,0 +1,118 @@
+"""The CLI against addresses that are not edgetp's API, and paths it cannot write: one line, never a traceback.
+
+Each case runs the real `edgetp` in a subprocess against a real HTTP server on loopback that is not
+edgetp (a file server's HTML, JSON of another shape, a 200 that is no event stream), or a bad --url,
+or a file it cannot create.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+
+import pytest
+
+from tests.test_cli_errors import assert_one_line_error, edgetp
+
+ANSWERS = {  # path -> status, content type, body
+    "html": {"*": (404, "text/html", b"<!DOCTYPE HTML>\n<html>\n<head><title>Error</title></head>\n"
+                                      b"<body>\n<h1>Error response</h1>\n<p>Error code: 404</p>\n</body>\n</html>\n")},
+    "json": {"/v1/cluster": (200, "application/json", b'{"hello": "world"}'),
+             "*": (200, "application/json", b"[1, 2]")},
+    "text": {"*": (200, "text/plain", b"this is a plain page\n")},
+    "nested": {"*": (200, "application/json", b"[" * 100_000 + b"]" * 100_000)},
+}
+
+
+@pytest.fixture(params=sorted(ANSWERS))
+def stranger(request):
+    answers = ANSWERS[request.param]
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            self.rfile.read(length)
+            status, kind, body = answers.get(self.path.split("?")[0], answers["*"])
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield request.param, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_status_ask_and_chat_against_a_server_that_is_not_edgetp_say_so_in_one_line(stranger):
+    kind, url = stranger
+    for args, stdin in ((("status", "--url", url), None), (("ask", "--url", url, "hi"), None),
+                        (("ask", "--stats", "--url", url, "hi"), None), (("chat", "--url", url), "hi\n")):
+        result = edgetp(*args, timeout=60) if stdin is None else _with_stdin(args, stdin)
+        assert_one_line_error(result, url, progress=True)  # (chat first says whom it chats with)
+        assert result.returncode in (1, 5), (args, result.returncode)
+        assert "edgetp API" in result.stderr or "not an edgetp" in result.stderr, (kind, args, result.stderr)
+
+
+def _with_stdin(args, text):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "edgetp", *args], input=text, capture_output=True, text=True,
+                          timeout=60, env=os.environ)
+
+
+@pytest.mark.parametrize("url", ["garbage", "127.0.0.1:7711", "ftp://127.0.0.1:7711", "http://", "http://[::1"])
+def test_a_url_that_is_not_an_http_address_is_refused_in_one_line(url):
+    for command in (("status",), ("ask", "hi"), ("profile",)):
+        result = edgetp(command[0], "--url", url, *command[1:], timeout=60)
+        if command[0] == "profile":  # it wants the key first
+            assert result.returncode != 0 and "Traceback" not in result.stderr
+            continue
+        assert_one_line_error(result, "is not an address like http://HOST:PORT")
+
+
+def test_keygen_where_no_file_can_be_made_leaves_nothing_and_says_why(tmp_path):
+    (tmp_path / "adir").mkdir()
+    for target, says in ((tmp_path / "nodir" / "k.key", "No such file or directory"),
+                         (tmp_path / "adir", "not a directory"), ("", "give a file name")):
+        result = edgetp("keygen", str(target), "--force")
+        assert_one_line_error(result, says)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["adir"]
+
+
+def test_a_model_cache_that_cannot_be_made_and_a_url_that_does_not_parse_are_one_line(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    env = {"EDGETP_CACHE_DIR": str(blocker / "cache")}
+    assert_one_line_error(edgetp("model", "pull", "smollm2", env=env), "cannot make the model cache")
+    assert_one_line_error(edgetp("model", "pull", "nosuch", env=env), "neither a known name")
+    assert_one_line_error(edgetp("model", "pull", "http://[::1/x.gguf"), "is not a URL that parses")
+
+
+def test_weights_that_do_not_match_the_workers_are_a_usage_error():
+    for args in (("serve", "--weights", "2"), ("serve", "--workers", "127.0.0.1:1,127.0.0.1:2", "--weights", "1,2"),
+                 ("ask", "--local", "--workers", "127.0.0.1:1", "--weights", "1,2,3", "x")):
+        result = edgetp(*args, timeout=60)
+        assert result.returncode == 2 and "--weights needs" in result.stderr and "Traceback" not in result.stderr
+    result = edgetp("ask", "--local", "--workers", "127.0.0.1:1", "--weights", "inf,1", "x", timeout=60)
+    assert result.returncode == 2 and "positive and finite" in result.stderr
+
+
+def test_a_worker_given_a_missing_model_stops_at_once_in_one_line(tmp_path):
+    result = edgetp("worker", "--model", str(tmp_path / "missing.gguf"), "--listen", "127.0.0.1:0", timeout=60)
+    lines = [line for line in result.stderr.splitlines() if "no cluster key" not in line]
+    assert result.returncode == 1 and len(lines) == 1 and "missing.gguf" in lines[0] and "not found" in lines[0]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import aiohttp
+from aiohttp.http_exceptions import HttpProcessingError
 from yarl import URL
 
 from edgetp.cluster.discovery import browse, signature_error
@@ -120,7 +121,7 @@ async def _stream(url: str, path: str, request: dict[str, Any],
         raise NoCluster(f"{url}: cannot connect ({exc.os_error or exc})") from None
     except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
         raise ServerError(f"{url}: the answer broke off ({exc})") from None
-    except aiohttp.ClientError as exc:
+    except (aiohttp.ClientError, HttpProcessingError) as exc:  # HttpProcessingError: a line past 128 KiB, say
         raise ServerError(f"{url}: {type(exc).__name__}: {exc}") from None
     except ProofError as exc:
         raise KeyRefused(str(exc)) from None
@@ -151,7 +152,7 @@ async def get_json(url: str, path: str, creds: Credentials = Credentials()) -> A
                 return await read_json(resp)
     except aiohttp.ClientConnectorError as exc:
         raise NoCluster(f"{url}: cannot connect ({exc.os_error or exc})") from None
-    except aiohttp.ClientError as exc:
+    except (aiohttp.ClientError, HttpProcessingError) as exc:
         raise ServerError(f"{url}{path}: {type(exc).__name__}: {exc}") from None
     except ValueError as exc:
         raise ServerError(f"{url}{path}: the answer is not JSON ({exc}): is it an edgetp API?") from None

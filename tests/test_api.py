@@ -358,6 +358,7 @@ async def test_a_body_that_does_not_follow_its_content_encoding_is_a_400_and_the
                           headers={"Content-Type": "application/json", "Content-Encoding": "gzip"}) as r:
             text = await r.text()
             assert r.status == 400, text
+            assert r.headers.get("Connection", "").lower() == "close"  # the stream past the body is broken
         assert "the request body could not be read" in json.loads(text)["error"]["message"]
         async with s.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}) as r:
             assert r.status == 200, await r.text()

@@ -300,18 +300,22 @@ def test_bearer_tokens_match_exactly():
     assert not token_ok(("t1-aaaaaaaaaaaaaaaa",), "t1-aaaaaaaaaaaaaaa") and not token_ok(("x" * 16,), None)
 
 
-def test_a_caller_asking_for_more_challenges_than_its_share_pushes_out_only_its_own():
-    ch = Challenges(ttl=60, max_size=100, per_source=5)
+def test_a_flood_of_challenges_pushes_out_only_its_own_and_ordinary_traffic_loses_none():
+    ch = Challenges(ttl=60, max_size=100)
+    forwarded = [ch.issue("10.0.0.3") for _ in range(40)]  # a node relaying 40 requests at once: all kept
     member = ch.issue("10.0.0.2")
-    flood = [ch.issue("10.0.0.66") for _ in range(1000)]  # one address: only its own last 5 stay
-    assert len(ch) == 6
+    flood = [ch.issue("10.0.0.66") for _ in range(1000)]  # the table is full: the flood gives up its own
+    assert len(ch) == 100
     ch.take(member)
-    for n in flood[-5:]:
+    for n in forwarded:
         ch.take(n)
     with pytest.raises(ProofError):
-        ch.take(flood[-6])
+        ch.take(flood[0])
+    for n in flood[-59:]:
+        ch.take(n)
     assert len(ch) == 0
-    # many addresses still meet the overall bound, the oldest going first
+    assert len([ch.issue("10.0.0.4") for _ in range(100)]) == len(ch) == 100  # one address may fill it
+    # then many addresses of one nonce each: the full one gives way, then (a tie) the oldest goes first
     issued = [ch.issue(f"10.0.1.{i}") for i in range(150)]
     assert len(ch) == 100
     with pytest.raises(ProofError):

@@ -22,6 +22,7 @@ ANSWERS = {  # path -> status, content type, body
              "*": (200, "application/json", b"[1, 2]")},
     "text": {"*": (200, "text/plain", b"this is a plain page\n")},
     "nested": {"*": (200, "application/json", b"[" * 100_000 + b"]" * 100_000)},
+    "long line": {"*": (200, "text/event-stream", b"data: " + b"x" * 200_000 + b"\n\n")},  # past aiohttp's 128 KiB
 }
 
 

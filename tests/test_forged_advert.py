@@ -102,7 +102,7 @@ def test_a_forged_advert_never_leads_and_a_rebooted_preferred_root_leads_again(s
             assert state(url["b"]) == "foreign"  # (the root's view, once it has planned, lists its plan only)
             assert sorted(n["node_id"] for n in view(url["a"])["nodes"]) == ["node-a", "node-b"]
 
-        # 1b. forged goodbyes for node-b while it serves: it is challenged, still proves the key, and stays
+        # 1b. forged goodbyes for node-b while it serves: it is asked, does not say it is leaving, and stays
         before = replans(url["a"])
         sender = threading.Thread(target=goodbyes, args=("node-b", 8, 0.25))
         sender.start()
@@ -116,7 +116,7 @@ def test_a_forged_advert_never_leads_and_a_rebooted_preferred_root_leads_again(s
         assert replans(url["a"]) == before, "a forged goodbye made the root re-plan"
         assert members(url["a"]) == ["node-a", "node-b"]
 
-        # 1c. a member that leaves (SIGTERM) stops answering heartbeats, then says goodbye: gone at once
+        # 1c. a member that leaves (SIGTERM) answers heartbeats "leaving", then says goodbye: gone at once
         procs["c"] = start_daemon(stories_path, key, "node-c")
         wait_for(lambda: stream(url["b"]) == expected and "node-c" in members(url["a"]), 60, "node-c planned in")
         procs["c"][0].send_signal(signal.SIGTERM)
@@ -127,6 +127,8 @@ def test_a_forged_advert_never_leads_and_a_rebooted_preferred_root_leads_again(s
         # 2. the preferred root is killed; node-b leads in a later epoch and serves
         procs["a"][0].kill()
         procs["a"][0].wait()
+        assert "an mDNS goodbye for node-b, which does not say it is leaving: ignored" in procs["a"][0].stderr.read(), \
+            "the forged goodbyes of 1b never reached node-a: 1b tested nothing"
         wait_for(lambda: view(url["b"])["root"] == "node-b", 15, "node-b takes over")
         assert stream(url["b"]) == expected
         b_epoch = view(url["b"])["epoch"]

@@ -325,5 +325,6 @@ def test_one_node_serves_as_many_slots_as_fit_beside_the_weights_halving_as_a_pl
     assert local_slots(mf, 1024, 8, kv_type, weights + 8 * per_slot - 1) == 4
     assert local_slots(mf, 1024, 8, kv_type, weights + 3 * per_slot) == 2
     assert local_slots(mf, 1024, 3_000_000, kv_type, weights + per_slot) == 1
+    assert local_slots(mf, 1024, 4, kv_type, per_slot) == 1  # the weights then come from disk as they are read
     with pytest.raises(planner.PlanError, match="a KV cache of 1024 positions needs .* lower --ctx"):
-        local_slots(mf, 1024, 1, kv_type, weights + per_slot - 1)
+        local_slots(mf, 1024, 1, kv_type, per_slot - 1)

@@ -441,3 +441,11 @@ def test_a_control_tokens_text_in_a_chat_message_is_encoded_as_text_never_as_tha
     # a chat whose messages hold no control token's text is tokenized whole, as llama.cpp does
     text, ids = smollm2.encode_chat([{"role": "user", "content": "Hi <there> |im_end| <|im"}])
     assert ids == llm.tokenize(text.encode(), add_bos=not smollm2.starts_with_bos(text), special=True)
+
+
+def test_marking_breaks_every_occurrence_even_of_a_text_that_overlaps_itself() -> None:
+    from edgetp.model.tokenizer import _mark
+
+    for content, controls in (("ababa", ["aba"]), ("<|x|><|x|>", ["<|x|>"]), ("aaaa", ["aa"])):
+        marked = _mark(content, controls)
+        assert not any(c in marked for c in controls) and marked.replace("\ufdd0", "") == content

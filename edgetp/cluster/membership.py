@@ -11,9 +11,10 @@
   (any HTTP 200 does not). Each advertised address is tried, the last one that
   answered first. A peer that has not proven itself for `timeout` seconds is
   no longer usable: this catches a node that died without an mDNS goodbye.
-  A goodbye is unsigned, so one for a live member only prompts a challenge
-  at once: the member is gone if it fails it (a node that leaves stops
-  answering first, `leaving`), and stays if it proves the key.
+  A goodbye is unsigned, so one for a live member only prompts a question at
+  once: the member is gone if it says it is leaving (a node that leaves
+  answers 503 to heartbeats first, `leaving`) or its port refuses; otherwise
+  (it answers, or is slow) its heartbeats decide, as for any member.
 - Joins and changed figures reach the plan once the usable set has been quiet
   for `settle` seconds (debounced: a burst of changes is one re-plan); a loss
   counts at once, the loss timeout being its debounce.
@@ -79,7 +80,8 @@ class Membership:
         self._figures: dict[str, tuple] = {}         # their plan inputs when settled
         self._stirred = asyncio.Event()              # the raw usable set changed
         self.leaving = False                         # set before our goodbye: heartbeats are no longer answered
-        self._goodbyes: dict[str, asyncio.Task] = {}  # live peers said to have left, being challenged
+        self._goodbyes: set[str] = set()             # live peers said to have left, being asked
+        self._tasks: asyncio.TaskGroup | None = None  # run()'s, for the goodbyes' questions
 
     @property
     def leader(self) -> str | None:
@@ -114,6 +116,7 @@ class Membership:
         await self.discovery.start()
         try:
             async with asyncio.TaskGroup() as tg:
+                self._tasks = tg
                 tg.create_task(self._discover())
                 tg.create_task(self._heartbeats())
                 tg.create_task(self._settle())
@@ -121,9 +124,8 @@ class Membership:
                 if self.static_peers:
                     tg.create_task(self._introduce_loop())
         finally:
-            self.leaving = True  # peers that hear our goodbye challenge us: they find us gone
-            for task in self._goodbyes.values():
-                task.cancel()
+            self._tasks = None
+            self.leaving = True  # peers that hear our goodbye ask us: they find us leaving
             await self.discovery.stop()
 
     async def _discover(self) -> None:
@@ -134,10 +136,9 @@ class Membership:
         node_id = ev.node_id if isinstance(ev, Left) else ev.advert.node_id
         peer = self.peer(node_id)
         if isinstance(ev, Left) and peer is not None and self.table.alive(peer):
-            if node_id not in self._goodbyes:  # unsigned: anyone on the LAN can send one; the peer is asked
-                task = asyncio.get_running_loop().create_task(self._goodbye(peer), name=f"goodbye-{node_id}")
-                self._goodbyes[node_id] = task
-                task.add_done_callback(lambda _: self._goodbyes.pop(node_id, None))
+            if node_id not in self._goodbyes and self._tasks is not None:  # unsigned: anyone can send one
+                self._goodbyes.add(node_id)
+                self._tasks.create_task(self._goodbye(peer), name=f"goodbye-{node_id}")
             return
         known = self.peer(node_id) is not None
         if not self.table.apply(ev):
@@ -153,17 +154,37 @@ class Membership:
         self._stir()
 
     async def _goodbye(self, peer: Peer) -> None:
-        """An mDNS goodbye for a live peer. It carries no signature, so before the peer counts as gone
-        it is challenged at once: a node that leaves stops answering first (`leaving`), so it goes
-        now; one that still proves the key stays, and the goodbye (forged, or stale) is ignored."""
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.heartbeat)) as session:
-            advert = await self._ping(session, peer)
-        if advert is not None and self.table.prove(advert):
-            log.warning("an mDNS goodbye for %s, which still proves the cluster key: ignored (forged or stale)",
-                        peer.node_id)
-        elif self.table.apply(Left(peer.node_id)):
-            self.publish(events.ClusterEvent("leave", f"{peer.node_id} left", peer.node_id))
-            self._stir()
+        """An mDNS goodbye for a live peer. It carries no signature, so the peer is asked at once: gone if
+        it says it is leaving or its port refuses, kept otherwise (the goodbye forged or stale, or the
+        peer slow to answer: its heartbeats decide, as ever)."""
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.heartbeat)) as session:
+                gone = await self._says_gone(session, peer)
+            if not gone:
+                log.warning("an mDNS goodbye for %s, which does not say it is leaving: ignored (forged or stale)",
+                            peer.node_id)
+            elif self.table.apply(Left(peer.node_id)):
+                self.publish(events.ClusterEvent("leave", f"{peer.node_id} left", peer.node_id))
+                self._stir()
+        except Exception:  # noqa: BLE001 - a goodbye must not end the membership's task group
+            log.exception("checking a goodbye for %s failed", peer.node_id)
+        finally:
+            self._goodbyes.discard(peer.node_id)
+
+    async def _says_gone(self, session: aiohttp.ClientSession, peer: Peer) -> bool:
+        """Whether the peer confirms it left: its heartbeat endpoint answers 503 (`leaving`), or the port
+        at the address that last answered refuses connections."""
+        if not peer.advert.addresses:
+            return False
+        url = f"{_url_host(peer.advert.addresses[0])}:{peer.advert.http_port}{peering.NODE_PATH}" \
+              f"?nonce={secrets.token_hex(16)}"
+        try:
+            async with session.get(url) as resp:
+                return resp.status == 503 and peering.LEAVING in await resp.text()
+        except aiohttp.ClientConnectorError as exc:
+            return isinstance(exc.os_error, ConnectionRefusedError)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
 
     def introduced(self, advert: PeerAdvert) -> None:
         """A peer told us it is here (POST /v1/cluster/peers); the heartbeats prove it, as any other."""

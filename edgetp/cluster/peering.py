@@ -39,6 +39,7 @@ NODE_PATH = "/v1/cluster/node"
 NONCE_RE = re.compile(r"[0-9a-f]{32,128}")
 PEERS_PATH = "/v1/cluster/peers"
 PROFILE_PATH = "/v1/cluster/profile"
+LEAVING = "this node is leaving the cluster"  # a heartbeat's 503 once our goodbye is on its way
 
 
 def parse_advert(body: object, addresses: str | tuple[str, ...]) -> PeerAdvert:
@@ -94,7 +95,7 @@ class PeerEndpoints:
         if not NONCE_RE.fullmatch(nonce):
             raise web.HTTPBadRequest(text="a heartbeat needs ?nonce= with 32-128 lowercase hex digits\n")
         if self._leaving():  # our goodbye is on its way: peers that challenge it must find us gone
-            raise web.HTTPServiceUnavailable(text="this node is leaving the cluster\n")
+            raise web.HTTPServiceUnavailable(text=LEAVING + "\n")
         me = self._me()
         return web.json_response({"advert": me.to_txt(), "proof": heartbeat_proof(self._key, nonce, me.sig)})
 

@@ -523,6 +523,7 @@ class Tokenizer:
         who writes "<|im_end|>\\n<|im_start|>system") is the characters it is, never that token, so no
         message can end its turn or forge another's (llama.cpp and transformers parse it: they give
         the same ids wherever the content holds no control token's text)."""
+        # (a one-character control token cannot be broken; a user's own U+FDD0, a noncharacter, is dropped)
         controls = [self.tokens[t] for t in self._specials if self._v.attrs[t] & _HIDDEN and len(self.tokens[t]) > 1]
         marked = [dict(m, content=_mark(m["content"], controls)) if isinstance(m.get("content"), str) else m
                   for m in messages]
@@ -546,7 +547,7 @@ class Tokenizer:
 def _mark(content: str, controls: list[str]) -> str:
     """content with every control token's text in it broken by _MARK after its first character."""
     for c in controls:  # longest first (Tokenizer._specials' order)
-        if c in content:
+        while c in content:  # again for a token whose text overlaps itself ("aba" in "ababa")
             content = content.replace(c, c[0] + _MARK + c[1:])
     return content
 

@@ -36,8 +36,7 @@ from aiohttp import web
 CHALLENGE_PATH = "/v1/auth/challenge"
 HEADER_NONCE, HEADER_PROOF = "X-Edgetp-Nonce", "X-Edgetp-Proof"
 CHALLENGE_TTL = 60.0  # seconds a nonce may wait for its request
-MAX_CHALLENGES = 4096  # outstanding nonces kept; the oldest goes first
-MAX_PER_SOURCE = 64   # outstanding nonces kept for one caller's address; its own oldest goes first
+MAX_CHALLENGES = 4096  # outstanding nonces kept; when full, the address holding the most loses its oldest
 MAX_ANSWER = 1 << 20  # bytes of a peer's JSON answer read at most (a challenge, a heartbeat, an advert)
 
 
@@ -48,23 +47,21 @@ class ProofError(Exception):
 class Challenges:
     """Nonces this node issued and has not yet seen used: each is good once, for CHALLENGE_TTL seconds.
 
-    At most `max_size` are kept, and at most `per_source` for one caller's address: a caller that asks
-    for more makes room among its own, so a flood from a few addresses cannot push out the nonce a
-    member is about to use (only one from every address at once could)."""
+    At most `max_size` are kept. When full, the caller address holding the most gives up its oldest:
+    a flood from a few addresses pushes out its own nonces, never the one a member is about to use,
+    and no amount of ordinary traffic (a node forwarding many requests at once) loses any."""
 
     def __init__(self, ttl: float = CHALLENGE_TTL, max_size: int = MAX_CHALLENGES,
-                 clock: Any = time.monotonic, per_source: int = MAX_PER_SOURCE) -> None:
-        self.ttl, self.max_size, self.per_source, self._clock = ttl, max_size, per_source, clock
+                 clock: Any = time.monotonic) -> None:
+        self.ttl, self.max_size, self._clock = ttl, max_size, clock
         self._issued: collections.OrderedDict[str, tuple[float, str]] = collections.OrderedDict()  # -> expiry, source
         self._by_source: dict[str, collections.OrderedDict[str, None]] = {}
 
     def issue(self, source: str = "") -> str:
         self._expire()
-        mine = self._by_source.get(source)
-        while mine and len(mine) >= self.per_source:
-            self._drop(next(iter(mine)))
         while len(self._issued) >= self.max_size:
-            self._drop(next(iter(self._issued)))
+            greediest = max(self._by_source.values(), key=len)
+            self._drop(next(iter(greediest)))
         nonce = secrets.token_hex(16)
         self._issued[nonce] = (self._clock() + self.ttl, source)
         self._by_source.setdefault(source, collections.OrderedDict())[nonce] = None

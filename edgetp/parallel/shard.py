@@ -58,16 +58,17 @@ def model_shape(mf: ModelFile, ctx: int, slots: int = 1, kv_type: str = "f16") -
 
 
 def local_slots(mf: ModelFile, ctx: int, slots: int, kv_type: str, free: int) -> int:
-    """Slots whose KV caches fit `free` bytes beside the model's weights on one node, up to `slots`,
-    halved as a cluster plan's are until they fit; PlanError (one line) when not even one does."""
+    """Slots whose KV caches fit `free` bytes on one node, up to `slots`: halved, as a cluster plan's
+    are, until they fit beside the model's weights (or to one, which a model read from disk as it
+    runs may still serve); PlanError (one line) when one slot's cache alone exceeds `free`."""
     per_slot = model_shape(mf, ctx, 1, kv_type).group_kv_bytes * mf.config.n_kv_heads
     room = free - mf.path.stat().st_size
     n = slots
     while n > 1 and n * per_slot > room:
         n //= 2
-    if n * per_slot > room:
-        raise PlanError(f"a KV cache of {ctx} positions needs {per_slot / 1e9:.2f} GB beside the model's "
-                        f"{mf.path.stat().st_size / 1e9:.2f} GB, and {free / 1e9:.2f} GB are free: lower --ctx")
+    if per_slot > free:
+        raise PlanError(f"a KV cache of {ctx} positions needs {per_slot / 1e9:.2f} GB and {free / 1e9:.2f} GB "
+                        "are free: lower --ctx")
     return n
 
 

@@ -188,7 +188,9 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return ApiError(exc.status, message, headers=headers).response()
     except web.RequestPayloadError as exc:  # e.g. a body that does not follow its Content-Encoding
         # the connection's stream is broken past this body: it closes after the answer
-        return ApiError(400, f"the request body could not be read: {exc}", headers={"Connection": "close"}).response()
+        resp = ApiError(400, f"the request body could not be read: {exc}").response()
+        resp.force_close()
+        return resp
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:

@@ -38,10 +38,10 @@ from typing import Callable, Sequence
 import aiohttp
 
 from edgetp.cluster import peering
-from edgetp.net import httpauth
 from edgetp.cluster.discovery import Discovery, DiscoveryError, Joined, Left, Peer, PeerAdvert, PeerTable, \
     Updated, ballot_of, sign
 from edgetp.cluster.election import Elector, Term
+from edgetp.net import httpauth
 from edgetp import events
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class Membership:
         self._members: frozenset[str] = frozenset()  # the settled set: what plans and elections use
         self._figures: dict[str, tuple] = {}         # their plan inputs when settled
         self._stirred = asyncio.Event()              # the raw usable set changed
-        self.leaving = False                         # set before our goodbye: heartbeats are no longer answered
+        self.leaving = False                         # set before our goodbye: heartbeats get a 503 "leaving"
         self._goodbyes: set[str] = set()             # live peers said to have left, being asked
         self._tasks: asyncio.TaskGroup | None = None  # run()'s, for the goodbyes' questions
 

@@ -194,9 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     weights, workers = getattr(args, "weights", None), getattr(args, "workers", None) or []
-    if weights is not None and (not workers or len(weights) != len(workers) + 1):
+    if weights is not None and not workers:
+        parser.error("--weights needs --workers (the measured speeds are used)")
+    if weights is not None and len(weights) != len(workers) + 1:
         parser.error(f"--weights needs {len(workers) + 1} numbers, the root's then one for each of --workers, "
-                     f"got {len(weights)}" if workers else "--weights needs --workers (the measured speeds are used)")
+                     f"got {len(weights)}")
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -528,8 +528,6 @@ class Tokenizer:
         marked = [dict(m, content=_mark(m["content"], controls)) if isinstance(m.get("content"), str) else m
                   for m in messages]
         text = self.apply_chat_template(marked, add_generation_prompt=add_generation_prompt)
-        if _MARK not in text:
-            return text, self.encode(text, add_special=not self.starts_with_bos(text), parse_special=True)
         frags = [f.replace(_MARK, "") if isinstance(f, str) else f for f in self._partition(text, True)]
         return text.replace(_MARK, ""), self._encode([f for f in frags if f != ""], not self.starts_with_bos(text))
 

@@ -22,7 +22,7 @@ from edgetp.model.kvcache import KVTypeError
 from edgetp.model.tokenizer import Tokenizer, UnsupportedTokenizer
 from edgetp.net import auth
 from edgetp.net.httpauth import Credentials
-from edgetp.net.link import LinkClosed, SpinError, spin_ns
+from edgetp.net.link import LinkClosed, SpinError, check_env
 from edgetp.net.loopthread import LoopThread
 from edgetp.cluster.discovery import DiscoveryError
 from edgetp.config import ConfigError
@@ -94,7 +94,7 @@ def credentials(args: argparse.Namespace) -> Credentials:
 
 
 def ask(args: argparse.Namespace) -> int:
-    spin_ns()  # EDGETP_SPIN_US checked before anything starts
+    check_env()  # EDGETP_SPIN_US and EDGETP_LINK_MODE checked before anything starts
     if not args.local:
         return asyncio.run(_ask_cluster(args))
     params = sampling_params(args)
@@ -328,7 +328,7 @@ def _stream(runner, tok: Tokenizer, ids: list[int], params, args, ctx: int, t0: 
 
 
 def worker(args: argparse.Namespace) -> int:
-    spin_ns()  # EDGETP_SPIN_US checked before anything starts
+    check_env()  # EDGETP_SPIN_US and EDGETP_LINK_MODE checked before anything starts
     key = auth.read_key(args.key) if args.key else None
     host, port = args.listen
     node_id = args.node_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
@@ -373,7 +373,7 @@ def serve(args: argparse.Namespace) -> int:
             and not config.DEFAULT_CONFIG_PATH.exists() and not (flags.get("key_file") or os.environ.get("EDGETP_KEY_FILE")):
         flags["host"] = "127.0.0.1"  # alone, the API stays on this machine; a cluster's peers must reach it
     settings = config.load_settings(flags, os.environ, args.config)
-    spin_ns()  # EDGETP_SPIN_US checked before anything starts
+    check_env()  # EDGETP_SPIN_US and EDGETP_LINK_MODE checked before anything starts
     key = auth.read_key(settings.key_file) if settings.key_file else None
     if settings.model == "none" and (key is None or args.workers):
         raise WorkerError("--model none (fetch a slice from the root) needs a cluster: --key FILE and no --workers")

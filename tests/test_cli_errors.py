@@ -253,3 +253,11 @@ def test_a_bad_receive_polling_time_is_one_line_for_each_command(value):
     for args in (("worker", "--listen", "127.0.0.1:0"), ("serve", "--model", "none"), ("ask", "--local", "hi")):
         assert_one_line_error(edgetp(*args, env={"EDGETP_SPIN_US": value}, timeout=60), "EDGETP_SPIN_US",
                               "0 to 1000000", repr(value))
+
+
+@pytest.mark.parametrize(("name", "value", "says"), [("EDGETP_LINK_MODE", "fast", "blocking or asyncio"),
+                                                     ("EDGETP_INT8", "2", "0 or 1")])
+def test_a_bad_kernel_or_link_switch_is_one_line_for_each_command(name, value, says):
+    # both were read as "not set" before: a typo silently ran the other kernels or link mode
+    for args in (("worker", "--listen", "127.0.0.1:0"), ("serve", "--model", "none"), ("ask", "--local", "hi")):
+        assert_one_line_error(edgetp(*args, env={name: value}, timeout=60), name, says, repr(value))

@@ -52,6 +52,16 @@ def test_an_isa_the_cpu_cannot_run_is_refused_with_a_reason(env, arch, feats, wo
     assert all(w in str(err.value) for w in words)
 
 
+def test_the_integer_kernel_switch_takes_what_the_settings_take_as_booleans_and_nothing_else():
+    for on in ({}, {"EDGETP_INT8": "1"}, {"EDGETP_INT8": " Yes "}, {"EDGETP_INT8": "true"}, {"EDGETP_INT8": "on"}, {"EDGETP_INT8": ""}):
+        assert isa.int8(on) is True
+    for off in ("0", "false", "NO", "off"):
+        assert isa.int8({"EDGETP_INT8": off}) is False
+    for bad in ("2", "-", "off please"):
+        with pytest.raises(isa.IsaError, match=f"EDGETP_INT8 must be 0 or 1, got {bad!r}"):
+            isa.int8({"EDGETP_INT8": bad})
+
+
 def test_an_isa_llvm_cannot_see_on_this_cpu_compiles_for_a_cpu_that_has_it():
     # qemu-user: HWCAP says dot product, LLVM sees a "generic" aarch64 and could not select sdot
     assert isa.choose({}, "aarch64", PI5, frozenset({"neon"})) == isa.Choice("neon", "cortex-a76", "best this CPU has")

@@ -22,7 +22,7 @@ from gguf.quants import dequantize, quantize
 from edgetp.net import link as link_mod
 from edgetp.net import wire
 from edgetp.net.frames import PREFIX, Cipher, FrameType, encode_frame, send_frame
-from edgetp.net.link import SPIN_US, Link, LinkClosed, SpinError, spin_ns
+from edgetp.net.link import SPIN_US, Link, LinkClosed, SpinError, forced_mode, spin_ns
 
 KEY = bytes(range(32))
 
@@ -290,6 +290,13 @@ def test_the_setting_is_read_and_checked_as_the_commands_check_it():
     for bad in ("abc", "-1", "1000001", "2.5"):
         with pytest.raises(SpinError, match=f"EDGETP_SPIN_US must be a whole number of microseconds from 0 to 1000000, got '{bad}'"):
             spin_ns(bad)
+
+
+def test_the_link_mode_switch_is_blocking_asyncio_or_unset():
+    assert forced_mode("") is None and forced_mode("blocking") == "blocking" and forced_mode(" AsyncIO ") == "asyncio"
+    for bad in ("fast", "block", "1"):
+        with pytest.raises(SpinError, match=f"EDGETP_LINK_MODE must be blocking or asyncio, got '{bad}'"):
+            forced_mode(bad)
 
 
 @pytest.mark.parametrize("sealed", [False, True])

@@ -175,11 +175,24 @@ def configure() -> None:
              f", compiled for {_choice.target}" if _choice.target else "")
 
 
+def int8(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether the integer kernels may run: EDGETP_INT8 unset, empty or 1 (or true, yes, on); 0 (or
+    false, no, off) keeps every product on the float kernels. Anything else is an IsaError."""
+    text = env.get("EDGETP_INT8", "").strip().lower()
+    if text in ("", "1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise IsaError(f"EDGETP_INT8 must be 0 or 1, got {env['EDGETP_INT8']!r}")
+
+
 def require() -> Choice:
-    """The ISA in use; IsaError if EDGETP_ISA asked for one this CPU cannot run."""
+    """The ISA in use; IsaError if EDGETP_ISA asked for one this CPU cannot run, or EDGETP_INT8
+    is neither 0 nor 1."""
     configure()
     if _error is not None:
         raise _error
+    int8()
     assert _choice is not None
     return _choice
 

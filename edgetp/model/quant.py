@@ -221,7 +221,7 @@ def int8_decode() -> bool:
     """Quantized weights decode on the integer kernels (intdot: x rounded to int8 blocks,
     the same bits on every ISA) unless EDGETP_INT8=0 keeps them on the float kernels
     (f32 activations: exact against the dequantized weights, slower)."""
-    return os.environ.get("EDGETP_INT8", "1") != "0"
+    return isa.int8()
 
 
 _PANELS: weakref.WeakKeyDictionary[Weight, intgemm.Panels] = weakref.WeakKeyDictionary()

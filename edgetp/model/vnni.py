@@ -18,7 +18,6 @@ lacks.
 from __future__ import annotations
 
 import logging
-import os
 
 import numpy as np
 from llvmlite import ir
@@ -137,10 +136,8 @@ def wanted() -> bool:
     core), and a CPU on the generic path (an AVX laptop) has no FMA either. Its prefill
     bits then differ from the integer ISAs' within the float bound (tests/test_isa_float.py).
     """
-    if os.environ.get("EDGETP_INT8", "1") == "0":
-        return False
     try:
-        return isa.current() in isa.ISAS and isa.current() != "generic"
+        return isa.int8() and isa.current() in isa.ISAS and isa.current() != "generic"
     except isa.IsaError:  # the CLI refuses to start; anything else gets the float kernels
         return False
 

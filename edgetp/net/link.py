@@ -638,7 +638,8 @@ SPIN_US = 200
 
 
 class SpinError(ValueError):
-    """EDGETP_SPIN_US is not a whole number of microseconds from 0 to 1000000."""
+    """EDGETP_SPIN_US is not a whole number of microseconds from 0 to 1000000, or EDGETP_LINK_MODE
+    is not blocking or asyncio (`check_env`)."""
 
 
 @functools.cache
@@ -750,7 +751,19 @@ def choose_mode(rtt: float, hop: float, forced: str | None = None) -> str:
     return BLOCKING if rtt < HOP_FACTOR * hop else ASYNC
 
 
-def forced_mode() -> str | None:
-    """EDGETP_LINK_MODE=blocking|asyncio overrides the measured choice (benchmarks, tests)."""
-    value = os.environ.get("EDGETP_LINK_MODE")
-    return value if value in (BLOCKING, ASYNC) else None
+def forced_mode(text: str | None = None) -> str | None:
+    """EDGETP_LINK_MODE=blocking|asyncio (or text) overrides the measured choice (benchmarks, tests);
+    unset or empty leaves it to the measurement, anything else is a SpinError."""
+    text = os.environ.get("EDGETP_LINK_MODE") if text is None else text
+    if text is None or not text.strip():
+        return None
+    if text.strip().lower() not in (BLOCKING, ASYNC):
+        raise SpinError(f"EDGETP_LINK_MODE must be {BLOCKING} or {ASYNC}, got {text!r}")
+    return text.strip().lower()
+
+
+def check_env() -> None:
+    """The links' variables (EDGETP_SPIN_US, EDGETP_LINK_MODE) checked before anything starts:
+    one line (SpinError) instead of a failure at the first connection."""
+    spin_ns()
+    forced_mode()

@@ -81,5 +81,6 @@ def test_cli_says_in_one_line_that_a_thread_count_is_too_high(stories_path):
     run = subprocess.run([sys.executable, "-m", "edgetp", "ask", "--local", "--model", str(stories_path),
                           "--threads", too_many, "--max-tokens", "2", "Once"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and run.stderr.strip().splitlines() == [
-        f"edgetp: --threads {too_many}: this machine runs 1 to {numba.config.NUMBA_NUM_THREADS} compute threads"
+        f"edgetp: threads {too_many} (--threads, EDGETP_THREADS or the config file's threads): this machine runs 1 to "
+        f"{numba.config.NUMBA_NUM_THREADS} compute threads"
         " (one per core; NUMBA_NUM_THREADS)"], run.stderr

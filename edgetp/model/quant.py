@@ -162,8 +162,8 @@ def set_threads(n: int | None) -> None:
     """
     global _threads
     if n is not None and not 1 <= n <= numba.config.NUMBA_NUM_THREADS:
-        raise ThreadCountError(f"--threads {n}: this machine runs 1 to {numba.config.NUMBA_NUM_THREADS} "
-                               "compute threads (one per core; NUMBA_NUM_THREADS)")
+        raise ThreadCountError(f"threads {n} (--threads, EDGETP_THREADS or the config file's threads): this machine "
+                               f"runs 1 to {numba.config.NUMBA_NUM_THREADS} compute threads (one per core; NUMBA_NUM_THREADS)")
     _threads = n
     use_threads()
 

@@ -53,7 +53,7 @@ import numpy as np  # noqa: E402
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
 from edgetp.model import deq as D  # noqa: E402
-from edgetp.model import intdot, intgemm  # noqa: E402
+from edgetp.model import intdot, intgemm, isa  # noqa: E402
 from edgetp.model import kernels as K  # noqa: E402
 from edgetp.model.sampling import top_k  # noqa: E402
 

@@ -29,7 +29,7 @@ from edgetp.config import ConfigError
 from edgetp.parallel import pipeline, profile
 from edgetp.parallel.shard import local_slots
 from edgetp.parallel.plan import PlanError
-from edgetp.parallel.runner import ClusterRunner, WorkerLost
+from edgetp.parallel.runner import ClusterRunner
 from edgetp.serve.worker import Worker
 
 

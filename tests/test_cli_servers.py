@@ -8,7 +8,6 @@ or a file it cannot create.
 from __future__ import annotations
 
 import http.server
-import json
 import threading
 
 import pytest

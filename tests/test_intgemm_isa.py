@@ -20,7 +20,6 @@ is exact in f64; the f64 sum is made round-to-odd, after which rounding to f32 i
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from fractions import Fraction

@@ -182,7 +182,6 @@ def test_a_prompt_scored_over_four_vocabulary_shards_beside_a_running_stream_is_
     sequence's decode rows; merged on the root, the log-softmax of llama.cpp's logits."""
     from edgetp.model.batch import Scheduler, Seq  # noqa: PLC0415
     from edgetp.model.tokenizer import Tokenizer  # noqa: PLC0415
-    from tests import reference  # noqa: PLC0415
     from tests.test_logprobs import reference_prompt_logprobs  # noqa: PLC0415
 
     path, ids = _model("stories", stories_path, None, None)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import signal
 
-import pytest
 
 from edgetp.model import gguf, quant
 from edgetp.model.generate import LocalRunner, generate

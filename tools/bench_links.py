@@ -51,7 +51,6 @@ from edgetp.serve.spawn import start_worker, stop  # noqa: E402
 from tools import bench_allreduce as allreduce  # noqa: E402
 from tools import netns  # noqa: E402
 from tools.netns import read_line  # noqa: E402
-from tools.relay import PROFILES  # noqa: E402
 
 BENCH_1B = Path.home() / ".cache/edgetp/bench/llama-3.2-1b.q8_0.gguf"
 CTX = 256

@@ -456,7 +456,7 @@ class Emit:
         <16 x f32>). Every operation is lane by lane and the same as quad_by_unit's on each half
         (vpdpbusd's integers, then the f32 products and sums in the same order), so each half has
         quad_by_unit's bits; the dot products and f32 steps are half as many instructions."""
-        b, L = self.b, self.layout
+        b = self.b
         us, ws, wm = w2
         xvs, dq, seed, xs = tok
 

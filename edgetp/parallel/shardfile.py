@@ -42,6 +42,7 @@ from gguf import GGMLQuantizationType as QT, GGUFValueType, GGUFWriter
 from edgetp.model import quant
 from edgetp.model.gguf import ModelFile, gguf_writer
 from edgetp.model.llama import SHARD_KEYS, ShardSpec
+from edgetp.parallel.plan import Range
 from edgetp.store.slices import durable_replace
 
 _BLK = re.compile(r"blk\.\d+\.(.+)")

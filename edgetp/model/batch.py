@@ -444,19 +444,29 @@ class Scheduler:
     # ---------------------------------------------------------------- losing a node
 
     def _run(self, call: Callable[[Any], Any]) -> Any:
+        """call(runner); a lost runner is replaced (recover), fed again what it had seen (_replay),
+        and call retried. A loss while the new runner begins or replays is one more loss, not the
+        end: a second node that dies while the first one's answers are replayed is planned around
+        too, up to MAX_RECOVERIES in all."""
+        lost: RunnerLost | None = None
         for attempt in range(MAX_RECOVERIES + 1):
             try:
+                if lost is not None:
+                    self._take_over(lost)
                 return call(self.runner)
             except RunnerLost as exc:
                 if self.recover is None or attempt == MAX_RECOVERIES:
                     raise
-                self.runner = self.recover(exc)
-                self.runner.begin()
-                self.cache.forget()
-                replayed = self._replay()
-                for s in self.seqs:
-                    s.notes.append(f"{exc}; recovered with a new plan, replayed {replayed} tokens")
+                lost = exc
         raise AssertionError("unreachable")
+
+    def _take_over(self, exc: RunnerLost) -> None:
+        self.runner = self.recover(exc)
+        self.runner.begin()
+        self.cache.forget()
+        replayed = self._replay()
+        for s in self.seqs:
+            s.notes.append(f"{exc}; recovered with a new plan, replayed {replayed} tokens")
 
     def _replay(self) -> int:
         """Feed the new runner what the lost one had seen, computed as it was computed then:

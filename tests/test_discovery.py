@@ -159,6 +159,35 @@ def test_a_signed_peer_is_usable_only_once_proven_and_until_silent_for_longer_th
     assert table.prove(signed("a")) is False, "a proof for a peer the table does not list adds nothing"
 
 
+def test_time_this_node_did_not_run_is_not_counted_against_its_peers():
+    # membership reads its clock every election tick (half a heartbeat); a gap past one heartbeat
+    # is time the node was frozen: its peers keep what was left of their timeout
+    from edgetp.cluster.membership import RunningClock  # noqa: PLC0415
+
+    wall = FakeClock()
+    clock = RunningClock(most=1.0, clock=wall)
+    table = PeerTable(KEY, timeout=3.0, clock=clock)
+    table.apply(Joined(signed("a")))
+    table.apply(Joined(signed("b")))
+    assert table.prove(signed("a")) and table.prove(signed("b"))
+    for _ in range(3):  # running: ticks of 0.5 s count in full
+        wall.now += 0.5
+        clock()
+    assert clock() == wall.now and clock.paused == 0.0
+    table.prove(signed("b"))  # b proven 1.5 s after a
+    wall.now += 8.0  # SIGSTOP ... SIGCONT: 8 s of which 1 counts (a heartbeat's worth)
+    assert [p.node_id for p in table.usable()] == ["a", "b"], "peers lost for the time this node was frozen"
+    assert clock.paused == 7.0
+    wall.now += 0.5  # a: 1.5 + 1 + 0.5 = 3 s of running without a proof: still within the timeout
+    assert [p.node_id for p in table.usable()] == ["a", "b"]
+    wall.now += 0.5  # 3.5 s: a's next heartbeat never came while this node ran
+    assert [p.node_id for p in table.usable()] == ["b"]
+    wall.now += 1.0  # b: 1 + 0.5 + 0.5 + 1 = 3 s
+    assert [p.node_id for p in table.usable()] == ["b"]
+    wall.now += 0.5
+    assert table.usable() == []
+
+
 def test_a_later_sequence_refreshes_the_advert_and_keeps_the_proof():
     clock = FakeClock()
     table = PeerTable(KEY, timeout=5.0, clock=clock)

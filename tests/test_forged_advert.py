@@ -153,3 +153,42 @@ def test_a_forged_advert_never_leads_and_a_rebooted_preferred_root_leads_again(s
             zc.close()
         for proc, _ in procs.values():
             stop(proc)
+
+
+@pytest.mark.slow
+def test_a_member_frozen_past_the_loss_timeout_follows_the_root_again_when_it_runs(stories_path, tmp_path, expected):
+    """SIGSTOP, then SIGCONT (a hung device, a paused VM): while frozen, node-b heard no heartbeat answers.
+    Read on the usual clock it found every peer lost the moment it ran again, elected itself in a new
+    epoch and connected to the real root's workers as their root; node-a then took a newer epoch
+    still (a split brain, 5 of 6 resumes in a probe). Time a node did not run is not counted against
+    its peers (membership.RunningClock): node-b follows node-a again, and no epoch moves."""
+    key = tmp_path / "cluster.key"
+    assert edgetp("keygen", str(key)).returncode == 0
+    procs: dict[str, tuple] = {}
+    try:
+        procs["a"] = start_daemon(stories_path, key, "node-a", priority=5)
+        procs["b"] = start_daemon(stories_path, key, "node-b")
+        url = {name: u for name, (_, u) in procs.items()}
+        wait_for(lambda: roots(url["a"], url["b"]) == ["node-a", "node-a"], 30, "both follow node-a")
+        assert stream(url["b"]) == expected
+        epochs = [view(u)["epoch"] for u in url.values()]
+
+        procs["b"][0].send_signal(signal.SIGSTOP)
+        try:
+            wait_for(lambda: "node-b" not in members(url["a"]) or stream(url["a"]) != expected, 30,
+                     "node-a counts frozen node-b lost")  # (after the 3 s loss timeout; a request re-plans)
+            time.sleep(2)
+        finally:
+            procs["b"][0].send_signal(signal.SIGCONT)
+        wait_for(lambda: stream(url["a"], timeout=30) == expected and "node-b" in members(url["a"]), 60,
+                 "node-b proven again and planned in (the next request re-plans)")
+        time.sleep(2)  # a few election ticks on both
+        assert roots(url["a"], url["b"]) == ["node-a", "node-a"]
+        assert [view(u)["epoch"] for u in url.values()] == epochs, "node-b elected itself when it ran again"
+        assert stream(url["b"]) == expected
+        b = procs.pop("b")[0]
+        b.terminate()
+        assert "this node did not run for" in b.communicate(timeout=30)[1], "node-b's freeze went unnoticed"
+    finally:
+        for proc, _ in procs.values():
+            stop(proc)

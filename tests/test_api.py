@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import logging
 import re
 import threading
 import time
@@ -261,6 +262,39 @@ async def test_a_client_closing_mid_stream_stops_its_generation_and_frees_the_en
     assert finished[0].completion_tokens < 200
     # the whole 200 tokens would take ~13 s on this machine; the next request must not wait for them
     assert waited < 3.0, f"the next request waited {waited:.1f} s"
+
+
+async def test_clients_gone_before_their_stream_starts_end_quietly_and_free_everything(server, caplog):
+    # a streamed request whose client closes the socket as it is sent: the response's headers then fail
+    # to go out (resp.prepare). That is a client leaving, as mid-stream, not a server error with a
+    # traceback in the log (a probe: 324 of 480 such requests logged one)
+    url, engine = server
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 8, "stream": True}).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+    async def leave(delay: float) -> None:
+        _, writer = await asyncio.open_connection(host, int(port))
+        writer.write(request)
+        await writer.drain()
+        await asyncio.sleep(delay)
+        writer.transport.abort()  # a reset, as a client killed mid-request
+
+    with caplog.at_level(logging.ERROR):
+        for _ in range(4):
+            await asyncio.gather(*(leave(i / 3000) for i in range(12)))
+            await asyncio.sleep(0.2)
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            async with s.post(url + "/v1/completions", json={"prompt": "Once", "max_tokens": 2}) as r:
+                assert r.status == 200
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], errors[:3]
+    for _ in range(50):  # every job of those clients ends (cancelled at its next token)
+        if not engine._running and not engine._waiting:
+            break
+        await asyncio.sleep(0.1)
+    assert not engine._running and not engine._waiting
 
 
 async def test_a_request_that_leaves_while_queued_gives_its_place_back(server):

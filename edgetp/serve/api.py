@@ -519,8 +519,8 @@ async def _stream(request: web.Request, jobs: list[Job], outs: list[shape.Shaper
     """The choices' chunks as their tokens come, each naming its choice (index)."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                        "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    await resp.prepare(request)
     try:
+        await resp.prepare(request)  # (a client may be gone before its headers: the same quiet end)
         for out in outs if outs[0].kind == "chat" else ():
             await resp.write(shape.sse(out.chunk("", None, first=True)))
         echoing = [echo is not None] * len(jobs)

@@ -297,6 +297,32 @@ async def test_clients_gone_before_their_stream_starts_end_quietly_and_free_ever
     assert not engine._running and not engine._waiting
 
 
+async def test_a_server_stopping_answers_its_running_and_queued_requests_that_it_is_shutting_down(smollm2):
+    # the engine stopped last used to generate on while aiohttp waited its shutdown_timeout for the
+    # handlers, then cut every client off with no answer (a probe: SIGTERM, 10 s, ServerDisconnected)
+    mf, tok = smollm2
+    engine = Engine(LocalRunner(mf, 512), tok, "smollm2", queue_size=4)
+    body = {"prompt": "Once upon a time, in a city by the sea,", "max_tokens": 400, "temperature": 0}
+    server = serving(make_app(engine), shutdown_timeout=5.0)
+    url = await server.__aenter__()
+    try:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            streamed = await s.post(url + "/v1/completions", json=body | {"stream": True})
+            assert (await streamed.content.readline()).startswith(b"data: ")  # it runs
+            queued = asyncio.create_task(s.post(url + "/v1/completions", json=body))  # waits behind it
+            await asyncio.sleep(0.5)
+            closing, server = asyncio.create_task(server.__aexit__(None, None, None)), None
+            rest = (await streamed.content.read()).decode()
+            answer = await queued
+            assert answer.status == 503 and "shutting down" in (await answer.json())["error"]["message"]
+            events_ = [line.removeprefix("data: ") for line in rest.splitlines() if line.startswith("data: ")]
+            assert "shutting down" in events_[-1] and "[DONE]" not in events_, events_[-3:]
+            await closing
+    finally:
+        if server is not None:
+            await server.__aexit__(None, None, None)
+
+
 async def test_a_request_that_leaves_while_queued_gives_its_place_back(server):
     url, engine = server
     body = {"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0}

@@ -58,6 +58,7 @@ GATE = httpauth.GATE
 LOOPBACK = web.AppKey("loopback", list)  # [True] while serving on loopback only (set by `serving`)
 METRICS = web.AppKey("metrics", "Metrics")
 SOCKETS = web.AppKey("sockets", weakref.WeakSet)
+ENGINE_TASK = web.AppKey("engine_task", asyncio.Task)
 ROUTE = web.AppKey("route", object)  # Callable[[], str | None] | None
 LIVE = web.AppKey("live", object)  # Callable[[str], bool] | None: does the node at this URL still prove itself?
 
@@ -106,7 +107,7 @@ def make_app(engine: Engine, *, cluster_view: Callable[[], events.ClusterView] |
     app[SOCKETS] = weakref.WeakSet()
     engine.bus.add_listener(app[METRICS].observe)
     app.cleanup_ctx.append(_serve_engine)
-    app.on_shutdown.append(_close_sockets)
+    app.on_shutdown.extend((_stop_engine, _close_sockets))
     app.add_routes([
         web.post("/v1/chat/completions", chat_completions),
         web.post("/v1/completions", completions),
@@ -120,8 +121,19 @@ def make_app(engine: Engine, *, cluster_view: Callable[[], events.ClusterView] |
 
 
 async def _serve_engine(app: web.Application) -> AsyncIterator[None]:
-    task = asyncio.create_task(app[ENGINE].serve(), name="edgetp-engine")
+    app[ENGINE_TASK] = asyncio.create_task(app[ENGINE].serve(), name="edgetp-engine")
     yield
+    await _stop_engine(app)
+
+
+async def _stop_engine(app: web.Application) -> None:
+    """The engine stops first when the server does (on_shutdown, before aiohttp waits for the handlers):
+    every running and waiting request then ends at once with EngineClosed, a 503 or a stream's error
+    event. Stopped last, it generated on while aiohttp waited `shutdown_timeout` for the handlers,
+    then cut every client off with no answer at all."""
+    task = app.get(ENGINE_TASK)
+    if task is None or task.done():
+        return
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task

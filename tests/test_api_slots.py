@@ -137,6 +137,10 @@ async def test_a_prefix_hit_counts_once_per_request_whichever_records_carry_it(s
     publish(events.RequestRecord("c", "started", prompt_tokens=80, slot=2))  # said only when it finished
     publish(events.RequestRecord("c", "finished", finish_reason="stop", prompt_tokens=80, cached_tokens=32,
                                  slot=2))
+    # took 64 tokens from a free slot, then copied 128 more from a running one as it read its prompt
+    publish(events.RequestRecord("d", "started", prompt_tokens=300, cached_tokens=64, slot=3))
+    publish(events.RequestRecord("d", "finished", finish_reason="stop", prompt_tokens=300, completion_tokens=2,
+                                 cached_tokens=192, slot=3))
     publish(events.StepRecord("prefill", 64, 120.0, active=1, queued=0))
     publish(events.StepRecord("decode", 3, 30.0, active=3, queued=0))
     publish(events.StepRecord("prefill", 32, 60.0, active=3, queued=0))  # not a decode: the batch gauge stays 3
@@ -144,9 +148,9 @@ async def test_a_prefix_hit_counts_once_per_request_whichever_records_carry_it(s
     publish(events.StepRecord("decode", 2, 50.0, active=3, queued=0, mixed=True))
     publish(events.StepRecord("prefill", 128, 50.0, active=3, queued=0, mixed=True))
     m = await scrape(url)
-    assert m[("edgetp_prefix_cache_hits_total", ())] == 2
-    assert m[("edgetp_prefix_cached_tokens_total", ())] == 64 + 32
-    assert m[("edgetp_requests_total", (("finish_reason", "stop"),))] == 2
+    assert m[("edgetp_prefix_cache_hits_total", ())] == 3
+    assert m[("edgetp_prefix_cached_tokens_total", ())] == 64 + 32 + 192
+    assert m[("edgetp_requests_total", (("finish_reason", "stop"),))] == 3
     assert m[("edgetp_batch_size", ())] == 2
     assert m[("edgetp_step_seconds_total", (("kind", "prefill"),))] == pytest.approx(0.18)
     assert m[("edgetp_step_seconds_total", (("kind", "decode"),))] == pytest.approx(0.03)

@@ -768,7 +768,7 @@ class Metrics:
         self.replans = Counter("edgetp_replans", "Re-plans of the cluster", registry=r)
         self.elections = Counter("edgetp_elections", "Root elections", registry=r)
         self._started: dict[str, float] = {}
-        self._cached: set[str] = set()  # running requests whose prefix hit is counted already
+        self._cached: dict[str, int] = {}  # running requests -> the cached prompt tokens counted so far
 
     def observe(self, record: Any) -> None:
         if isinstance(record, events.TokenRecord):
@@ -788,14 +788,16 @@ class Metrics:
                 self.decode_batch.observe(record.batch)
         elif isinstance(record, events.RequestRecord):
             rid = record.request_id
-            if record.cached_tokens > 0 and rid not in self._cached:  # counted once, on whichever record says it
-                self.prefix_hits.inc()
-                self.cached_tokens.inc(record.cached_tokens)
-                self._cached.add(rid)
+            counted = self._cached.get(rid, 0)
+            if record.cached_tokens > counted:  # a hit counted once; its tokens as they grow (the started
+                if not counted:                 # record's, then what was copied from other slots meanwhile)
+                    self.prefix_hits.inc()
+                self.cached_tokens.inc(record.cached_tokens - counted)
+                self._cached[rid] = record.cached_tokens
             if record.state == "started":
                 self._started[rid] = time.perf_counter()
             else:
-                self._cached.discard(rid)
+                self._cached.pop(rid, None)
                 t0 = self._started.pop(rid, None)
                 if t0 is not None:
                     self.request_seconds.observe(time.perf_counter() - t0)

@@ -186,6 +186,9 @@ def test_time_this_node_did_not_run_is_not_counted_against_its_peers():
     assert [p.node_id for p in table.usable()] == ["b"]
     wall.now += 0.5
     assert table.usable() == []
+    wall.now += 30.0  # the membership starting up (discovery) before its first tick: not a freeze
+    clock.restart()
+    assert clock() == wall.now - 7.0
 
 
 def test_a_later_sequence_refreshes_the_advert_and_keeps_the_proof():

@@ -175,9 +175,7 @@ def test_a_member_frozen_past_the_loss_timeout_follows_the_root_again_when_it_ru
 
         procs["b"][0].send_signal(signal.SIGSTOP)
         try:
-            wait_for(lambda: "node-b" not in members(url["a"]) or stream(url["a"]) != expected, 30,
-                     "node-a counts frozen node-b lost")  # (after the 3 s loss timeout; a request re-plans)
-            time.sleep(2)
+            time.sleep(6)  # twice the loss timeout (3 s): node-a loses node-b, node-b's view of node-a expires
         finally:
             procs["b"][0].send_signal(signal.SIGCONT)
         wait_for(lambda: stream(url["a"], timeout=30) == expected and "node-b" in members(url["a"]), 60,
@@ -188,7 +186,8 @@ def test_a_member_frozen_past_the_loss_timeout_follows_the_root_again_when_it_ru
         assert stream(url["b"]) == expected
         b = procs.pop("b")[0]
         b.terminate()
-        assert "this node did not run for" in b.communicate(timeout=30)[1], "node-b's freeze went unnoticed"
+        froze = [float(s) for s in re.findall(r"this node did not run for ([\d.]+) s", b.communicate(timeout=30)[1])]
+        assert froze and max(froze) > 5, f"node-b's freeze went unnoticed: {froze}"
     finally:
         for proc, _ in procs.values():
             stop(proc)

@@ -118,6 +118,7 @@ class Membership:
     async def run(self) -> None:
         """Until cancelled; the mDNS record is withdrawn on the way out (a clean leave)."""
         await self.discovery.start()
+        self.clock.restart()  # from here on it is read every tick: starting up was not a freeze
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tasks = tg
@@ -329,6 +330,11 @@ class RunningClock:
         self._lock = threading.Lock()
         self._last = clock()
         self.paused = 0.0  # seconds not counted
+
+    def restart(self) -> None:
+        """The time since the last reading counts in full (the membership starting, not a freeze)."""
+        with self._lock:
+            self._last = max(self._last, self._clock())
 
     def __call__(self) -> float:
         with self._lock:

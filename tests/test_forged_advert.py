@@ -146,7 +146,9 @@ def test_a_forged_advert_never_leads_and_a_rebooted_preferred_root_leads_again(s
         assert sorted(n["node_id"] for n in plan["nodes"]) == ["node-a", "node-b"], \
             "node-b's worker must admit the rebooted root's epoch"
         assert procs["b"][0].poll() is None and procs["b"][0].pid == b_pid, "node-b was never restarted"
-        assert state(url["b"]) == "foreign"
+        # still no member: listed as foreign, or forgotten once its advert went 60 s without news (a slow
+        # machine's run of this test can take that long: a fresh clone's compiles)
+        assert state(url["b"]) in ("foreign", None) and forged not in members(url["b"])
     finally:
         if zc is not None:
             zc.unregister_all_services()

@@ -334,6 +334,39 @@ def test_prompts_that_begin_alike_copy_whole_chunks_from_each_other_and_answer_a
     assert scored.cached == 0 and copier.cached == 0
 
 
+def test_a_sequence_that_takes_a_cached_prefix_and_then_copies_more_counts_one_prefix_hit(stories):
+    """The scheduler's prefix_hits (/v1/cluster, `edgetp status`) counts requests, as /metrics does: a
+    sequence that takes one chunk from a free slot at admission and copies the next from a running
+    sequence is one hit, its tokens the sum of both."""
+    mf, tok = stories
+    (ids, _, longer, _), _ = shared_beginnings(tok)
+    sched = Scheduler(LocalRunner(mf, CTX, 3), tok)
+    firsts = [Seq(ids[:PREFILL_CHUNK + 1], GREEDY, 1) for _ in range(2)]  # two free slots holding one chunk
+    for s in firsts:
+        sched.admit(s)
+    for _ in range(50):
+        if not sched.seqs:
+            break
+        sched.step()
+    ahead = Seq(ids, GREEDY, 4)  # takes one of them and reads on: a running slot holding two chunks
+    sched.admit(ahead)
+    for _ in range(50):
+        if ahead.fed >= 2 * PREFILL_CHUNK:
+            break
+        sched.step()
+    assert ahead.cached == PREFILL_CHUNK and ahead.fed >= 2 * PREFILL_CHUNK
+    hits = sched.prefix_hits
+    late = Seq(longer, GREEDY, 4)
+    sched.admit(late)
+    assert late.cached == PREFILL_CHUNK  # the other free slot's chunk
+    for _ in range(100):
+        if not sched.seqs:
+            break
+        sched.step()
+    assert late.cached >= 2 * PREFILL_CHUNK  # and then at least one more, copied from ahead's slot
+    assert (sched.prefix_hits, sched.cached_tokens) == (hits + 1, sum(s.cached for s in firsts + [ahead, late]))
+
+
 @pytest.mark.parametrize("copy", [
     [0, 0, 1],    # [src slot, a]
     [1, 0],       # from the slot it copies into

@@ -388,7 +388,7 @@ class Scheduler:
             if src >= 0:
                 copy = (src, s.fed)
                 self.cache.fed(s.slot, s.fed, s.prompt[s.fed:held], True)
-                self.prefix_hits += 1
+                self.prefix_hits += not s.cached  # a hit per sequence, as /metrics counts them
                 self.cached_tokens += held - s.fed
                 s.cached += held - s.fed
                 s.fed = held

@@ -476,19 +476,34 @@ class Roles:
     def view(self) -> events.ClusterView:
         runner = self.engine.runner
         if isinstance(runner, ClusterRunner) and self.membership.leader == self.node_id:  # not a lost lead's plan
-            return self._with_transfers(cluster_view(runner, self.opts.model_name))
+            view = cluster_view(runner, self.opts.model_name)
+            lost = {p.node_id for p in self.membership.table.peers() if not self.membership.table.alive(p)}
+            planned = tuple(replace(n, state="lost") if n.node_id in lost else n for n in view.nodes)
+            # and the members this plan does not hold: joined since, lost before it, or of another cluster
+            others = self._members(skip={n.node_id for n in planned})
+            return self._with_transfers(replace(view, nodes=planned + others))
         leader = self.membership.leader
-        nodes = [events.NodeView(self.node_id, "local", "root" if leader == self.node_id else "worker", "ready",
-                                 self.membership.me.speed, self.membership.me.mem_free)]
-        settled = {p.node_id for p in self.membership.usable()}
-        for p in self.membership.table.peers():
-            state = "foreign" if p.foreign else ("lost" if not self.membership.table.alive(p) else
-                                                 "ready" if p.node_id in settled else "joining")
-            nodes.append(events.NodeView(p.node_id, data_address(p.advert), "root" if leader == p.node_id else "worker",
-                                         state, p.advert.speed, p.advert.mem_free))
+        nodes = (events.NodeView(self.node_id, "local", "root" if leader == self.node_id else "worker", "ready",
+                                 self.membership.me.speed, self.membership.me.mem_free),) + self._members()
         root = self.membership.peer(leader) if leader and leader != self.node_id else None
         return self._with_transfers(events.ClusterView(self.membership.epoch, leader, self.opts.model_name,
-                                                       tuple(nodes), http_url(root.advert) if root else None))
+                                                       nodes, http_url(root.advert) if root else None))
+
+    def _members(self, skip: set[str] | None = None) -> tuple[events.NodeView, ...]:
+        """The peers this node's membership knows, as it sees them. With skip (the root: its plan's
+        nodes), the others: a settled member outside the plan is idle until a re-plan takes it in."""
+        leader = self.membership.leader
+        settled = {p.node_id for p in self.membership.usable()}
+        nodes = []
+        for p in self.membership.table.peers():
+            if skip is not None and p.node_id in skip:
+                continue
+            state = "foreign" if p.foreign else ("lost" if not self.membership.table.alive(p) else
+                                                 "joining" if p.node_id not in settled else
+                                                 "ready" if skip is None else "idle")
+            nodes.append(events.NodeView(p.node_id, data_address(p.advert), "root" if leader == p.node_id else "worker",
+                                         state, p.advert.speed, p.advert.mem_free))
+        return tuple(nodes)
 
     def _with_transfers(self, view: events.ClusterView) -> events.ClusterView:
         """Each node's slice download from us: in progress (state "loading") or the last one done."""

@@ -64,6 +64,11 @@ def complete(url: str) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read() or b"{}")
 
 
+def planned(url: str) -> list[str]:
+    """The nodes of the root's plan (its view lists the members outside it too, with no stage)."""
+    return sorted(n["node_id"] for n in view(url)["nodes"] if n["stage"] is not None)
+
+
 def ready_members(url: str) -> set[str]:
     return {n["node_id"] for n in view(url)["nodes"] if n["state"] == "ready"}
 
@@ -105,7 +110,7 @@ def test_a_peer_whose_data_port_refuses_is_planned_around_and_the_root_answers_a
                  30, "node-a leads and sees node-b")
         status, answer = complete(url)
         assert status == 200 and text_of(answer) == expected
-        assert sorted(n["node_id"] for n in view(url)["nodes"]) == ["node-a", "node-b"]
+        assert planned(url) == ["node-a", "node-b"]
 
         # node-b dies: its data port refuses, while its advert lives until the heartbeats time out.
         # A re-profile of the root makes the next request plan again, over node-b too.
@@ -115,7 +120,7 @@ def test_a_peer_whose_data_port_refuses_is_planned_around_and_the_root_answers_a
         status, answer = complete(url)
         assert status == 200, answer
         assert text_of(answer) == expected
-        assert [n["node_id"] for n in view(url)["nodes"]] == ["node-a"]
+        assert planned(url) == ["node-a"]
         status, answer = complete(url)  # and the next one too
         assert status == 200 and text_of(answer) == expected
     finally:
@@ -138,7 +143,9 @@ def test_a_peer_too_small_for_any_share_is_left_out_and_planned_in_once_it_has_r
         status, answer = complete(url)
         assert status == 200, answer
         assert text_of(answer) == expected
-        assert [n["node_id"] for n in view(url)["nodes"]] == ["node-a"], "node-b was left out"
+        assert planned(url) == ["node-a"], "node-b was left out"
+        # shown as idle, neither lost nor in the plan (issue 15: a node too slow or too small to help)
+        assert {n["node_id"]: n["state"] for n in view(url)["nodes"]}["node-b"] == "idle"
         status, answer = complete(url)  # and the next one, while node-b waits out its backoff
         assert status == 200 and text_of(answer) == expected
 
@@ -148,7 +155,7 @@ def test_a_peer_too_small_for_any_share_is_left_out_and_planned_in_once_it_has_r
         def planned_with_b() -> bool:
             status, answer = complete(url)
             assert status == 200 and text_of(answer) == expected, answer
-            return sorted(n["node_id"] for n in view(url)["nodes"]) == ["node-a", "node-b"]
+            return planned(url) == ["node-a", "node-b"]
         wait_for(planned_with_b, 60, "node-b planned in again")
         logged = log_of(procs["a"][0])
         assert "planning without node-b" in logged and "node node-b: needs" in logged, logged[-3000:]

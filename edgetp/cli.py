@@ -194,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     weights, workers = getattr(args, "weights", None), getattr(args, "workers", None) or []
+    if args.command == "ask" and workers and not args.local:  # else asked of a cluster: the list unused
+        parser.error("--workers needs --local (this process runs the model with those workers); "
+                     "without it, ask goes to a running edgetp serve (--url)")
     if weights is not None and not workers:
         parser.error("--weights needs --workers (the measured speeds are used)")
     if weights is not None and len(weights) != len(workers) + 1:

@@ -72,11 +72,24 @@ def sampling_params(args: argparse.Namespace) -> sampling.SamplingParams:
 
 
 def read_prompt(args: argparse.Namespace) -> str:
+    """The prompt from the command line or standard input; ContextError when it is not UTF-8 text."""
     if args.prompt is not None:
+        try:
+            args.prompt.encode("utf-8")  # bytes that are not UTF-8 arrive as U+DC80..U+DCFF (surrogateescape)
+        except UnicodeEncodeError as exc:
+            code = ord(args.prompt[exc.start])
+            what = f"byte 0x{code - 0xDC00:02X}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+            raise ContextError(f"the prompt is not UTF-8 text ({what} at character {exc.start}); "
+                               "convert it first, e.g. with iconv -t utf-8") from None
         return args.prompt
     if sys.stdin.isatty():
         raise ContextError("no prompt: give one as an argument or on standard input")
-    return sys.stdin.read()
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ContextError(f"standard input is not UTF-8 text (byte 0x{data[exc.start]:02X} at byte {exc.start}); "
+                           "convert it first, e.g. with iconv -t utf-8") from None
 
 
 def encode_prompt(tok: Tokenizer, prompt: str, raw: bool) -> list[int]:

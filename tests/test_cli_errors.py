@@ -261,3 +261,21 @@ def test_a_bad_kernel_or_link_switch_is_one_line_for_each_command(name, value, s
     # both were read as "not set" before: a typo silently ran the other kernels or link mode
     for args in (("worker", "--listen", "127.0.0.1:0"), ("serve", "--model", "none"), ("ask", "--local", "hi")):
         assert_one_line_error(edgetp(*args, env={name: value}, timeout=60), name, says, repr(value))
+
+
+def test_a_prompt_that_is_not_utf8_is_refused_in_one_line(stories_path):
+    """Latin-1 bytes, on the command line (Python hands them on as lone surrogates) or piped in: one
+    line naming the byte, before any model is opened, never a traceback from the tokenizer."""
+    argv = [sys.executable, "-m", "edgetp", "ask", "--local", "--model", str(stories_path), "--max-tokens", "2"]
+    for extra, stdin, needle in (([b"caf\xe9 ok"], None, "byte 0xE9 at character 3"),
+                                 ([], b"caf\xe9 \xff hello", "byte 0xE9 at byte 3")):
+        result = subprocess.run(argv + extra, input=stdin or b"", capture_output=True, timeout=120)
+        result = subprocess.CompletedProcess(result.args, result.returncode, result.stdout.decode(),
+                                             result.stderr.decode())
+        assert_one_line_error(result, "not UTF-8 text", needle)
+
+
+def test_workers_without_local_are_refused_not_ignored():
+    """Without --local, ask goes to a running server; a --workers list there was silently unused."""
+    result = edgetp("ask", "--workers", "127.0.0.1:1", "hi", timeout=60)
+    assert result.returncode == 2 and "--workers needs --local" in result.stderr and "Traceback" not in result.stderr

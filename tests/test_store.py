@@ -230,6 +230,27 @@ async def test_a_file_already_in_the_cache_is_not_downloaded_again(hub, env):
 
 
 @pytest.mark.asyncio
+async def test_a_cached_file_of_the_same_name_is_checked_against_the_sha256_asked_for(hub, env):
+    hub.files["tiny.gguf"] = DATA
+    await pull_in_thread(hub.url("tiny.gguf"), env=env, out=io.StringIO())
+    out = io.StringIO()  # the right digest (either case): the cached file is the one asked for
+    await pull_in_thread(hub.url("tiny.gguf"), sha256=DATA_SHA256.upper(), env=env, out=out)
+    assert "not pulling again" in out.getvalue() and len(hub.seen) == 1
+    with pytest.raises(store.StoreError, match=f"sha256 {DATA_SHA256}, not {'1' * 64}"):  # another file
+        await pull_in_thread(hub.url("tiny.gguf"), sha256="1" * 64, env=env, out=io.StringIO())
+    assert (models(env) / "tiny.gguf").read_bytes() == DATA and len(hub.seen) == 1  # kept, nothing fetched
+
+
+@pytest.mark.asyncio
+async def test_a_malformed_sha256_is_refused_before_anything_is_downloaded(hub, env):
+    hub.files["tiny.gguf"] = DATA
+    for bad in ("xyz", "0" * 63, "g" * 64):
+        with pytest.raises(store.StoreError, match="64 hexadecimal digits"):
+            await pull_in_thread(hub.url("tiny.gguf"), sha256=bad, env=env, out=io.StringIO())
+    assert hub.seen == [] and not any(models(env).glob("*"))
+
+
+@pytest.mark.asyncio
 async def test_progress_off_a_terminal_is_one_line_per_tenth(hub, env):
     hub.files["tiny.gguf"] = DATA
     out = io.StringIO()

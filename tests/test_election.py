@@ -138,10 +138,37 @@ def test_a_root_that_sees_its_epoch_claimed_by_another_leader_moves_past_it():
 
 def test_a_follower_takes_its_leaders_epoch_once_claimed_and_never_goes_down():
     assert next_term(Term("b", 5), "c", "a", {"a": Term("a", 6)}) == Term("a", 6)
-    assert next_term(Term("b", 5), "c", "a", {"a": Term("b", 5)}) == Term("a", 5)  # a has not claimed yet
-    assert next_term(Term("b", 9), "c", "a", {"a": Term("a", 6)}) == Term("a", 9)
-    # ... and then a sees a follower of its own above its epoch, and climbs past it
-    assert next_term(Term("a", 6), "a", "a", {"c": Term("a", 9)}) == Term("a", 10)
+    assert next_term(Term(None, 5), "c", "a", {"a": Term("a", 5)}) == Term("a", 5)
+    assert next_term(Term("a", 5), "c", "a", {"a": Term("a", 5)}) == Term("a", 5)
+    # not claimed yet: named at once, past the epoch held under b
+    assert next_term(Term("b", 5), "c", "a", {"a": Term("b", 5)}) == Term("a", 6)
+    assert next_term(Term(None, 5), "c", "a", {}) == Term("a", 5)
+    # an epoch held here under another leader, or one below it, is not taken from a's claim ...
+    assert next_term(Term("b", 5), "c", "a", {"a": Term("a", 5)}) == Term("a", 6)
+    assert next_term(Term("b", 9), "c", "a", {"a": Term("a", 6)}) == Term("a", 10)
+    assert next_term(Term("a", 9), "c", "a", {"a": Term("a", 6)}) == Term("a", 9)
+    # ... and a, seeing a follower of its own above its epoch, climbs past it; then the follower takes it
+    assert next_term(Term("a", 6), "a", "a", {"c": Term("a", 10)}) == Term("a", 11)
+    assert next_term(Term("a", 10), "c", "a", {"a": Term("a", 11)}) == Term("a", 11)
+
+
+def test_a_preferred_root_booting_late_is_admitted_by_the_worker_that_followed_the_stand_in():
+    """After a power cut pw-2 and pw-3 come back first: pw-2 leads epoch 1 and pw-3's worker admits its
+    HELLO. pw-1, preferred, boots later and elects itself before it hears any term: epoch 1 as well.
+    pw-2 and pw-3 hear its claim before it hears theirs. The cluster must settle in an epoch pw-3's
+    worker admits, not leave it refusing pw-1 for good (seen in a restart probe, 4 of 4)."""
+    held = {"pw-1": next_term(Term(), "pw-1", "pw-1", {}), "pw-2": Term("pw-2", 1), "pw-3": Term("pw-2", 1)}
+    assert held["pw-1"] == Term("pw-1", 1)
+    worker = EpochState()
+    worker.require("pw-2", 1)  # pw-3's worker, planned in by pw-2
+    for me in ("pw-2", "pw-3"):  # they step first, on pw-1's claim
+        held[me] = next_term(held[me], me, "pw-1", {"pw-1": held["pw-1"]})
+    for _ in range(4):  # then every node steps on the others' last terms, in turn
+        for me in ("pw-1", "pw-2", "pw-3"):
+            held[me] = next_term(held[me], me, "pw-1", {n: u for n, u in held.items() if n != me})
+    (term,) = set(held.values())
+    assert term.leader == "pw-1" and term.epoch > 1
+    worker.require(term.leader, term.epoch)
 
 
 def test_losing_every_eligible_node_keeps_the_epoch():
@@ -179,13 +206,13 @@ def test_step_reports_a_change_at_every_new_term():
     el = Elector("a", lambda: live, lambda: claims)
     assert el.step() == LeaderChanged("a", 1)
     assert el.step() is None
-    live.append(Ballot(3, 1.0, "c"))  # c outranks a: a follows c in its epoch until c claims one
-    assert el.step() == LeaderChanged("c", 1)
-    claims["c"] = Term("c", 2)
+    live.append(Ballot(3, 1.0, "c"))  # c outranks a: a follows c past a's epoch until c claims one
     assert el.step() == LeaderChanged("c", 2)
+    claims["c"] = Term("c", 3)
+    assert el.step() == LeaderChanged("c", 3)
     live[:] = [Ballot(0, 2.0, "a")]  # c is gone
     claims.clear()
-    assert el.step() == LeaderChanged("a", 3)
+    assert el.step() == LeaderChanged("a", 4)
 
 
 @pytest.mark.asyncio
@@ -209,8 +236,8 @@ async def test_the_elector_loop_notices_a_change_on_its_tick():
     changes = el.changes()
     try:
         assert await asyncio.wait_for(anext(changes), 1.0) == LeaderChanged("a", 1)
-        live.append(Ballot(5, 1.0, "b"))
-        assert await asyncio.wait_for(anext(changes), 1.0) == LeaderChanged("b", 1)
+        live.append(Ballot(5, 1.0, "b"))  # named at once, past a's epoch 1 (b has not claimed one)
+        assert await asyncio.wait_for(anext(changes), 1.0) == LeaderChanged("b", 2)
     finally:
         await changes.aclose()
 

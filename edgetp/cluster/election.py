@@ -18,7 +18,10 @@ other nodes are in are known everywhere. `next_term` is the pure rule:
   - a node elected root takes max(every epoch seen) + 1, and takes a new epoch again
     whenever it sees an epoch above its own, or its own epoch claimed under another
     leader: a rebooted root starting from 0 thus climbs past the cluster at once;
-  - a follower takes the leader's epoch once the leader claims it (never going down).
+  - a follower names the leader at once, and takes the leader's epoch once the leader claims
+    it, if that epoch is new to it; until then it names the leader one past the epoch it
+    held under another, so the leader climbs past (never going down, never letting one
+    epoch have two leaders on one node).
 A root's link HELLO is admitted by `EpochState.require` (worker side): its epoch must
 be newer than the node's, or equal with the same leader; anything older raises
 `StaleEpoch` and an equal epoch naming another leader raises `EpochConflict`. That is
@@ -114,10 +117,18 @@ def next_term(current: Term, me: str, leader: str | None, claims: Mapping[str, T
         if current.leader == me and current.epoch > 0 and not overtaken:
             return current
         return Term(me, max(current.epoch, seen) + 1)
+    # A follower names the elected leader at once, but takes the leader's own claim only where that epoch
+    # is new to it, or is one it already gives that leader. Otherwise (the leader has not claimed yet, or
+    # claimed an epoch this node holds under another leader or has passed) it names the leader one epoch
+    # past any it held under another: the leader, seeing a follower above its own epoch, climbs past it
+    # (above), and every worker admits the epoch it climbs to. Taking a claimed epoch that another leader
+    # held here would leave a worker that admitted that other leader refusing this one for good (a
+    # preferred root booting late after a power cut, claiming epoch 1 before it heard the stand-in's).
     claim = claims.get(leader)
-    if claim is not None and claim.leader == leader:
-        return Term(leader, max(current.epoch, claim.epoch))
-    return Term(leader, current.epoch)  # until the new leader claims its epoch
+    if claim is not None and claim.leader == leader and (
+            claim.epoch > current.epoch or (claim.epoch == current.epoch and current.leader in (None, leader))):
+        return claim
+    return Term(leader, current.epoch + (current.leader not in (None, leader)))
 
 
 class EpochState:

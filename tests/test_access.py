@@ -101,6 +101,21 @@ async def test_events_need_the_key_or_a_token_beyond_loopback_and_nothing_on_loo
             assert "nodes" in await ws.receive_json(timeout=10)
 
 
+async def test_tokens_set_on_a_loopback_node_are_asked_for_there_too(node):
+    """Loopback alone opens a node to its own machine's users only while no tokens are set: whoever sets
+    api_tokens means them (another user of a shared machine, a developer testing a client's auth)."""
+    local = await node("127.0.0.1", tokens=(TOKEN,))
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        assert (await post(s, local))[0] == 401
+        status, body, _ = await post(s, local, headers={"Authorization": f"Bearer {TOKEN}"})
+        assert status == 200 and body["usage"]["completion_tokens"] == 4
+        with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+            await s.ws_connect(local + "/v1/events")
+        assert refused.value.status == 401
+        async with s.get(local + "/v1/models") as r:
+            assert r.status == 401
+
+
 async def test_without_tokens_beyond_loopback_the_api_warns_once_and_still_refuses_events(node, caplog):
     with caplog.at_level(logging.WARNING, logger="edgetp.serve.api"):
         url = await node()

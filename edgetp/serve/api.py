@@ -247,7 +247,7 @@ async def _access(request: web.Request, handler: Handler) -> web.StreamResponse:
         return await handler(request)
     if httpauth.token_ok(app[TOKENS], httpauth.bearer(request.headers)):
         return await handler(request)
-    if app[LOOPBACK][0] or (needs == "api" and not app[TOKENS]):
+    if not app[TOKENS] and (app[LOOPBACK][0] or needs == "api"):  # tokens set: asked for on loopback too
         return await handler(request)
     given = httpauth.bearer(request.headers) is not None
     what = "the event stream carries every prompt and token: it" if needs == "watch" else "this API"

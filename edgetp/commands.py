@@ -23,7 +23,7 @@ from edgetp.model.tokenizer import Tokenizer, UnsupportedTokenizer
 from edgetp.net import auth
 from edgetp.net.httpauth import Credentials
 from edgetp.net.link import LinkClosed, SpinError, check_env
-from edgetp.net.loopthread import LoopThread
+from edgetp.net.loopthread import LoopThread, in_daemon_thread
 from edgetp.cluster.discovery import DiscoveryError
 from edgetp.config import ConfigError
 from edgetp.parallel import pipeline, profile
@@ -297,7 +297,7 @@ def chat(args: argparse.Namespace) -> int:
         print(f"chatting with {url} (/exit to leave)", file=sys.stderr)
         while True:
             try:
-                line = await asyncio.to_thread(input, "you> ")
+                line = await in_daemon_thread(input, "you> ", name="edgetp-input")  # Ctrl-C ends it at once
             except EOFError:
                 return 0
             if line.strip() in ("/exit", "/quit"):

@@ -45,6 +45,7 @@ from edgetp.model.gguf import ModelFile, open_model
 from edgetp.model.tokenizer import Tokenizer
 from edgetp.net import auth
 from edgetp.net.link import LinkClosed
+from edgetp.net.loopthread import in_daemon_thread
 from edgetp.parallel.runner import ClusterRunner, connect_around
 from edgetp import events
 from edgetp.serve.backoff import Backoff
@@ -213,7 +214,10 @@ async def serve(opts: ServeOptions, on_listening: Callable[[str], None] | None =
 
 async def _warm(mf: ModelFile, tok: Tokenizer, kv_type: str) -> None:
     """Every kernel a request runs compiled (or loaded from numba's cache) before we say we serve."""
-    seconds = await asyncio.to_thread(warm, mf, tok, kv_type)
+    log.info("compiling the kernels, or loading them from numba's cache")
+    # not asyncio.to_thread: a cold start compiles for minutes, and asyncio.run would wait for an
+    # executor thread before a SIGTERM or Ctrl-C could end the process
+    seconds = await in_daemon_thread(warm, mf, tok, kv_type, name="edgetp-warm")
     log.info("kernels warm in %.1f s", seconds)
 
 
@@ -481,7 +485,8 @@ class Roles:
             planned = tuple(replace(n, state="lost") if n.node_id in lost else n for n in view.nodes)
             # and the members this plan does not hold: joined since, lost before it, or of another cluster
             others = self._members(skip={n.node_id for n in planned})
-            return self._with_transfers(replace(view, nodes=planned + others))
+            # the membership's epoch: an election since the plan (no request yet to re-plan) shows at once
+            return self._with_transfers(replace(view, epoch=self.membership.epoch, nodes=planned + others))
         leader = self.membership.leader
         nodes = (events.NodeView(self.node_id, "local", "root" if leader == self.node_id else "worker", "ready",
                                  self.membership.me.speed, self.membership.me.mem_free),) + self._members()

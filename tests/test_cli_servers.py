@@ -8,7 +8,12 @@ or a file it cannot create.
 from __future__ import annotations
 
 import http.server
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 
@@ -116,3 +121,34 @@ def test_a_worker_given_a_missing_model_stops_at_once_in_one_line(tmp_path):
     result = edgetp("worker", "--model", str(tmp_path / "missing.gguf"), "--listen", "127.0.0.1:0", timeout=60)
     lines = [line for line in result.stderr.splitlines() if "no cluster key" not in line]
     assert result.returncode == 1 and len(lines) == 1 and "missing.gguf" in lines[0] and "not found" in lines[0]
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT])
+def test_a_server_told_to_stop_while_its_kernels_compile_stops_at_once(stories_path, tmp_path, how):
+    """A cold start compiles every kernel for a minute or more (an empty numba cache here). systemd's
+    stop, or Ctrl-C, then ended the process only once the compiles were done: asyncio.run waited for
+    the executor thread they ran on."""
+    proc = subprocess.Popen([sys.executable, "-m", "edgetp", "-v", "serve", "--model", str(stories_path),
+                             "--listen", "127.0.0.1:0", "--threads", "1"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True,
+                            env=os.environ | {"NUMBA_CACHE_DIR": str(tmp_path / "numba"), "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 60
+        seen = ""
+        while time.monotonic() < deadline and "compiling" not in seen:  # the warm-up's first line
+            line = proc.stderr.readline()
+            assert line, f"the server ended before its warm-up:\n{seen}"
+            seen += line
+        assert "compiling" in seen, seen
+        time.sleep(2)  # well inside the compiles (a minute and more from empty)
+        assert proc.poll() is None, "the warm-up was over already: nothing to show"
+        t0 = time.monotonic()
+        proc.send_signal(how)
+        rest = proc.communicate(timeout=60)[1]
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert took < 10, f"stopped {took:.1f} s after the signal"
+    assert proc.returncode in (0, 130) and "Traceback" not in rest and "Fatal" not in rest, rest

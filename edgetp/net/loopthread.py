@@ -38,8 +38,12 @@ def in_daemon_thread(fn: Callable[..., Any], *args: Any, name: str = "edgetp-blo
     future = loop.create_future()
 
     def settle(result: Any, exc: BaseException | None) -> None:
-        if not future.done():
-            future.set_exception(exc) if exc is not None else future.set_result(result)
+        if future.done():  # cancelled: nobody waits for it
+            return
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
 
     def run() -> None:
         try:

@@ -254,11 +254,8 @@ def _byte_range(request: web.Request, size: int) -> tuple[int, int]:
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with path.open("rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 # --------------------------------------------------------------------------- worker side

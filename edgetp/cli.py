@@ -50,6 +50,7 @@ def _weights(text: str) -> list[float]:
     return values
 
 
+_URL_HELP = "a node's API (default: $EDGETP_URL, else a node found by mDNS, else http://127.0.0.1:7711)"
 _API_KEY = dict(default=os.environ.get("EDGETP_API_KEY"),
                 help="an API token of the node (its api_tokens setting; default $EDGETP_API_KEY)")
 
@@ -91,11 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--key", default=os.environ.get("EDGETP_KEY_FILE"), help="cluster key file")
     ask.add_argument("--api-key", **_API_KEY)
     ask.add_argument("--url", default=os.environ.get("EDGETP_URL"),
-                     help="a node's API (default: $EDGETP_URL, else found by mDNS)")
+                     help=_URL_HELP)
     ask.set_defaults(func=commands.ask)
 
     chat = sub.add_parser("chat", help="an interactive session with the cluster (keeps the history)")
-    for flag, kw in (("--url", dict(default=os.environ.get("EDGETP_URL"))),
+    for flag, kw in (("--url", dict(default=os.environ.get("EDGETP_URL"), help=_URL_HELP)),
                      ("--key", dict(default=os.environ.get("EDGETP_KEY_FILE"))), ("--api-key", _API_KEY),
                      ("--max-tokens", dict(type=_positive, default=512)),
                      ("--temperature", dict(type=float, default=0.8)), ("--top-k", dict(type=int, default=40)),
@@ -107,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=commands.chat)
 
     status = sub.add_parser("status", help="the cluster as a table")
-    status.add_argument("--url", default=os.environ.get("EDGETP_URL"))
+    status.add_argument("--url", default=os.environ.get("EDGETP_URL"), help=_URL_HELP)
     status.add_argument("--key", default=os.environ.get("EDGETP_KEY_FILE"))
     status.add_argument("--api-key", **_API_KEY)
     status.set_defaults(func=commands.status)

@@ -40,9 +40,13 @@ class ServerError(ClientError):
     exit_code = 5
 
 
+LOCAL_URL = "http://127.0.0.1:7711"  # `edgetp serve`'s default API address
+
+
 async def find_url(url: str | None, key: bytes | None, seconds: float = 2.0,
-                   interfaces: list[str] | None = None) -> str:
-    """The given URL, or a node found by mDNS (of our cluster when we hold its key)."""
+                   interfaces: list[str] | None = None, local: str = LOCAL_URL) -> str:
+    """The given URL, or a node found by mDNS (of our cluster when we hold its key), or else
+    a daemon of this machine at `local` (where multicast is filtered or no interface carries it)."""
     if url:
         return checked_url(url)
     found = await browse(seconds, interfaces)
@@ -51,9 +55,26 @@ async def find_url(url: str | None, key: bytes | None, seconds: float = 2.0,
     if found and not nodes:
         raise KeyRefused(f"found {len(found)} edgetp node(s), none in the cluster of this key")
     if not nodes:
-        raise NoCluster("no edgetp cluster found on the network; give --url or set EDGETP_URL")
+        if await _listening(local):
+            return local
+        raise NoCluster(f"no edgetp cluster found on the network, nor a node at {local}; "
+                        "give --url or set EDGETP_URL")
     best = max(nodes, key=lambda n: (n.priority, n.speed, n.node_id))
     return http_url(best)
+
+
+async def _listening(url: str, seconds: float = 1.0) -> bool:
+    """Whether something accepts TCP connections at url's host and port (what answers is
+    checked by the request that follows)."""
+    parsed = URL(url)
+    try:
+        async with asyncio.timeout(seconds):
+            _, writer = await asyncio.open_connection(parsed.host, parsed.port)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    await asyncio.gather(writer.wait_closed(), return_exceptions=True)
+    return True
 
 
 def checked_url(url: str) -> str:

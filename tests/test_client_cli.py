@@ -73,11 +73,48 @@ def test_chat_keeps_its_history_across_turns(daemon):
     assert second.strip("\n") == expected
 
 
+def test_chat_reports_a_failed_turn_in_one_line_and_goes_on_without_it(daemon):
+    url, _ = daemon
+    too_long = "once upon a time " * 400  # past stories260K's context: the API answers 400
+    session = subprocess.run([sys.executable, "-m", "edgetp", "chat", "--url", url, "--temperature", "0",
+                              "--max-tokens", "10"],
+                             input=f"Once upon a time\n{too_long}\nThe little dog\n/reset\nThe little dog\n/exit\n",
+                             capture_output=True, text=True, timeout=120)
+    assert session.returncode == 0, session.stderr
+    errors = [line for line in session.stderr.splitlines() if line.startswith("edgetp: ")]
+    assert len(errors) == 2 and "context" in errors[0] and "left out of the history" in errors[0], errors
+    assert errors[1] == "edgetp: the history is forgotten" and "Traceback" not in session.stderr
+    first, kept, alone = [line.strip("\n") for line in session.stdout.split("you> ") if line.strip()]
+    api = openai.OpenAI(base_url=f"{url}/v1", api_key="x")
+
+    def answer(messages):
+        return api.chat.completions.create(model="stories260K", messages=messages, max_tokens=10,
+                                           temperature=0).choices[0].message.content
+
+    dog = {"role": "user", "content": "The little dog"}
+    assert kept == answer([{"role": "user", "content": "Once upon a time"},
+                           {"role": "assistant", "content": first}, dog])  # the failed turn is not in it
+    assert alone == answer([dog]) != kept  # after /reset the turn stands alone
+
+
 async def test_discovery_finds_the_daemon_and_tells_a_foreign_key_from_no_cluster(daemon):
     url, key = daemon
     assert await client.find_url(None, auth.read_key(key), interfaces=["127.0.0.1"]) == url
     with pytest.raises(client.KeyRefused, match="none in the cluster of this key"):
         await client.find_url(None, auth.generate_key(), interfaces=["127.0.0.1"])
+
+
+async def test_where_mdns_finds_nothing_the_node_of_this_machine_answers(daemon, monkeypatch):
+    url, key = daemon
+
+    async def silent(seconds, interfaces):  # multicast filtered: the browse hears no advert
+        return []
+
+    monkeypatch.setattr(client, "browse", silent)
+    assert await client.find_url(None, auth.read_key(key), local=url) == url
+    closed = "http://127.0.0.1:9"  # discard: nothing listens
+    with pytest.raises(client.NoCluster, match="nor a node at http://127.0.0.1:9"):
+        await client.find_url(None, auth.read_key(key), local=closed)
 
 
 def test_no_cluster_exits_3_with_one_line():

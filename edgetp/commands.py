@@ -287,7 +287,10 @@ def reprofile(args: argparse.Namespace) -> int:
 
 
 def chat(args: argparse.Namespace) -> int:
-    """An interactive session that keeps its history; /exit or end of input leaves."""
+    """An interactive session that keeps its history; /exit or end of input leaves, /reset forgets.
+    A turn the cluster fails (its answer broken off, the context full, the node down) is
+    reported in one line and left out of the history, and the session goes on; a refused
+    key ends it (no later turn could pass)."""
     options = _remote_options(args)
     creds = credentials(args)
 
@@ -302,16 +305,29 @@ def chat(args: argparse.Namespace) -> int:
                 return 0
             if line.strip() in ("/exit", "/quit"):
                 return 0
+            if line.strip() == "/reset":
+                history.clear()
+                print("edgetp: the history is forgotten", file=sys.stderr)
+                continue
             if not line.strip():
                 continue
-            history.append({"role": "user", "content": line})
+            turn = history + [{"role": "user", "content": line}]
             answer = ""
-            async for piece, _, _ in client.stream_chat(url, history, options, creds):
-                answer += piece
-                sys.stdout.write(piece)
+            try:
+                async for piece, _, _ in client.stream_chat(url, turn, options, creds):
+                    answer += piece
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+            except client.KeyRefused:
+                raise
+            except client.ClientError as exc:
+                sys.stdout.write("\n" if answer else "")
                 sys.stdout.flush()
+                print(f"edgetp: {exc} (this turn is left out of the history; /reset forgets it all)",
+                      file=sys.stderr)
+                continue
             sys.stdout.write("\n")
-            history.append({"role": "assistant", "content": answer})
+            history[:] = turn + [{"role": "assistant", "content": answer}]
 
     return asyncio.run(go())
 

@@ -289,22 +289,24 @@ def reprofile(args: argparse.Namespace) -> int:
 def chat(args: argparse.Namespace) -> int:
     """An interactive session that keeps its history; /exit or end of input leaves, /reset forgets.
     A turn the cluster fails (its answer broken off, the context full, the node down) is
-    reported in one line and left out of the history, and the session goes on; a refused
-    key ends it (no later turn could pass)."""
+    reported in one line and left out of the history, and the session goes on; it then exits
+    with that failure's code (a script piping turns in sees it). A refused key ends it at once
+    (no later turn could pass)."""
     options = _remote_options(args)
     creds = credentials(args)
 
     async def go() -> int:
         url = await client.find_url(args.url, creds.key)
         history: list[dict[str, str]] = []
+        failed = 0  # the exit code of the last turn that failed
         print(f"chatting with {url} (/exit to leave)", file=sys.stderr)
         while True:
             try:
                 line = await in_daemon_thread(input, "you> ", name="edgetp-input")  # Ctrl-C ends it at once
             except EOFError:
-                return 0
+                return failed
             if line.strip() in ("/exit", "/quit"):
-                return 0
+                return failed
             if line.strip() == "/reset":
                 history.clear()
                 print("edgetp: the history is forgotten", file=sys.stderr)
@@ -325,6 +327,7 @@ def chat(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
                 print(f"edgetp: {exc} (this turn is left out of the history; /reset forgets it all)",
                       file=sys.stderr)
+                failed = exc.exit_code
                 continue
             sys.stdout.write("\n")
             history[:] = turn + [{"role": "assistant", "content": answer}]

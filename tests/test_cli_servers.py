@@ -17,6 +17,9 @@ import time
 
 import pytest
 
+from edgetp.model import gguf
+from edgetp.net.loopthread import LoopThread
+from edgetp.parallel.runner import ClusterRunner
 from tests.test_cli_errors import assert_one_line_error, edgetp
 
 ANSWERS = {  # path -> status, content type, body
@@ -152,3 +155,50 @@ def test_a_server_told_to_stop_while_its_kernels_compile_stops_at_once(stories_p
             proc.wait()
     assert took < 10, f"stopped {took:.1f} s after the signal"
     assert proc.returncode in (0, 130) and "Traceback" not in rest and "Fatal" not in rest, rest
+
+
+def test_a_worker_told_to_stop_while_its_shard_compiles_stops_at_once(stories_path, tmp_path):
+    """The same for `edgetp worker` (and the daemon's worker role): a LOAD packs the weights and warms
+    every kernel, a minute and more on an empty numba cache, on threads asyncio.run waited for."""
+    proc = subprocess.Popen([sys.executable, "-m", "edgetp", "-v", "worker", "--listen", "127.0.0.1:0",
+                             "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=os.environ | {"NUMBA_CACHE_DIR": str(tmp_path / "numba"), "PYTHONUNBUFFERED": "1"})
+    root = {}
+
+    def connect(address: str) -> None:  # a root in this process; its numba cache is the suite's
+        try:
+            with LoopThread() as lt:
+                root["runner"] = lt.run(ClusterRunner.connect(gguf.open_model(stories_path), [address], ctx=64,
+                                                              weights=[1, 1]), timeout=120)
+                root["runner"].close()
+        except Exception as exc:  # noqa: BLE001 - the worker is stopped under it
+            root["error"] = exc
+
+    connecting = None
+    try:
+        address = proc.stdout.readline().split(" listening on ")[-1].strip()
+        assert address.startswith("127.0.0.1:"), address
+        connecting = threading.Thread(target=connect, args=(address,), daemon=True)
+        connecting.start()
+        deadline = time.monotonic() + 120
+        seen = ""
+        while time.monotonic() < deadline and "loading shard" not in seen:
+            line = proc.stderr.readline()
+            assert line, f"the worker ended before its LOAD:\n{seen}"
+            seen += line
+        assert "loading shard" in seen, seen
+        time.sleep(2)  # inside the packing and compiles (a minute and more from empty)
+        assert proc.poll() is None and "runner" not in root, "the shard was ready already: nothing to show"
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=60)[1]
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if connecting is not None:
+            connecting.join(60)
+    assert took < 10, f"stopped {took:.1f} s after the signal"
+    assert proc.returncode == 0 and "Traceback" not in rest and "Fatal" not in rest, rest
+    assert "stopped" in rest and "error" in root  # the root heard its worker go

@@ -49,6 +49,7 @@ from edgetp.model import batch, generate, kvcache, llama, quant, sampling
 from edgetp.model.gguf import GGUFError, ModelFile, open_model
 from edgetp.net.frames import FrameType
 from edgetp.net.link import BLOCKING, HANDSHAKE_TIMEOUT, MAX_ROUNDS, Link, LinkClosed
+from edgetp.net.loopthread import in_daemon_thread
 from edgetp.parallel.collective import Hot, WorkerReduce, candidates_rows_message
 from edgetp.serve.weights import fetch_shard
 from edgetp.store.errors import DownloadError
@@ -294,8 +295,8 @@ class _Session:
             shapes = profile.check_pass(header["pass"]) if header.get("pass") else None
         except ValueError as exc:  # the root hears why (an ERROR frame), as for a bad PING
             raise ValueError(f"PROFILE: {exc}") from None
-        p = await asyncio.to_thread(profile.profile, self.worker.threads, float(header.get("seconds", 0.5)), qtype,
-                                    None if at is None else float(at), shapes)
+        p = await in_daemon_thread(profile.profile, self.worker.threads, float(header.get("seconds", 0.5)), qtype,
+                                   None if at is None else float(at), shapes, name="edgetp-profile")
         await self.link.send(FrameType.READY, {"speed": p.speed, "mem_free": p.mem_free, "threads": p.threads,
                                                "host": p.host, "row_cost": p.row_cost})
 
@@ -312,10 +313,13 @@ class _Session:
         path = self.mf.path
         self.sync = h["sync"]
         self.reduce = bool(h.get("reduce", True))
-        weights = await asyncio.to_thread(llama.load_weights, self.mf, spec)
+        # On daemon threads, not asyncio.to_thread: a cold start compiles the packing and every kernel for
+        # minutes, and asyncio.run would wait for an executor's thread before a stop signal ends the process
+        log.info("loading shard %s: its weights, then its kernels (compiled, or loaded from numba's cache)", spec)
+        weights = await in_daemon_thread(llama.load_weights, self.mf, spec, name="edgetp-load")
         self.shard = llama.Shard(weights, int(h["ctx"]), slots=_positive(h.get("slots", 1), "slots"), kv_type=kv_type,
                                  sync_pieces=_positive(h.get("sync_pieces", 1), "sync_pieces"))
-        await asyncio.to_thread(_warm_up, self.shard)
+        await in_daemon_thread(_warm_up, self.shard, name="edgetp-warm")
         log.info("loaded shard %s of %s: %.1f MB of weights, %.1f MB KV cache (%s)",
                  spec, path, weights.nbytes / 1e6, self.shard.kv_bytes / 1e6, kv_type)
         await self.link.send(FrameType.READY, {

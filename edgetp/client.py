@@ -196,10 +196,11 @@ class TokenStats:
     """Per-token records of one request, from the event stream."""
 
     records: list[events.TokenRecord] = field(default_factory=list)
+    unread: str | None = None  # why the event stream could not be read, if it could not
 
     def summary(self) -> str:
         if not self.records:
-            return "no per-token records arrived"
+            return f"no per-token records: {self.unread}" if self.unread else "no per-token records arrived"
         totals = [r.total_ms for r in self.records]
         n = len(totals)
         decode = totals[1:] or totals
@@ -238,5 +239,11 @@ async def watch_tokens(url: str, stats: TokenStats, request_id: asyncio.Future[s
                     if request_id.done():
                         stats.records += [r for r in pending if r.request_id == request_id.result()]
                         pending.clear()
-    except (aiohttp.ClientError, ProofError):
+    except aiohttp.WSServerHandshakeError as exc:
+        stats.unread = f"the event stream refused this client (HTTP {exc.status}: it carries every prompt, " \
+                       "so beyond the node's own machine it needs --key or an --api-key)" \
+            if exc.status in (401, 403) else f"the event stream answered HTTP {exc.status} (is it an edgetp API?)"
         connected.set()  # no stats, but never a hang
+    except (aiohttp.ClientError, ProofError) as exc:
+        stats.unread = f"the event stream could not be read ({type(exc).__name__}: {exc})"
+        connected.set()

@@ -19,6 +19,7 @@ import openai
 import pytest
 from aiohttp import web
 
+from edgetp import client
 from edgetp.model.generate import LocalRunner
 from edgetp.net import auth, httpauth
 from edgetp.serve.api import GATE, make_app, serving
@@ -99,6 +100,18 @@ async def test_events_need_the_key_or_a_token_beyond_loopback_and_nothing_on_loo
                 assert "nodes" in await ws.receive_json(timeout=10)  # the snapshot comes first
         async with s.ws_connect(local + "/v1/events") as ws:
             assert "nodes" in await ws.receive_json(timeout=10)
+
+
+async def test_ask_stats_says_why_it_has_no_records_when_the_event_stream_refuses_it(node):
+    """`edgetp ask --stats` without a key, of a node beyond loopback: the answer streams (the API is
+    open), the per-token records cannot (the event stream carries every prompt). It said 'no per-token
+    records arrived', as if none were made."""
+    url = await node()
+    stats, rid, watching = client.TokenStats(), asyncio.get_running_loop().create_future(), asyncio.Event()
+    await asyncio.wait_for(client.watch_tokens(url, stats, rid, watching), 30)
+    assert watching.is_set() and not stats.records
+    assert stats.summary().startswith("no per-token records: the event stream refused this client (HTTP 401")
+    assert "--key" in stats.summary()
 
 
 async def test_tokens_set_on_a_loopback_node_are_asked_for_there_too(node):

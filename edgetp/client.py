@@ -89,23 +89,31 @@ def checked_url(url: str) -> str:
     return url.rstrip("/")
 
 
+class NoRoom(ClientError):
+    """The context has room for the prompt but not for max_tokens more (400, context_length_exceeded)."""
+
+
 async def _check(resp: aiohttp.ClientResponse, url: str) -> None:
     if resp.status == 200:
         return
     try:
-        message = str((await read_json(resp))["error"]["message"])
+        error = (await read_json(resp))["error"]
+        message = str(error["message"])
     except (KeyError, TypeError, ValueError, aiohttp.ClientError):  # not edgetp's (OpenAI's) error shape
-        message = f"HTTP {resp.status} {resp.reason or ''}".strip() + " (is it an edgetp API?)"
+        error, message = {}, f"HTTP {resp.status} {resp.reason or ''}".strip() + " (is it an edgetp API?)"
     if resp.status in (401, 403):
         raise KeyRefused(f"{url}: refused: {message}")
     if resp.status >= 500:
         raise ServerError(f"{url}: server error {resp.status}: {message}")
+    if resp.status == 400 and error.get("code") == "context_length_exceeded" and error.get("param") == "max_tokens":
+        raise NoRoom(f"{url}: {message}")
     raise ClientError(f"{url}: {message}")
 
 
 async def stream_chat(url: str, messages: list[dict[str, str]], options: dict[str, Any],
                       creds: Credentials = Credentials()) -> AsyncIterator[tuple[str, str | None, str]]:
-    """(text piece, finish_reason, request id) per SSE chunk of a streaming chat completion."""
+    """(text piece, finish_reason, request id) per SSE chunk of a streaming chat completion
+    (finish_reason "context": the answer filled the node's context before max_tokens)."""
     async for piece in _stream(url, "/v1/chat/completions", {"messages": messages} | options, creds):
         yield piece
 
@@ -119,6 +127,22 @@ async def stream_completion(url: str, prompt: str, options: dict[str, Any],
 
 async def _stream(url: str, path: str, request: dict[str, Any],
                   creds: Credentials) -> AsyncIterator[tuple[str, str | None, str]]:
+    """The answer's pieces. max_tokens is a cap, as in `ask --local`: where the prompt leaves less room
+    in the context, the request goes again without it (the server then fills what room there is, and
+    the finish reason "length" becomes "context": the context is full)."""
+    try:
+        async for piece in _stream_once(url, path, request, creds):
+            yield piece
+    except NoRoom:  # refused before any piece: nothing was passed on
+        if "max_tokens" not in request:
+            raise
+        async for text, reason, rid in _stream_once(url, path, {k: v for k, v in request.items()
+                                                                if k != "max_tokens"}, creds):
+            yield text, "context" if reason == "length" else reason, rid
+
+
+async def _stream_once(url: str, path: str, request: dict[str, Any],
+                       creds: Credentials) -> AsyncIterator[tuple[str, str | None, str]]:
     body = json.dumps(request | {"stream": True}).encode()
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=600)
     try:

@@ -181,13 +181,16 @@ async def _ask_cluster(args: argparse.Namespace) -> int:
         if watcher:
             async with asyncio.timeout(10):
                 await watching.wait()
-        async for piece, _, rid in answer:
+        reason = None
+        async for piece, reason, rid in answer:
             if not request_id.done():
                 request_id.set_result(rid)
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")
         sys.stdout.flush()
+        if reason == "context":
+            print(f"edgetp: stopped: the context of {url} is full", file=sys.stderr)
         if watcher:
             await asyncio.sleep(0.5)  # the last records trail the last chunk
     finally:
@@ -316,7 +319,8 @@ def chat(args: argparse.Namespace) -> int:
             turn = history + [{"role": "user", "content": line}]
             answer = ""
             try:
-                async for piece, _, _ in client.stream_chat(url, turn, options, creds):
+                reason = None
+                async for piece, reason, _ in client.stream_chat(url, turn, options, creds):
                     answer += piece
                     sys.stdout.write(piece)
                     sys.stdout.flush()
@@ -331,6 +335,8 @@ def chat(args: argparse.Namespace) -> int:
                 continue
             sys.stdout.write("\n")
             history[:] = turn + [{"role": "assistant", "content": answer}]
+            if reason == "context":
+                print("edgetp: the context is full (/reset starts over)", file=sys.stderr)
 
     return asyncio.run(go())
 

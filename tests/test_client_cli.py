@@ -97,6 +97,32 @@ def test_chat_reports_a_failed_turn_in_one_line_and_goes_on_without_it(daemon):
     assert alone == answer([dog]) != kept  # after /reset the turn stands alone
 
 
+def test_ask_takes_max_tokens_as_a_cap_where_the_prompt_leaves_less_room(daemon):
+    """The API refuses max_tokens past the context (400, as OpenAI does); `ask --local` caps it instead,
+    and so now does `ask --url` (and chat): it answers with what room there is, as the API does unasked."""
+    url, _ = daemon
+    api = openai.OpenAI(base_url=f"{url}/v1", api_key="x")
+
+    def prompt_tokens(text):
+        return api.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": text}],
+                                           max_tokens=1, temperature=0).usage.prompt_tokens
+
+    unit = "Lily and Tom went to the park and saw a big red ball. "
+    per = (prompt_tokens(unit * 21) - prompt_tokens(unit)) / 20
+    text = unit * int((2048 - 60 - prompt_tokens(unit)) / per + 1)
+    room = 2048 - prompt_tokens(text)  # the test daemon's ctx: serve's default, 2048 (stories260K's own)
+    assert 0 < room < 200, room
+    with pytest.raises(openai.BadRequestError):
+        api.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": text}],
+                                    max_tokens=256, temperature=0)
+    full = api.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": text}],
+                                       max_tokens=room, temperature=0).choices[0]
+    result = edgetp("ask", "--url", url, "--temperature", "0", "--max-tokens", "256", text)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == full.message.content + "\n"
+    assert ("context of" in result.stderr and "is full" in result.stderr) == (full.finish_reason == "length")
+
+
 async def test_discovery_finds_the_daemon_and_tells_a_foreign_key_from_no_cluster(daemon):
     url, key = daemon
     assert await client.find_url(None, auth.read_key(key), interfaces=["127.0.0.1"]) == url

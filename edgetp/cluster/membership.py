@@ -13,8 +13,11 @@
   no longer usable: this catches a node that died without an mDNS goodbye.
   A goodbye is unsigned, so one for a live member only prompts a question at
   once: the member is gone if it says it is leaving (a node that leaves
-  answers 503 to heartbeats first, `leaving`) or its port refuses; otherwise
-  (it answers, or is slow) its heartbeats decide, as for any member.
+  answers 503 to heartbeats first, `leaving`) or its port refuses; kept if it
+  answers otherwise. An unclear answer (the connection reset or timed out: a
+  node shutting its HTTP server down between its goodbye and its exit) is
+  asked again, a few times; still unclear, its heartbeats decide, as for any
+  member.
 - Joins and changed figures reach the plan once the usable set has been quiet
   for `settle` seconds (debounced: a burst of changes is one re-plan); a loss
   counts at once, the loss timeout being its debounce.
@@ -52,6 +55,8 @@ HEARTBEAT_S = 1.0   # default seconds between heartbeats (and --peer hellos)
 TIMEOUT_S = 3.0     # default seconds without a proof before a peer is lost
 SETTLE_S = 1.0      # default seconds the member set must be quiet before a join re-plans
 MAX_ADDRESSES = 8   # addresses of one advert tried per heartbeat
+GOODBYE_ASKS = 10   # times a goodbye's peer is asked while its answers are unclear
+GOODBYE_GAP_S = 0.5  # seconds between those asks
 
 
 class Membership:
@@ -160,14 +165,22 @@ class Membership:
 
     async def _goodbye(self, peer: Peer) -> None:
         """An mDNS goodbye for a live peer. It carries no signature, so the peer is asked at once: gone if
-        it says it is leaving or its port refuses, kept otherwise (the goodbye forged or stale, or the
-        peer slow to answer: its heartbeats decide, as ever)."""
+        it says it is leaving or its port refuses, kept if it answers otherwise (the goodbye forged or
+        stale). An unclear answer is asked again, GOODBYE_ASKS times in all: a node that really leaves
+        sends its goodbye while its HTTP server still runs, then shuts it, and a question arriving in
+        that moment gets its connection reset. (Taken as "kept", the node stayed planned over until the
+        loss timeout, when every other goodbye packet had already been heard.)"""
         try:
+            gone = None
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.heartbeat)) as session:
-                gone = await self._says_gone(session, peer)
+                for ask in range(GOODBYE_ASKS):
+                    if ask:
+                        await asyncio.sleep(GOODBYE_GAP_S)
+                    if (gone := await self._says_gone(session, peer)) is not None:
+                        break
             if not gone:
-                log.warning("an mDNS goodbye for %s, which does not say it is leaving: ignored (forged or stale)",
-                            peer.node_id)
+                log.warning("an mDNS goodbye for %s, which does not say it is leaving: ignored (%s)", peer.node_id,
+                            "forged or stale" if gone is False else "no clear answer; its heartbeats decide")
             elif self.table.apply(Left(peer.node_id)):
                 self.publish(events.ClusterEvent("leave", f"{peer.node_id} left", peer.node_id))
                 self._stir()
@@ -176,9 +189,10 @@ class Membership:
         finally:
             self._goodbyes.discard(peer.node_id)
 
-    async def _says_gone(self, session: aiohttp.ClientSession, peer: Peer) -> bool:
-        """Whether the peer confirms it left: its heartbeat endpoint answers 503 (`leaving`), or the port
-        at the address that last answered refuses connections."""
+    async def _says_gone(self, session: aiohttp.ClientSession, peer: Peer) -> bool | None:
+        """True if the peer confirms it left: its heartbeat endpoint answers 503 (`leaving`), or the port
+        at the address that last answered refuses connections. False if it answers otherwise (or has
+        no address to ask), None if the answer is unclear (reset, timed out, unreachable)."""
         if not peer.advert.addresses:
             return False
         url = f"{_url_host(peer.advert.addresses[0])}:{peer.advert.http_port}{peering.NODE_PATH}" \
@@ -187,9 +201,9 @@ class Membership:
             async with session.get(url) as resp:
                 return resp.status == 503 and peering.LEAVING in await resp.text()
         except aiohttp.ClientConnectorError as exc:
-            return isinstance(exc.os_error, ConnectionRefusedError)
+            return True if isinstance(exc.os_error, ConnectionRefusedError) else None
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            return False
+            return None
 
     def introduced(self, advert: PeerAdvert) -> None:
         """A peer told us it is here (POST /v1/cluster/peers); the heartbeats prove it, as any other."""

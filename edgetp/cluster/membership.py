@@ -15,7 +15,8 @@
   once: the member is gone if it says it is leaving (a node that leaves
   answers 503 to heartbeats first, `leaving`) or its port refuses; kept if it
   answers otherwise. An unclear answer (the connection reset or timed out: a
-  node shutting its HTTP server down between its goodbye and its exit) is
+  node shutting its HTTP server down between its goodbye and its exit, or
+  its loop held by a compile) is
   asked again, a few times; still unclear, its heartbeats decide, as for any
   member.
 - Joins and changed figures reach the plan once the usable set has been quiet
@@ -168,7 +169,7 @@ class Membership:
         it says it is leaving or its port refuses, kept if it answers otherwise (the goodbye forged or
         stale). An unclear answer is asked again, GOODBYE_ASKS times in all: a node that really leaves
         sends its goodbye while its HTTP server still runs, then shuts it, and a question arriving in
-        that moment gets its connection reset. (Taken as "kept", the node stayed planned over until the
+        that moment gets its connection reset, or no answer in time while a compile holds its loop. (Taken as "kept", the node stayed planned over until the
         loss timeout, when every other goodbye packet had already been heard.)"""
         try:
             gone = None

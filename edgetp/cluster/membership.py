@@ -169,8 +169,9 @@ class Membership:
         it says it is leaving or its port refuses, kept if it answers otherwise (the goodbye forged or
         stale). An unclear answer is asked again, GOODBYE_ASKS times in all: a node that really leaves
         sends its goodbye while its HTTP server still runs, then shuts it, and a question arriving in
-        that moment gets its connection reset, or no answer in time while a compile holds its loop. (Taken as "kept", the node stayed planned over until the
-        loss timeout, when every other goodbye packet had already been heard.)"""
+        that moment gets its connection reset, or no answer in time while a compile holds its loop.
+        (Taken as "kept", the node stayed planned over until the loss timeout, when every other goodbye
+        packet had already been heard.)"""
         try:
             gone = None
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.heartbeat)) as session:

@@ -8,8 +8,8 @@ import secrets
 import time
 
 import pytest
-
 from aiohttp import web
+
 from edgetp.cluster import peering
 from edgetp.cluster.discovery import Joined, PeerAdvert, sign
 from edgetp.cluster.membership import GOODBYE_ASKS, Membership

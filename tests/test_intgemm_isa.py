@@ -56,7 +56,7 @@ for which in [None, *sys.argv[3:]]:  # this process's ISA, then any other named 
             p = intgemm.pack(qt, w, f16_table(), which)
             for n in (1, 3, x.shape[0]):
                 got = np.full((n, w.shape[0]), np.nan, np.float32)
-                intgemm.Kept(qt, [p], intdot.rounded_rows(x[-n:]), got, [0], which)(n, n == 1)
+                intgemm.Kept(qt, [p], intgemm.decode_x(qt, x[-n:]), got, [0], which)(n, n == 1)
                 kept[f"kept{n}"] = got
         np.savez(at + f"/out{qt}.npz", out=out, qx=xq[0], dx=xq[1], sums=xq[2], **kept)
 json.dump({"isa": isa.current(), "available": intgemm.available()}, open(d + "/isa.json", "w"))
@@ -173,7 +173,7 @@ def test_prefill_tiles_of_each_isa_return_the_bits_of_the_numpy_definition(name,
 
 @pytest.mark.parametrize("name", isa.ISAS)
 def test_decode_on_kept_panels_gives_each_token_its_prefill_bits_on_each_isa(name, isa_outputs):
-    """Decode of a KEPT type (Q4_0) reads panels packed once: one token, or several, each
+    """Decode of a KEPT type (Q4_0, Q4_1, Q4_K, Q6_K) reads panels packed once: one token, or several, each
     token's row is what prefill computes for it, so a sequence's text does not depend on
     how its tokens were batched, and (test above) that is the numpy definition's."""
     _, results = isa_outputs

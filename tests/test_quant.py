@@ -75,16 +75,18 @@ def assert_product_close(got: np.ndarray, w_ref: np.ndarray, x: np.ndarray) -> N
 
 
 def as_computed(qt, x: np.ndarray, kernels: str | None, batch: bool = False) -> np.ndarray:
-    """x as the kernel sees it. Int8 paths (decode of every quantized type; prefill of the
-    int8 types of intgemm): rounded through gguf-py's Q8_0. 16-bit paths (prefill of intgemm.WIDE):
+    """x as the kernel sees it. Int8 paths (decode of every quantized type but Q4_1's; prefill of the
+    int8 types of intgemm): rounded through gguf-py's Q8_0. 16-bit paths (prefill of intgemm.WIDE, and
+    decode of a WIDE type on kept panels: Q4_1):
     per block of 32, q = round(x * 32767 / max|x|) and x = q * (max|x| / 32767), written
     out here in float32 numpy."""
     from edgetp.model import intdot, intgemm  # noqa: PLC0415
 
     if kernels != "int8":
         return x
-    integer = batch and intgemm.available() and int(qt) in intgemm.KINDS
-    int8 = integer and not intgemm.wide(qt) if batch else int(qt) in intdot.KINDS
+    wide_kept = int(qt) in intgemm.KEPT and intgemm.wide(qt) and intgemm.kept(int(qt))
+    integer = (batch and intgemm.available() and int(qt) in intgemm.KINDS) or wide_kept
+    int8 = integer and not intgemm.wide(qt) if batch else int(qt) in intdot.KINDS and not wide_kept
     if int8:
         rt = gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(x), QT.Q8_0), QT.Q8_0)
         return rt.reshape(x.shape)
@@ -405,10 +407,10 @@ def test_wrong_shapes_or_dtypes_are_refused_before_any_kernel_runs():
         Q.matmul(w, np.zeros((3, 64), np.float32), np.zeros((3, 7), np.float32))
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_K, QT.Q6_K])
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q6_K])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kept_weights_decode_each_token_with_the_bits_prefill_gives_it(threads, qtype, int8_kernels):
-    """Q4_0, Q4_K and Q6_K (intgemm.KEPT) decode and prefill read the same panels, packed once: a token's
+    """Q4_0, Q4_1, Q4_K and Q6_K (intgemm.KEPT) decode and prefill read the same panels, packed once: a token's
     products are the same bits alone (matvec), beside 8 others (matmul) and in any subset of
     them (decode.matvec_rows), at any thread count."""
     from edgetp.model import decode, intgemm  # noqa: PLC0415
@@ -439,7 +441,8 @@ def test_kept_weights_decode_each_token_with_the_bits_prefill_gives_it(threads, 
 def test_kept_panels_are_about_the_size_of_the_blocks_they_replace(which):
     """A kept weight is held twice (its file pages, reclaimable, and its panels), so its panels
     must not grow it: Q4_0's 18 bytes per 32 values stay 18 where the ISA converts f16 (20 with
-    f32 scales on generic); Q4_K's 144 per 256 become 148 (d, dmin and a byte per 6-bit scale
+    f32 scales on generic), Q4_1's 20 stay 20 (its f16 d and m; 24 in f32 on generic); Q4_K's
+    144 per 256 become 148 (d, dmin and a byte per 6-bit scale
     and min: 128 + 20), 192 on generic (f32 d * sc and -(dmin * mn) per 32: 128 + 64); Q6_K's
     210 stay 210 (a nibble plane and a 2-bit plane, d and its 16 int8 scales: 128 + 64 + 18),
     256 on generic (f32 d * sc per 16: 192 + 64)."""
@@ -448,7 +451,8 @@ def test_kept_panels_are_about_the_size_of_the_blocks_they_replace(which):
     P = intgemm.panel_rows(which)
     rows, cols = 4 * P, 1024  # whole panels: no repeated rows
     g = which == "generic"
-    want = {QT.Q4_0: (20 if g else 18) / 32, QT.Q4_K: (192 if g else 148) / 256, QT.Q6_K: (256 if g else 210) / 256}
+    want = {QT.Q4_0: (20 if g else 18) / 32, QT.Q4_1: (24 if g else 20) / 32, QT.Q4_K: (192 if g else 148) / 256,
+            QT.Q6_K: (256 if g else 210) / 256}
     for qt, per_value in want.items():
         w, _ = weight(qt, rows=rows, cols=cols)
         p = intgemm.pack(int(qt), w.data, Q._TAB16, which)  # packing runs anywhere: it only moves bytes

@@ -2,9 +2,10 @@
 
     python tools/bench_kernels.py [--rows 4096 --cols 4096 --threads 1,2 --types Q8_0,Q4_0 --batch 64]
     python tools/bench_kernels.py --intdot [--threads 1 --types Q4_0,Q8_0,Q4_K]   (EDGETP_ISA=generic for the plain code)
+    python tools/bench_kernels.py --intdot --types Q4_1 --shapes 3072x576,576x1536,960x576   (SmolLM2's)
 
---intdot also runs the kept panels of Q4_0, Q4_K and Q6_K (intgemm.KEPT): one token, and 8 tokens beside the
-several-token kernel, both from RAM.
+--intdot also runs the kept panels of Q4_0, Q4_1, Q4_K and Q6_K (intgemm.KEPT): one token, and 8 tokens beside
+the several-token kernel, both from RAM.
 
 GB/s counts the GGUF bytes of the type (what a model file costs to stream).
 "cold" cycles through enough copies of the matrix to exceed the L3 cache, so
@@ -74,10 +75,10 @@ def _read_rows(w, out):
             out[r] = sum4(w[r], w[r1], w[r2], w[r3])
 
 
-def bench_intdot(types: list[str], threads: list[int]) -> None:
+def bench_intdot(types: list[str], threads: list[int], shapes: list[tuple[int, int]]) -> None:
     """GB/s (stored bytes) of the integer decode kernels beside the float ones and a plain read of the same bytes.
 
-    Shapes of a 1B model's decode: 8192x2048 (gate/up) and 2048x8192 (down). "cold" cycles
+    Shapes (rows x cols) default to a 1B model's decode: 8192x2048 (gate/up) and 2048x8192 (down). "cold" cycles
     through copies of the matrix totalling > 256 MB, so weights come from RAM. Best of many
     calls: the machine is shared.
     """
@@ -89,7 +90,7 @@ def bench_intdot(types: list[str], threads: list[int]) -> None:
     for name in types:
         qt = QT[name]
         lay = intdot.LAYOUTS[qt]
-        for rows, cols in ((8192, 2048), (2048, 8192)):
+        for rows, cols in shapes:
             base = intdot.random_blocks(qt, rows, cols // lay.values, rng)
             ws = [base] + [base.copy() for _ in range(max(1, int(np.ceil(256e6 / base.nbytes))) - 1)]
             x = rng.standard_normal(cols).astype(np.float32)
@@ -126,15 +127,15 @@ def _kept_columns(qt: int, ws: list[np.ndarray], x: np.ndarray, out: np.ndarray,
     """Hot and cold GB/s of one token on kept panels (intgemm.Kept), and the ms of 8 tokens there and
     on intdot's several-token kernel, every weight copy packed once beforehand."""
     ps = [intgemm.pack(qt, w, f16_table()) for w in ws]
-    one = intdot.rounded_rows(x[None])
+    one = intgemm.decode_x(qt, x[None])  # (Q4_1: 16 bits, as its prefill rounds; else decode's int8)
     k1 = [intgemm.Kept(qt, [p], one, out[None], [0]) for p in ps]
     it = iter(range(1 << 62))
     hot = _time(lambda: k1[0](1, serial))
     cold = _time(lambda: k1[next(it) % len(k1)](1, serial))
-    x8 = intdot.rounded_rows(rng.standard_normal((8, x.shape[0])).astype(np.float32))
+    x8 = rng.standard_normal((8, x.shape[0])).astype(np.float32)
     o8 = np.empty((8, out.shape[0]), np.float32)
-    k8 = [intgemm.Kept(qt, [p], x8, o8, [0]) for p in ps]
-    t8 = [intdot.TokenProducts(qt, [w], x8, o8, [0]) for w in ws]
+    k8 = [intgemm.Kept(qt, [p], intgemm.decode_x(qt, x8), o8, [0]) for p in ps]
+    t8 = [intdot.TokenProducts(qt, [w], intdot.rounded_rows(x8), o8, [0]) for w in ws]
     kept8 = _time(lambda: k8[next(it) % len(k8)](8, serial))
     int8 = _time(lambda: t8[next(it) % len(t8)](8, serial))
     return (f"  kept hot {ws[0].nbytes / hot / 1e9:6.2f} cold {ws[0].nbytes / cold / 1e9:6.2f} GB/s; 8 tokens cold: int {int8 * 1e3:6.2f} ms,"
@@ -149,12 +150,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--types", default="F32,F16,BF16,Q8_0,Q4_0,Q4_1,Q4_K,Q6_K")
     ap.add_argument("--intdot", action="store_true", help="integer decode kernels vs float kernels vs a plain read")
+    ap.add_argument("--shapes", default="8192x2048,2048x8192", help="--intdot's weights, rows x cols, comma separated")
     args = ap.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
     if args.intdot:
         default = "F32,F16,BF16,Q8_0,Q4_0,Q4_1,Q4_K,Q6_K"
         bench_intdot(("Q8_0,Q4_0,Q4_1,Q4_K,Q6_K,Q5_0,Q5_1,Q5_K,Q2_K,Q3_K,IQ4_NL,IQ4_XS" if args.types == default
-                      else args.types).split(","), threads)
+                      else args.types).split(","), threads,
+                     [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")])
         return
     for name in args.types.split(","):
         qt = QT[name]

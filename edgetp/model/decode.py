@@ -49,7 +49,7 @@ class Matvecs:
         self.views = [self.out[:, a:b] for a, b in zip(starts[:-1], starts[1:])]
         self.products: list[intdot.Products] = []  # token 0
         self.tokens: list[intdot.TokenProducts] = []  # tokens 0..n-1
-        self.kept: list[intgemm.Kept] = []  # tokens 0..n-1, on kept panels
+        self.kept: list[intgemm.Kept | _Wide] = []  # tokens 0..n-1, on kept panels
         self.floats: list[tuple[quant.Weight, np.ndarray, np.ndarray]] = []
         by_type: dict[int, list[int]] = {}
         for i, w in enumerate(ws):
@@ -61,12 +61,17 @@ class Matvecs:
         for t, idx in by_type.items():
             data, at = [ws[i].data for i in idx], [int(starts[i]) for i in idx]
             if quant.kept(ws[idx[0]]):
-                self.kept.append(intgemm.Kept(t, [quant.panels(ws[i]) for i in idx], xr, self.out, at))
+                panels = [quant.panels(ws[i]) for i in idx]
+                if intgemm.wide(t):  # 16-bit activations (Q4_1), rounded from x by each call
+                    self.kept.append(_Wide(t, panels, x, self.out, at))
+                else:
+                    self.kept.append(intgemm.Kept(t, panels, xr, self.out, at))
                 continue
             self.products.append(intdot.Products(t, data, xr.row(0), self.out[0], at))
             if x.shape[0] > 1:
                 self.tokens.append(intdot.TokenProducts(t, data, xr, self.out, at))
-        self.rounds = bool(self.products or self.kept)  # whether the step before must round x
+        # whether the step before must round x to int8 (a _Wide rounds its own)
+        self.rounds = bool(self.products or any(not isinstance(p, _Wide) for p in self.kept))
 
     def __call__(self, n: int, serial: bool) -> None:
         for p in self.kept:
@@ -78,6 +83,22 @@ class Matvecs:
         for w, x, out in self.floats:
             for b in range(n):
                 quant.float_matvec(w, x[b], out[b])
+
+
+class _Wide:
+    """Kept panels of a WIDE type (Q4_1): each call rounds its n rows of x to 16 bits (intgemm.quantize16,
+    as prefill rounds them) before the products, so a token's row is the bits prefill gives it."""
+
+    def __init__(self, qtype: int, panels: list[intgemm.Panels], x: np.ndarray, out: np.ndarray,
+                 starts: list[int]) -> None:
+        self.x = x
+        self.q = intgemm.quantized(np.zeros_like(x), True)  # (qx, dx, sums, sums16), filled by each call
+        self.kept = intgemm.Kept(qtype, panels, self.q, out, starts)
+
+    def __call__(self, n: int, serial: bool) -> None:
+        qx, dx, sums, _ = self.q
+        intgemm.quantize16(self.x[:n], qx[:n], dx[:n], sums[:n])
+        self.kept(n, serial)
 
 
 class _Split:
@@ -400,7 +421,7 @@ def matvec_rows(w: quant.Weight, x: np.ndarray, out: np.ndarray) -> None:
     quant.use_threads()
     serial = quant.threads() == 1
     if quant.kept(w):
-        intgemm.Kept(w.qtype, [quant.panels(w)], intdot.rounded_rows(x), out, [0])(x.shape[0], serial)
+        intgemm.Kept(w.qtype, [quant.panels(w)], intgemm.decode_x(w.qtype, x), out, [0])(x.shape[0], serial)
     elif quant.int8_kernel(w, quant.int8_decode()):
         intdot.matvec_tokens(w.qtype, w.data, intdot.rounded_rows(x), out, serial)
     else:

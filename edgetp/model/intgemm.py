@@ -24,14 +24,15 @@ the same activations, broadcast from memory. A block of 32 columns goes into one
 integer accumulator per token; only then is it converted and scaled, once per
 block for all rows: sum = fma(float(acc) * dx[t, b], d[b], sum).
 
-Kept panels (KEPT: Q4_0, Q4_K, Q6_K). A type whose panel is about as large as its GGUF blocks is
-packed once per weight (`pack`, `Panels`; where the ISA converts f16 in registers, Q4_0's scales
-stay f16 and the K-quants' stay as their blocks have them, d (and dmin) in f16 and a byte per
-scale (and min): `compact`) and decode reads the panels too (`Kept`): one token or several, in
-tiles of exactly that many tokens (`_tile_n`), each token's row the float steps above whatever
-tile holds it. So a token's products are the same bits in decode, in a batched decode step and
+Kept panels (KEPT: Q4_0, Q4_1, Q4_K, Q6_K). A type whose panel is about as large as its GGUF blocks
+is packed once per weight (`pack`, `Panels`; where the ISA converts f16 in registers, Q4_0's scales
+and Q4_1's scales and offsets stay f16, and the K-quants' stay as their blocks have them, d (and
+dmin) in f16 and a byte per scale (and min): `compact`) and decode reads the panels too (`Kept`):
+one token or several, in tiles of exactly that many tokens (`_tile_n`), each token's row the float
+steps above whatever tile holds it. So a token's products are the same bits in decode, in a batched decode step and
 in prefill, and a batch of decode tokens costs one float step per 32 values (per 16 where a type
-scales each 16) for a whole panel of rows.
+scales each 16) for a whole panel of rows. Q4_1 is WIDE: its decode rounds each token to 16 bits
+as its prefill does (`decode_x`; decode.py's `_Wide`), not to int8 as intdot's decode kernels do.
 
 The tile is written once (`_emit_tile`); an ISA only says how its lanes multiply
 (`_Mac` and its subclasses, `ISA_TILES`):
@@ -184,11 +185,18 @@ KINDS: dict[int, Kind] = {int(qt): _kind(qt) for qt in TYPES}
 # 2048 x 8192 from RAM, tools/bench_kernels.py --intdot: Q4_K 28.8 and 25.8 GB/s against intdot's
 # 15.9 and 17.4; 8 tokens 0.91 ms against 1.77; Q6_K 27.9 and 21.7 against 20.8 and 24.8, 8 tokens
 # 1.00 ms against 1.70 and 1.58: the wide shape, as ffn_down, reads slower from panels, the tall
-# one, as the output layer, faster). The other types' panels grow (one code a byte for 5 to 8
-# bits) and their products take int16 activations (WIDE), so their decode stays on intdot. (The
-# generic ISA, which converts f16 through a table, keeps f32 scales: Q4_K's panels take 192
-# bytes per 256 values, Q6_K's 256, for decode bits the same as every other ISA's.)
-KEPT = frozenset({int(QT.Q4_0), int(QT.Q4_K), int(QT.Q6_K)})
+# one, as the output layer, faster). Q4_1's nibbles and f16 d and m are 20 bytes per 32 values either
+# way; its products take 16-bit activations (WIDE), in decode too, and still cost less than intdot's
+# int8 ones, which reduce each row's 8 unit sums and pad a row's last quad (SmolLM2's 576 columns are
+# 4.5 quads). Zen 5 VM, one core, from RAM (tools/bench_kernels.py --intdot --types Q4_1), one token,
+# kept over intdot's GB/s: SmolLM2's 3072x576 (gate+up), 576x1536 (down), 960x576 (qkv) and 49152x576
+# 3.6, 2.3, 3.4, 2.4x on avx512vnni, 2.3, 1.6, 2.5, 2.4x on avxvnni, 2.6, 1.8, 2.7, 2.5x on avx2; a
+# 1B's 8192x2048 and 2048x8192 1.14-1.42x. 8 tokens: 1.2-2.7x faster, but 0.84-0.97x at the 1B shapes
+# on avxvnni and avx2 (256-bit int16 products bind them there). The other types' panels grow (one
+# code a byte for 5 to 8 bits), so their decode stays on intdot. (The generic ISA, which converts
+# f16 through a table, keeps f32 scales: Q4_1's panels take 24 bytes per 32 values, Q4_K's 192 per
+# 256, Q6_K's 256, for decode bits the same as every other ISA's.)
+KEPT = frozenset({int(QT.Q4_0), int(QT.Q4_1), int(QT.Q4_K), int(QT.Q6_K)})
 
 
 # bytes ahead of a kept panel's codes to prefetch (its scales: intdot_ir.PREFETCH). Emerald Rapids, one
@@ -204,8 +212,9 @@ KEPT_LOCALITY = 3
 
 
 def half(qtype: int, which: str) -> bool:
-    """Whether qtype's panels hold its f16 scale per 32 values as it is on ISA `which` (Q4_0, KEPT,
-    and the ISA converts f16 in registers); f32 otherwise (the generic ISA converts through a table)."""
+    """Whether qtype's panels hold its f16 scale (and offset) per 32 values as it is on ISA `which`
+    (Q4_0 and Q4_1, KEPT, and the ISA converts f16 in registers); f32 otherwise (the generic ISA
+    converts through a table)."""
     return qtype in KEPT and KINDS[qtype].sub == 1 and intdot_ir.ISA_OPS[which].fpext
 
 
@@ -506,6 +515,9 @@ def _emit_tile(builder, qtype: int, which: str, args, tokens: int | None = None)
         intdot_ir._prefetch(builder, [qb], c(KEPT_PREFETCH - intdot_ir.PREFETCH), 4 * L * groups, KEPT_LOCALITY)
         dstep = 2 * L if half(qtype, which) else COMPACT[qtype].nbytes * L // 8 if compact(qtype, which) else 4 * L
         intdot_ir._prefetch(builder, [builder.add(pd, builder.mul(b, c(dstep)))], c(0), dstep, KEPT_LOCALITY)
+        if k.offset and not compact(qtype, which):  # Q4_1's offsets, beside its scales
+            mstep = 2 * L if half(qtype, which) else 4 * L
+            intdot_ir._prefetch(builder, [builder.add(pm, builder.mul(b, c(mstep)))], c(0), mstep, KEPT_LOCALITY)
     xrows = [builder.add(builder.add(xa, builder.mul(xs, c(t))), builder.mul(b, c(64 if wide else 32)))
              for t in range(nt)]
     dxs = [scalar(da, t, b4, _F32) for t in range(nt)]
@@ -538,9 +550,9 @@ def _emit_tile(builder, qtype: int, which: str, args, tokens: int | None = None)
             totals = [mac.end(functools.reduce(builder.add, i), tot) for i, tot in zip(ints, totals)]
         at = builder.mul(b, c(4 * L * units))
         mw = None
-        if half(qtype, which):  # f16 scales (KEPT), exact in f32
-            h = builder.load(_at(builder, builder.add(pd, builder.mul(b, c(2 * L))), 0, _vty(L, _I16)), align=2)
-            d = builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), L)), vf)
+        if half(qtype, which):  # f16 scales (and offsets: Q4_1), exact in f32
+            d = _halves(builder, pd, b, L)
+            mw = _halves(builder, pm, b, L) if k.offset else None
         elif compact(qtype, which):  # d * sc and -(dmin * mn) of this unit of its K block, as the packer forms them
             d, mw = _compact_scales(builder, COMPACT[qtype], pd, b, u, units, L)
         else:
@@ -569,6 +581,13 @@ def _emit_tile(builder, qtype: int, which: str, args, tokens: int | None = None)
         with builder.if_then(builder.icmp_signed("<", c(t), ntv)):
             p = builder.inttoptr(builder.add(oa, builder.mul(ostride, c(t))), i8p)
             builder.call(store, [new[t], p, ir.Constant(_I32, 4), valid])
+
+
+def _halves(builder, base, b, L: int):
+    """Block b's L f16 values (a `half` panel's scales or offsets, one per row) as f32, exactly."""
+    h = builder.load(_at(builder, builder.add(base, builder.mul(b, ir.Constant(_I64, 2 * L))), 0, _vty(L, _I16)),
+                     align=2)
+    return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), L)), _vty(L, _F32))
 
 
 def _compact_scales(builder, cp: Compact, pd, b, u: int, units: int, L: int):
@@ -648,9 +667,11 @@ def _emit_pack(builder, qtype: int, which: str, args) -> None:
         # the next panel's block (its rows follow these): the rows are read across, a block of each at
         # a time, which the hardware prefetchers do not follow from one panel into the next
         intdot_ir._prefetch(builder, [s], builder.sub(builder.mul(rstride, c(P)), c(intdot_ir.PREFETCH)), 1)
-        di, mi = builder.add(pd, c(i * db)), builder.add(pm, c(i * 4))
-        if half(qtype, which):  # the block's f16 scale as it is (KEPT: no offset, one unit)
+        di, mi = builder.add(pd, c(i * db)), builder.add(pm, c(i * db))
+        if half(qtype, which):  # the block's f16 scale (and offset) as it is (KEPT: one unit)
             store(di, 0, intdot_ir._load(builder, s, L.chunks[0].lo.d, _I16), c(2 * P))
+            if k.offset:
+                store(mi, 0, intdot_ir._load(builder, s, L.chunks[0].lo.m, _I16), c(2 * P))
             ws, wm = [], None
         elif compact(qtype, which):  # pd: this block's scale bytes in the panel (`compact`)
             _pack_compact(builder, em, COMPACT[qtype], s, pd, c(i), c(P))
@@ -789,7 +810,7 @@ class Panels(NamedTuple):
 
     q: np.ndarray  # (panels, blocks * groups * P) uint32
     d: np.ndarray  # (panels, blocks * units * P): f16 bits as uint16 (`half`), else f32; `compact`: uint8
-    m: np.ndarray  # (panels, blocks * units * P) f32 offsets, or (panels, 1) unused
+    m: np.ndarray  # (panels, blocks * units * P) offsets: f16 bits (`half`: Q4_1), else f32; or (panels, 1) unused
     rows: int  # of the weight; the last panel repeats its last row
     nb: int  # blocks of 32 per row
 
@@ -819,7 +840,7 @@ def _packer(qtype: int, which: str):
                 at = kb * SUB * UNITS * P
                 sd = b + kb * CBYTES * P if PACKED else b + at * DB  # (compact: the block's scale bytes)
                 _pack_block(KIND, which, w.ctypes.data + p * P * w.shape[1] + kb * BSZ, w.shape[1], m,
-                            a + kb * SUB * GROUPS * P * 4, sd, c + at * 4, tab.ctypes.data)
+                            a + kb * SUB * GROUPS * P * 4, sd, c + at * DB, tab.ctypes.data)
 
     return pack
 
@@ -835,7 +856,8 @@ def pack(qtype: int, data: np.ndarray, tab: np.ndarray, which: str | None = None
         d, m = np.empty((n, nb // k.sub * COMPACT[qtype].nbytes * P), np.uint8), np.empty((n, 1), np.float32)
     else:
         d = np.empty((n, nb * k.units * P), np.uint16 if half(qtype, which) else np.float32)
-        m = np.empty((n, nb * k.units * P if k.offset else 1), np.float32)
+        m = np.empty((n, nb * k.units * P if k.offset else 1), np.uint16 if half(qtype, which) and k.offset
+                     else np.float32)
     if rows:
         _packer(qtype, which)(data, tab, q, d, m)
     return Panels(q, d, m, rows, nb)
@@ -900,18 +922,27 @@ def _kept(qtype: int, which: str):
     return run
 
 
+def decode_x(qtype: int, x: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Decode tokens x (n, cols) f32 as kept panels of qtype read them: intdot.rounded_rows(x), the
+    int8 rounding decode's steps fill, or, for a WIDE type (Q4_1), quantized(x, True), its 16 bits."""
+    return quantized(x, True) if KINDS[qtype].wide else intdot.rounded_rows(x)
+
+
 class Kept:
     """out[t, starts[i] : starts[i] + rows_i] = W_i . x[t] for t < n, for weights of one KEPT type
     that read the same tokens (q, k and v; gate and up), from their panels, in one kernel call.
-    x is an intdot.Rounded.rows (decode: the rounding steps fill it) or quantized()'s tuple
-    (prefill). The panels, x and out must outlive it; each token's row is the same bits
-    whichever n, and the bits prefill (matmul) gives it."""
+    x is an intdot.Rounded.rows (decode of an int8 type: the rounding steps fill it) or
+    quantized()'s tuple (prefill, and decode of a WIDE type: `decode_x`). The panels, x and out
+    must outlive it; each token's row is the same bits whichever n, and the bits prefill (matmul)
+    gives it."""
 
     def __init__(self, qtype: int, panels: list[Panels], x: tuple[np.ndarray, ...], out: np.ndarray,
                  starts: list[int], which: str | None = None) -> None:
         which = which or isa.current()
         nb = panels[0].nb
         self.rounded = isinstance(x, intdot.Rounded)  # else quantized()'s (qx, dx, sums, sums16)
+        if self.rounded and KINDS[qtype].wide:
+            raise ValueError(f"kept {QT(qtype).name} panels read 16-bit activations (decode_x), not int8 rounding")
         self.n = min(x[0].shape[0], out.shape[0])
         if any(p.nb != nb for p in panels) or x[0].shape[1] < nb * 32 or out.dtype != np.float32 or out.ndim != 2 \
                 or not out.flags.c_contiguous:
@@ -1026,6 +1057,12 @@ def wide(qtype: int) -> bool:
 # ---------------------------------------------------------------- availability
 
 
+def _unpermuted(qx: np.ndarray, wide: bool) -> np.ndarray:
+    """quantized()'s codes (n, cols) in column order: quantize16 stores each 4 as (0, 2, 1, 3)."""
+    n, cols = qx.shape
+    return qx.reshape(n, cols // 4, 4)[..., [0, 2, 1, 3]].reshape(n, cols) if wide else qx
+
+
 def _probe(tab: np.ndarray) -> bool:
     """Every kind on an odd shape (rows and tokens past a whole tile) against gguf-py's
     dequantized weights times the rounded activations, in float64."""
@@ -1034,8 +1071,7 @@ def _probe(tab: np.ndarray) -> bool:
     x = rng.standard_normal((n, cols)).astype(np.float32)
     for qtype, k in KINDS.items():
         xq = quantized(x, k.wide)
-        q = xq[0][:n].reshape(n, cols // 32, 8, 4)
-        q = (q[..., [0, 2, 1, 3]] if k.wide else q).reshape(n, cols // 32, 32)
+        q = _unpermuted(xq[0][:n], k.wide).reshape(n, cols // 32, 32)
         xr = (q * xq[1][:n, :, None].astype(np.float64)).reshape(n, cols)
         w = rng.integers(0, 256, (rows, cols // (32 * k.sub), k.nbytes), dtype=np.uint8)
         for at in k.halves:  # finite scales
@@ -1070,8 +1106,8 @@ def _probe_kept(qtype: int, tab: np.ndarray) -> bool:
     p = pack(qtype, w, tab)
     Kept(qtype, [p], xq, many, [0])(n, False)
     one = np.full((1, rows), np.nan, np.float32)
-    Kept(qtype, [p], intdot.rounded_rows(x[n - 1 :]), one, [0])(1, True)
-    xr = xq[0][:n].astype(np.float64) * np.repeat(xq[1][:n], 32, axis=1)
+    Kept(qtype, [p], decode_x(qtype, x[n - 1 :]), one, [0])(1, True)
+    xr = _unpermuted(xq[0][:n], k.wide).astype(np.float64) * np.repeat(xq[1][:n], 32, axis=1)
     wr = gguf.quants.dequantize(w, QT(qtype)).reshape(rows, cols).astype(np.float64)
     return (np.array_equal(one.view(np.uint32), many[n - 1 :].view(np.uint32))
             and bool(np.all(np.abs(many - xr @ wr.T) <= 1e-5 * (np.abs(xr) @ np.abs(wr).T))))

@@ -4,7 +4,7 @@ A `Weight` is a (rows, row_bytes) uint8 view of the bytes exactly as the
 GGUF file stores them (usually a read-only memmap), tagged with its qtype.
 Kernels in `kernels.py` and `intdot.py` compute on those bytes directly; `deq.py`
 dequantizes rows of any type (prefill, and products of types without a decode
-kernel). Q4_0, Q4_K and Q6_K weights are also packed once into panels (`panels`, intgemm.KEPT),
+kernel). Q4_0, Q4_1, Q4_K and Q6_K weights are also packed once into panels (`panels`, intgemm.KEPT),
 which their decode and prefill both read: a second copy in memory of about the same size,
 while the file's pages stay in the page cache, clean and reclaimable.
 
@@ -230,7 +230,7 @@ _panels_lock = threading.Lock()
 
 def kept(w: Weight) -> bool:
     """True when w's products, decode's and prefill's alike, run on panels packed once and kept
-    (intgemm.KEPT: Q4_0, Q4_K and Q6_K, whose panels are about as large as their blocks)."""
+    (intgemm.KEPT: Q4_0, Q4_1, Q4_K and Q6_K, whose panels are about as large as their blocks)."""
     return int8_decode() and intgemm.kept(w.qtype)
 
 
@@ -265,7 +265,9 @@ def matvec(w: Weight, x: np.ndarray | Batch, out: np.ndarray) -> None:
     x = x.x[0] if batch is not None else x
     check_io(w, x, out, None)
     use_threads()
-    if kept(w):
+    if kept(w) and intgemm.wide(w.qtype):  # 16-bit activations (Q4_1): prefill's rounding of the one token
+        intgemm.Kept(w.qtype, [panels(w)], (batch or Batch(x[None])).ints(True), out[None], [0])(1, threads() == 1)
+    elif kept(w):
         _kept_one(w, (batch or Batch(x[None])).token(), out)
     elif int8_kernel(w, int8_decode()):
         intdot.matvec(w.qtype, w.data, (batch or Batch(x[None])).token(), out, threads() == 1)
@@ -366,7 +368,8 @@ def matmul(w: Weight, x: np.ndarray | Batch, out: np.ndarray) -> None:
     # attention's BLAS products follow, on either path: OpenBLAS's own threads would fight ours
     _openblas_single_thread()
     if kept(w) and intgemm.available():  # decode's bits for each token (generic: sgemm, as for every type)
-        intgemm.Kept(w.qtype, [panels(w)], (batch or Batch(x)).ints(False), out, [0])(x.shape[0], threads() == 1)
+        intgemm.Kept(w.qtype, [panels(w)], (batch or Batch(x)).ints(intgemm.wide(w.qtype)), out, [0])(
+            x.shape[0], threads() == 1)
         return
     if w.qtype in intgemm.KINDS and intgemm.available():  # every ISA: the same bits on each
         xq = (batch or Batch(x)).ints(intgemm.wide(w.qtype))

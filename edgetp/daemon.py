@@ -428,6 +428,8 @@ class Roles:
                        f"{strike.until - now:.0f} s: {cause}")
             log.warning("%s", message)
             self.engine.bus.publish(events.ClusterEvent("error", message, names.get(address), self.membership.epoch))
+            if isinstance(exc, LinkClosed) and address in names:  # its link failed: did it leave unheard?
+                self.membership.recheck(names[address], f"a plan could not use its data port ({cause})")
 
         try:
             runner = await connect_around(

@@ -4,7 +4,8 @@ daemons on loopback, real zeroconf.
 1. A forged advert (the public cluster id, no key, top priority, the model's fingerprint, pointing at a
    real node's ports) is listed as foreign and never becomes root; requests keep their right text.
    Forged mDNS goodbyes (unsigned: anyone on the LAN can send one) for a serving member change
-   nothing, while a member that really leaves is gone at once, not after the loss timeout.
+   nothing, while a member that really leaves is gone at once, not after the loss timeout; so is one
+   killed outright (no goodbye), once a plan finds its ports refusing.
 2. The preferred root is killed and restarted: it rejoins and leads again, the other node following
    it as a worker, and nothing else is restarted.
 """
@@ -99,7 +100,9 @@ def test_a_forged_advert_never_leads_and_a_rebooted_preferred_root_leads_again(s
         for _ in range(3):  # it stays foreign: never elected, never planned over, never forwarded to
             assert roots(url["a"], url["b"]) == ["node-a", "node-a"]
             assert stream(url["b"]) == expected
-            assert state(url["b"]) == "foreign" and state(url["a"]) == "foreign"
+            # (or forgotten: a foreign advert 60 s without news is dropped, and the first plan, loading and
+            # compiling on a busy machine, can take that long)
+            assert state(url["b"]) in ("foreign", None) and state(url["a"]) in ("foreign", None)
             assert sorted(n["node_id"] for n in view(url["a"])["nodes"] if n["stage"] is not None) == ["node-a", "node-b"]
 
         # 1b. forged goodbyes for node-b while it serves: it is asked, does not say it is leaving, and stays
@@ -122,13 +125,25 @@ def test_a_forged_advert_never_leads_and_a_rebooted_preferred_root_leads_again(s
         procs["c"][0].send_signal(signal.SIGTERM)
         assert procs["c"][0].wait(15) == 0
         wait_for(lambda: stream(url["b"], timeout=30) == expected and "node-c" not in members(url["a"]), 60,
-                 "node-c gone from the root's plan by its goodbye (the next request re-plans)")
+                 "node-c gone from the root's plan by its goodbye, or by the next plan's question (the next "
+                 "request re-plans)")
+
+        # 1d. a member killed outright neither says goodbye nor answers "leaving": the next plan finds its data
+        # port refusing, asks it, finds its HTTP port refusing too, and it is gone, not after 10 minutes
+        procs["d"] = start_daemon(stories_path, key, "node-d")
+        wait_for(lambda: stream(url["b"]) == expected and "node-d" in members(url["a"]), 60, "node-d planned in")
+        procs["d"][0].kill()
+        procs["d"][0].wait()
+        wait_for(lambda: stream(url["b"], timeout=30) == expected and "node-d" not in members(url["a"]), 60,
+                 "node-d gone from the root's plan once a plan could not reach it")
 
         # 2. the preferred root is killed; node-b leads in a later epoch and serves
         procs["a"][0].kill()
         procs["a"][0].wait()
-        assert "an mDNS goodbye for node-b, which does not say it is leaving: ignored" in procs["a"][0].stderr.read(), \
+        said = procs["a"][0].stderr.read()
+        assert "an mDNS goodbye for node-b, which does not say it is leaving: ignored" in said, \
             "the forged goodbyes of 1b never reached node-a: 1b tested nothing"
+        assert "node-d left: asked because a plan could not use its data port" in said, said[-3000:]
         wait_for(lambda: view(url["b"])["root"] == "node-b", 15, "node-b takes over")
         assert stream(url["b"]) == expected
         b_epoch = view(url["b"])["epoch"]

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import socket
 import time
 
 import pytest
 from aiohttp import web
 
 from edgetp.cluster import peering
-from edgetp.cluster.discovery import Joined, PeerAdvert, sign
+from edgetp.cluster.discovery import Joined, Left, PeerAdvert, sign
 from edgetp.cluster.membership import GOODBYE_ASKS, Membership
 from edgetp.net.auth import cluster_id
 
@@ -121,3 +122,51 @@ async def test_a_member_whose_answers_stay_unclear_is_asked_for_a_bounded_time_a
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def rechecked(m: Membership, node: str, why: str) -> None:
+    """m.recheck(node, why), its question run to the end in a task group as run()'s would."""
+    async with asyncio.TaskGroup() as tg:
+        m._tasks = tg
+        m.recheck(node, why)
+    m._tasks = None
+
+
+async def test_a_member_a_plan_cannot_reach_is_asked_and_gone_when_its_port_refuses(caplog):
+    """Killed outright, a node sends no goodbye and never answers "leaving": its HTTP port refuses. The
+    plan that finds its data port refusing asks, and it is gone then, not after the loss timeout."""
+    with socket.socket() as closed:  # bound, never listening: the kernel refuses every connection
+        closed.bind(("127.0.0.1", 0))
+        m, node = member_of(closed.getsockname()[1])
+        await asyncio.wait_for(rechecked(m, node, "a plan could not use its data port (refused)"), 30)
+    assert not m.table.alive(m.peer(node))
+    assert node not in {p.node_id for p in m.usable()}
+    assert "pi-1 left: asked because a plan could not use its data port (refused)" in caplog.text
+
+
+async def test_a_member_a_plan_cannot_reach_that_still_answers_is_kept_and_asked_once():
+    """Its data port failed for another reason (busy, a firewall): it serves heartbeats, so it stays a
+    member, and the plan's backoff decides when its data port is tried again."""
+    asked = 0
+
+    async def serving(request: web.Request) -> web.Response:
+        nonlocal asked
+        asked += 1
+        return web.json_response({"advert": {}, "proof": ""})
+
+    runner, port = await http_peer(serving)
+    try:
+        m, node = member_of(port)
+        await asyncio.wait_for(rechecked(m, node, "a plan could not use its data port (reset)"), 30)
+        assert asked == 1
+        assert m.table.alive(m.peer(node))
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_recheck_of_no_live_member_asks_nothing():
+    m, node = member_of(1)
+    await rechecked(m, "pi-2", "unknown")  # never a member
+    m.table.apply(Left(node))
+    await rechecked(m, node, "gone already")
+    assert not m._goodbyes and m.peer("pi-2") is None

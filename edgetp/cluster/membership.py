@@ -18,7 +18,8 @@
   node shutting its HTTP server down between its goodbye and its exit, or
   its loop held by a compile) is
   asked again, a few times; still unclear, its heartbeats decide, as for any
-  member.
+  member. A plan that cannot reach a member's data port asks it the same
+  question (`recheck`): a node killed outright sends no goodbye.
 - Joins and changed figures reach the plan once the usable set has been quiet
   for `settle` seconds (debounced: a burst of changes is one re-plan); a loss
   counts at once, the loss timeout being its debounce.
@@ -89,8 +90,8 @@ class Membership:
         self._figures: dict[str, tuple] = {}         # their plan inputs when settled
         self._stirred = asyncio.Event()              # the raw usable set changed
         self.leaving = False                         # set before our goodbye: heartbeats get a 503 "leaving"
-        self._goodbyes: set[str] = set()             # live peers said to have left, being asked
-        self._tasks: asyncio.TaskGroup | None = None  # run()'s, for the goodbyes' questions
+        self._goodbyes: set[str] = set()             # live peers being asked whether they left
+        self._tasks: asyncio.TaskGroup | None = None  # run()'s, for those questions
 
     @property
     def leader(self) -> str | None:
@@ -147,9 +148,7 @@ class Membership:
         node_id = ev.node_id if isinstance(ev, Left) else ev.advert.node_id
         peer = self.peer(node_id)
         if isinstance(ev, Left) and peer is not None and self.table.alive(peer):
-            if node_id not in self._goodbyes and self._tasks is not None:  # unsigned: anyone can send one
-                self._goodbyes.add(node_id)
-                self._tasks.create_task(self._goodbye(peer), name=f"goodbye-{node_id}")
+            self._question(peer, "goodbye")  # unsigned: anyone can send one
             return
         known = self.peer(node_id) is not None
         if not self.table.apply(ev):
@@ -164,14 +163,32 @@ class Membership:
                                                      "mem_free": ev.advert.mem_free}))
         self._stir()
 
-    async def _goodbye(self, peer: Peer) -> None:
-        """An mDNS goodbye for a live peer. It carries no signature, so the peer is asked at once: gone if
-        it says it is leaving or its port refuses, kept if it answers otherwise (the goodbye forged or
-        stale). An unclear answer is asked again, GOODBYE_ASKS times in all: a node that really leaves
-        sends its goodbye while its HTTP server still runs, then shuts it, and a question arriving in
-        that moment gets its connection reset, or no answer in time while a compile holds its loop.
-        (Taken as "kept", the node stayed planned over until the loss timeout, when every other goodbye
-        packet had already been heard.)"""
+    def recheck(self, node_id: str, why: str) -> None:
+        """A plan could not reach a live member (`why`): ask it now, as its goodbye would, rather than plan
+        around it until the loss timeout. A member that left and whose goodbye was lost (multicast drops
+        packets; a node may exit before its last one is sent) is then gone at the next plan; one that
+        answers stays, and the plan's backoff decides when its data port is tried again. Call it on the
+        membership's event loop; it returns at once (the question runs in run()'s task group)."""
+        peer = self.peer(node_id)
+        if peer is not None and self.table.alive(peer):
+            self._question(peer, why)
+
+    def _question(self, peer: Peer, prompt: str) -> None:
+        """Ask `peer` whether it left (_goodbye), once at a time; `prompt` is "goodbye" for an mDNS goodbye,
+        else why it is asked."""
+        if peer.node_id not in self._goodbyes and self._tasks is not None:
+            self._goodbyes.add(peer.node_id)
+            self._tasks.create_task(self._goodbye(peer, prompt), name=f"goodbye-{peer.node_id}")
+
+    async def _goodbye(self, peer: Peer, prompt: str = "goodbye") -> None:
+        """Whether a live peer left, asked at once when an mDNS goodbye names it (it carries no signature)
+        or a plan could not reach it: gone if it says it is leaving or its port refuses, kept if it answers
+        otherwise (a goodbye forged or stale; a data port that failed for another reason). An unclear
+        answer is asked again, GOODBYE_ASKS times in all: a node that really leaves sends its goodbye
+        while its HTTP server still runs, then shuts it, and a question arriving in that moment gets its
+        connection reset, or no answer in time while a compile holds its loop. (Taken as "kept", the
+        node stayed planned over until the loss timeout, when every other goodbye packet had already
+        been heard.)"""
         try:
             gone = None
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.heartbeat)) as session:
@@ -180,14 +197,22 @@ class Membership:
                         await asyncio.sleep(GOODBYE_GAP_S)
                     if (gone := await self._says_gone(session, peer)) is not None:
                         break
-            if not gone:
-                log.warning("an mDNS goodbye for %s, which does not say it is leaving: ignored (%s)", peer.node_id,
-                            "forged or stale" if gone is False else "no clear answer; its heartbeats decide")
-            elif self.table.apply(Left(peer.node_id)):
+            if gone and self.table.apply(Left(peer.node_id)):
+                if prompt != "goodbye":
+                    log.warning("%s left: asked because %s, it says it is leaving or its port refuses",
+                                peer.node_id, prompt)
                 self.publish(events.ClusterEvent("leave", f"{peer.node_id} left", peer.node_id))
                 self._stir()
-        except Exception:  # noqa: BLE001 - a goodbye must not end the membership's task group
-            log.exception("checking a goodbye for %s failed", peer.node_id)
+            elif not gone:
+                verdict = "forged or stale" if gone is False else "no clear answer; its heartbeats decide"
+                if prompt == "goodbye":
+                    log.warning("an mDNS goodbye for %s, which does not say it is leaving: ignored (%s)",
+                                peer.node_id, verdict)
+                else:
+                    log.info("%s kept: asked because %s, %s", peer.node_id, prompt,
+                             "it answers" if gone is False else verdict)
+        except Exception:  # noqa: BLE001 - a question must not end the membership's task group
+            log.exception("asking %s whether it left failed", peer.node_id)
         finally:
             self._goodbyes.discard(peer.node_id)
 

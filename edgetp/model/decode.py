@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 _JIT = dict(cache=True, nogil=True)
 _NO_NORM = np.zeros(0, np.float32)  # a layer without q/k norms
+_NO16 = (np.zeros((0, 32), np.int16), np.zeros((0, 1), np.float32), np.zeros((0, 1), np.int32))  # no 16-bit rounding
 
 
 class Matvecs:
@@ -40,10 +41,12 @@ class Matvecs:
     one x (rows, cols) f32 (and its rounding xr, which the step before fills): per layout one integer
     kernel call (the single-token kernel for one token, the several-token one for more), float
     kernels for the rest, token by token. `out`, if given, is the (rows, sum of the weights' rows)
-    buffer to write (matvecs that never run at once may share one)."""
+    buffer to write (matvecs that never run at once may share one). `x16`, if given, is x's 16-bit
+    rounding (intgemm.quantized's tuple) that the step before fills for a WIDE type's kept panels
+    (`rounds16`); without it they round x themselves (_Wide)."""
 
     def __init__(self, ws: list[quant.Weight], x: np.ndarray, xr: intdot.Rounded, int8: bool,
-                 out: np.ndarray | None = None, at: int = 0) -> None:
+                 out: np.ndarray | None = None, at: int = 0, x16: tuple[np.ndarray, ...] | None = None) -> None:
         starts = at + np.cumsum([0] + [w.rows for w in ws])  # their columns of out (given, or their own)
         self.out = np.empty((x.shape[0], int(starts[-1])), np.float32) if out is None else out
         self.views = [self.out[:, a:b] for a, b in zip(starts[:-1], starts[1:])]
@@ -51,6 +54,7 @@ class Matvecs:
         self.tokens: list[intdot.TokenProducts] = []  # tokens 0..n-1
         self.kept: list[intgemm.Kept | _Wide] = []  # tokens 0..n-1, on kept panels
         self.floats: list[tuple[quant.Weight, np.ndarray, np.ndarray]] = []
+        self.rounds16 = False  # whether the step before must round x to 16 bits into x16
         by_type: dict[int, list[int]] = {}
         for i, w in enumerate(ws):
             quant.check_io(w, x[0], self.views[i][0], None)
@@ -62,7 +66,10 @@ class Matvecs:
             data, at = [ws[i].data for i in idx], [int(starts[i]) for i in idx]
             if quant.kept(ws[idx[0]]):
                 panels = [quant.panels(ws[i]) for i in idx]
-                if intgemm.wide(t):  # 16-bit activations (Q4_1), rounded from x by each call
+                if intgemm.wide(t) and x16 is not None:  # 16-bit activations (Q4_1), the step before's
+                    self.kept.append(intgemm.Kept(t, panels, x16, self.out, at))
+                    self.rounds16 = True
+                elif intgemm.wide(t):  # rounded from x by each call
                     self.kept.append(_Wide(t, panels, x, self.out, at))
                 else:
                     self.kept.append(intgemm.Kept(t, panels, xr, self.out, at))
@@ -70,8 +77,8 @@ class Matvecs:
             self.products.append(intdot.Products(t, data, xr.row(0), self.out[0], at))
             if x.shape[0] > 1:
                 self.tokens.append(intdot.TokenProducts(t, data, xr, self.out, at))
-        # whether the step before must round x to int8 (a _Wide rounds its own)
-        self.rounds = bool(self.products or any(not isinstance(p, _Wide) for p in self.kept))
+        # whether the step before must round x to int8 (16-bit kept panels read x16; a _Wide rounds its own)
+        self.rounds = bool(self.products or any(not isinstance(p, _Wide) and p.rounded for p in self.kept))
 
     def __call__(self, n: int, serial: bool) -> None:
         for p in self.kept:
@@ -86,8 +93,9 @@ class Matvecs:
 
 
 class _Wide:
-    """Kept panels of a WIDE type (Q4_1): each call rounds its n rows of x to 16 bits (intgemm.quantize16,
-    as prefill rounds them) before the products, so a token's row is the bits prefill gives it."""
+    """Kept panels of a WIDE type (Q4_1) given no x16 (a mixture's experts): each call rounds its n rows
+    of x to 16 bits (intgemm.quantize16, as prefill rounds them) before the products, so a token's row
+    is the bits prefill gives it."""
 
     def __init__(self, qtype: int, panels: list[intgemm.Panels], x: np.ndarray, out: np.ndarray,
                  starts: list[int]) -> None:
@@ -106,12 +114,13 @@ class _Split:
     out, so that a reduce can send each piece while the next computes. Each row's result is its bits
     whole: a row's dot product does not depend on the rows beside it."""
 
-    def __init__(self, w: quant.Weight, x: np.ndarray, xr: intdot.Rounded, int8: bool, cuts: tuple[int, ...]) -> None:
+    def __init__(self, w: quant.Weight, x: np.ndarray, xr: intdot.Rounded, int8: bool, cuts: tuple[int, ...],
+                 x16: tuple[np.ndarray, ...] | None = None) -> None:
         self.out = np.empty((x.shape[0], w.rows), np.float32)
         self.cuts = cuts if cuts[-1] == w.rows else (0, w.rows)
-        self.parts = [Matvecs([quant.row_piece(w, a, b)], x, xr, int8, self.out, a)
+        self.parts = [Matvecs([quant.row_piece(w, a, b)], x, xr, int8, self.out, a, x16)
                       for a, b in zip(self.cuts[:-1], self.cuts[1:])]
-        self.rounds = self.parts[0].rounds
+        self.rounds, self.rounds16 = self.parts[0].rounds, self.parts[0].rounds16
         self.products = [q for part in self.parts for q in part.products]  # its integer kernel calls: one token
         self.tokens = [q for part in self.parts for q in part.tokens]  # several
         self.kept = [q for part in self.parts for q in part.kept]  # any number, on kept panels
@@ -127,22 +136,22 @@ class _Split:
 class _LayerPlan:
     """One layer's matvecs and the views of their outputs, (rows, width) each."""
 
-    def __init__(self, shard: Shard, layer: Layer, h: np.ndarray, r: dict[str, intdot.Rounded], int8: bool,
-                 cuts: tuple[int, ...]) -> None:
+    def __init__(self, shard: Shard, layer: Layer, h: np.ndarray, r: dict[str, intdot.Rounded],
+                 r16: dict[str, tuple[np.ndarray, ...]], int8: bool, cuts: tuple[int, ...]) -> None:
         hd = shard.w.cfg.head_dim
         self.layer = layer
         self.qkv = self.o = self.gate_up = self.down = self.moe = None
         if shard.n_kv:
-            self.qkv = Matvecs([layer.wq, layer.wk, layer.wv], h, r["h"], int8)
+            self.qkv = Matvecs([layer.wq, layer.wk, layer.wv], h, r["h"], int8, x16=r16["h"])
             self.q, self.k, self.v = self.qkv.views
             self.att = np.empty((h.shape[0], shard.n_heads * hd), np.float32)
-            self.o = _Split(layer.wo, self.att, r["att"], int8, cuts)
+            self.o = _Split(layer.wo, self.att, r["att"], int8, cuts, r16["att"])
         if shard.n_ffn and layer.moe is not None:  # a mixture: its experts, a token at a time
             self.moe = _Experts(layer.moe, h.shape[0], shard.w.cfg.dim, int8)
         elif shard.n_ffn:
-            self.gate_up = Matvecs([layer.w_gate, layer.w_up], h, r["h"], int8)
+            self.gate_up = Matvecs([layer.w_gate, layer.w_up], h, r["h"], int8, x16=r16["h"])
             self.gate, self.up = self.gate_up.views
-            self.down = _Split(layer.w_down, self.gate_up.out[:, : shard.n_ffn], r["gate"], int8, cuts)
+            self.down = _Split(layer.w_down, self.gate_up.out[:, : shard.n_ffn], r["gate"], int8, cuts, r16["gate"])
 
 
 class _Experts:
@@ -203,7 +212,7 @@ class _Experts:
                 np.take(src, rows, axis=0, out=got[:m], mode="clip")
             down = self.down[x]
             gu(m, serial)
-            _glu(gu.out[:m], gu.views[0].shape[1], geglu, down.rounds, *self.rg)
+            _glu(gu.out[:m], gu.views[0].shape[1], geglu, down.rounds, *self.rg, False, *_NO16)
             down(m, serial)
             _weigh(down.out, rows, self.slot_of[a:b], self.w, self.parts)
         shared = self.no_shared[:n]
@@ -211,7 +220,7 @@ class _Experts:
             moe.shared_gate(self.shared, hn, self.g[:n])
             gu, down = self.sh_gate_up, self.sh_down
             gu(n, serial)
-            _glu(gu.out[:n], gu.views[0].shape[1], geglu, down.rounds, *self.rs)
+            _glu(gu.out[:n], gu.views[0].shape[1], geglu, down.rounds, *self.rs, False, *_NO16)
             down(n, serial)
             shared = down.out[:n]
         _experts_sum(self.parts, shared, self.g, self.shared is not None, self.out[:n])
@@ -232,11 +241,14 @@ class Plan:
         cfg = shard.w.cfg
         self.h = np.empty((rows, cfg.dim), np.float32)       # normed x, what q/k/v and gate/up read
         self.zeros = np.zeros((rows, cfg.dim), np.float32)   # the partial of a half this shard has no share of
-        shape = intdot.Rounded.rows
-        self.r = {"h": shape(rows, cfg.dim), "att": shape(rows, max(shard.n_heads, 1) * cfg.head_dim),
-                  "gate": shape(rows, max(shard.n_ffn, 32))}  # (empty halves round nothing)
+        widths = {"h": cfg.dim, "att": max(shard.n_heads, 1) * cfg.head_dim, "gate": max(shard.n_ffn, 32)}
+        self.r = {k: intdot.Rounded.rows(rows, c) for k, c in widths.items()}  # (empty halves round nothing)
+        # the 16-bit roundings a WIDE type's kept panels read (Q4_1), filled by the same steps
+        self.r16 = {k: intgemm.quantized(np.zeros((rows, -(-c // 32) * 32), np.float32), True)
+                    for k, c in widths.items()}
         self.cuts = passes.cuts(cfg.dim, shard.sync_pieces)  # of every partial, when a step goes in pieces
-        self.layers = [_LayerPlan(shard, layer, self.h, self.r, int8, self.cuts) for layer in shard.w.layers]
+        self.layers = [_LayerPlan(shard, layer, self.h, self.r, self.r16, int8, self.cuts)
+                       for layer in shard.w.layers]
 
     def forward(self, x: np.ndarray, pos: int, slot: int = 0) -> np.ndarray:
         """One token x (1, dim) at position pos of KV slot `slot`."""
@@ -255,6 +267,7 @@ class Plan:
         serial = threads == 1
         h, eps = self.h[:n], cfg.norm_eps
         rh, ra, rg = self.r["h"], self.r["att"], self.r["gate"]
+        wh, wa, wg = (self.r16[k][:3] for k in ("h", "att", "gate"))
         zeros = self.zeros[:n]
         cuts = self.cuts if passes.pieced(n, cfg.dim, s.sync_pieces) else None  # None: whole partials
         partial = zeros  # the sum x has yet to get (none before the first layer)
@@ -262,11 +275,11 @@ class Plan:
         for i, p in enumerate(self.layers):
             layer = p.layer
             if p.qkv is None:
-                _add_norm(x, partial, post, layer.attn_norm, eps, h, i > 0, False, *rh)
+                _add_norm(x, partial, post, layer.attn_norm, eps, h, i > 0, False, *rh, False, *wh)
                 partial, fill = zeros, _computed
                 partial.fill(0.0)
             else:
-                _add_norm(x, partial, post, layer.attn_norm, eps, h, i > 0, p.qkv.rounds, *rh)
+                _add_norm(x, partial, post, layer.attn_norm, eps, h, i > 0, p.qkv.rounds, *rh, p.qkv.rounds16, *wh)
                 p.qkv(n, serial)
                 if layer.bq is not None:
                     p.q[:n] += layer.bq
@@ -277,21 +290,23 @@ class Plan:
                 cos, sin = (s.cos_swa, s.sin_swa) if local else (s.cos, s.sin)
                 _attention(p.q[:n], p.k[:n], p.v[:n], s.k_bits[i], s.v_bits[i], slots, positions, qn, kn, eps,
                            cos, sin, cfg.rope_dims, cfg.rope_neox, cfg.group_size, cfg.attn_scale,
-                           cfg.swa_window if local else 0, cfg.attn_softcap, p.att[:n], threads, p.o.rounds, *ra)
+                           cfg.swa_window if local else 0, cfg.attn_softcap, p.att[:n], threads, p.o.rounds, *ra,
+                           p.o.rounds16, *wa)
                 partial, fill = p.o.out[:n], _start(p.o, n, serial, cuts is not None)
             yield partial if cuts is None else passes.Pieces(partial, cuts, fill)
             post = _NO_NORM if layer.attn_post_norm is None else layer.attn_post_norm
             if p.moe is not None:  # routed together, each row the bits of its token alone
-                _add_norm(x, partial, post, layer.ffn_norm, eps, h, True, False, *rh)
+                _add_norm(x, partial, post, layer.ffn_norm, eps, h, True, False, *rh, False, *wh)
                 partial, fill = p.moe(h, cfg.geglu, s.expert_hits[i], serial), _computed
             elif p.gate_up is None:
-                _add_norm(x, partial, post, layer.ffn_norm, eps, h, True, False, *rh)
+                _add_norm(x, partial, post, layer.ffn_norm, eps, h, True, False, *rh, False, *wh)
                 partial, fill = zeros, _computed
                 partial.fill(0.0)
             else:
-                _add_norm(x, partial, post, layer.ffn_norm, eps, h, True, p.gate_up.rounds, *rh)
+                _add_norm(x, partial, post, layer.ffn_norm, eps, h, True, p.gate_up.rounds, *rh,
+                          p.gate_up.rounds16, *wh)
                 p.gate_up(n, serial)
-                _glu(p.gate_up.out[:n], p.gate.shape[1], cfg.geglu, p.down.rounds, *rg)
+                _glu(p.gate_up.out[:n], p.gate.shape[1], cfg.geglu, p.down.rounds, *rg, p.down.rounds16, *wg)
                 partial, fill = p.down.out[:n], _start(p.down, n, serial, cuts is not None)
             yield partial if cuts is None else passes.Pieces(partial, cuts, fill)
             post = _NO_NORM if layer.ffn_post_norm is None else layer.ffn_post_norm
@@ -301,7 +316,7 @@ class Plan:
             x += partial
             return x
         out = np.empty_like(h)
-        _add_norm(x, partial, post, s.w.out_norm, eps, out, bool(self.layers), False, *rh)
+        _add_norm(x, partial, post, s.w.out_norm, eps, out, bool(self.layers), False, *rh, False, *wh)
         return out
 
 
@@ -322,10 +337,10 @@ def _computed(k: int) -> None:
 
 
 @njit(**_JIT)
-def _add_norm(x, partial, post, w, eps, h, add, rnd, xq, dx, s4, s16):  # pragma: no cover - compiled
+def _add_norm(x, partial, post, w, eps, h, add, rnd, xq, dx, s4, s16, rnd16, q16, d16, m16):  # pragma: no cover
     # x, partial, h (n, dim): if add, x += partial (first normed in place by post (dim,) unless
     # post is empty: gemma's post-norms); h = rmsnorm(x) * w; and, if rnd, row b of h
-    # rounded into row b of xq/dx/s4/s16
+    # rounded into row b of xq/dx/s4/s16; if rnd16, to 16 bits into row b of q16/d16/m16
     if add and post.shape[0]:
         ops.rmsnorm(partial, post, eps, partial)
     if add:
@@ -336,17 +351,20 @@ def _add_norm(x, partial, post, w, eps, h, add, rnd, xq, dx, s4, s16):  # pragma
     if rnd:
         for b in range(x.shape[0]):
             intdot.round_into(h[b], xq[b], dx[b], s4[b], s16[b])
+    if rnd16:
+        for b in range(x.shape[0]):
+            intgemm.round16_row(h, q16, d16, m16, b)
 
 
 @njit(parallel=True, **_JIT)
 def _attention(q, k, v, kc, vc, slots, positions, qn, kn, eps, cos, sin, rope_dims, neox, group, scale, window, cap,
-               att, threads, rnd, xq, dx, s4, s16):  # pragma: no cover - compiled
+               att, threads, rnd, xq, dx, s4, s16, rnd16, q16, d16, m16):  # pragma: no cover - compiled
     # q (n, heads*hd), k and v (n, kv*hd), row b a token at positions[b] of KV slot slots[b]: norm
     # each head of its q and k by qn, kn (hd,) unless they are empty (qwen3), rope its q and k,
     # write its k and v there in the caches kc, vc (slots, kv, ctx, row: kvcache.kernel_view,
     # written by kvcache.kv_write as the per-op path writes them); att (n, heads*hd) = each row's
     # attention over its own slot (scale, window, cap, threads: ops.attention's); if rnd, each row of att
-    # rounded
+    # rounded (if rnd16, to 16 bits)
     n = q.shape[0]
     n_kv = kc.shape[1]
     hd = k.shape[1] // n_kv
@@ -375,6 +393,9 @@ def _attention(q, k, v, kc, vc, slots, positions, qn, kn, eps, cos, sin, rope_di
     if rnd:
         for b in range(n):
             intdot.round_into(att[b], xq[b], dx[b], s4[b], s16[b])
+    if rnd16:
+        for b in range(n):
+            intgemm.round16_row(att, q16, d16, m16, b)
 
 
 @njit(**_JIT)
@@ -400,9 +421,9 @@ def _experts_sum(parts, shared, g, add, out):  # pragma: no cover - compiled
 
 
 @njit(**_JIT)
-def _glu(gu, f, gelu, rnd, xq, dx, s4, s16):  # pragma: no cover - compiled
+def _glu(gu, f, gelu, rnd, xq, dx, s4, s16, rnd16, q16, d16, m16):  # pragma: no cover - compiled
     # gu (n, >= 2f) C-contiguous, gate its columns :f and up f:2f: gate <- silu(gate) * up (gelu:
-    # gelu(gate) * up), and, if rnd, each row rounded. A row of gu slices into contiguous gate and
+    # gelu(gate) * up), and, if rnd, each row rounded (if rnd16, to 16 bits). A row of gu slices into contiguous gate and
     # up that numba vectorizes; column views of gu passed in ran 5x slower (0.53 ms, 8 x 8192)
     for b in range(gu.shape[0]):
         row = gu[b]
@@ -412,6 +433,8 @@ def _glu(gu, f, gelu, rnd, xq, dx, s4, s16):  # pragma: no cover - compiled
             ops.silu_mul_vec(row[:f], row[f : 2 * f])
         if rnd:
             intdot.round_into(row[:f], xq[b], dx[b], s4[b], s16[b])
+        if rnd16:
+            intgemm.round16_row(gu[:, :f], q16, d16, m16, b)
 
 
 def matvec_rows(w: quant.Weight, x: np.ndarray, out: np.ndarray) -> None:

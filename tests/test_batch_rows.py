@@ -21,7 +21,7 @@ from edgetp.model import decode, gguf, intdot, isa, llama, quant
 from edgetp.model.intdot_layouts import LAYOUTS
 from edgetp.model.kernels import SPREAD
 from tools import synth_gguf
-from tests.isas import REPO, child_env, child_timeout, skip_unless_runnable
+from tests.isas import REPO, RUNNABLE, child_env, child_timeout, run_each, skip_unless_runnable
 
 TYPES = sorted(LAYOUTS, key=lambda t: LAYOUTS[t].qtype.name)
 IDS = [LAYOUTS[t].qtype.name for t in TYPES]
@@ -261,18 +261,29 @@ np.savez(sys.argv[1] + "/out.npz", isa=np.array(isa.current()), **res)
 """
 
 
-@pytest.mark.parametrize("name", [n for n in isa.ISAS if n != isa.current()])
-def test_several_token_kernel_on_every_other_isa_gives_the_same_bits(name, tmp_path):
-    # the ISA in use runs in this process (above); each other one this CPU runs, in a child as a user forces it
-    skip_unless_runnable(name)
+@pytest.fixture(scope="module")
+def other_isas(tmp_path_factory):
+    """(inputs, {isa: outputs}): a child for each other ISA this CPU runs, as a user forces it, side by side."""
+    base = tmp_path_factory.mktemp("other_isas")
     arrays = {}
     for i, qt in enumerate(TYPES):
         w, x = _inputs(qt, 4 * SPREAD + 5, 2, 5, 60 + i)
         arrays[f"w{int(qt)}"], arrays[f"x{int(qt)}"] = w, x
-    np.savez(tmp_path / "in.npz", **arrays)
-    subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), str(tmp_path / "in.npz")], check=True,
-                   env=child_env(name), cwd=REPO, timeout=CHILD_TIMEOUT)
-    got = np.load(tmp_path / "out.npz")
+    np.savez(base / "in.npz", **arrays)
+    names = [n for n in RUNNABLE if n != isa.current()]
+    for name in names:
+        (base / name).mkdir()
+    run_each([([sys.executable, "-c", CHILD, str(base / name), str(base / "in.npz")], child_env(name))
+              for name in names], CHILD_TIMEOUT)
+    return arrays, {name: np.load(base / name / "out.npz") for name in names}
+
+
+@pytest.mark.parametrize("name", [n for n in isa.ISAS if n != isa.current()])
+def test_several_token_kernel_on_every_other_isa_gives_the_same_bits(name, other_isas):
+    # the ISA in use runs in this process (above); each other one this CPU runs, in a child as a user forces it
+    skip_unless_runnable(name)
+    arrays, outputs = other_isas
+    got = outputs[name]
     assert str(got["isa"]) == name
     for qt in TYPES:
         w, x = arrays[f"w{int(qt)}"], arrays[f"x{int(qt)}"]

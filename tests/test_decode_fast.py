@@ -4,7 +4,6 @@ the partial sums each shard hands to reduce, and logits, token after token."""
 from __future__ import annotations
 
 import itertools
-import subprocess
 import sys
 from dataclasses import replace
 
@@ -210,10 +209,11 @@ def test_decode_attention_gives_the_reference_bits_on_every_isa_this_cpu_runs(tm
     np.savez(tmp_path / "in.npz", **arrays)
     assert len(RUNNABLE) >= 2 or isas.HOST[0] not in ("x86_64", "aarch64"), f"only {RUNNABLE} run here"
     for name in RUNNABLE:
+        (tmp_path / name).mkdir()
+    isas.run_each([([sys.executable, "-c", ATTENTION_CHILD, str(tmp_path / name), str(tmp_path / "in.npz")],
+                    isas.child_env(name)) for name in RUNNABLE], isas.child_timeout(600))
+    for name in RUNNABLE:
         d = tmp_path / name
-        d.mkdir()
-        subprocess.run([sys.executable, "-c", ATTENTION_CHILD, str(d), str(tmp_path / "in.npz")], check=True,
-                       env=isas.child_env(name), cwd=isas.REPO, timeout=isas.child_timeout(600))
         assert (d / "isa").read_text() == name
         for hd in (24, 64):
             kc, vc = arrays[f"k{hd}"], arrays[f"v{hd}"]

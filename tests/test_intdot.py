@@ -19,7 +19,7 @@ from gguf import quants
 
 from edgetp.model import intdot, isa
 from edgetp.model.intdot_layouts import LAYOUTS, decode
-from tests.isas import HOST, REPO, RUNNABLE, child_env, child_timeout, skip_unless_runnable
+from tests.isas import HOST, REPO, RUNNABLE, child_env, child_timeout, run_each, skip_unless_runnable
 
 TYPES = sorted(LAYOUTS, key=lambda t: LAYOUTS[t].qtype.name)
 IDS = [LAYOUTS[t].qtype.name for t in TYPES]
@@ -135,9 +135,11 @@ def isa_outputs(tmp_path_factory):
     np.savez(base / "inputs.npz", **arrays)
     results = {}
     for name in RUNNABLE:
+        (base / name).mkdir()
+    run_each([([sys.executable, "-c", CHILD, str(base / name), str(base / "inputs.npz")], child_env(name))
+              for name in RUNNABLE], CHILD_TIMEOUT)
+    for name in RUNNABLE:
         d = base / name
-        d.mkdir()
-        subprocess.run([sys.executable, "-c", CHILD, str(d), str(base / "inputs.npz")], check=True, env=child_env(name), cwd=REPO, timeout=CHILD_TIMEOUT)
         assert json.loads((d / "isa.json").read_text())["isa"] == name
         results[name] = {int(qt): np.load(d / f"out{int(qt)}.npy") for qt in TYPES}
     return arrays, results

@@ -20,7 +20,6 @@ is exact in f64; the f64 sum is made round-to-odd, after which rounding to f32 i
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from fractions import Fraction
 
@@ -30,7 +29,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from edgetp.model import intdot_layouts, intgemm, isa
-from tests.isas import HOST, REPO, RUNNABLE, child_env, child_timeout
+from tests.isas import HOST, RUNNABLE, child_env, child_timeout, run_each
 
 CHILD_TIMEOUT = child_timeout(900)
 QTYPES = sorted(intgemm.KINDS)  # Q4_0..Q8_0, Q2_K..Q6_K
@@ -143,12 +142,13 @@ def isa_outputs(tmp_path_factory):
     arrays = {"x": x, **{f"w{qt}": _weights(qt, rng) for qt in QTYPES}}
     np.savez(base / "inputs.npz", **arrays)
     results = {}
+    extras = {name: [o for o, host in BORROWED.items() if host == name and o not in RUNNABLE] for name in RUNNABLE}
     for name in RUNNABLE:
+        (base / name).mkdir()
+    run_each([([sys.executable, "-c", CHILD, str(base / name), str(base / "inputs.npz"), *extras[name]],
+               _child_env(name)) for name in RUNNABLE], CHILD_TIMEOUT)
+    for name, extra in extras.items():
         d = base / name
-        d.mkdir()
-        extra = [o for o, host in BORROWED.items() if host == name and o not in RUNNABLE]
-        subprocess.run([sys.executable, "-c", CHILD, str(d), str(base / "inputs.npz"), *extra], check=True,
-                       env=_child_env(name), cwd=REPO, timeout=CHILD_TIMEOUT)
         info = json.loads((d / "isa.json").read_text())
         assert info == {"isa": name, "available": name != "generic"}, info  # generic prefill: sgemm (vnni.wanted)
         for which, at in [(name, d), *((o, d / o) for o in extra)]:

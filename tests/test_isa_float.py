@@ -17,14 +17,13 @@ weights, and prefill logits that differ by float rounding (~1e-6 relative).
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from tests.isas import REPO, RUNNABLE, child_env
+from tests.isas import RUNNABLE, child_env, run_each
 from tests.test_quant import REL_TOL, random_raw, reference
 
 DECODE = [QT.F32, QT.F16, QT.BF16, QT.Q4_K, QT.Q8_0]  # Q4_K, Q8_0: float kernels under EDGETP_INT8=0
@@ -55,14 +54,12 @@ def outputs(tmp_path_factory):
     x = np.random.default_rng(3).standard_normal((TOKENS, COLS)).astype(np.float32)
     raws = {int(qt): random_raw(qt, ROWS, COLS, seed=i) for i, qt in enumerate(sorted(set(DECODE + PREFILL)))}
     np.savez(base / "in.npz", x=x, cols=COLS, **{f"w{qt}": raw for qt, raw in raws.items()})
-    got = {}
     for name in RUNNABLE:
-        d = base / name
-        d.mkdir()
-        subprocess.run([sys.executable, "-c", CHILD, str(d), str(base / "in.npz")], check=True,
-                       env=child_env(name, EDGETP_INT8="0"),
-                       cwd=REPO, timeout=900)
-        got[name] = {(kind, qt): np.load(d / f"{kind}{qt}.npy") for qt in raws for kind in ("dec", "pre")}
+        (base / name).mkdir()
+    run_each([([sys.executable, "-c", CHILD, str(base / name), str(base / "in.npz")], child_env(name, EDGETP_INT8="0"))
+              for name in RUNNABLE], 900)
+    got = {name: {(kind, qt): np.load(base / name / f"{kind}{qt}.npy") for qt in raws for kind in ("dec", "pre")}
+           for name in RUNNABLE}
     return x, raws, got
 
 

@@ -4,7 +4,7 @@
     python tools/bench_kernels.py --intdot [--threads 1 --types Q4_0,Q8_0,Q4_K]   (EDGETP_ISA=generic for the plain code)
     python tools/bench_kernels.py --intdot --types Q4_1 --shapes 3072x576,576x1536,960x576   (SmolLM2's)
 
---intdot also runs the kept panels of Q4_0, Q4_1, Q4_K and Q6_K (intgemm.KEPT): one token, and 8 tokens beside
+--intdot also runs the kept panels of Q4_0, Q4_1, Q5_0, Q4_K, Q5_K and Q6_K (intgemm.KEPT): one token, and 8 tokens beside
 the several-token kernel, both from RAM.
 
 GB/s counts the GGUF bytes of the type (what a model file costs to stream).
@@ -109,7 +109,7 @@ def bench_intdot(types: list[str], threads: list[int], shapes: list[tuple[int, i
                     hot = _time(lambda: intdot.matvec(qt, base, xr, out))
                     cold = _time(lambda: intdot.matvec(qt, ws[next(it) % len(ws)], xr, out))
                     row += f"  int hot {base.nbytes / hot / 1e9:6.2f} cold {base.nbytes / cold / 1e9:6.2f} GB/s"
-                if intgemm.kept(int(qt)):  # kept panels (Q4_0, Q4_K, Q6_K): one token, then 8 beside intdot's several
+                if intgemm.kept(int(qt)):  # kept panels (intgemm.KEPT): one token, then 8 beside intdot's several
                     row += _kept_columns(int(qt), ws, x, out, nt == 1, rng)
                 if int(qt) in Q.SUPPORTED:  # quant.matvec on its float kernels (EDGETP_INT8=0)
                     wq = [Q.Weight(int(qt), rows, cols, w) for w in ws]

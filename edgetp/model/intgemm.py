@@ -12,8 +12,9 @@ Here the lanes of a register are rows, not columns. A panel of rows (16 on
 avx512vnni, 8 elsewhere: `Shape`) is packed once per batch (`_emit_pack`, from the
 type's intdot_layouts row through the decode kernels' emitter, so decode and prefill
 read one description of each block):
-  q: per block of 32 values, 4 (codes of at most 4 bits: nibbles) or 8 (bytes) vectors, or 6
-     for Q6_K (`PLANES`: 4 of its low nibbles, 2 of its top 2 bits, as its blocks hold them);
+  q: per block of 32 values, 4 (codes of at most 4 bits: nibbles) or 8 (bytes) vectors, or for the
+     5- and 6-bit types 4 of their low nibbles and 1 (Q5_0, Q5_K) or 2 (Q6_K) of their top bits, as
+     their blocks hold them (`PLANES`);
      vector g holds the g-th 4 bytes of the block for each row of the panel;
   d: per unit, the rows' scales (f32), and for the offset types m, their offsets. A unit
      is a block of 32 values, or each 16 of it where the type scales each 16 (Q2_K, Q3_K,
@@ -24,10 +25,10 @@ the same activations, broadcast from memory. A block of 32 columns goes into one
 integer accumulator per token; only then is it converted and scaled, once per
 block for all rows: sum = fma(float(acc) * dx[t, b], d[b], sum).
 
-Kept panels (KEPT: Q4_0, Q4_1, Q4_K, Q6_K). A type whose panel is about as large as its GGUF blocks
+Kept panels (KEPT: Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K). A type whose panel is about as large as its GGUF blocks
 is packed once per weight (`pack`, `Panels`; where the ISA converts f16 in registers, Q4_0's scales
 and Q4_1's scales and offsets stay f16, and the K-quants' stay as their blocks have them, d (and
-dmin) in f16 and a byte per scale (and min): `compact`) and decode reads the panels too (`Kept`):
+dmin) in f16 and a byte per scale (and min): `compact`; Q5_0's f16 scale as Q4_0's) and decode reads the panels too (`Kept`):
 one token or several, in tiles of exactly that many tokens (`_tile_n`), each token's row the float
 steps above whatever tile holds it. So a token's products are the same bits in decode, in a batched decode step and
 in prefill, and a batch of decode tokens costs one float step per 32 values (per 16 where a type
@@ -132,11 +133,12 @@ class Kind:
     offset: bool  # values are d * q + m: the panel carries m
     umax: int  # the largest unsigned code
     halves: tuple[int, ...]  # where a GGUF block keeps its f16 scales and offsets
-    planes: bool = False  # 6-bit codes as a nibble plane (4 vectors, as nibbles) and a 2-bit plane (2): Q6_K
+    planes: int = 0  # 5- or 6-bit codes as a nibble plane (4 vectors) and a plane of their top 1 or 2 bits
+    #                  (1 or 2 vectors): Q5_0, Q5_K, Q6_K (PLANES); 0: one plane
 
     @property
     def groups(self) -> int:
-        return 6 if self.planes else 4 if self.nibbles else 8
+        return 4 + self.planes if self.planes else 4 if self.nibbles else 8
 
     @property
     def operands(self) -> int:
@@ -155,9 +157,10 @@ TYPES = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q2_K, QT.Q3_K, QT.Q4_K,
          QT.IQ4_NL, QT.IQ4_XS)
 
 
-# 6-bit types whose panels hold their codes in two planes, as their blocks do: a nibble plane and a
-# 2-bit plane, 24 bytes per 32 values and row where one code a byte takes 32 (_plane_operands joins them)
-PLANES = (QT.Q6_K,)
+# 5- and 6-bit types whose panels hold their codes in two planes, as their blocks do: a nibble plane and
+# a plane of each code's top bits (qtype: how many), 20 (Q5_0, Q5_K) or 24 (Q6_K) bytes per 32 values and
+# row where one code a byte takes 32 (_plane_operands joins them)
+PLANES = {QT.Q5_0: 1, QT.Q5_K: 1, QT.Q6_K: 2}
 
 
 def _kind(qtype: int) -> Kind:
@@ -169,7 +172,7 @@ def _kind(qtype: int) -> Kind:
     halves = sorted({s.d for s in L.slots} | {s.m for s in L.slots if s.m is not None})
     assert not (signed and qtype in WIDE), qtype  # signed codes take int8 activations (_Mac.signed)
     return Kind(int(qtype), L.nbytes, L.values // 32, qtype in WIDE, umax < 16 and units == 1 and not signed,
-                signed, L.bias, units, L.offset, 127 if signed else umax, tuple(halves), qtype in PLANES)
+                signed, L.bias, units, L.offset, 127 if signed else umax, tuple(halves), PLANES.get(qtype, 0))
 
 
 KINDS: dict[int, Kind] = {int(qt): _kind(qt) for qt in TYPES}
@@ -177,7 +180,10 @@ KINDS: dict[int, Kind] = {int(qt): _kind(qt) for qt in TYPES}
 # Types whose panel is about the size of their GGUF blocks: Q4_0's nibbles and one f16 scale per 32
 # values, 18 bytes either way; Q4_K's nibbles and its block's scales unpacked to bytes (`compact`),
 # 148 bytes per 256 values where the block has 144; Q6_K's two planes and its d and int8 scales,
-# 210 bytes as its block. Their panels are packed once per weight
+# 210 bytes as its block; Q5_0's nibble and top-bit planes and f16 scale, 22 bytes per 32 values as its
+# block; Q5_K's two planes and scales as Q4_K's, 180 bytes per 256 values where its block has 176 (the
+# types of llama.cpp's Q4_K_M and Q5_K_M files, Q5_0 where a width is no multiple of 256, as SmolLM2's
+# 576). Their panels are packed once per weight
 # (`Panels`) and kept, and decode reads them too (`Kept`): one token or several, each token's row
 # the bits prefill gives it. Rows in lanes take one float step per 32 values for a whole panel of
 # rows, where the decode kernels (intdot) take four per pair of rows, so several tokens cost less
@@ -194,10 +200,11 @@ KINDS: dict[int, Kind] = {int(qt): _kind(qt) for qt in TYPES}
 # 3.6, 2.3, 3.4, 2.4x on avx512vnni, 2.3, 1.6, 2.5, 2.4x on avxvnni, 2.6, 1.8, 2.7, 2.5x on avx2; a
 # 1B's 8192x2048 and 2048x8192 1.14-1.42x. 8 tokens: 1.2-2.7x faster, but 0.84-0.97x at the 1B shapes
 # on avxvnni and avx2 (256-bit int16 products bind them there). The other types' panels grow (one
-# code a byte for 5 to 8 bits), so their decode stays on intdot. (The generic ISA, which converts
+# code a byte for 8 bits, Q8_0; or f32 scales where each 16 values has its own, Q2_K and Q3_K; or
+# 16-bit activations, Q5_1), so their decode stays on intdot. (The generic ISA, which converts
 # f16 through a table, keeps f32 scales: Q4_1's panels take 24 bytes per 32 values, Q4_K's 192 per
 # 256, Q6_K's 256, for decode bits the same as every other ISA's.)
-KEPT = frozenset({int(QT.Q4_0), int(QT.Q4_1), int(QT.Q4_K), int(QT.Q6_K)})
+KEPT = frozenset({int(QT.Q4_0), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q4_K), int(QT.Q5_K), int(QT.Q6_K)})
 
 
 # bytes ahead of a kept panel's codes to prefetch (its scales: intdot_ir.PREFETCH). Emerald Rapids, one
@@ -253,7 +260,8 @@ def _compact(qtype) -> Compact:
     return Compact(len(IL.LAYOUTS[qtype].slots), s0.m is not None, s0.sc_int8)
 
 
-COMPACT = {int(qt): _compact(qt) for qt in (QT.Q4_K, QT.Q6_K)}  # Q4_K 20 bytes per 256 values and row, Q6_K 18
+# per 256 values and row: Q4_K and Q5_K 20 bytes, Q6_K 18
+COMPACT = {int(qt): _compact(qt) for qt in (QT.Q4_K, QT.Q5_K, QT.Q6_K)}
 
 _I8, _I16 = ir.IntType(8), ir.IntType(16)
 
@@ -454,11 +462,13 @@ def _operands(builder, k: Kind, v, g, lanes):
     return out
 
 
-def _plane_operands(builder, qb, u: int, L: int):
-    """A planes kind's (Q6_K's) multiplicands of unit u (values 16u..16u+15) of the block at qb: each
-    4 values' 6-bit codes, the nibble plane's low or high nibbles OR'd with the 2-bit plane's field
-    moved to bits 4-5, with its activations' offset (Kind.planes; _emit_pack lays the planes out)."""
-    vi = _vty(L)
+def _plane_operands(builder, k: Kind, qb, u: int, L: int):
+    """A planes kind's multiplicands of unit u of the block at qb (values 32u/units on): each 4 values'
+    codes, the nibble plane's low or high nibbles OR'd with the top plane's field of them (k.planes
+    bits) moved to bit 4 on, with its activations' offset (_chunk_bytes lays the planes out: values
+    4g..4g+3 have their top bits in word g % bits of the top plane, at bit bits * (g // bits) of each
+    byte)."""
+    vi, bits, per = _vty(L), k.planes, 8 // k.units
 
     def load(i):
         return builder.load(_at(builder, qb, 4 * L * i, vi), align=4)
@@ -467,15 +477,15 @@ def _plane_operands(builder, qb, u: int, L: int):
         return _vec(_I32, [m] * L)
 
     out = []
-    for g in range(4 * u, 4 * u + 4):  # values 4g..4g+3
+    for g in range(per * u, per * (u + 1)):  # values 4g..4g+3
         lo = builder.and_(builder.lshr(load(g % 4), _vec(_I32, [4 * (g // 4)] * L)), mask(0x0F0F0F0F))
-        s = 2 * (g // 2)  # the field's place in the 2-bit plane's bytes; to bits 4-5
-        two = load(4 + g % 2)
+        s = bits * (g // bits)  # the field's place in the top plane's bytes; to bit 4 on
+        top = load(4 + g % bits)
         if s < 4:
-            two = builder.shl(two, _vec(_I32, [4 - s] * L))
+            top = builder.shl(top, _vec(_I32, [4 - s] * L))
         elif s > 4:
-            two = builder.lshr(two, _vec(_I32, [s - 4] * L))
-        out.append((builder.or_(lo, builder.and_(two, mask(0x30303030))), 4 * g))
+            top = builder.lshr(top, _vec(_I32, [s - 4] * L))
+        out.append((builder.or_(lo, builder.and_(top, mask(0x01010101 * (((1 << bits) - 1) << 4)))), 4 * g))
     return out
 
 
@@ -538,7 +548,7 @@ def _emit_tile(builder, qtype: int, which: str, args, tokens: int | None = None)
             v = builder.load(_at(builder, qb, 4 * L * g, vi), align=4)
             operands += _operands(builder, k, v, g, L)
         if k.planes:
-            operands = _plane_operands(builder, qb, u, L)
+            operands = _plane_operands(builder, k, qb, u, L)
         operands = [(mac.weights(w), off) for w, off in operands]
         chains = mac.chains if len(operands) >= 8 and not wide else 1
         step = len(operands) if wide or chains > 1 else k.operands  # i32 chains need no 16-bit bound
@@ -704,18 +714,21 @@ def _chunk_bytes(builder, em, k: Kind, src, ch):
     """A chunk's codes as its panel holds them, 4 * k.groups bytes: em.chunk's <32 x i8> (unsigned
     codes, int8 for Q8_0, a code book's values for IQ4), nibbles or planes packed."""
     u = em.chunk(src, ch)
-    if k.planes:  # 16 bytes of nibbles as below, then 8 of 2-bit fields: byte k holds values k, 8+k, 16+k, 24+k
+    if k.planes:  # 16 bytes of nibbles as below, then 4 * bits of top fields: with n = 4 * bits, byte j
+        #           holds values j, n + j, 2n + j, ... (Q6_K: j, 8+j, 16+j, 24+j; Q5_0: j, 4+j, .., 28+j)
+        bits = k.planes
+        n = 4 * bits
         nib = builder.and_(u, _vec(_I8, [15] * 32))
         top = builder.lshr(u, _vec(_I8, [4] * 32))
         lo = builder.shuffle_vector(nib, nib, _vec(_I32, range(16)))
         hi = builder.shuffle_vector(nib, nib, _vec(_I32, range(16, 32)))
-        two = builder.shuffle_vector(top, top, _vec(_I32, range(8)))
-        for f in range(1, 4):
-            two = builder.or_(two, builder.shl(builder.shuffle_vector(top, top, _vec(_I32, range(8 * f, 8 * f + 8))),
-                                               _vec(_I8, [2 * f] * 8)))
+        tops = builder.shuffle_vector(top, top, _vec(_I32, range(n)))
+        for f in range(1, 8 // bits):
+            tops = builder.or_(tops, builder.shl(builder.shuffle_vector(top, top, _vec(_I32, range(n * f, n * f + n))),
+                                                 _vec(_I8, [bits * f] * n)))
         both = builder.or_(lo, builder.shl(hi, _vec(_I8, [4] * 16)))
-        return builder.shuffle_vector(both, builder.shuffle_vector(two, two, _vec(_I32, list(range(8)) + [0] * 8)),
-                                      _vec(_I32, list(range(16)) + list(range(16, 24))))
+        return builder.shuffle_vector(both, builder.shuffle_vector(tops, tops, _vec(_I32, list(range(n)) + [0] * (16 - n))),
+                                      _vec(_I32, list(range(16)) + list(range(16, 16 + n))))
     if k.nibbles:
         lo = builder.shuffle_vector(u, u, _vec(_I32, range(16)))
         hi = builder.shuffle_vector(u, u, _vec(_I32, range(16, 32)))

@@ -413,6 +413,7 @@ async def _relay_answer(request: web.Request, target: str, hops: int, body: byte
                                                      request.path_qs, body)
         async with session.request(request.method, target + request.path_qs, data=body,
                                    headers=headers) as upstream:
+            heard.now()  # its status line and headers: the root is answering, though no token has come yet
             passed = {k: v for k, v in upstream.headers.items()
                       if k.lower() in ("content-type", "cache-control", "retry-after")}
             if upstream.content_type != "text/event-stream":

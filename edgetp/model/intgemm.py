@@ -859,6 +859,16 @@ def _packer(qtype: int, which: str):
     return pack
 
 
+def read_only(a: np.ndarray) -> np.ndarray:
+    """`a`, or a view of it that cannot be written: numba types the two apart, so a kernel given a
+    file's (read-only) weights and one given weights fused in memory would be compiled twice."""
+    if not a.flags.writeable:
+        return a
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
 def pack(qtype: int, data: np.ndarray, tab: np.ndarray, which: str | None = None) -> Panels:
     """The panels of W's raw (rows, row_bytes) GGUF blocks of a KEPT type, for ISA `which`."""
     which = which or isa.current()
@@ -873,7 +883,7 @@ def pack(qtype: int, data: np.ndarray, tab: np.ndarray, which: str | None = None
         m = np.empty((n, nb * k.units * P if k.offset else 1), np.uint16 if half(qtype, which) and k.offset
                      else np.float32)
     if rows:
-        _packer(qtype, which)(data, tab, q, d, m)
+        _packer(qtype, which)(read_only(data), tab, q, d, m)
     return Panels(q, d, m, rows, nb)
 
 
@@ -1068,7 +1078,7 @@ def matmul(qtype: int, data: np.ndarray, tab: np.ndarray, xq: tuple[np.ndarray, 
     if qtype in KEPT:
         Kept(qtype, [pack(qtype, data, tab, which)], xq, out, [0], which)(out.shape[0], False)
         return
-    _gemm(qtype, which or isa.current())(data, tab, *xq, out.shape[0], out)
+    _gemm(qtype, which or isa.current())(read_only(data), tab, *xq, out.shape[0], out)
 
 
 def wide(qtype: int) -> bool:

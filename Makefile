@@ -26,7 +26,7 @@ demo: $(VENV)/.base
 
 test: $(VENV)/.test
 	$(EDGETP) model pull smollm2
-	$(PY) -m pytest -q -rs
+	$(PY) tools/run_suite.py
 
 bench: $(VENV)/.test
 	$(PY) tools/bench_local.py

@@ -18,8 +18,9 @@ RUNNABLE = isa.usable(*HOST)
 
 
 def child_timeout(default: float) -> float:
-    """Seconds a child that compiles every kernel of its ISA may take; the arm64 test bed raises it
-    (EDGETP_TEST_CHILD_TIMEOUT: qemu-user is slow)."""
+    """Seconds a child that compiles every kernel of its ISA may take. EDGETP_TEST_CHILD_TIMEOUT
+    raises it: the arm64 test bed's (qemu-user is slow), and make test's lane of numbers (at nice
+    19 beside the rest of the suite: tools/run_suite.py)."""
     return float(os.environ.get("EDGETP_TEST_CHILD_TIMEOUT", default))
 
 

@@ -311,6 +311,6 @@ def test_rows_equal_each_sequence_alone_on_the_generic_isa(mixed_path):
     # with an f16 and a q8_0 cache: the f16 conversions are integer code on this ISA
     env = child_env("generic", EDGETP_INT8="1")
     res = subprocess.run([sys.executable, "-c", STEPS_CHILD, str(REPO / "tests"), str(mixed_path)], env=env, cwd=REPO,
-                         capture_output=True, text=True, timeout=1800)
+                         capture_output=True, text=True, timeout=child_timeout(1800))
     assert res.returncode == 0, res.stderr[-3000:]
     assert "rows equal alone" in res.stdout and "q8_0 blocks are gguf-py's" in res.stdout

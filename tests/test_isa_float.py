@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from tests.isas import RUNNABLE, child_env, run_each
+from tests.isas import RUNNABLE, child_env, child_timeout, run_each
 from tests.test_quant import REL_TOL, random_raw, reference
 
 DECODE = [QT.F32, QT.F16, QT.BF16, QT.Q4_K, QT.Q8_0]  # Q4_K, Q8_0: float kernels under EDGETP_INT8=0
@@ -57,7 +57,7 @@ def outputs(tmp_path_factory):
     for name in RUNNABLE:
         (base / name).mkdir()
     run_each([([sys.executable, "-c", CHILD, str(base / name), str(base / "in.npz")], child_env(name, EDGETP_INT8="0"))
-              for name in RUNNABLE], 900)
+              for name in RUNNABLE], child_timeout(900))
     got = {name: {(kind, qt): np.load(base / name / f"{kind}{qt}.npy") for qt in raws for kind in ("dec", "pre")}
            for name in RUNNABLE}
     return x, raws, got

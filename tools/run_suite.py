@@ -11,10 +11,9 @@ clock, so they run in a second pytest beside the rest:
   - with a numba cache folder of its own, inside this source version's: numba's cache is not safe
     for two processes that compile one function at once (tests/isas.py says why).
 Each lane prints its own output whole, the rest's as it runs and the numbers' once it has ended.
-The exit status is pytest's first non-zero one (a lane the arguments leave no test in
-does not count). Extra arguments go to both pytest runs;
-PYTEST_ADDOPTS reaches both too. Stopped (Ctrl-C, or CI's SIGTERM), it stops both lanes and
-everything they started.
+The exit status is pytest's first non-zero one (a lane the arguments leave no test in does not
+count). Extra arguments go to both pytest runs, and PYTEST_ADDOPTS reaches both. Stopped (Ctrl-C,
+or CI's SIGTERM), it stops both lanes and everything they started (a process group each).
 """
 
 from __future__ import annotations

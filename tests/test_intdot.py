@@ -186,7 +186,8 @@ for qt in (QT.Q4_0, QT.Q8_0, QT.Q4_K):
 def test_compiled_kernel_uses_the_isas_multiply_instructions_and_no_fma(name, want, tmp_path):
     skip_unless_runnable(name)
     env = dict(child_env(name), NUMBA_CACHE_DIR=str(tmp_path))  # a fresh cache: numba shows no asm of cached code
-    res = subprocess.run([sys.executable, "-c", ASM_CHILD], capture_output=True, text=True, env=env, cwd=REPO, timeout=child_timeout(600))
+    res = subprocess.run([sys.executable, "-c", ASM_CHILD], capture_output=True, text=True, env=env, cwd=REPO,
+                         timeout=child_timeout(600))
     assert res.returncode == 0, res.stderr[-2000:]
     for line in res.stdout.splitlines():
         qt, *found = line.split()

@@ -28,6 +28,7 @@ Models (``--models``, comma separated; a path to any .gguf file also works):
 
 * ``smollm2``        SmolLM2-135M-Instruct Q4_1 (edgetp.store.resolve("smollm2"))
 * ``smollm2-q4_k_m`` SmolLM2 requantized to Q4_K_M by llama.cpp's own quantizer
+* ``smollm2-q5_k_m`` the same at Q5_K_M (mostly Q5_1: its Q5_K falls back to Q5_1 at 576 columns)
 * ``llama1b-q8_0``   synthetic Llama-3.2-1B shape, Q8_0 (random weights)
 * ``llama1b-q4_0``   synthetic Llama-3.2-1B shape, Q4_0 (random weights)
 * ``llama1b-q4_k_m`` the 1B shape written in F16, quantized to Q4_K_M by llama.cpp
@@ -93,6 +94,8 @@ class ModelSpec:
 BUILTIN = {
     "smollm2": ModelSpec("smollm2", "SmolLM2-135M Q4_1"),
     "smollm2-q4_k_m": ModelSpec("smollm2-q4_k_m", "SmolLM2-135M Q4_K_M (llama.cpp)", llama_ftype="Q4_K_M",
+                                source="smollm2"),
+    "smollm2-q5_k_m": ModelSpec("smollm2-q5_k_m", "SmolLM2-135M Q5_K_M (llama.cpp)", llama_ftype="Q5_K_M",
                                 source="smollm2"),
     "llama1b-q8_0": ModelSpec("llama1b-q8_0", "Llama-3.2-1B-shape Q8_0 (synthetic)", "llama-3.2-1b", "q8_0"),
     "llama1b-q4_0": ModelSpec("llama1b-q4_0", "Llama-3.2-1B-shape Q4_0 (synthetic)", "llama-3.2-1b", "q4_0"),

@@ -13,8 +13,8 @@ avx512vnni, 8 elsewhere: `Shape`) is packed once per batch (`_emit_pack`, from t
 type's intdot_layouts row through the decode kernels' emitter, so decode and prefill
 read one description of each block):
   q: per block of 32 values, 4 (codes of at most 4 bits: nibbles) or 8 (bytes) vectors, or for the
-     5- and 6-bit types 4 of their low nibbles and 1 (Q5_0, Q5_K) or 2 (Q6_K) of their top bits, as
-     their blocks hold them (`PLANES`);
+     5- and 6-bit types 4 of their low nibbles and 1 (Q5_0, Q5_1, Q5_K) or 2 (Q6_K) of their top bits,
+     as their blocks hold them (`PLANES`);
      vector g holds the g-th 4 bytes of the block for each row of the panel;
   d: per unit, the rows' scales (f32), and for the offset types m, their offsets. A unit
      is a block of 32 values, or each 16 of it where the type scales each 16 (Q2_K, Q3_K,
@@ -25,7 +25,7 @@ the same activations, broadcast from memory. A block of 32 columns goes into one
 integer accumulator per token; only then is it converted and scaled, once per
 block for all rows: sum = fma(float(acc) * dx[t, b], d[b], sum).
 
-Kept panels (KEPT: Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K). A type whose panel is about as large as its GGUF blocks
+Kept panels (KEPT: Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K). A type whose panel is about as large as its GGUF blocks
 is packed once per weight (`pack`, `Panels`; where the ISA converts f16 in registers, Q4_0's scales
 and Q4_1's scales and offsets stay f16, and the K-quants' stay as their blocks have them, d (and
 dmin) in f16 and a byte per scale (and min): `compact`; Q5_0's f16 scale as Q4_0's) and decode reads the panels too (`Kept`):
@@ -158,9 +158,9 @@ TYPES = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q2_K, QT.Q3_K, QT.Q4_K,
 
 
 # 5- and 6-bit types whose panels hold their codes in two planes, as their blocks do: a nibble plane and
-# a plane of each code's top bits (qtype: how many), 20 (Q5_0, Q5_K) or 24 (Q6_K) bytes per 32 values and
-# row where one code a byte takes 32 (_plane_operands joins them)
-PLANES = {QT.Q5_0: 1, QT.Q5_K: 1, QT.Q6_K: 2}
+# a plane of each code's top bits (qtype: how many), 20 (Q5_0, Q5_1, Q5_K) or 24 (Q6_K) bytes per 32
+# values and row where one code a byte takes 32 (_plane_operands joins them)
+PLANES = {QT.Q5_0: 1, QT.Q5_1: 1, QT.Q5_K: 1, QT.Q6_K: 2}
 
 
 def _kind(qtype: int) -> Kind:
@@ -181,10 +181,10 @@ KINDS: dict[int, Kind] = {int(qt): _kind(qt) for qt in TYPES}
 # values, 18 bytes either way; Q4_K's nibbles and its block's scales unpacked to bytes (`compact`),
 # 148 bytes per 256 values where the block has 144; Q6_K's two planes and its d and int8 scales,
 # 210 bytes as its block; Q5_0's nibble and top-bit planes and f16 scale, 22 bytes per 32 values as its
-# block; Q5_K's two planes and scales as Q4_K's, 180 bytes per 256 values where its block has 176 (the
-# types of llama.cpp's Q4_K_M and Q5_K_M files, Q5_0 where a width is no multiple of 256, as SmolLM2's
-# 576). Their panels are packed once per weight
-# (`Panels`) and kept, and decode reads them too (`Kept`): one token or several, each token's row
+# block (Q5_1's, with its f16 offset, 24 as its block); Q5_K's two planes and scales as Q4_K's, 180
+# bytes per 256 values where its block has 176 (the types of llama.cpp's Q4_K_M and Q5_K_M files, Q5_0
+# and Q5_1 where a width is no multiple of 256, as SmolLM2's 576). Their panels are packed once per
+# weight (`Panels`) and kept, and decode reads them too (`Kept`): one token or several, each token's row
 # the bits prefill gives it. Rows in lanes take one float step per 32 values for a whole panel of
 # rows, where the decode kernels (intdot) take four per pair of rows, so several tokens cost less
 # (Emerald Rapids, one core, 65536 x 2048 Q4_0 from RAM: 8 tokens 8.8 ms against 12.6, one token
@@ -200,11 +200,12 @@ KINDS: dict[int, Kind] = {int(qt): _kind(qt) for qt in TYPES}
 # 3.6, 2.3, 3.4, 2.4x on avx512vnni, 2.3, 1.6, 2.5, 2.4x on avxvnni, 2.6, 1.8, 2.7, 2.5x on avx2; a
 # 1B's 8192x2048 and 2048x8192 1.14-1.42x. 8 tokens: 1.2-2.7x faster, but 0.84-0.97x at the 1B shapes
 # on avxvnni and avx2 (256-bit int16 products bind them there). The other types' panels grow (one
-# code a byte for 8 bits, Q8_0; or f32 scales where each 16 values has its own, Q2_K and Q3_K; or
-# 16-bit activations, Q5_1), so their decode stays on intdot. (The generic ISA, which converts
-# f16 through a table, keeps f32 scales: Q4_1's panels take 24 bytes per 32 values, Q4_K's 192 per
-# 256, Q6_K's 256, for decode bits the same as every other ISA's.)
-KEPT = frozenset({int(QT.Q4_0), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q4_K), int(QT.Q5_K), int(QT.Q6_K)})
+# code a byte for 8 bits, Q8_0; or f32 scales where each 16 values has its own, Q2_K and Q3_K), so
+# their decode stays on intdot. Q5_1's products take 16-bit activations as Q4_1's do (each 4 codes'
+# bytes split into two 16-bit pairs in registers). (The generic ISA, which converts f16 through a
+# table, keeps f32 scales: Q4_1's panels take 24 bytes per 32 values, Q4_K's 192 per 256, Q6_K's 256,
+# for decode bits the same as every other ISA's.)
+KEPT = frozenset({int(QT.Q4_0), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q5_1), int(QT.Q4_K), int(QT.Q5_K), int(QT.Q6_K)})
 
 
 # bytes ahead of a kept panel's codes to prefetch (its scales: intdot_ir.PREFETCH). Emerald Rapids, one
@@ -549,6 +550,11 @@ def _emit_tile(builder, qtype: int, which: str, args, tokens: int | None = None)
             operands += _operands(builder, k, v, g, L)
         if k.planes:
             operands = _plane_operands(builder, k, qb, u, L)
+            if wide:  # each 4 codes' bytes as two 16-bit pairs, as _operands takes a byte kind's (Q5_1)
+                low = _vec(_I32, [0x00FF00FF] * L)
+                operands = [pair for w, off in operands for pair in
+                            ((builder.and_(w, low), 2 * off),
+                             (builder.and_(builder.lshr(w, _vec(_I32, [8] * L)), low), 2 * off + 4))]
         operands = [(mac.weights(w), off) for w, off in operands]
         chains = mac.chains if len(operands) >= 8 and not wide else 1
         step = len(operands) if wide or chains > 1 else k.operands  # i32 chains need no 16-bit bound

@@ -405,14 +405,31 @@ class _Generic(_Mac):
 
 class _Neon(_Generic):
     """int8: sdot (four s8 x s8 products into each i32 lane; nibbles 0..15 and signed codes are s8),
-    on 128-bit halves; wide as _Generic."""
+    on 128-bit halves; wide: smull (four s16 x s16 products widened to i32) on each half of a
+    128-bit vector's 8 words, then addp, the pairs' sums: _Generic's integers, asked for by name
+    (left to LLVM, Q5_1's plane-joined codes became sign extensions and 32-bit multiplies)."""
 
     def begin(self, seed):
         return seed
 
+    def _wide(self, acc, w, x):
+        b = self.b
+        v4, v8h, v4h = _vty(4), _vty(4, _I16, 2), _vty(4, _I16)
+        smull = _decl(b.module, "llvm.aarch64.neon.smull.v4i32", v4, [v4h, v4h])
+        addp = _decl(b.module, "llvm.aarch64.neon.addp.v4i32", v4, [v4, v4])
+        lo, hi = _vec(_I32, range(4)), _vec(_I32, range(4, 8))
+        parts = []
+        for h in range(self.lanes // 4):
+            sel = _vec(_I32, range(4 * h, 4 * h + 4))
+            w16, x16 = (b.bitcast(b.shuffle_vector(v, v, sel), v8h) for v in (w, x))
+            products = [b.call(smull, [b.shuffle_vector(w16, w16, half), b.shuffle_vector(x16, x16, half)])
+                        for half in (lo, hi)]
+            parts.append(b.add(b.shuffle_vector(acc, acc, sel), b.call(addp, products)))
+        return parts
+
     def mac(self, acc, w, x):
         if self.wide:
-            return _Generic.mac(self, acc, w, x)
+            return _joined(self.b, self._wide(acc, w, x))
         b = self.b
         v4, v16 = _vty(4), _vty(4, _I8, 4)
         fn = _decl(b.module, "llvm.aarch64.neon.sdot.v4i32.v16i8", v4, [v4, v16, v16])
@@ -421,13 +438,18 @@ class _Neon(_Generic):
             sel = _vec(_I32, range(4 * h, 4 * h + 4))
             parts.append(b.call(fn, [b.shuffle_vector(acc, acc, sel), b.bitcast(b.shuffle_vector(w, w, sel), v16),
                                      b.bitcast(b.shuffle_vector(x, x, sel), v16)]))
-        while len(parts) > 1:
-            parts = [b.shuffle_vector(parts[i], parts[i + 1], _vec(_I32, range(2 * parts[i].type.count)))
-                     for i in range(0, len(parts), 2)]
-        return parts[0]
+        return _joined(b, parts)
 
     def end(self, acc, seed):
         return acc
+
+
+def _joined(b, parts):
+    """<4 x i32> vectors, in order, as one vector of all their lanes."""
+    while len(parts) > 1:
+        parts = [b.shuffle_vector(parts[i], parts[i + 1], _vec(_I32, range(2 * parts[i].type.count)))
+                 for i in range(0, len(parts), 2)]
+    return parts[0]
 
 
 # isa -> (its products, its tile shape)

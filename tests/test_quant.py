@@ -407,10 +407,10 @@ def test_wrong_shapes_or_dtypes_are_refused_before_any_kernel_runs():
         Q.matmul(w, np.zeros((3, 64), np.float32), np.zeros((3, 7), np.float32))
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K])
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kept_weights_decode_each_token_with_the_bits_prefill_gives_it(threads, qtype, int8_kernels):
-    """Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K (intgemm.KEPT) decode and prefill read the same panels, packed
+    """Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K (intgemm.KEPT) decode and prefill read the same panels, packed
     once: a token's products are the same bits alone (matvec), beside 8 others (matmul) and in any subset of
     them (decode.matvec_rows), at any thread count."""
     from edgetp.model import decode, intgemm  # noqa: PLC0415

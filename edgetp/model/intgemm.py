@@ -25,10 +25,10 @@ the same activations, broadcast from memory. A block of 32 columns goes into one
 integer accumulator per token; only then is it converted and scaled, once per
 block for all rows: sum = fma(float(acc) * dx[t, b], d[b], sum).
 
-Kept panels (KEPT: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K). A type whose panel is about as large as its GGUF blocks
+Kept panels (KEPT: Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K). A type whose panel is about as large as its GGUF blocks
 is packed once per weight (`pack`, `Panels`; where the ISA converts f16 in registers, Q4_0's scales
 and Q4_1's scales and offsets stay f16, and the K-quants' stay as their blocks have them, d (and
-dmin) in f16 and a byte per scale (and min): `compact`; Q5_0's and Q8_0's f16 scale as Q4_0's) and decode reads the panels too (`Kept`):
+dmin) in f16 and a byte per scale (and min): `compact`; Q5_0's f16 scale as Q4_0's) and decode reads the panels too (`Kept`):
 one token or several, in tiles of exactly that many tokens (`_tile_n`), each token's row the float
 steps above whatever tile holds it. So a token's products are the same bits in decode, in a batched decode step and
 in prefill, and a batch of decode tokens costs one float step per 32 values (per 16 where a type
@@ -199,15 +199,13 @@ KINDS: dict[int, Kind] = {int(qt): _kind(qt) for qt in TYPES}
 # kept over intdot's GB/s: SmolLM2's 3072x576 (gate+up), 576x1536 (down), 960x576 (qkv) and 49152x576
 # 3.6, 2.3, 3.4, 2.4x on avx512vnni, 2.3, 1.6, 2.5, 2.4x on avxvnni, 2.6, 1.8, 2.7, 2.5x on avx2; a
 # 1B's 8192x2048 and 2048x8192 1.14-1.42x. 8 tokens: 1.2-2.7x faster, but 0.84-0.97x at the 1B shapes
-# on avxvnni and avx2 (256-bit int16 products bind them there). Q8_0's codes a byte each and f16
-# scale are 34 bytes per 32 values as its block: one token from kept panels read 1.1-2.5x intdot's
-# GB/s at SmolLM2's shapes and the same at a 1B's (Zen 4, one core, from RAM, avx512vnni; 1.07-2.0x
-# on forced avx2), 8 tokens up to 2x. The other types' panels grow (f32 scales where each 16 values
-# has its own, Q2_K and Q3_K), so their decode stays on intdot. Q5_1's products take 16-bit
-# activations as Q4_1's do (each 4 codes' bytes split into two 16-bit pairs in registers). (The
-# generic ISA, which converts f16 through a table, keeps f32 scales: Q4_1's panels take 24 bytes per
-# 32 values, Q4_K's 192 per 256, Q6_K's 256, for decode bits the same as every other ISA's.)
-KEPT = frozenset(int(t) for t in (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K))
+# on avxvnni and avx2 (256-bit int16 products bind them there). The other types' panels grow (one
+# code a byte for 8 bits, Q8_0; or f32 scales where each 16 values has its own, Q2_K and Q3_K), so
+# their decode stays on intdot. Q5_1's products take 16-bit activations as Q4_1's do (each 4 codes'
+# bytes split into two 16-bit pairs in registers). (The generic ISA, which converts f16 through a
+# table, keeps f32 scales: Q4_1's panels take 24 bytes per 32 values, Q4_K's 192 per 256, Q6_K's 256,
+# for decode bits the same as every other ISA's.)
+KEPT = frozenset({int(QT.Q4_0), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q5_1), int(QT.Q4_K), int(QT.Q5_K), int(QT.Q6_K)})
 
 
 # bytes ahead of a kept panel's codes to prefetch (its scales: intdot_ir.PREFETCH). Emerald Rapids, one
@@ -224,8 +222,8 @@ KEPT_LOCALITY = 3
 
 def half(qtype: int, which: str) -> bool:
     """Whether qtype's panels hold its f16 scale (and offset) per 32 values as it is on ISA `which`
-    (KEPT with one unit per 32: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; and the ISA converts f16 in registers);
-    f32 otherwise (the generic ISA converts through a table)."""
+    (Q4_0 and Q4_1, KEPT, and the ISA converts f16 in registers); f32 otherwise (the generic ISA
+    converts through a table)."""
     return qtype in KEPT and KINDS[qtype].sub == 1 and intdot_ir.ISA_OPS[which].fpext
 
 

@@ -52,6 +52,7 @@ fi
 
 # ---- bounded jobs that a signal can interrupt ---------------------------------------------
 job=""           # pid of the running phase (a `timeout`), killed on exit
+shower=""        # pid of the tail that shows its log
 registered=""    # set when this run registered the binfmt entry
 reported=""
 mounted_binfmt=""  # set when this run mounted binfmt_misc
@@ -66,6 +67,7 @@ cleanup() {
         for _ in $(seq 20); do kill -0 "$job" 2>/dev/null || break; sleep 0.5; done
         kill -KILL "$job" 2>/dev/null || true
     fi
+    [ -z "$shower" ] || kill "$shower" 2>/dev/null || true
     [ ${#summary[@]} -eq 0 ] || [ -n "$reported" ] || report
     if [ -n "$registered" ]; then
         { [ ! -e "$BINFMT/qemu-aarch64" ] || echo -1 > "$BINFMT/qemu-aarch64"; } \
@@ -95,10 +97,17 @@ bounded() {
         local from=$(($(stat -c %s "$log") + 1))
         timeout -k 20 "$limit" "$@" >>"$log" 2>&1 &
         job=$!
-        tail -c "+$from" -f --pid="$job" "$log" || true
+        # shown from the background too: bash runs a trap only once the foreground command ends,
+        # and a tail in the foreground would hold a TERM or INT sent to this script for the phase
+        tail -c "+$from" -f --pid="$job" "$log" &
+        shower=$!
     fi
     wait "$job" || rc=$?
     job=""
+    if [ -n "$shower" ]; then  # it stops within a second of the job (--pid)
+        wait "$shower" || true
+        shower=""
+    fi
     [ "$rc" -ne 124 ] || say "timed out after ${limit}s: $*"
     return "$rc"
 }

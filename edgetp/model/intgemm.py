@@ -199,9 +199,11 @@ KINDS: dict[int, Kind] = {int(qt): _kind(qt) for qt in TYPES}
 # kept over intdot's GB/s: SmolLM2's 3072x576 (gate+up), 576x1536 (down), 960x576 (qkv) and 49152x576
 # 3.6, 2.3, 3.4, 2.4x on avx512vnni, 2.3, 1.6, 2.5, 2.4x on avxvnni, 2.6, 1.8, 2.7, 2.5x on avx2; a
 # 1B's 8192x2048 and 2048x8192 1.14-1.42x. 8 tokens: 1.2-2.7x faster, but 0.84-0.97x at the 1B shapes
-# on avxvnni and avx2 (256-bit int16 products bind them there). The other types' panels grow (one
-# code a byte for 8 bits, Q8_0; or f32 scales where each 16 values has its own, Q2_K and Q3_K), so
-# their decode stays on intdot. Q5_1's products take 16-bit activations as Q4_1's do (each 4 codes'
+# on avxvnni and avx2 (256-bit int16 products bind them there). Q2_K's and Q3_K's panels grow (f32
+# scales where each 16 values has its own), so their decode stays on intdot. Q8_0's, with an f16
+# scale, would be its block's size, but decode from them was no faster at a 1B's widths and held an
+# 8-bit file twice (Zen 4, 3 Dec: 12.98 tok/s at 3.5 GB peak RSS against intdot's 13.86 at 1.9 GB),
+# so it stays on intdot too. Q5_1's products take 16-bit activations as Q4_1's do (each 4 codes'
 # bytes split into two 16-bit pairs in registers). (The generic ISA, which converts f16 through a
 # table, keeps f32 scales: Q4_1's panels take 24 bytes per 32 values, Q4_K's 192 per 256, Q6_K's 256,
 # for decode bits the same as every other ISA's.)

@@ -424,8 +424,8 @@ class _Neon(_Generic):
         for h in range(self.lanes // 4):
             sel = _vec(_I32, range(4 * h, 4 * h + 4))
             w16, x16 = (b.bitcast(b.shuffle_vector(v, v, sel), v8h) for v in (w, x))
-            products = [b.call(smull, [b.shuffle_vector(w16, w16, half), b.shuffle_vector(x16, x16, half)])
-                        for half in (lo, hi)]
+            products = [b.call(smull, [b.shuffle_vector(w16, w16, side), b.shuffle_vector(x16, x16, side)])
+                        for side in (lo, hi)]
             parts.append(b.add(b.shuffle_vector(acc, acc, sel), b.call(addp, products)))
         return parts
 
@@ -477,14 +477,20 @@ def _operands(builder, k: Kind, v, g, lanes):
             return [(v, 4 * g)]
         # columns 4g.. (low nibbles) and 16+4g.. (high), x int8
         return [(builder.and_(v, i32), 4 * g), (builder.and_(builder.lshr(v, _vec(_I32, [4] * lanes)), i32), 16 + 4 * g)]
-    low = _vec(_I32, [0x00FF00FF] * lanes)
     if not k.nibbles:  # unsigned bytes: the same pairs, zero-extended
-        return [(builder.and_(v, low), 8 * g), (builder.and_(builder.lshr(v, _vec(_I32, [8] * lanes)), low), 8 * g + 4)]
+        return _pairs16(builder, v, 4 * g, lanes)
     out = []
     for nib, col in ((builder.and_(v, i32), 4 * g), (builder.and_(builder.lshr(v, _vec(_I32, [4] * lanes)), i32), 16 + 4 * g)):
-        out.append((builder.and_(nib, low), 2 * col))
-        out.append((builder.and_(builder.lshr(nib, _vec(_I32, [8] * lanes)), low), 2 * col + 4))
+        out += _pairs16(builder, nib, col, lanes)
     return out
+
+
+def _pairs16(builder, v, col: int, lanes: int):
+    """v's 4 bytes per lane (codes of values col..col+3, unsigned) as two wide multiplicands, 16-bit
+    pairs (col, col + 2) and (col + 1, col + 3), each with the byte offset of its activation pair in
+    the block's 16-bit row (quantize16 stores each 4 values as 0, 2, 1, 3)."""
+    low = _vec(_I32, [0x00FF00FF] * lanes)
+    return [(builder.and_(v, low), 2 * col), (builder.and_(builder.lshr(v, _vec(_I32, [8] * lanes)), low), 2 * col + 4)]
 
 
 def _plane_operands(builder, k: Kind, qb, u: int, L: int):
@@ -575,10 +581,7 @@ def _emit_tile(builder, qtype: int, which: str, args, tokens: int | None = None)
         if k.planes:
             operands = _plane_operands(builder, k, qb, u, L)
             if wide:  # each 4 codes' bytes as two 16-bit pairs, as _operands takes a byte kind's (Q5_1)
-                low = _vec(_I32, [0x00FF00FF] * L)
-                operands = [pair for w, off in operands for pair in
-                            ((builder.and_(w, low), 2 * off),
-                             (builder.and_(builder.lshr(w, _vec(_I32, [8] * L)), low), 2 * off + 4))]
+                operands = [pair for w, off in operands for pair in _pairs16(builder, w, off, L)]
         operands = [(mac.weights(w), off) for w, off in operands]
         chains = mac.chains if len(operands) >= 8 and not wide else 1
         step = len(operands) if wide or chains > 1 else k.operands  # i32 chains need no 16-bit bound

@@ -57,7 +57,7 @@ def alone(stories_path, tok, ids: list[int], seed: int) -> str:
     return "".join(ev.text for ev in generate(LocalRunner(mf, ctx=256, kv_type="f32"), tok, ids, params, N))
 
 
-def test_greedy_choices_are_each_llama_cpps_answer(served, stories_path, tok):
+def test_greedy_choices_are_each_llama_cpps_answer(llama_cpp, served, stories_path, tok):
     ids = reference.tokenize(stories_path, PROMPT)
     expected = b"".join(tok.token_bytes(t) for t in reference.greedy(stories_path, ids, N)).decode()
     got = _client(served).completions.create(model="stories260K", prompt=ids, max_tokens=N, temperature=0, n=3)
@@ -66,7 +66,7 @@ def test_greedy_choices_are_each_llama_cpps_answer(served, stories_path, tok):
     assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == 3 * N
 
 
-def test_seeded_choices_are_the_answers_of_seed_plus_i_and_stream_as_they_come(served, stories_path, tok):
+def test_seeded_choices_are_the_answers_of_seed_plus_i_and_stream_as_they_come(llama_cpp, served, stories_path, tok):
     client = _client(served)
     ids = reference.tokenize(stories_path, PROMPT)
     expected = [alone(stories_path, tok, ids, (SEED + i) % 2**64) for i in range(3)]

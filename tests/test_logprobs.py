@@ -74,7 +74,7 @@ def _client(url):
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120)
 
 
-def test_a_completions_logprobs_are_llama_cpps_greedy_and_sampled(served, stories_path):
+def test_a_completions_logprobs_are_llama_cpps_greedy_and_sampled(llama_cpp, served, stories_path):
     client = _client(served)
     mf = gguf.open_model(stories_path)
     tok = Tokenizer.from_metadata(mf.metadata)
@@ -108,7 +108,7 @@ def strings_of(tok, u: int) -> str:
     return tok.token_bytes(u).decode("utf-8", "replace")
 
 
-def test_chat_logprobs_stream_as_they_answer_and_match_llama_cpp(served, stories_path):
+def test_chat_logprobs_stream_as_they_answer_and_match_llama_cpp(llama_cpp, served, stories_path):
     client = _client(served)
     mf = gguf.open_model(stories_path)
     tok = Tokenizer.from_metadata(mf.metadata)
@@ -210,7 +210,7 @@ def reference_prompt_logprobs(path, ids: list[int]) -> np.ndarray:
     return x - top - np.log(np.exp(x - top).sum(axis=1, keepdims=True))
 
 
-def test_echo_scores_the_prompt_as_llama_cpp_does(served, stories_path):
+def test_echo_scores_the_prompt_as_llama_cpp_does(llama_cpp, served, stories_path):
     """lm-evaluation-harness's loglikelihood request (echo, logprobs, max_tokens 1), OpenAI's older
     scoring request (max_tokens 0), streamed and whole, and after the prompt sat in the prefix cache."""
     client = _client(served)
@@ -268,7 +268,7 @@ def test_echo_without_logprobs_gives_the_prompt_then_the_answer(served, stories_
     assert only.choices[0].text == "Once upon a time" and only.usage.completion_tokens == 0
 
 
-def test_a_served_pipeline_gives_llama_cpps_logprobs(stories_path):
+def test_a_served_pipeline_gives_llama_cpps_logprobs(llama_cpp, stories_path):
     """The last stage of a pipeline computes the logits and sends them as candidates to the root."""
     (w1, a), (w2, b) = start_worker(), start_worker()
     server = None

@@ -146,7 +146,7 @@ def test_penalties_and_logit_bias_reach_every_vocabulary_shard(workers, control,
         runner.close()
 
 
-def test_log_probabilities_over_four_vocabulary_shards_are_llama_cpps(workers, control, stories_path):
+def test_log_probabilities_over_four_vocabulary_shards_are_llama_cpps(llama_cpp, workers, control, stories_path):
     """Each worker sends the log-sum-exp and best logits of its own vocabulary rows; merged on the root
     they give the log-softmax of the whole vocabulary (llama.cpp's logits, f32 KV caches both)."""
     from tests import reference  # noqa: PLC0415
@@ -175,7 +175,7 @@ def test_log_probabilities_over_four_vocabulary_shards_are_llama_cpps(workers, c
         runner.close()
 
 
-def test_a_prompt_scored_over_four_vocabulary_shards_beside_a_running_stream_is_llama_cpps(workers, control,
+def test_a_prompt_scored_over_four_vocabulary_shards_beside_a_running_stream_is_llama_cpps(llama_cpp, workers, control,
                                                                                         stories_path):
     """echo's scores: each shard's log-sum-exp, best logits and (the one that holds it) the logit of
     the prompt's next token at every position, in chunks that ride mixed steps beside another

@@ -124,7 +124,7 @@ def test_the_api_refuses_what_it_cannot_do_naming_the_field(served_stories, bad,
     assert err.value.body["param"] == field
 
 
-def test_the_api_applies_penalties_and_bias_as_the_engine_does(served_stories, stories_path):
+def test_the_api_applies_penalties_and_bias_as_the_engine_does(llama_cpp, served_stories, stories_path):
     import openai  # noqa: PLC0415
 
     client = openai.OpenAI(base_url=f"{served_stories}/v1", api_key="unused")

@@ -12,9 +12,10 @@ Here the lanes of a register are rows, not columns. A panel of rows (16 on
 avx512vnni, 8 elsewhere: `Shape`) is packed once per batch (`_emit_pack`, from the
 type's intdot_layouts row through the decode kernels' emitter, so decode and prefill
 read one description of each block):
-  q: per block of 32 values, 4 (codes of at most 4 bits: nibbles) or 8 (bytes) vectors, or for the
-     5- and 6-bit types 4 of their low nibbles and 1 (Q5_0, Q5_1, Q5_K) or 2 (Q6_K) of their top bits,
-     as their blocks hold them (`PLANES`);
+  q: per block of 32 values, 4 (codes of at most 4 bits: nibbles) or 8 (bytes) vectors, or a vector per
+     bit of each plane the type's block holds its codes in (`PLANES`): the 5- and 6-bit types 4 of their
+     low nibbles and 1 (Q5_0, Q5_1, Q5_K) or 2 (Q6_K) of their top bits, Q3_K 2 of its low 2 bits and 1
+     of its top bit, Q2_K 2 of its 2-bit codes;
      vector g holds the g-th 4 bytes of the block for each row of the panel;
   d: per unit, the rows' scales (f32), and for the offset types m, their offsets. A unit
      is a block of 32 values, or each 16 of it where the type scales each 16 (Q2_K, Q3_K,
@@ -25,7 +26,7 @@ the same activations, broadcast from memory. A block of 32 columns goes into one
 integer accumulator per token; only then is it converted and scaled, once per
 block for all rows: sum = fma(float(acc) * dx[t, b], d[b], sum).
 
-Kept panels (KEPT: Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K). A type whose panel is about as large as its GGUF blocks
+Kept panels (KEPT: Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K). A type whose panel is about as large as its GGUF blocks
 is packed once per weight (`pack`, `Panels`; where the ISA converts f16 in registers, Q4_0's scales
 and Q4_1's scales and offsets stay f16, and the K-quants' stay as their blocks have them, d (and
 dmin) in f16 and a byte per scale (and min): `compact`; Q5_0's f16 scale as Q4_0's) and decode reads the panels too (`Kept`):
@@ -133,12 +134,12 @@ class Kind:
     offset: bool  # values are d * q + m: the panel carries m
     umax: int  # the largest unsigned code
     halves: tuple[int, ...]  # where a GGUF block keeps its f16 scales and offsets
-    planes: int = 0  # 5- or 6-bit codes as a nibble plane (4 vectors) and a plane of their top 1 or 2 bits
-    #                  (1 or 2 vectors): Q5_0, Q5_K, Q6_K (PLANES); 0: one plane
+    planes: tuple[int, ...] = ()  # codes as planes of these many bits each, the lowest bits first, a plane
+    #                               of b bits b vectors (PLANES: Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K); (): one plane
 
     @property
     def groups(self) -> int:
-        return 4 + self.planes if self.planes else 4 if self.nibbles else 8
+        return sum(self.planes) if self.planes else 4 if self.nibbles else 8
 
     @property
     def operands(self) -> int:
@@ -157,10 +158,11 @@ TYPES = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q2_K, QT.Q3_K, QT.Q4_K,
          QT.IQ4_NL, QT.IQ4_XS)
 
 
-# 5- and 6-bit types whose panels hold their codes in two planes, as their blocks do: a nibble plane and
-# a plane of each code's top bits (qtype: how many), 20 (Q5_0, Q5_1, Q5_K) or 24 (Q6_K) bytes per 32
-# values and row where one code a byte takes 32 (_plane_operands joins them)
-PLANES = {QT.Q5_0: 1, QT.Q5_1: 1, QT.Q5_K: 1, QT.Q6_K: 2}
+# Types whose panels hold their codes in planes, as their blocks do (qtype: each plane's bits, the lowest
+# first; _chunk_bytes packs them, _plane_operands joins them): the 5- and 6-bit types a nibble plane and a
+# plane of each code's top 1 or 2 bits, 20 (Q5_0, Q5_1, Q5_K) or 24 (Q6_K) bytes per 32 values and row;
+# Q3_K a plane of 2 bits and one of 1, 12 bytes; Q2_K one plane of 2 bits, 8 bytes; one code a byte takes 32
+PLANES = {QT.Q5_0: (4, 1), QT.Q5_1: (4, 1), QT.Q5_K: (4, 1), QT.Q6_K: (4, 2), QT.Q3_K: (2, 1), QT.Q2_K: (2,)}
 
 
 def _kind(qtype: int) -> Kind:
@@ -172,7 +174,7 @@ def _kind(qtype: int) -> Kind:
     halves = sorted({s.d for s in L.slots} | {s.m for s in L.slots if s.m is not None})
     assert not (signed and qtype in WIDE), qtype  # signed codes take int8 activations (_Mac.signed)
     return Kind(int(qtype), L.nbytes, L.values // 32, qtype in WIDE, umax < 16 and units == 1 and not signed,
-                signed, L.bias, units, L.offset, 127 if signed else umax, tuple(halves), PLANES.get(qtype, 0))
+                signed, L.bias, units, L.offset, 127 if signed else umax, tuple(halves), PLANES.get(qtype, ()))
 
 
 KINDS: dict[int, Kind] = {int(qt): _kind(qt) for qt in TYPES}
@@ -199,15 +201,20 @@ KINDS: dict[int, Kind] = {int(qt): _kind(qt) for qt in TYPES}
 # kept over intdot's GB/s: SmolLM2's 3072x576 (gate+up), 576x1536 (down), 960x576 (qkv) and 49152x576
 # 3.6, 2.3, 3.4, 2.4x on avx512vnni, 2.3, 1.6, 2.5, 2.4x on avxvnni, 2.6, 1.8, 2.7, 2.5x on avx2; a
 # 1B's 8192x2048 and 2048x8192 1.14-1.42x. 8 tokens: 1.2-2.7x faster, but 0.84-0.97x at the 1B shapes
-# on avxvnni and avx2 (256-bit int16 products bind them there). Q2_K's and Q3_K's panels grow (f32
-# scales where each 16 values has its own), so their decode stays on intdot. Q8_0's, with an f16
+# on avxvnni and avx2 (256-bit int16 products bind them there). Q3_K's panels hold its planes of 2 and
+# 1 bits, d and a byte per 16 values' scale less its bias, 114 bytes per 256 values where its block has
+# 110; Q2_K's its 2-bit plane, d, dmin and a byte per scale and per min, 100 where it has 84 (one code a
+# byte and f32 scales took 320 and 384). Zen 4, one core, from RAM, one token, kept over intdot's GB/s
+# at 8192x2048 and 2048x8192: Q2_K 2.4 and 2.1x, Q3_K 2.4 and 2.0x on avx512vnni; 1.7 and 1.6x, 1.6 and
+# 1.4x on forced avx2; 8 tokens 1.45-1.76x and 1.09-1.11x. Q8_0's, with an f16
 # scale, would be its block's size, but decode from them was no faster at a 1B's widths and held an
 # 8-bit file twice (Zen 4, 3 Dec: 12.98 tok/s at 3.5 GB peak RSS against intdot's 13.86 at 1.9 GB),
 # so it stays on intdot too. Q5_1's products take 16-bit activations as Q4_1's do (each 4 codes'
 # bytes split into two 16-bit pairs in registers). (The generic ISA, which converts f16 through a
 # table, keeps f32 scales: Q4_1's panels take 24 bytes per 32 values, Q4_K's 192 per 256, Q6_K's 256,
-# for decode bits the same as every other ISA's.)
-KEPT = frozenset({int(QT.Q4_0), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q5_1), int(QT.Q4_K), int(QT.Q5_K), int(QT.Q6_K)})
+# Q3_K's 160, Q2_K's 192, for decode bits the same as every other ISA's.)
+KEPT = frozenset({int(QT.Q4_0), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q5_1), int(QT.Q4_K), int(QT.Q5_K), int(QT.Q6_K),
+                  int(QT.Q3_K), int(QT.Q2_K)})
 
 
 # bytes ahead of a kept panel's codes to prefetch (its scales: intdot_ir.PREFETCH). Emerald Rapids, one
@@ -233,9 +240,11 @@ def compact(qtype: int, which: str) -> bool:
     """Whether qtype's panels keep a K-quant block's scales as the block has them, unpacked, on
     ISA `which` (`Compact`): per 256 values and row, Q4_K's f16 d and dmin and a byte per 6-bit
     scale and min (20 bytes, where f32 d * sc and -(dmin * mn) per 32 take 64), Q6_K's f16 d and
-    16 int8 scales (18, where f32 d * sc per 16 take 64). The tile forms d * sc and -(dmin * mn)
-    in registers, the same f32 products the packer forms otherwise. Q4_K and Q6_K (KEPT), on an
-    ISA that converts f16 in registers."""
+    16 int8 scales (18, where f32 d * sc per 16 take 64), Q3_K's f16 d and 16 6-bit scales less
+    their bias 32 as int8 (18), Q2_K's f16 d and dmin and a byte per 4-bit scale and min (36, where
+    f32 per 16 take 128). The tile forms d * sc and -(dmin * mn) in registers, the same f32
+    products the packer forms otherwise. The K-quants of COMPACT (KEPT), on an ISA that converts
+    f16 in registers."""
     return qtype in KEPT and qtype in COMPACT and intdot_ir.ISA_OPS[which].fpext
 
 
@@ -246,7 +255,8 @@ class Compact(NamedTuple):
 
     slots: int  # scales per 256 values: 8 (one per 32) or 16 (one per 16)
     mins: bool
-    int8: bool
+    int8: bool  # the scale bytes are int8: Q6_K's as its block has them, Q3_K's less their bias
+    bias: int = 0  # taken from each scale as it is packed (Q3_K's 32): its byte is then the integer d is multiplied by
 
     @property
     def nbytes(self) -> int:
@@ -259,12 +269,14 @@ class Compact(NamedTuple):
 
 def _compact(qtype) -> Compact:
     s0 = IL.LAYOUTS[qtype].slots[0]
-    assert not s0.sc_bias and (s0.m is None) == (not s0.mn)
-    return Compact(len(IL.LAYOUTS[qtype].slots), s0.m is not None, s0.sc_int8)
+    assert (s0.m is None) == (not s0.mn)
+    top = functools.reduce(lambda a, f: a | f.mask << f.pos, s0.sc, 0)  # the largest scale
+    assert not s0.sc_bias or (not s0.sc_int8 and s0.sc_bias <= 128 and top - s0.sc_bias <= 127), qtype  # an int8 byte
+    return Compact(len(IL.LAYOUTS[qtype].slots), s0.m is not None, s0.sc_int8 or bool(s0.sc_bias), s0.sc_bias)
 
 
-# per 256 values and row: Q4_K and Q5_K 20 bytes, Q6_K 18
-COMPACT = {int(qt): _compact(qt) for qt in (QT.Q4_K, QT.Q5_K, QT.Q6_K)}
+# per 256 values and row: Q4_K and Q5_K 20 bytes, Q6_K and Q3_K 18, Q2_K 36
+COMPACT = {int(qt): _compact(qt) for qt in (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q3_K, QT.Q2_K)}
 
 _I8, _I16 = ir.IntType(8), ir.IntType(16)
 
@@ -495,11 +507,10 @@ def _pairs16(builder, v, col: int, lanes: int):
 
 def _plane_operands(builder, k: Kind, qb, u: int, L: int):
     """A planes kind's multiplicands of unit u of the block at qb (values 32u/units on): each 4 values'
-    codes, the nibble plane's low or high nibbles OR'd with the top plane's field of them (k.planes
-    bits) moved to bit 4 on, with its activations' offset (_chunk_bytes lays the planes out: values
-    4g..4g+3 have their top bits in word g % bits of the top plane, at bit bits * (g // bits) of each
-    byte)."""
-    vi, bits, per = _vty(L), k.planes, 8 // k.units
+    codes, each plane's field of them (k.planes: its bits, the lowest first) moved to its place in the
+    code and OR'd, with its activations' offset. _chunk_bytes lays a plane of b bits out as b words:
+    values 4g..4g+3 have their field in word g % b of it, at bit b * (g // b) of each byte."""
+    vi, per = _vty(L), 8 // k.units
 
     def load(i):
         return builder.load(_at(builder, qb, 4 * L * i, vi), align=4)
@@ -509,14 +520,21 @@ def _plane_operands(builder, k: Kind, qb, u: int, L: int):
 
     out = []
     for g in range(per * u, per * (u + 1)):  # values 4g..4g+3
-        lo = builder.and_(builder.lshr(load(g % 4), _vec(_I32, [4 * (g // 4)] * L)), mask(0x0F0F0F0F))
-        s = bits * (g // bits)  # the field's place in the top plane's bytes; to bit 4 on
-        top = load(4 + g % bits)
-        if s < 4:
-            top = builder.shl(top, _vec(_I32, [4 - s] * L))
-        elif s > 4:
-            top = builder.lshr(top, _vec(_I32, [s - 4] * L))
-        out.append((builder.or_(lo, builder.and_(top, mask(0x01010101 * (((1 << bits) - 1) << 4)))), 4 * g))
+        code, word, pos = None, 0, 0
+        for bits in k.planes:
+            s = bits * (g // bits)  # the field's place in the plane's bytes; to bit pos on
+            field = mask(0x01010101 * (((1 << bits) - 1) << pos))
+            v = load(word + g % bits)
+            if code is None:  # the lowest plane
+                code = builder.and_(builder.lshr(v, _vec(_I32, [s] * L)), field)
+            else:
+                if s < pos:
+                    v = builder.shl(v, _vec(_I32, [pos - s] * L))
+                elif s > pos:
+                    v = builder.lshr(v, _vec(_I32, [s - pos] * L))
+                code = builder.or_(code, builder.and_(v, field))
+            word, pos = word + bits, pos + bits
+        out.append((code, 4 * g))
     return out
 
 
@@ -747,26 +765,37 @@ def _chunk_bytes(builder, em, k: Kind, src, ch):
     """A chunk's codes as its panel holds them, 4 * k.groups bytes: em.chunk's <32 x i8> (unsigned
     codes, int8 for Q8_0, a code book's values for IQ4), nibbles or planes packed."""
     u = em.chunk(src, ch)
-    if k.planes:  # 16 bytes of nibbles as below, then 4 * bits of top fields: with n = 4 * bits, byte j
-        #           holds values j, n + j, 2n + j, ... (Q6_K: j, 8+j, 16+j, 24+j; Q5_0: j, 4+j, .., 28+j)
-        bits = k.planes
-        n = 4 * bits
-        nib = builder.and_(u, _vec(_I8, [15] * 32))
-        top = builder.lshr(u, _vec(_I8, [4] * 32))
-        lo = builder.shuffle_vector(nib, nib, _vec(_I32, range(16)))
-        hi = builder.shuffle_vector(nib, nib, _vec(_I32, range(16, 32)))
-        tops = builder.shuffle_vector(top, top, _vec(_I32, range(n)))
-        for f in range(1, 8 // bits):
-            tops = builder.or_(tops, builder.shl(builder.shuffle_vector(top, top, _vec(_I32, range(n * f, n * f + n))),
-                                                 _vec(_I8, [bits * f] * n)))
-        both = builder.or_(lo, builder.shl(hi, _vec(_I8, [4] * 16)))
-        return builder.shuffle_vector(both, builder.shuffle_vector(tops, tops, _vec(_I32, list(range(n)) + [0] * (16 - n))),
-                                      _vec(_I32, list(range(16)) + list(range(16, 16 + n))))
+    if k.planes:  # each plane of b bits in turn, 4 * b bytes: with n = 4 * b, byte j holds the fields of
+        #           values j, n + j, 2n + j, ... (Q6_K's top plane: j, 8+j, 16+j, 24+j; Q5_0's: j, 4+j, .., 28+j)
+        out, pos = None, 0
+        for i, bits in enumerate(k.planes):
+            n = 4 * bits
+            f = builder.lshr(u, _vec(_I8, [pos] * 32)) if pos else u
+            if i + 1 < len(k.planes):  # a higher plane's bits lie above this one's
+                f = builder.and_(f, _vec(_I8, [(1 << bits) - 1] * 32))
+            plane = builder.shuffle_vector(f, f, _vec(_I32, range(n)))
+            for j in range(1, 8 // bits):
+                plane = builder.or_(plane, builder.shl(builder.shuffle_vector(f, f, _vec(_I32, range(n * j, n * j + n))),
+                                                       _vec(_I8, [bits * j] * n)))
+            out = plane if out is None else _joined_bytes(builder, out, plane)
+            pos += bits
+        return out
     if k.nibbles:
         lo = builder.shuffle_vector(u, u, _vec(_I32, range(16)))
         hi = builder.shuffle_vector(u, u, _vec(_I32, range(16, 32)))
         return builder.or_(lo, builder.shl(hi, _vec(_I8, [4] * 16)))
     return u
+
+
+def _joined_bytes(builder, p, q):
+    """Vector p's lanes, then q's (of any lengths), as one vector."""
+    n, m = p.type.count, q.type.count
+    if m < n:  # q widened to p's length (its extra lanes unused), as shuffle_vector asks
+        q = builder.shuffle_vector(q, q, _vec(_I32, list(range(m)) + [0] * (n - m)))
+    elif n < m:
+        p = builder.shuffle_vector(p, p, _vec(_I32, list(range(n)) + [0] * (m - n)))
+    w = max(n, m)
+    return builder.shuffle_vector(p, q, _vec(_I32, list(range(n)) + list(range(w, w + m))))
 
 
 def _pack_compact(builder, em, cp: Compact, src, pd, row, P) -> None:
@@ -776,7 +805,10 @@ def _pack_compact(builder, em, cp: Compact, src, pd, row, P) -> None:
     for k, f in enumerate((s0.d, s0.m) if cp.mins else (s0.d,)):  # f16 at pd + 2 k P + 2 row
         at = builder.add(builder.add(pd, builder.mul(P, c(2 * k))), builder.mul(row, c(2)))
         builder.store(intdot_ir._load(builder, src, f, _I16), _at(builder, at, 0, _I16), align=2)
-    ints = em.slot_ints(src, [s.sc for s in L.slots] + ([s.mn for s in L.slots] if cp.mins else []), cp.int8)
+    ints = em.slot_ints(src, [s.sc for s in L.slots] + ([s.mn for s in L.slots] if cp.mins else []), s0.sc_int8)
+    if cp.bias:  # the scales (not the mins) less their bias, as the dequantizer's f32(sc - bias)
+        n = ints.type.count
+        ints = builder.sub(ints, _vec(_I16, [cp.bias] * cp.slots + [0] * (n - cp.slots)))
     for j in range(ints.type.count):  # slot j's scale, then each slot's min, a row of P bytes each
         at = builder.add(builder.add(pd, builder.mul(P, c(cp.sc + j))), row)
         v = builder.trunc(builder.extract_element(ints, ir.Constant(_I32, j)), _I8)

@@ -32,6 +32,7 @@ Models (``--models``, comma separated; a path to any .gguf file also works):
 * ``llama1b-q8_0``   synthetic Llama-3.2-1B shape, Q8_0 (random weights)
 * ``llama1b-q4_0``   synthetic Llama-3.2-1B shape, Q4_0 (random weights)
 * ``llama1b-q4_k_m`` the 1B shape written in F16, quantized to Q4_K_M by llama.cpp
+* ``llama1b-q3_k_m``, ``llama1b-q2_k``  the same at Q3_K_M and Q2_K (the mixes for a big model in little memory)
 * ``moe16x4-q8_0``   synthetic mixture of experts, qwen3moe with 16 experts top-4 (0.5B), Q8_0
 * ``moe16x4-q4_0``   the same in Q4_0
 * ``qwen3-1.7b-q4_0``, ``gemma3-1b-q4_0``, ``phi3-1b-q4_0``  the other families, synthetic, Q4_0: Qwen3-1.7B's
@@ -102,6 +103,10 @@ BUILTIN = {
     "llama1b-f16": ModelSpec("llama1b-f16", "Llama-3.2-1B-shape F16 (synthetic)", "llama-3.2-1b", "f16"),
     "llama1b-q4_k_m": ModelSpec("llama1b-q4_k_m", "Llama-3.2-1B-shape Q4_K_M (llama.cpp)", llama_ftype="Q4_K_M",
                                 source="llama1b-f16"),
+    "llama1b-q3_k_m": ModelSpec("llama1b-q3_k_m", "Llama-3.2-1B-shape Q3_K_M (llama.cpp)", llama_ftype="Q3_K_M",
+                                source="llama1b-f16"),
+    "llama1b-q2_k": ModelSpec("llama1b-q2_k", "Llama-3.2-1B-shape Q2_K (llama.cpp)", llama_ftype="Q2_K",
+                              source="llama1b-f16"),
     "moe16x4-q8_0": ModelSpec("moe16x4-q8_0", "Qwen3-MoE-shape 16 experts top-4 0.5B Q8_0 (synthetic)",
                               "qwen3moe-16x4", "q8_0"),
     "moe16x4-q4_0": ModelSpec("moe16x4-q4_0", "Qwen3-MoE-shape 16 experts top-4 0.5B Q4_0 (synthetic)",

@@ -173,7 +173,7 @@ def test_prefill_tiles_of_each_isa_return_the_bits_of_the_numpy_definition(name,
 
 @pytest.mark.parametrize("name", isa.ISAS)
 def test_decode_on_kept_panels_gives_each_token_its_prefill_bits_on_each_isa(name, isa_outputs):
-    """Decode of a KEPT type (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) reads panels packed once: one token, or several, each
+    """Decode of a KEPT type (every type but Q8_0) reads panels packed once: one token, or several, each
     token's row is what prefill computes for it, so a sequence's text does not depend on
     how its tokens were batched, and (test above) that is the numpy definition's."""
     _, results = isa_outputs

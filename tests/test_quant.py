@@ -407,10 +407,11 @@ def test_wrong_shapes_or_dtypes_are_refused_before_any_kernel_runs():
         Q.matmul(w, np.zeros((3, 64), np.float32), np.zeros((3, 7), np.float32))
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K])
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K,
+                                   QT.IQ4_NL, QT.IQ4_XS])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kept_weights_decode_each_token_with_the_bits_prefill_gives_it(threads, qtype, int8_kernels):
-    """Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (intgemm.KEPT) decode and prefill read the same panels, packed
+    """Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS (intgemm.KEPT) decode and prefill read the same panels, packed
     once: a token's products are the same bits alone (matvec), beside 8 others (matmul) and in any subset of
     them (decode.matvec_rows), at any thread count."""
     from edgetp.model import decode, intgemm  # noqa: PLC0415
@@ -448,14 +449,17 @@ def test_kept_panels_are_about_the_size_of_the_blocks_they_replace(which):
     256 on generic (f32 d * sc per 16: 192 + 64); Q3_K's 110 become 114 (its 96 bytes of 2-bit and
     1-bit planes, d and a byte per 16 values' scale: 96 + 18), 160 on generic (96 + 64); Q2_K's 84
     become 100 (its 64 bytes of 2-bit codes, d, dmin and a byte per 4-bit scale and min: 64 + 36),
-    192 on generic (f32 d * sc and -(dmin * mn) per 16: 64 + 128)."""
+    192 on generic (f32 d * sc and -(dmin * mn) per 16: 64 + 128); IQ4_NL's 18 per 32 stay 18 (its
+    code book indices as nibbles and f16 d), 20 on generic; IQ4_XS's 136 per 256 become 138 (128 +
+    d and a byte per 32 values' scale less its bias: 128 + 10), 160 on generic (f32 d * sc per 32)."""
     from edgetp.model import intgemm  # noqa: PLC0415
 
     P = intgemm.panel_rows(which)
     rows, cols = 4 * P, 1024  # whole panels: no repeated rows
     g = which == "generic"
     want = {QT.Q4_0: (20 if g else 18) / 32, QT.Q4_1: (24 if g else 20) / 32, QT.Q4_K: (192 if g else 148) / 256,
-            QT.Q6_K: (256 if g else 210) / 256, QT.Q3_K: (160 if g else 114) / 256, QT.Q2_K: (192 if g else 100) / 256}
+            QT.Q6_K: (256 if g else 210) / 256, QT.Q3_K: (160 if g else 114) / 256, QT.Q2_K: (192 if g else 100) / 256,
+            QT.IQ4_NL: (20 if g else 18) / 32, QT.IQ4_XS: (160 if g else 138) / 256}
     for qt, per_value in want.items():
         w, _ = weight(qt, rows=rows, cols=cols)
         p = intgemm.pack(int(qt), w.data, Q._TAB16, which)  # packing runs anywhere: it only moves bytes

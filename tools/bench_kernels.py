@@ -4,7 +4,7 @@
     python tools/bench_kernels.py --intdot [--threads 1 --types Q4_0,Q8_0,Q4_K]   (EDGETP_ISA=generic for the plain code)
     python tools/bench_kernels.py --intdot --types Q4_1 --shapes 3072x576,576x1536,960x576   (SmolLM2's)
 
---intdot also runs the kept panels of Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (intgemm.KEPT): one token, and 8 tokens beside
+--intdot also runs the kept panels of every type but Q8_0 (intgemm.KEPT): one token, and 8 tokens beside
 the several-token kernel, both from RAM.
 
 GB/s counts the GGUF bytes of the type (what a model file costs to stream).

@@ -13,7 +13,7 @@ order as the per-op path (`Shard.forward` for n > 1): the results are the same b
 A step may carry one token from each of several sequences (`Shard.forward_rows`),
 each at its own position of its own KV slot: every buffer then has a row per token,
 the integer kernels read each weight once for all the rows (intdot.TokenProducts;
-the kept panels of Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K, intgemm.Kept) and each row gets exactly the
+the kept panels of every quantized type but Q8_0, intgemm.Kept) and each row gets exactly the
 arithmetic of a token alone, so a sequence's text does not depend on what else runs
 beside it. Float kernels run row by row.
 """

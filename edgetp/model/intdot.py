@@ -352,9 +352,8 @@ def _blocks(L, ws: list[np.ndarray], padded: int) -> int:
 # unpacking dominates (codes of 2 to 5 bits, code books). One core of an Emerald Rapids VM,
 # 65536 x 2048 from RAM, several-token kernel for 1 token over the one-token kernel: Q4_0
 # 1.24-1.56x, Q4_1 1.15-1.42, Q5_0 1.26, Q5_1 1.48, IQ4_NL 1.81, Q2_K 1.42, Q3_K 1.27; Q4_K, Q6_K and
-# IQ4_XS 1.0-1.06, Q5_K 0.76-0.91 and Q8_0 0.87 stay. The bits are the same either way. (Q4_0's,
-# Q4_1's, Q5_0's, Q5_1's, Q2_K's, Q3_K's, Q4_K's, Q5_K's and Q6_K's decode run on kept panels,
-# intgemm.KEPT, unless their probe fails here.)
+# IQ4_XS 1.0-1.06, Q5_K 0.76-0.91 and Q8_0 0.87 stay. The bits are the same either way. (Every
+# type but Q8_0 decodes on kept panels, intgemm.KEPT, unless their probe fails here.)
 ONE_BY_TOKENS = {"avx512vnni": frozenset(int(t) for t in (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.IQ4_NL,
                                                           QT.Q2_K, QT.Q3_K))}
 

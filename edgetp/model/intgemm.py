@@ -12,7 +12,7 @@ Here the lanes of a register are rows, not columns. A panel of rows (16 on
 avx512vnni, 8 elsewhere: `Shape`) is packed once per batch (`_emit_pack`, from the
 type's intdot_layouts row through the decode kernels' emitter, so decode and prefill
 read one description of each block):
-  q: per block of 32 values, 4 (codes of at most 4 bits: nibbles) or 8 (bytes) vectors, or a vector per
+  q: per block of 32 values, 4 (codes of at most 4 bits, or a code book's indices: nibbles) or 8 (bytes) vectors, or a vector per
      bit of each plane the type's block holds its codes in (`PLANES`): the 5- and 6-bit types 4 of their
      low nibbles and 1 (Q5_0, Q5_1, Q5_K) or 2 (Q6_K) of their top bits, Q3_K 2 of its low 2 bits and 1
      of its top bit, Q2_K 2 of its 2-bit codes;
@@ -26,7 +26,7 @@ the same activations, broadcast from memory. A block of 32 columns goes into one
 integer accumulator per token; only then is it converted and scaled, once per
 block for all rows: sum = fma(float(acc) * dx[t, b], d[b], sum).
 
-Kept panels (KEPT: Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K). A type whose panel is about as large as its GGUF blocks
+Kept panels (KEPT: every type here but Q8_0). A type whose panel is about as large as its GGUF blocks
 is packed once per weight (`pack`, `Panels`; where the ISA converts f16 in registers, Q4_0's scales
 and Q4_1's scales and offsets stay f16, and the K-quants' stay as their blocks have them, d (and
 dmin) in f16 and a byte per scale (and min): `compact`; Q5_0's f16 scale as Q4_0's) and decode reads the panels too (`Kept`):
@@ -55,8 +55,9 @@ Activations are rounded per block of 32 columns:
         starts at -bias * sum(x) over it. On AVX2 the products go through 16 bits:
         `Kind.operands` bounds how many are summed there before vpmaddwd widens them (fewer
         for wider codes). Offset types add m[u] * dx * sum(x) per unit.
-        Signed codes (Q8_0, and IQ4_NL's and IQ4_XS's code book values, -127..113) stay
-        int8 in the panel, and each ISA multiplies them as its instructions allow
+        Signed codes (Q8_0's, int8 in the panel, and IQ4_NL's and IQ4_XS's code book values,
+        -127..113, looked up in registers from the panel's nibble indices since 4 Dec) are
+        multiplied as each ISA's instructions allow
         (`_Mac.signed`): vpdpbusd takes code + 128 (its top bit flipped) with a seed of
         -128 * sum(x); AVX2 takes |code| times x with the code's sign (vpabsb, vpsignb;
         each operand widened on its own); sdot and the generic ISA take them as they are.
@@ -136,6 +137,8 @@ class Kind:
     halves: tuple[int, ...]  # where a GGUF block keeps its f16 scales and offsets
     planes: tuple[int, ...] = ()  # codes as planes of these many bits each, the lowest bits first, a plane
     #                               of b bits b vectors (PLANES: Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K); (): one plane
+    table: tuple[int, ...] | None = None  # a code book (IQ4_NL, IQ4_XS): the panel holds each value's index as a
+    #                                        nibble, and the tile looks the int8 weights up (`_looked_up`)
 
     @property
     def groups(self) -> int:
@@ -173,8 +176,9 @@ def _kind(qtype: int) -> Kind:
     units = 2 if L.split else 1
     halves = sorted({s.d for s in L.slots} | {s.m for s in L.slots if s.m is not None})
     assert not (signed and qtype in WIDE), qtype  # signed codes take int8 activations (_Mac.signed)
-    return Kind(int(qtype), L.nbytes, L.values // 32, qtype in WIDE, umax < 16 and units == 1 and not signed,
-                signed, L.bias, units, L.offset, 127 if signed else umax, tuple(halves), PLANES.get(qtype, ()))
+    nibbles = units == 1 and (L.table is not None or (umax < 16 and not signed))  # a code book's indices are nibbles
+    return Kind(int(qtype), L.nbytes, L.values // 32, qtype in WIDE, nibbles, signed, L.bias, units, L.offset,
+                127 if signed else umax, tuple(halves), PLANES.get(qtype, ()), L.table)
 
 
 KINDS: dict[int, Kind] = {int(qt): _kind(qt) for qt in TYPES}
@@ -206,15 +210,23 @@ KINDS: dict[int, Kind] = {int(qt): _kind(qt) for qt in TYPES}
 # 110; Q2_K's its 2-bit plane, d, dmin and a byte per scale and per min, 100 where it has 84 (one code a
 # byte and f32 scales took 320 and 384). Zen 4, one core, from RAM, one token, kept over intdot's GB/s
 # at 8192x2048 and 2048x8192: Q2_K 2.4 and 2.1x, Q3_K 2.4 and 2.0x on avx512vnni; 1.7 and 1.6x, 1.6 and
-# 1.4x on forced avx2; 8 tokens 1.45-1.76x and 1.09-1.11x. Q8_0's, with an f16
+# 1.4x on forced avx2; 8 tokens 1.45-1.76x and 1.09-1.11x. IQ4_NL's and IQ4_XS's panels hold each value's
+# index into the code book as a nibble, and the tile looks the values up with the ISA's byte shuffle
+# (`_looked_up`, once per operand for every token of the tile): IQ4_NL's f16 d as Q4_0's, 18 bytes per 32
+# values as its block; IQ4_XS's d and a byte per 32 values' scale less its bias (`Compact`), 138 per 256
+# where its block has 136. Zen 4 (qemu on the other core), one core, from RAM, one token, kept over
+# intdot's GB/s at 8192x2048, 2048x8192, 3072x576 and 49152x576: IQ4_NL 1.8, 1.6, 3.1, 2.7x on avx512vnni
+# and 3.0, 2.7, 3.5, 3.4x on forced avx2; IQ4_XS (the 1B shapes) 2.4, 1.9x and 1.6, 1.5x; 8 tokens
+# 2.0-2.9x and 1.3-1.6x. Q8_0's, with an f16
 # scale, would be its block's size, but decode from them was no faster at a 1B's widths and held an
 # 8-bit file twice (Zen 4, 3 Dec: 12.98 tok/s at 3.5 GB peak RSS against intdot's 13.86 at 1.9 GB),
 # so it stays on intdot too. Q5_1's products take 16-bit activations as Q4_1's do (each 4 codes'
 # bytes split into two 16-bit pairs in registers). (The generic ISA, which converts f16 through a
 # table, keeps f32 scales: Q4_1's panels take 24 bytes per 32 values, Q4_K's 192 per 256, Q6_K's 256,
-# Q3_K's 160, Q2_K's 192, for decode bits the same as every other ISA's.)
+# Q3_K's 160, Q2_K's 192, IQ4_NL's 20 per 32, IQ4_XS's 160 per 256, for decode bits the same as every other
+# ISA's; its code book lookup is 16 compares and selects.)
 KEPT = frozenset({int(QT.Q4_0), int(QT.Q4_1), int(QT.Q5_0), int(QT.Q5_1), int(QT.Q4_K), int(QT.Q5_K), int(QT.Q6_K),
-                  int(QT.Q3_K), int(QT.Q2_K)})
+                  int(QT.Q3_K), int(QT.Q2_K), int(QT.IQ4_NL), int(QT.IQ4_XS)})
 
 
 # bytes ahead of a kept panel's codes to prefetch (its scales: intdot_ir.PREFETCH). Emerald Rapids, one
@@ -243,8 +255,8 @@ def compact(qtype: int, which: str) -> bool:
     16 int8 scales (18, where f32 d * sc per 16 take 64), Q3_K's f16 d and 16 6-bit scales less
     their bias 32 as int8 (18), Q2_K's f16 d and dmin and a byte per 4-bit scale and min (36, where
     f32 per 16 take 128). The tile forms d * sc and -(dmin * mn) in registers, the same f32
-    products the packer forms otherwise. The K-quants of COMPACT (KEPT), on an ISA that converts
-    f16 in registers."""
+    products the packer forms otherwise. IQ4_XS's f16 d and 8 6-bit scales less their bias as int8
+    (10). The types of COMPACT (KEPT), on an ISA that converts f16 in registers."""
     return qtype in KEPT and qtype in COMPACT and intdot_ir.ISA_OPS[which].fpext
 
 
@@ -275,8 +287,8 @@ def _compact(qtype) -> Compact:
     return Compact(len(IL.LAYOUTS[qtype].slots), s0.m is not None, s0.sc_int8 or bool(s0.sc_bias), s0.sc_bias)
 
 
-# per 256 values and row: Q4_K and Q5_K 20 bytes, Q6_K and Q3_K 18, Q2_K 36
-COMPACT = {int(qt): _compact(qt) for qt in (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q3_K, QT.Q2_K)}
+# per 256 values and row: Q4_K and Q5_K 20 bytes, Q6_K and Q3_K 18, Q2_K 36, IQ4_XS 10
+COMPACT = {int(qt): _compact(qt) for qt in (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q3_K, QT.Q2_K, QT.IQ4_XS)}
 
 _I8, _I16 = ir.IntType(8), ir.IntType(16)
 
@@ -505,6 +517,19 @@ def _pairs16(builder, v, col: int, lanes: int):
     return [(builder.and_(v, low), 2 * col), (builder.and_(builder.lshr(v, _vec(_I32, [8] * lanes)), low), 2 * col + 4)]
 
 
+def _looked_up(builder, which: str, table, idx, L: int):
+    """<L x i32> of code book indices (a byte each, 0..15) as the book's int8 values: the ISA's byte
+    shuffle (vpshufb, 512 bits on avx512vnni; tbl; generic: selects), as intdot's decode looks them up."""
+    v = builder.bitcast(idx, _vty(L, _I8, 4))
+    if 4 * L == 64:
+        fn = _decl(builder.module, "llvm.x86.avx512.pshuf.b.512", v.type, [v.type] * 2)  # per 128 bits
+        looked = builder.call(fn, [_vec(_I8, list(table) * 4), v])
+    else:
+        assert 4 * L == 32, L
+        looked = intdot_ir.ISA_OPS[which].lookup(builder, table, v)
+    return builder.bitcast(looked, _vty(L))
+
+
 def _plane_operands(builder, k: Kind, qb, u: int, L: int):
     """A planes kind's multiplicands of unit u of the block at qb (values 32u/units on): each 4 values'
     codes, each plane's field of them (k.planes: its bits, the lowest first) moved to its place in the
@@ -600,6 +625,8 @@ def _emit_tile(builder, qtype: int, which: str, args, tokens: int | None = None)
             operands = _plane_operands(builder, k, qb, u, L)
             if wide:  # each 4 codes' bytes as two 16-bit pairs, as _operands takes a byte kind's (Q5_1)
                 operands = [pair for w, off in operands for pair in _pairs16(builder, w, off, L)]
+        if k.table:
+            operands = [(_looked_up(builder, which, k.table, w, L), off) for w, off in operands]
         operands = [(mac.weights(w), off) for w, off in operands]
         chains = mac.chains if len(operands) >= 8 and not wide else 1
         step = len(operands) if wide or chains > 1 else k.operands  # i32 chains need no 16-bit bound
@@ -764,7 +791,7 @@ def _emit_pack(builder, qtype: int, which: str, args) -> None:
 def _chunk_bytes(builder, em, k: Kind, src, ch):
     """A chunk's codes as its panel holds them, 4 * k.groups bytes: em.chunk's <32 x i8> (unsigned
     codes, int8 for Q8_0, a code book's values for IQ4), nibbles or planes packed."""
-    u = em.chunk(src, ch)
+    u = em.codes(src, ch.code) if k.table else em.chunk(src, ch)  # a code book's indices, not its values
     if k.planes:  # each plane of b bits in turn, 4 * b bytes: with n = 4 * b, byte j holds the fields of
         #           values j, n + j, 2n + j, ... (Q6_K's top plane: j, 8+j, 16+j, 24+j; Q5_0's: j, 4+j, .., 28+j)
         out, pos = None, 0

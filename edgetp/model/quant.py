@@ -4,7 +4,7 @@ A `Weight` is a (rows, row_bytes) uint8 view of the bytes exactly as the
 GGUF file stores them (usually a read-only memmap), tagged with its qtype.
 Kernels in `kernels.py` and `intdot.py` compute on those bytes directly; `deq.py`
 dequantizes rows of any type (prefill, and products of types without a decode
-kernel). Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K weights are also packed once into panels (`panels`, intgemm.KEPT),
+kernel). Weights of every quantized type but Q8_0 are also packed once into panels (`panels`, intgemm.KEPT),
 which their decode and prefill both read: a second copy in memory of about the same size,
 while the file's pages stay in the page cache, clean and reclaimable.
 
@@ -230,7 +230,7 @@ _panels_lock = threading.Lock()
 
 def kept(w: Weight) -> bool:
     """True when w's products, decode's and prefill's alike, run on panels packed once and kept
-    (intgemm.KEPT: Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K, whose panels are about as large as their blocks)."""
+    (intgemm.KEPT: every quantized type but Q8_0, whose panels are about as large as their blocks)."""
     return int8_decode() and intgemm.kept(w.qtype)
 
 

@@ -33,6 +33,8 @@ Models (``--models``, comma separated; a path to any .gguf file also works):
 * ``llama1b-q4_0``   synthetic Llama-3.2-1B shape, Q4_0 (random weights)
 * ``llama1b-q4_k_m`` the 1B shape written in F16, quantized to Q4_K_M by llama.cpp
 * ``llama1b-q3_k_m``, ``llama1b-q2_k``  the same at Q3_K_M and Q2_K (the mixes for a big model in little memory)
+* ``smollm2-iq4_xs``, ``llama1b-iq4_xs``  SmolLM2 and the 1B shape at IQ4_XS (SmolLM2's 576-wide tensors fall back
+                     to IQ4_NL)
 * ``moe16x4-q8_0``   synthetic mixture of experts, qwen3moe with 16 experts top-4 (0.5B), Q8_0
 * ``moe16x4-q4_0``   the same in Q4_0
 * ``qwen3-1.7b-q4_0``, ``gemma3-1b-q4_0``, ``phi3-1b-q4_0``  the other families, synthetic, Q4_0: Qwen3-1.7B's
@@ -107,6 +109,10 @@ BUILTIN = {
                                 source="llama1b-f16"),
     "llama1b-q2_k": ModelSpec("llama1b-q2_k", "Llama-3.2-1B-shape Q2_K (llama.cpp)", llama_ftype="Q2_K",
                               source="llama1b-f16"),
+    "smollm2-iq4_xs": ModelSpec("smollm2-iq4_xs", "SmolLM2-135M IQ4_XS (llama.cpp)", llama_ftype="IQ4_XS",
+                                source="smollm2"),
+    "llama1b-iq4_xs": ModelSpec("llama1b-iq4_xs", "Llama-3.2-1B-shape IQ4_XS (llama.cpp)", llama_ftype="IQ4_XS",
+                                source="llama1b-f16"),
     "moe16x4-q8_0": ModelSpec("moe16x4-q8_0", "Qwen3-MoE-shape 16 experts top-4 0.5B Q8_0 (synthetic)",
                               "qwen3moe-16x4", "q8_0"),
     "moe16x4-q4_0": ModelSpec("moe16x4-q4_0", "Qwen3-MoE-shape 16 experts top-4 0.5B Q4_0 (synthetic)",

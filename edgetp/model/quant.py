@@ -53,7 +53,7 @@ import numpy as np  # noqa: E402
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
 from edgetp.model import deq as D  # noqa: E402
-from edgetp.model import intdot, intgemm, isa  # noqa: E402
+from edgetp.model import intdot, intgemm, isa, pages  # noqa: E402
 from edgetp.model import kernels as K  # noqa: E402
 from edgetp.model.sampling import top_k  # noqa: E402
 
@@ -240,6 +240,8 @@ def panels(w: Weight) -> intgemm.Panels:
         p = _PANELS.get(w)
         if p is None:
             p = _PANELS[w] = intgemm.pack(w.qtype, w.data, _TAB16)
+            if intgemm.available():  # decode and prefill read the panels alone from now on (generic: sgemm reads w)
+                pages.release(w.data)
         return p
 
 

@@ -128,8 +128,9 @@ class Kind:
     sub: int  # blocks of 32 values per GGUF block
     wide: bool  # 16-bit activations (WIDE), else int8
     nibbles: bool  # codes packed two per byte (value k low, 16 + k high: 4 vectors per 32), else one per byte (8)
-    signed: bool  # the panel holds int8 weights (Q8_0; IQ4's code book values), else unsigned u, the weight u - bias
-    #               (int8 activations: each ISA multiplies them as `_Mac.signed` says)
+    signed: bool  # the weights are int8 (Q8_0's, as the panel holds them; IQ4's code book values, looked up from
+    #               the panel's indices), else unsigned u, the weight u - bias (int8 activations: each ISA
+    #               multiplies signed weights as `_Mac.signed` says)
     bias: int
     units: int  # scales (and offsets) per 32 values: 2 where each 16 has its own (Q2_K, Q3_K, Q6_K)
     offset: bool  # values are d * q + m: the panel carries m
@@ -790,7 +791,7 @@ def _emit_pack(builder, qtype: int, which: str, args) -> None:
 
 def _chunk_bytes(builder, em, k: Kind, src, ch):
     """A chunk's codes as its panel holds them, 4 * k.groups bytes: em.chunk's <32 x i8> (unsigned
-    codes, int8 for Q8_0, a code book's values for IQ4), nibbles or planes packed."""
+    codes, int8 for Q8_0) or, for a code book (IQ4), em.codes' indices into it, nibbles or planes packed."""
     u = em.codes(src, ch.code) if k.table else em.chunk(src, ch)  # a code book's indices, not its values
     if k.planes:  # each plane of b bits in turn, 4 * b bytes: with n = 4 * b, byte j holds the fields of
         #           values j, n + j, 2n + j, ... (Q6_K's top plane: j, 8+j, 16+j, 24+j; Q5_0's: j, 4+j, .., 28+j)
@@ -826,7 +827,8 @@ def _joined_bytes(builder, p, q):
 
 
 def _pack_compact(builder, em, cp: Compact, src, pd, row, P) -> None:
-    """A K block's scales into its compact panel entry (`Compact`, `_compact_scales`) for one row."""
+    """A K block's (or IQ4_XS block's) scales into its compact panel entry (`Compact`, `_compact_scales`)
+    for one row."""
     L, c = em.layout, (lambda v: ir.Constant(_I64, v))
     s0 = L.slots[0]
     for k, f in enumerate((s0.d, s0.m) if cp.mins else (s0.d,)):  # f16 at pd + 2 k P + 2 row

@@ -5,8 +5,8 @@ GGUF file stores them (usually a read-only memmap), tagged with its qtype.
 Kernels in `kernels.py` and `intdot.py` compute on those bytes directly; `deq.py`
 dequantizes rows of any type (prefill, and products of types without a decode
 kernel). Weights of every quantized type but Q8_0 are also packed once into panels (`panels`, intgemm.KEPT),
-which their decode and prefill both read: a second copy in memory of about the same size,
-while the file's pages stay in the page cache, clean and reclaimable.
+which their decode and prefill both read, about the size of the blocks; the file's pages under them
+are then unmapped (`pages.release`) and left to the page cache, clean and reclaimable.
 
 Block formats (ggml), per row of `cols` values:
   F32 / F16 / BF16   1 value per "block", 4 / 2 / 2 bytes

@@ -62,3 +62,33 @@ def test_a_writable_map_and_memory_of_its_own_are_left_alone(model_file, mode):
     assert pages.release(mm) == 0 and pages.release(own) == 0
     assert (mm[:4096] == 7).all() and np.array_equal(own, data[: 4 * MB])
     assert pages.release(np.memmap(path, dtype=np.uint8, mode="r")[:100]) == 0  # no whole page in it
+
+
+
+def test_a_kept_weight_read_from_its_file_gives_its_pages_back_once_packed(tmp_path):
+    """quant.panels releases the file pages it packed from, and the weight's products stay those of
+    the same blocks held in memory of its own (bit for bit), near gguf-py's dequantized product."""
+    import gguf.quants  # noqa: PLC0415
+    from gguf import GGMLQuantizationType as QT  # noqa: PLC0415
+
+    from edgetp.model import intgemm  # noqa: PLC0415
+    from edgetp.model import quant as Q  # noqa: PLC0415
+    from tests.test_quant import random_raw  # noqa: PLC0415
+
+    rows, cols = 2048, 1024  # 1.1 MB of Q4_0 blocks
+    path = tmp_path / "q4_0.bin"
+    path.write_bytes(random_raw(QT.Q4_0, rows, cols, 5).tobytes())
+    data = np.memmap(path, dtype=np.uint8, mode="r").reshape(rows, -1)
+    w, own = Q.Weight(int(QT.Q4_0), rows, cols, data), Q.Weight(int(QT.Q4_0), rows, cols, np.array(data))
+    if not (Q.kept(w) and intgemm.available()):
+        pytest.skip("Q4_0's panels are not kept here (EDGETP_INT8=0, the generic ISA or a failed probe)")
+    assert int(data.astype(np.uint64).sum()) > 0 and _resident(data) >= data.nbytes - mmap.PAGESIZE  # all read
+    Q.panels(w)
+    assert _resident(data) < data.nbytes // 4
+    x = np.random.default_rng(1).standard_normal(cols).astype(np.float32)
+    out, want = np.empty(rows, np.float32), np.empty(rows, np.float32)
+    Q.matvec(w, x, out)
+    Q.matvec(own, x, want)
+    np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
+    exact = gguf.quants.dequantize(np.array(data), QT.Q4_0).astype(np.float64) @ x.astype(np.float64)
+    assert np.abs(out - exact).max() <= 0.02 * np.abs(exact).max()  # int8 activations' rounding

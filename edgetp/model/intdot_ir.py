@@ -118,6 +118,13 @@ def _lookup_x86(b, table, idx):
     return b.call(fn, [_vec(_I8, list(table) * 2), idx])
 
 
+def lookup512(b, table, idx):
+    """<64 x i8> of a 16-entry table's values at <64 x i8> indices (0..15): one 512-bit vpshufb,
+    which looks up within each 128 bits (AVX-512 only)."""
+    fn = _decl(b.module, "llvm.x86.avx512.pshuf.b.512", _V64I8, [_V64I8] * 2)
+    return b.call(fn, [_vec(_I8, list(table) * 4), idx])
+
+
 def _lookup_neon(b, table, idx):
     fn = _decl(b.module, "llvm.aarch64.neon.tbl1.v16i8", _V16I8, [_V16I8] * 2)
     halves = [b.call(fn, [_vec(_I8, table), b.shuffle_vector(idx, idx, _vec(_I32, range(16 * h, 16 * h + 16)))])
@@ -303,8 +310,7 @@ class Emit:
         if other is None:
             return self.lookup(b, table, u)
         assert self.rows512, "two rows' codes at once: AVX-512 only"
-        fn = _decl(b.module, "llvm.x86.avx512.pshuf.b.512", _V64I8, [_V64I8] * 2)  # per 128 bits, as vpshufb
-        return b.call(fn, [_vec(_I8, list(table) * 4), u])
+        return lookup512(b, table, u)
 
     def quad32(self, row, q, valid=None, other=None):
         """A 32-value layout's quad q (blocks 4q..4q+3) of one row: (4 chunks' codes, ws and wm

@@ -311,8 +311,9 @@ def _vty(lanes, ty=_I32, per=1):
 
 
 class _Mac:
-    """An ISA's integer products of one block: weights(v) once per operand; begin(seed) -> acc;
-    mac(acc, w, x) per operand and token; end(acc, seed) -> <lanes x i32>, each lane the exact
+    """An ISA's integer products of one block: weights(v) once per operand (a code book's values
+    are looked up as book(table) has them, and weights() is left out where it adds signed_bias);
+    begin(seed) -> acc; mac(acc, w, x) per operand and token; end(acc, seed) -> <lanes x i32>, each lane the exact
     sum over the block of one row's products plus seed. v and x are <lanes x i32>: 4 bytes (int8:
     unsigned codes, or signed ones (`signed`: Q8_0, IQ4's code book values), times signed
     activations) or 2 words (wide: signed times signed) per lane. Signed codes are taken as
@@ -327,6 +328,10 @@ class _Mac:
 
     def weights(self, v):
         return v
+
+    def book(self, table):
+        """A code book's int8 values as weights() would make each (plus signed_bias, as a byte)."""
+        return [(t + self.signed_bias + 128) % 256 - 128 for t in table]
 
     def begin(self, seed):
         return seed
@@ -523,8 +528,7 @@ def _looked_up(builder, which: str, table, idx, L: int):
     shuffle (vpshufb, 512 bits on avx512vnni; tbl; generic: selects), as intdot's decode looks them up."""
     v = builder.bitcast(idx, _vty(L, _I8, 4))
     if 4 * L == 64:
-        fn = _decl(builder.module, "llvm.x86.avx512.pshuf.b.512", v.type, [v.type] * 2)  # per 128 bits
-        looked = builder.call(fn, [_vec(_I8, list(table) * 4), v])
+        looked = intdot_ir.lookup512(builder, table, v)
     else:
         assert 4 * L == 32, L
         looked = intdot_ir.ISA_OPS[which].lookup(builder, table, v)
@@ -626,9 +630,11 @@ def _emit_tile(builder, qtype: int, which: str, args, tokens: int | None = None)
             operands = _plane_operands(builder, k, qb, u, L)
             if wide:  # each 4 codes' bytes as two 16-bit pairs, as _operands takes a byte kind's (Q5_1)
                 operands = [pair for w, off in operands for pair in _pairs16(builder, w, off, L)]
-        if k.table:
-            operands = [(_looked_up(builder, which, k.table, w, L), off) for w, off in operands]
-        operands = [(mac.weights(w), off) for w, off in operands]
+        if k.table:  # the book's values as weights() makes them: vpdpbusd's code + 128 looked up ready
+            book = mac.book(k.table)
+            operands = [(_looked_up(builder, which, book, w, L), off) for w, off in operands]
+        if not (k.table and mac.signed_bias):
+            operands = [(mac.weights(w), off) for w, off in operands]
         chains = mac.chains if len(operands) >= 8 and not wide else 1
         step = len(operands) if wide or chains > 1 else k.operands  # i32 chains need no 16-bit bound
         for o in range(0, len(operands), step):  # partial sums chained through each ISA's begin/end

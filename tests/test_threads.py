@@ -69,7 +69,7 @@ def test_dominant_type_is_the_type_holding_most_layer_bytes(stories_path, smollm
     for path in (stories_path, smollm2_path):
         mf = open_model(path)
         by_type: dict[int, int] = {}
-        for t in mf.reader.tensors:  # gguf-py's own parse, not our tensor table
+        for t in mf.reader().tensors:  # gguf-py's own parse, not our tensor table
             if t.name.startswith("blk.") and len(t.shape) == 2:
                 by_type[int(t.tensor_type)] = by_type.get(int(t.tensor_type), 0) + int(t.n_bytes)
         assert mf.dominant_type == max(by_type, key=by_type.__getitem__)

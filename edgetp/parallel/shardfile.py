@@ -172,7 +172,7 @@ def _table_entry(mf: ModelFile, name: str, how: str, r: Any,
 
 def _copy_metadata(mf: ModelFile, writer: GGUFWriter) -> None:
     """Every key/value of the source, strings as their raw bytes."""
-    for field in mf.reader.fields.values():
+    for field in mf.reader().fields.values():
         if field.name.startswith("GGUF.") or field.name == "general.architecture":
             continue
         vtype = GGUFValueType(field.types[0])

@@ -92,3 +92,40 @@ def test_a_kept_weight_read_from_its_file_gives_its_pages_back_once_packed(tmp_p
     np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
     exact = gguf.quants.dequantize(np.array(data), QT.Q4_0).astype(np.float64) @ x.astype(np.float64)
     assert np.abs(out - exact).max() <= 0.02 * np.abs(exact).max()  # int8 activations' rounding
+
+
+def test_a_kept_weight_is_packed_a_slice_at_a_time_its_slices_pages_given_back_as_it_goes(tmp_path, monkeypatch):
+    """A weight of many rows (a vocabulary's output) never has all its file pages mapped beside its
+    panels while it is packed: each release sees at most one slice's pages (intgemm.PACK_ROWS rows)
+    mapped; and the panels are those packed from the same blocks in memory of their own."""
+    from gguf import GGMLQuantizationType as QT  # noqa: PLC0415
+
+    from edgetp.model import intgemm  # noqa: PLC0415
+    from edgetp.model import quant as Q  # noqa: PLC0415
+    from tests.test_quant import random_raw  # noqa: PLC0415
+
+    rows, cols = 32 * intgemm.PACK_ROWS + 16, 1024  # 33 slices, the last of one panel (19 MB of Q4_0)
+    path = tmp_path / "q4_0.bin"
+    path.write_bytes(random_raw(QT.Q4_0, rows, cols, 6).tobytes())
+    data = np.memmap(path, dtype=np.uint8, mode="r").reshape(rows, -1)
+    w = Q.Weight(int(QT.Q4_0), rows, cols, data)
+    if not (Q.kept(w) and intgemm.available()):
+        pytest.skip("Q4_0's panels are not kept here (EDGETP_INT8=0, the generic ISA or a failed probe)")
+    assert _resident(data) <= 4 * MB  # not read yet (as a model's weights before their first use)
+    real, seen = pages.release, []
+
+    def release(part):
+        seen.append((part.shape[0], _resident(data)))
+        return real(part)
+
+    monkeypatch.setattr(Q.pages, "release", release)
+    got = Q.panels(w)
+    slice_bytes = intgemm.PACK_ROWS * data.shape[1]
+    assert [r for r, _ in seen] == [intgemm.PACK_ROWS] * 32 + [16]
+    # what is mapped at each release is the slice being released, and what shares a 2 MB page with
+    # it or was read ahead (page cache folios may be mapped whole, by huge pages)
+    assert max(res for _, res in seen) <= slice_bytes + 4 * MB + 256 * 1024, seen
+    assert _resident(data) <= 4 * MB
+    want = intgemm.pack(int(QT.Q4_0), np.array(data), Q._TAB16)
+    for a, b in zip(got[:2], want[:2], strict=True):  # codes and scales (Q4_0 has no offsets)
+        np.testing.assert_array_equal(a, b)

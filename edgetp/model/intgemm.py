@@ -100,6 +100,7 @@ dropped), ran the same or slower; 2 x 3 spills.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -969,8 +970,15 @@ def read_only(a: np.ndarray) -> np.ndarray:
     return v
 
 
-def pack(qtype: int, data: np.ndarray, tab: np.ndarray, which: str | None = None) -> Panels:
-    """The panels of W's raw (rows, row_bytes) GGUF blocks of a KEPT type, for ISA `which`."""
+PACK_ROWS = 1024  # rows of blocks packed per call of the packer (a multiple of every ISA's panel rows)
+
+
+def pack(qtype: int, data: np.ndarray, tab: np.ndarray, which: str | None = None,
+         done: Callable[[np.ndarray], object] | None = None) -> Panels:
+    """The panels of W's raw (rows, row_bytes) GGUF blocks of a KEPT type, for ISA `which`, packed
+    PACK_ROWS rows at a time; done(rows of data), if given, as soon as those rows' panels are written
+    (quant.panels gives their file pages back there: a 128k-row vocabulary then never has all its
+    pages mapped beside its panels)."""
     which = which or isa.current()
     k, P = KINDS[qtype], ISA_TILES[which][1].rows
     rows, nb = data.shape[0], data.shape[1] // k.nbytes * k.sub
@@ -982,8 +990,14 @@ def pack(qtype: int, data: np.ndarray, tab: np.ndarray, which: str | None = None
         d = np.empty((n, nb * k.units * P), np.uint16 if half(qtype, which) else np.float32)
         m = np.empty((n, nb * k.units * P if k.offset else 1), np.uint16 if half(qtype, which) and k.offset
                      else np.float32)
-    if rows:
-        _packer(qtype, which)(read_only(data), tab, q, d, m)
+    src, packer = read_only(data), _packer(qtype, which)
+    assert PACK_ROWS % P == 0
+    for a in range(0, rows, PACK_ROWS):  # the same panels as one call: each is packed from its own rows
+        b = min(rows, a + PACK_ROWS)
+        at = slice(a // P, -(-b // P))
+        packer(src[a:b], tab, q[at], d[at], m[at])
+        if done is not None:
+            done(data[a:b])
     return Panels(q, d, m, rows, nb)
 
 

@@ -239,9 +239,8 @@ def panels(w: Weight) -> intgemm.Panels:
     with _panels_lock:
         p = _PANELS.get(w)
         if p is None:
-            p = _PANELS[w] = intgemm.pack(w.qtype, w.data, _TAB16)
-            if intgemm.available():  # decode and prefill read the panels alone from now on (generic: sgemm reads w)
-                pages.release(w.data)
+            # decode and prefill read the panels alone from now on (generic: its prefill's sgemm reads w)
+            p = _PANELS[w] = intgemm.pack(w.qtype, w.data, _TAB16, done=pages.release if intgemm.available() else None)
         return p
 
 

@@ -60,7 +60,7 @@ def test_a_changed_file_or_a_corrupt_index_means_a_fresh_parse(stories_path, tmp
 
 
 def test_no_open_model_keeps_gguf_pys_parse_of_its_header(smollm2_path, parses):
-    # the parse holds a numpy view per header string: 314 MB of RSS for Llama 3's 128k-token
+    # the parse holds a numpy view per header string: 334 MB of RSS for Llama 3's 128k-token
     # vocabulary, which a daemon keeping it would carry for its whole life
     mf = open_model(smollm2_path)
     fields = mf.reader().fields  # a parse of its own, for whoever asks

@@ -64,6 +64,24 @@ def test_a_writable_map_and_memory_of_its_own_are_left_alone(model_file, mode):
     assert pages.release(np.memmap(path, dtype=np.uint8, mode="r")[:100]) == 0  # no whole page in it
 
 
+def _file_q4_0(tmp_path, rows: int, cols: int, seed: int):
+    """A random Q4_0 weight written to a file and mapped read-only, as gguf._map_tensors maps a
+    model's: (its blocks' map, the Weight); skips where Q4_0's panels are not kept and packed for
+    prefill too."""
+    from gguf import GGMLQuantizationType as QT  # noqa: PLC0415
+
+    from edgetp.model import intgemm  # noqa: PLC0415
+    from edgetp.model import quant as Q  # noqa: PLC0415
+    from tests.test_quant import random_raw  # noqa: PLC0415
+
+    path = tmp_path / "q4_0.bin"
+    path.write_bytes(random_raw(QT.Q4_0, rows, cols, seed).tobytes())
+    data = np.memmap(path, dtype=np.uint8, mode="r").reshape(rows, -1)
+    w = Q.Weight(int(QT.Q4_0), rows, cols, data)
+    if not (Q.kept(w) and intgemm.available()):
+        pytest.skip("Q4_0's panels are not kept here (EDGETP_INT8=0, the generic ISA or a failed probe)")
+    return data, w
+
 
 def test_a_kept_weight_read_from_its_file_gives_its_pages_back_once_packed(tmp_path):
     """quant.panels releases the file pages it packed from, and the weight's products stay those of
@@ -71,17 +89,11 @@ def test_a_kept_weight_read_from_its_file_gives_its_pages_back_once_packed(tmp_p
     import gguf.quants  # noqa: PLC0415
     from gguf import GGMLQuantizationType as QT  # noqa: PLC0415
 
-    from edgetp.model import intgemm  # noqa: PLC0415
     from edgetp.model import quant as Q  # noqa: PLC0415
-    from tests.test_quant import random_raw  # noqa: PLC0415
 
     rows, cols = 2048, 1024  # 1.1 MB of Q4_0 blocks
-    path = tmp_path / "q4_0.bin"
-    path.write_bytes(random_raw(QT.Q4_0, rows, cols, 5).tobytes())
-    data = np.memmap(path, dtype=np.uint8, mode="r").reshape(rows, -1)
-    w, own = Q.Weight(int(QT.Q4_0), rows, cols, data), Q.Weight(int(QT.Q4_0), rows, cols, np.array(data))
-    if not (Q.kept(w) and intgemm.available()):
-        pytest.skip("Q4_0's panels are not kept here (EDGETP_INT8=0, the generic ISA or a failed probe)")
+    data, w = _file_q4_0(tmp_path, rows, cols, 5)
+    own = Q.Weight(int(QT.Q4_0), rows, cols, np.array(data))
     assert int(data.astype(np.uint64).sum()) > 0 and _resident(data) >= data.nbytes - mmap.PAGESIZE  # all read
     Q.panels(w)
     assert _resident(data) < data.nbytes // 4
@@ -102,15 +114,9 @@ def test_a_kept_weight_is_packed_a_slice_at_a_time_its_slices_pages_given_back_a
 
     from edgetp.model import intgemm  # noqa: PLC0415
     from edgetp.model import quant as Q  # noqa: PLC0415
-    from tests.test_quant import random_raw  # noqa: PLC0415
 
     rows, cols = 32 * intgemm.PACK_ROWS + 16, 1024  # 33 slices, the last of one panel (19 MB of Q4_0)
-    path = tmp_path / "q4_0.bin"
-    path.write_bytes(random_raw(QT.Q4_0, rows, cols, 6).tobytes())
-    data = np.memmap(path, dtype=np.uint8, mode="r").reshape(rows, -1)
-    w = Q.Weight(int(QT.Q4_0), rows, cols, data)
-    if not (Q.kept(w) and intgemm.available()):
-        pytest.skip("Q4_0's panels are not kept here (EDGETP_INT8=0, the generic ISA or a failed probe)")
+    data, w = _file_q4_0(tmp_path, rows, cols, 6)
     assert _resident(data) <= 4 * MB  # not read yet (as a model's weights before their first use)
     real, seen = pages.release, []
 

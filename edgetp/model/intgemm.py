@@ -971,6 +971,7 @@ def read_only(a: np.ndarray) -> np.ndarray:
 
 
 PACK_ROWS = 1024  # rows of blocks packed per call of the packer (a multiple of every ISA's panel rows)
+assert all(PACK_ROWS % s.rows == 0 for _, s in ISA_TILES.values())
 
 
 def pack(qtype: int, data: np.ndarray, tab: np.ndarray, which: str | None = None,
@@ -991,7 +992,6 @@ def pack(qtype: int, data: np.ndarray, tab: np.ndarray, which: str | None = None
         m = np.empty((n, nb * k.units * P if k.offset else 1), np.uint16 if half(qtype, which) and k.offset
                      else np.float32)
     src, packer = read_only(data), _packer(qtype, which)
-    assert PACK_ROWS % P == 0
     for a in range(0, rows, PACK_ROWS):  # the same panels as one call: each is packed from its own rows
         b = min(rows, a + PACK_ROWS)
         at = slice(a // P, -(-b // P))

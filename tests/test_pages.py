@@ -135,3 +135,27 @@ def test_a_kept_weight_is_packed_a_slice_at_a_time_its_slices_pages_given_back_a
     want = intgemm.pack(int(QT.Q4_0), np.array(data), Q._TAB16)
     for a, b in zip(got[:2], want[:2], strict=True):  # codes and scales (Q4_0 has no offsets)
         np.testing.assert_array_equal(a, b)
+
+
+def test_embedding_rows_are_read_from_the_file_and_map_none_of_its_pages(synth_model):
+    """A token's embedding row read through the map stayed mapped, with the kernel's fault-around
+    neighbours: a root's RSS grew toward the whole table one new token at a time. The rows now come
+    by pread; they are gguf-py's dequantization of the same rows."""
+    from gguf import GGUFReader  # noqa: PLC0415
+    from gguf.quants import dequantize  # noqa: PLC0415
+
+    from edgetp.model import llama  # noqa: PLC0415
+    from edgetp.model.gguf import ModelFile  # noqa: PLC0415
+
+    path = synth_model("tiny-odd", "q4_0", vocab=20000)  # a 1 MB Q4_0 table: 256 pages
+    mf = ModelFile(path)
+    table = mf.tensors["token_embd.weight"]
+    assert table.tensor_type.name == "Q4_0" and table.n_bytes > MB
+    ids = [int(t) for t in np.random.default_rng(5).integers(0, 20000, 40)]
+    before = _resident(table.data)
+    rows = llama.embed(mf, ids)
+    assert _resident(table.data) == before
+    ref = next(t for t in GGUFReader(path).tensors if t.name == "token_embd.weight")
+    np.testing.assert_array_equal(rows, dequantize(ref.data, ref.tensor_type)[ids])
+    with pytest.raises(ValueError, match="has no row 20000"):
+        mf.read_rows("token_embd.weight", [3, 20000])

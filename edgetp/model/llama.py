@@ -528,9 +528,8 @@ _apply = quant.apply
 
 
 def embed(mf: ModelFile, token_ids: list[int]) -> np.ndarray:
-    """Embedding rows for the given tokens: (n, dim) f32 (only those rows are read)."""
-    table = mf.weight("token_embd.weight")
-    rows = np.stack([quant.dequantize_rows(table, t, t + 1)[0] for t in token_ids]).astype(np.float32)
+    """Embedding rows for the given tokens: (n, dim) f32 (only those rows are read, from the file)."""
+    rows = quant.dequantize_rows(mf.read_rows("token_embd.weight", list(token_ids)), 0, len(token_ids))
     if mf.config.embed_scale != 1.0:  # gemma: times sqrt(dim), in f32 as llama.cpp's ggml_scale
         rows *= np.float32(mf.config.embed_scale)
     return rows

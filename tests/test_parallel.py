@@ -287,7 +287,7 @@ def test_a_worker_that_exits_mid_generation_is_reported_by_address(control, stor
     proc, addr = start_worker()
     try:
         runner = cluster(control, stories_path, [addr], [1, 1])
-        ids = [1, 9038, 2501, 263, 931]
+        ids = _model("stories", stories_path, None, None)[1][:5]
         runner.begin(GREEDY)
         try:
             runner.run(ids, 0, ids, GREEDY)

@@ -137,25 +137,39 @@ def test_a_kept_weight_is_packed_a_slice_at_a_time_its_slices_pages_given_back_a
         np.testing.assert_array_equal(a, b)
 
 
-def test_embedding_rows_are_read_from_the_file_and_map_none_of_its_pages(synth_model):
-    """A token's embedding row read through the map stayed mapped, with the kernel's fault-around
-    neighbours: a root's RSS grew toward the whole table one new token at a time. The rows now come
-    by pread; they are gguf-py's dequantization of the same rows."""
+def test_rows_read_now_and_then_come_from_the_file_and_map_none_of_its_pages(synth_model):
+    """A token's embedding row, and the head's rows that decode recomputes exactly, read through the
+    map stayed mapped with the kernel's fault-around neighbours: a root's RSS grew toward the whole
+    table a token at a time. They now come by pread: the map's resident size does not move, and the
+    values are gguf-py's dequantization of those rows (the exact logits: its rows times x in f64)."""
     from gguf import GGUFReader  # noqa: PLC0415
     from gguf.quants import dequantize  # noqa: PLC0415
 
     from edgetp.model import llama  # noqa: PLC0415
+    from edgetp.model import quant as Q  # noqa: PLC0415
     from edgetp.model.gguf import ModelFile  # noqa: PLC0415
 
-    path = synth_model("tiny-odd", "q4_0", vocab=20000)  # a 1 MB Q4_0 table: 256 pages
+    path = synth_model("tiny-odd", "q4_0", vocab=20000)  # 1 MB Q4_0 tables: 256 pages each
     mf = ModelFile(path)
-    table = mf.tensors["token_embd.weight"]
-    assert table.tensor_type.name == "Q4_0" and table.n_bytes > MB
-    ids = [int(t) for t in np.random.default_rng(5).integers(0, 20000, 40)]
+    ref = {t.name: dequantize(t.data, t.tensor_type) for t in GGUFReader(path).tensors
+           if t.name in ("token_embd.weight", "output.weight")}
+    table, head = mf.weight("token_embd.weight"), mf.weight("output.weight")
+    assert table.qtype == head.qtype == 2 and table.data.nbytes > MB
+    rng = np.random.default_rng(5)
+    ids = [int(t) for t in rng.integers(0, 20000, 40)]
+    x = rng.standard_normal(head.cols).astype(np.float32)
+    logits = rng.standard_normal(head.rows).astype(np.float32)  # stand-ins: they only pick the rows
+    exact = logits.copy()
     before = _resident(table.data)
+
     rows = llama.embed(mf, ids)
-    assert _resident(table.data) == before
-    ref = next(t for t in GGUFReader(path).tensors if t.name == "token_embd.weight")
-    np.testing.assert_array_equal(rows, dequantize(ref.data, ref.tensor_type)[ids])
-    with pytest.raises(ValueError, match="has no row 20000"):
-        mf.read_rows("token_embd.weight", [3, 20000])
+    Q.refine_top(head, x, exact, 64)
+
+    assert _resident(table.data) == before  # one map holds both tables
+    np.testing.assert_array_equal(rows, ref["token_embd.weight"][ids])
+    top = np.argsort(-logits)[:64]
+    np.testing.assert_allclose(exact[top], ref["output.weight"][top].astype(np.float64) @ x.astype(np.float64), rtol=1e-6)
+    rest = np.setdiff1d(np.arange(head.rows), top)
+    np.testing.assert_array_equal(exact[rest], logits[rest])
+    with pytest.raises(IndexError, match="row 20000 is outside 0..19999"):
+        pages.read_rows(table.data, [3, 20000])

@@ -21,7 +21,7 @@ import msgpack
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
-from edgetp.model import quant
+from edgetp.model import pages, quant
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3")
@@ -174,28 +174,6 @@ class ModelFile:
         """A 2-D weight, as a zero-copy view of the mapped file."""
         return quant.weight_from_gguf(self._tensor(name))
 
-    def read_rows(self, name: str, ids: list[int]) -> quant.Weight:
-        """Rows `ids` of a 2-D weight, read from the file with os.pread instead of through the map.
-        A row read through the map stays mapped, with the neighbours the kernel maps around each
-        fault (64 KB per new token measured on Llama 3's embedding table): a root embedding new
-        tokens all day would grow its RSS toward the whole table, 141 MB of Q4_0 for Llama 3, twice
-        what a tied model already holds as its head's panels."""
-        w = self.weight(name)
-        bad = [t for t in ids if not 0 <= t < w.rows]
-        if bad:
-            raise ValueError(f"{self.path}: {name!r} has no row {bad[0]} (rows 0..{w.rows - 1})")
-        size = w.data.shape[1]
-        base = self.tensors[name].data_offset
-        out = np.empty((len(ids), size), np.uint8)
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            for i, t in enumerate(ids):
-                if os.preadv(fd, [out[i]], base + t * size) != size:
-                    raise GGUFError(f"{self.path}: tensor {name!r} row {t} is cut short")
-        finally:
-            os.close(fd)
-        return quant.Weight(w.qtype, len(ids), w.cols, out)
-
     def vector(self, name: str) -> np.ndarray:
         """A 1-D float tensor (norm weights, biases) as float32."""
         t = self._tensor(name)
@@ -313,7 +291,7 @@ def _write_index(index: Path, head: dict[str, Any]) -> None:
 
 def _map_tensors(path: Path, table: list) -> dict[str, TensorInfo]:
     """Views of every tensor's bytes in one read-only map of the file."""
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    mm = pages.map_file(path)
     size = mm.shape[0]
     tensors = {}
     for name, qtype, shape, offset, n_bytes in table:

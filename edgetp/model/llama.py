@@ -24,7 +24,7 @@ from typing import Callable
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from edgetp.model import decode, kvcache, moe, ops, passes, quant
+from edgetp.model import decode, kvcache, moe, ops, pages, passes, quant
 from edgetp.model.gguf import ModelConfig, ModelFile
 
 Range = tuple[int, int]
@@ -529,7 +529,9 @@ _apply = quant.apply
 
 def embed(mf: ModelFile, token_ids: list[int]) -> np.ndarray:
     """Embedding rows for the given tokens: (n, dim) f32 (only those rows are read, from the file)."""
-    rows = quant.dequantize_rows(mf.read_rows("token_embd.weight", list(token_ids)), 0, len(token_ids))
+    table = mf.weight("token_embd.weight")
+    ids = list(token_ids)
+    rows = quant.dequantize_rows(quant.Weight(table.qtype, len(ids), table.cols, pages.read_rows(table.data, ids)), 0, len(ids))
     if mf.config.embed_scale != 1.0:  # gemma: times sqrt(dim), in f32 as llama.cpp's ggml_scale
         rows *= np.float32(mf.config.embed_scale)
     return rows

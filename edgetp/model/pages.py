@@ -7,13 +7,55 @@ pages count in its RSS (and in what the kernel's OOM killer weighs) although not
 `release` unmaps them (madvise MADV_DONTNEED): they stay in the page cache, clean, for the kernel
 to keep or reclaim as it sees fit, and a later read maps them again with the same bytes (a minor
 fault while they are cached, a read from the file if they were reclaimed).
+
+A few rows read now and then (a token's embedding, the head's rows that decode recomputes exactly)
+would map their pages again and keep them, with the neighbours the kernel maps around each fault:
+64 KB per row, so a table of which nothing is kept grows back toward its whole size. `read_rows`
+reads such rows from the file instead, through the descriptor `map_file` keeps beside its map (the
+same file as the map even if the path is replaced since).
 """
 
 from __future__ import annotations
 
 import mmap
+import os
+import weakref
 
 import numpy as np
+
+_FILES: weakref.WeakKeyDictionary[mmap.mmap, object] = weakref.WeakKeyDictionary()  # map -> its open file
+
+
+def map_file(path: os.PathLike[str] | str) -> np.memmap:
+    """The whole file, mapped read-only from its first byte, its file kept open as long as the map."""
+    f = open(path, "rb", buffering=0)  # closed with the map, or here on failure
+    try:
+        mm = np.memmap(f, dtype=np.uint8, mode="r")
+    except BaseException:
+        f.close()
+        raise
+    _FILES[mm.base] = f
+    return mm
+
+
+def read_rows(a: np.ndarray, rows) -> np.ndarray:
+    """a[rows] for a 2-D C-contiguous byte array, as an array of its own. Where `a` is a view of a
+    map_file map the rows are read from its file (preadv), so that none of the map's pages is
+    mapped by them; otherwise they are copied as numpy would."""
+    rows = np.asarray(rows, np.int64).reshape(-1)
+    mm = file_map(a)
+    f = _FILES.get(mm) if mm is not None and a.ndim == 2 and a.flags.c_contiguous else None
+    if f is None:
+        return a[rows]
+    if rows.size and not (0 <= rows.min() and rows.max() < a.shape[0]):
+        raise IndexError(f"row {int(rows[(rows < 0) | (rows >= a.shape[0])][0])} is outside 0..{a.shape[0] - 1}")
+    size = a.shape[1]
+    start = a.ctypes.data - np.frombuffer(mm, np.uint8).ctypes.data  # the map begins at the file's byte 0
+    out = np.empty((rows.size, size), np.uint8)
+    for i, r in enumerate(rows.tolist()):
+        if os.preadv(f.fileno(), [out[i]], start + r * size) != size:
+            raise OSError(f"{f.name}: cut short at byte {start + r * size + size}")
+    return out
 
 
 def file_map(a: np.ndarray) -> mmap.mmap | None:

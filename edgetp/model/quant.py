@@ -321,7 +321,8 @@ def refine_top(w: Weight, x: np.ndarray, out: np.ndarray, k: int) -> None:
     rows, vals = np.empty(k, np.int64), np.empty(k, np.float32)
     top_k(out, rows, vals)
     exact = np.empty(k, np.float32)
-    D.exact_dots(int(w.qtype), w.data, rows, np.ascontiguousarray(x, np.float32), _TAB16, _TABBF, exact)
+    D.exact_dots(int(w.qtype), pages.read_rows(w.data, rows), np.arange(k, dtype=np.int64), np.ascontiguousarray(x, np.float32),
+                 _TAB16, _TABBF, exact)  # rows from the file: through the map, they stayed mapped (pages)
     out[rows] = exact
 
 

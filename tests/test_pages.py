@@ -4,8 +4,11 @@ mapping's resident size, as /proc/self/smaps counts it, falls) and still reads t
 
 from __future__ import annotations
 
+import gc
 import mmap
+import os
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -189,3 +192,19 @@ def test_rows_of_a_file_cut_short_since_it_was_mapped_are_an_error_not_zeros(tmp
     np.testing.assert_array_equal(pages.read_rows(a, [1, per_page - 1]), data[[1, per_page - 1]])
     with pytest.raises(OSError, match=rf"rows\.bin: 256 bytes at byte {mmap.PAGESIZE} could not be read"):
         pages.read_rows(a, [3, per_page])
+
+
+def test_the_file_a_map_reads_rows_from_is_closed_with_the_map(tmp_path):
+    """Closed, not dropped: a file object left to the collector warns (ResourceWarning) as it goes."""
+    path = tmp_path / "rows.bin"
+    path.write_bytes(bytes(range(256)) * 64)
+    fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+    before = fds()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        a = pages.map_file(path).reshape(64, 256)
+        assert fds() > before and pages.read_rows(a, [9])[0, 255] == 255
+        del a
+        gc.collect()
+    assert fds() == before
+    assert not [w for w in seen if issubclass(w.category, ResourceWarning)]

@@ -37,6 +37,7 @@ def map_file(path: os.PathLike[str] | str) -> np.memmap:
         f.close()
         raise
     _FILES[mm.base] = f
+    weakref.finalize(mm.base, f.close)
     return mm
 
 

@@ -53,7 +53,7 @@ def read_rows(a: np.ndarray, rows) -> np.ndarray:
     if rows.size and not (0 <= rows.min() and rows.max() < a.shape[0]):
         raise IndexError(f"row {int(rows[(rows < 0) | (rows >= a.shape[0])][0])} is outside 0..{a.shape[0] - 1}")
     size = a.shape[1]
-    at = rows * size + (a.ctypes.data - np.frombuffer(mm, np.uint8).ctypes.data)  # the map begins at byte 0
+    at = rows * size + _offset(a, mm)  # map_file's map begins at the file's byte 0
     out = np.empty((rows.size, size), np.uint8)
     done = _pread_rows(f.fileno(), out, at)
     if done != rows.size:
@@ -75,6 +75,11 @@ def _pread_rows(fd, out, at):  # pragma: no cover - compiled
     return at.shape[0]
 
 
+def _offset(a: np.ndarray, mm: mmap.mmap) -> int:
+    """Where `a`, a view of map mm, begins in it (bytes)."""
+    return a.ctypes.data - np.frombuffer(mm, np.uint8).ctypes.data
+
+
 def file_map(a: np.ndarray) -> mmap.mmap | None:
     """The read-only file map `a` is a view of, or None (memory of its own, or any other buffer)."""
     base = a
@@ -92,8 +97,7 @@ def release(a: np.ndarray) -> int:
     mm = file_map(a)
     if mm is None or a.size == 0 or not a.flags.c_contiguous or not hasattr(mm, "madvise"):
         return 0
-    origin = np.frombuffer(mm, np.uint8).ctypes.data
-    start = a.ctypes.data - origin
+    start = _offset(a, mm)
     lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
     hi = (start + a.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
     if hi <= lo:

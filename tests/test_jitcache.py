@@ -67,3 +67,35 @@ def test_the_digest_changes_with_any_file_of_the_model_package_or_using_numba_an
     assert second != first
     ir.write_text("from llvmlite import ir  # changed\n")
     assert jitcache.digest(tmp_path) != second
+
+
+COMPILES = """
+import gc, sys
+from numba.core.registry import CPUDispatcher
+from edgetp.cli import main
+code = main(["ask", "--local", "--model", sys.argv[1], "--max-tokens", "4", "--temperature", "0", "Once upon a time"])
+assert code == 0, code
+mine = [d for d in gc.get_objects() if isinstance(d, CPUDispatcher) and d.py_func.__module__.startswith("edgetp")]
+compiled = sorted({d.py_func.__qualname__ for d in mine  # a miss, or compiled where nothing is cached
+                   if sum(d.stats.cache_misses.values()) or (d.overloads and type(d._cache).__name__ == "NullCache")})
+print("compiled:", " ".join(compiled) or "-")
+"""
+
+
+def test_a_second_process_loads_every_kernel_the_first_compiled_and_compiles_none(tmp_path, synth_model):
+    # numba keys a closure's cache entry by its captured values, pickled; a captured dispatcher pickles
+    # with a uuid of its process, so a kernel capturing another was compiled afresh at every start
+    # (the kept panels' runner: 11 compiles and ~15 s for each `edgetp ask` of SmolLM2, an entry more
+    # in its index each time)
+    model = synth_model("tiny-k", "q4_0")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env.update(NUMBA_CACHE_DIR=str(tmp_path / "numba"), EDGETP_CACHE_DIR=str(tmp_path), PYTHONPATH=str(REPO))
+    runs = []
+    for _ in range(2):
+        res = subprocess.run([sys.executable, "-c", COMPILES, str(model)], capture_output=True, text=True, env=env,
+                             cwd=REPO, timeout=900)
+        assert res.returncode == 0, res.stderr[-2000:]
+        runs.append(res.stdout.strip().splitlines()[-1])
+    assert runs[0] != "compiled: -", "the first process compiled nothing: the check sees no kernel"
+    assert "_kept.<locals>.run" in runs[0]
+    assert runs[1] == "compiled: -", runs[1]

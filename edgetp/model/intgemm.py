@@ -1008,37 +1008,36 @@ def _kept(qtype: int, which: str):
     P = ISA_TILES[which][1].rows
     KIND = qtype
 
-    @njit(**_OPTS)
-    def panel(table, j, qa, xs, da, sa, s16, ds, oa, os_, n, nb):
-        i = 0
-        while j >= table[i, 5] + table[i, 4]:
-            i += 1
-        p = j - table[i, 5]
-        pq, pd, pm, rows = table[i, 0] + p * table[i, 6], table[i, 1] + p * table[i, 7], table[i, 2] + p * table[i, 8], table[i, 3]
-        m = min(P, rows - p * P)
-        o = oa + (table[i, 9] + p * P) * 4
-        t = 0
-        while n - t >= NT:
-            _tile_n(KIND, which, NT, pq, pd, pm, nb, qa + t * xs, xs, da + t * ds, sa + t * ds, s16 + 2 * t * ds, ds,
-                    o + t * os_, os_, m)
-            t += NT
-        if NT > 4 and n - t >= 4:
-            _tile_n(KIND, which, 4, pq, pd, pm, nb, qa + t * xs, xs, da + t * ds, sa + t * ds, s16 + 2 * t * ds, ds,
-                    o + t * os_, os_, m)
-            t += 4
-        if n - t >= 2:
-            _tile_n(KIND, which, 2, pq, pd, pm, nb, qa + t * xs, xs, da + t * ds, sa + t * ds, s16 + 2 * t * ds, ds,
-                    o + t * os_, os_, m)
-            t += 2
-        if n - t >= 1:
-            _tile_n(KIND, which, 1, pq, pd, pm, nb, qa + t * xs, xs, da + t * ds, sa + t * ds, s16 + 2 * t * ds, ds,
-                    o + t * os_, os_, m)
-
     @njit(parallel=True, **_OPTS)
     def run(table, qx, dq, sq, dx, sums, sums16, n, nb, out, serial, rounded):
         # out[t, table[i, 9] + r] = W_i[r] . x[t] for t < n; x as quantize8 left it (qx, dx, sums, sums16),
         # or, if rounded, qx/dq/sq as intdot.Rounded.rows holds it: dx, sums and sums16 (n or more
         # rows) are then filled from dq and sq (quad lane order) first
+        def panel(table, j, qa, xs, da, sa, s16, ds, oa, os_, n, nb):
+            i = 0
+            while j >= table[i, 5] + table[i, 4]:
+                i += 1
+            p = j - table[i, 5]
+            pq, pd, pm, rows = table[i, 0] + p * table[i, 6], table[i, 1] + p * table[i, 7], table[i, 2] + p * table[i, 8], table[i, 3]
+            m = min(P, rows - p * P)
+            o = oa + (table[i, 9] + p * P) * 4
+            t = 0
+            while n - t >= NT:
+                _tile_n(KIND, which, NT, pq, pd, pm, nb, qa + t * xs, xs, da + t * ds, sa + t * ds, s16 + 2 * t * ds, ds,
+                        o + t * os_, os_, m)
+                t += NT
+            if NT > 4 and n - t >= 4:
+                _tile_n(KIND, which, 4, pq, pd, pm, nb, qa + t * xs, xs, da + t * ds, sa + t * ds, s16 + 2 * t * ds, ds,
+                        o + t * os_, os_, m)
+                t += 4
+            if n - t >= 2:
+                _tile_n(KIND, which, 2, pq, pd, pm, nb, qa + t * xs, xs, da + t * ds, sa + t * ds, s16 + 2 * t * ds, ds,
+                        o + t * os_, os_, m)
+                t += 2
+            if n - t >= 1:
+                _tile_n(KIND, which, 1, pq, pd, pm, nb, qa + t * xs, xs, da + t * ds, sa + t * ds, s16 + 2 * t * ds, ds,
+                        o + t * os_, os_, m)
+
         if rounded:
             for t in range(n):
                 for c in range(nb):

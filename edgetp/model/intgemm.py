@@ -1012,7 +1012,9 @@ def _kept(qtype: int, which: str):
     def run(table, qx, dq, sq, dx, sums, sums16, n, nb, out, serial, rounded):
         # out[t, table[i, 9] + r] = W_i[r] . x[t] for t < n; x as quantize8 left it (qx, dx, sums, sums16),
         # or, if rounded, qx/dq/sq as intdot.Rounded.rows holds it: dx, sums and sums16 (n or more
-        # rows) are then filled from dq and sq (quad lane order) first
+        # rows) are then filled from dq and sq (quad lane order) first.
+        # panel is defined here, and numba inlines it: a dispatcher captured from _kept's scope would
+        # pickle into the cache key with its process's id, and run would compile afresh at every start
         def panel(table, j, qa, xs, da, sa, s16, ds, oa, os_, n, nb):
             i = 0
             while j >= table[i, 5] + table[i, 4]:

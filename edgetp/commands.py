@@ -140,7 +140,7 @@ def ask(args: argparse.Namespace) -> int:
                 print(f"plan {pipeline.describe(runner.plan)}", file=sys.stderr)
                 shares = {s.node_id: s for s in runner.plan.shares}
                 for n in runner.nodes:
-                    speed = f"{n.speed / 1e9:.2f} GB/s"
+                    speed = f"{n.speed / 1e9:.2f} GB/s" if n.speed else "-"
                     link = "" if n.address == "local" else f"p90 {n.rtt_p90_ms:.3f} ms  {n.mbps:.0f} Mbit/s  "
                     share = shares.get(n.node_id)
                     what = "idle (left out of the plan)" if share is None else \
@@ -221,8 +221,9 @@ def status(args: argparse.Namespace) -> int:
         if n.get("transfer") and n["transfer"][0] < n["transfer"][1]:  # fetching its slice from the root
             n["state"] = f"{100 * n['transfer'][0] // max(n['transfer'][1], 1)}% in"
         span = lambda r: f"{r[0]}-{r[1]}" if r[1] > r[0] else "-"  # noqa: E731
+        speed = f"{n['speed'] / 1e9:.2f} GB/s" if n["speed"] else "-"  # 0: never measured (a lone node plans nothing)
         print(f"{n['node_id']:<16} {n['address']:<22} {n['role']:<7} {n['state']:<8} "
-              f"{n['speed'] / 1e9:>6.2f} GB/s {n['mem_free'] / 1e9:>6.1f} GB {span(n.get('layers') or (0, 0)):>7} "
+              f"{speed:>11} {n['mem_free'] / 1e9:>6.1f} GB {span(n.get('layers') or (0, 0)):>7} "
               f"{span(n['kv_groups']):>9} "
               f"{span(n['ffn_cols']):>11} {span(n['vocab_rows']):>13} {rtt:>15} {link:>12}")
     for line in expert_lines(view["nodes"]) + shared_lines(view["nodes"]):

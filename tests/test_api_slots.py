@@ -175,5 +175,7 @@ async def test_status_prints_the_slots_line_only_where_the_view_has_slots(start)
     lines = await status(url)
     assert lines[1] == f"slots 0/{SLOTS} in use  queued 0  last batch 1  prefix hits 1 ({cached} cached tokens)"
     assert lines[2].startswith("node ")
+    (node,) = (await get_view(url)).nodes  # a lone engine measures no speed: the view says 0, the table "-"
+    assert node.speed == 0 and lines[3].split()[4] == "-", lines[3]
     forwarding, _ = await start(route=lambda: "http://127.0.0.1:9")
     assert not any(line.startswith("slots") for line in await status(forwarding))

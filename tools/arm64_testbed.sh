@@ -20,7 +20,8 @@
 # i8mm, which a Pi 5 lacks; cortex-a76 is exactly the Pi 5's core, qemu 7.2 has it and every
 # group passes on it), ARM64_TEST_TIMEOUT (seconds per test group, default 3600), ARM64_CHILD_TIMEOUT (seconds
 # for a test's child process, default the group's), ARM64_MIRROR (Debian mirror), ARM64_GROUPS (the
-# test groups to run, by name: kernels-neon kernels-generic stories parallel caches families; default all).
+# test groups to run, by name: kernels-neon kernels-generic stories parallel startup caches families; default
+# all).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
@@ -337,6 +338,11 @@ run_tests() {
         /src/tests/test_engine_reference.py -k "test_generate or stories or paris" || failures=$((failures + 1))
     phase "tensor parallel" test_group parallel "${PI5[@]}" -- /src/tests/test_parallel.py \
         -k "not smollm2 and not tiny" || failures=$((failures + 1))
+    # a second process loads every kernel the first compiled from numba's cache and compiles none
+    # (a Pi's start: each compile there costs minutes under qemu, seconds on the Pi itself)
+    phase "kernels from the cache" test_group startup "${PI5[@]}" -- \
+        /src/tests/test_jitcache.py::test_a_second_process_loads_every_kernel_the_first_compiled_and_compiles_none \
+        || failures=$((failures + 1))
     # the KV cache in every type (f16's conversions, q8_0's blocks) and several-token rows against
     # single rows (about an hour under qemu on a 2-vCPU VM)
     phase "caches and rows" test_group caches "${PI5[@]}" -- /src/tests/test_kv_type.py \

@@ -81,7 +81,7 @@ def _file_q4_0(tmp_path, rows: int, cols: int, seed: int):
     path.write_bytes(random_raw(QT.Q4_0, rows, cols, seed).tobytes())
     data = np.memmap(path, dtype=np.uint8, mode="r").reshape(rows, -1)
     w = Q.Weight(int(QT.Q4_0), rows, cols, data)
-    if not (Q.kept(w) and intgemm.available()):
+    if not (Q.kept(w) and intgemm.available(w.qtype)):
         pytest.skip("Q4_0's panels are not kept here (EDGETP_INT8=0, the generic ISA or a failed probe)")
     return data, w
 

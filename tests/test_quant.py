@@ -85,7 +85,7 @@ def as_computed(qt, x: np.ndarray, kernels: str | None, batch: bool = False) -> 
     if kernels != "int8":
         return x
     wide_kept = int(qt) in intgemm.KEPT and intgemm.wide(qt) and intgemm.kept(int(qt))
-    integer = (batch and intgemm.available() and int(qt) in intgemm.KINDS) or wide_kept
+    integer = (batch and intgemm.available(int(qt))) or wide_kept
     int8 = integer and not intgemm.wide(qt) if batch else int(qt) in intdot.KINDS and not wide_kept
     if int8:
         rt = gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(x), QT.Q8_0), QT.Q8_0)
@@ -430,7 +430,7 @@ def test_kept_weights_decode_each_token_with_the_bits_prefill_gives_it(threads, 
         for i in range(9):
             mv = np.empty(w.rows, np.float32)
             Q.matvec(w, x[i], mv)
-            if intgemm.available():  # prefill runs on the panels too (the generic ISA's prefill is sgemm's)
+            if intgemm.available(w.qtype):  # prefill runs on the panels too (the generic ISA's prefill is sgemm's)
                 np.testing.assert_array_equal(mv.view(np.uint32), mm[i].view(np.uint32))
             assert_product_close(mv, ref, as_computed(qtype, x[i], int8_kernels))
         np.testing.assert_array_equal(rows, np.stack([_matvec(w, x[i]) for i in (2, 3, 4)]))

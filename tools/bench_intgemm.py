@@ -70,7 +70,7 @@ def main() -> None:
         for name in args.types.split(","):
             w = random_weight(int(QT[name]), rows, cols, seed=1)
             os.environ.pop("EDGETP_INT8", None)
-            if not intgemm.available():
+            if not intgemm.available(w.qtype):
                 print(f"{name:5s} {rows}x{cols}: the integer tiles are unavailable here", flush=True)
                 continue
             t_int = _best(lambda: Q.matmul(w, x, out))

@@ -1210,31 +1210,31 @@ def _unpermuted(qx: np.ndarray, wide: bool) -> np.ndarray:
     return qx.reshape(n, cols // 4, 4)[..., [0, 2, 1, 3]].reshape(n, cols) if wide else qx
 
 
-def _probe(tab: np.ndarray) -> bool:
-    """Every kind on an odd shape (rows and tokens past a whole tile) against gguf-py's
+def _probe(qtype: int, tab: np.ndarray) -> bool:
+    """One kind on an odd shape (rows and tokens past a whole tile) against gguf-py's
     dequantized weights times the rounded activations, in float64."""
     rng = np.random.default_rng(11)
     rows, cols, n = 19, 512, PAD + 3
     x = rng.standard_normal((n, cols)).astype(np.float32)
-    for qtype, k in KINDS.items():
-        xq = quantized(x, k.wide)
-        q = _unpermuted(xq[0][:n], k.wide).reshape(n, cols // 32, 32)
-        xr = (q * xq[1][:n, :, None].astype(np.float64)).reshape(n, cols)
-        w = rng.integers(0, 256, (rows, cols // (32 * k.sub), k.nbytes), dtype=np.uint8)
-        for at in k.halves:  # finite scales
-            w[:, :, at : at + 2] = np.full((rows, w.shape[1], 1), 0.25, np.float16).view(np.uint8)
-        w = w.reshape(rows, -1)
-        wr = gguf.quants.dequantize(w, QT(qtype)).reshape(rows, cols).astype(np.float64)
-        got = np.full((n, rows), np.nan, np.float32)
-        matmul(qtype, w, tab, xq, got)
-        if not np.all(np.abs(got - xr @ wr.T) <= 1e-5 * (np.abs(xr) @ np.abs(wr).T)):
-            return False
-    return True
+    k = KINDS[qtype]
+    xq = quantized(x, k.wide)
+    q = _unpermuted(xq[0][:n], k.wide).reshape(n, cols // 32, 32)
+    xr = (q * xq[1][:n, :, None].astype(np.float64)).reshape(n, cols)
+    w = rng.integers(0, 256, (rows, cols // (32 * k.sub), k.nbytes), dtype=np.uint8)
+    for at in k.halves:  # finite scales
+        w[:, :, at : at + 2] = np.full((rows, w.shape[1], 1), 0.25, np.float16).view(np.uint8)
+    w = w.reshape(rows, -1)
+    wr = gguf.quants.dequantize(w, QT(qtype)).reshape(rows, cols).astype(np.float64)
+    got = np.full((n, rows), np.nan, np.float32)
+    matmul(qtype, w, tab, xq, got)
+    return bool(np.all(np.abs(got - xr @ wr.T) <= 1e-5 * (np.abs(xr) @ np.abs(wr).T)))
 
 
 @functools.cache
-def _probed(which: str) -> bool:
-    return vnni.checked(lambda: _probe(f16_table()), f"integer prefill kernels ({which})")
+def _probed(which: str, qtype: int) -> bool:
+    # one type at a time: a process compiles the kernels of the types its model holds, not of all
+    # twelve (SmolLM2 Q4_1 from an empty cache: 118 s of compiling, 55 s of it other types' tiles)
+    return vnni.checked(lambda: _probe(qtype, f16_table()), f"integer {QT(qtype).name} prefill ({which})")
 
 
 def _probe_kept(qtype: int, tab: np.ndarray) -> bool:
@@ -1277,7 +1277,10 @@ def _kept_probed(which: str, qtype: int) -> bool:
     return vnni.checked(lambda: _probe_kept(qtype, f16_table()), f"kept {QT(qtype).name} panels ({which})")
 
 
-def available() -> bool:
-    """True when the prefill kernels run here: vnni.wanted() (EDGETP_INT8 is not 0, the
-    ISA in use is known) and a passing probe of this ISA's tiles."""
-    return vnni.wanted() and _probed(isa.current())
+def available(qtype: int | None = None) -> bool:
+    """True when the prefill kernels of qtype (None: of every kind) run here: vnni.wanted()
+    (EDGETP_INT8 is not 0, the ISA in use is known) and a passing probe of this ISA's tiles."""
+    if not vnni.wanted():
+        return False
+    which = isa.current()
+    return all(q in KINDS and _probed(which, q) for q in (KINDS if qtype is None else (qtype,)))

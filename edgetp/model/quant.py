@@ -240,7 +240,7 @@ def panels(w: Weight) -> intgemm.Panels:
         p = _PANELS.get(w)
         if p is None:
             # decode and prefill read the panels alone from now on (generic: its prefill's sgemm reads w)
-            p = _PANELS[w] = intgemm.pack(w.qtype, w.data, _TAB16, done=pages.release if intgemm.available() else None)
+            p = _PANELS[w] = intgemm.pack(w.qtype, w.data, _TAB16, done=pages.release if intgemm.available(w.qtype) else None)
         return p
 
 
@@ -369,11 +369,11 @@ def matmul(w: Weight, x: np.ndarray | Batch, out: np.ndarray) -> None:
     use_threads()
     # attention's BLAS products follow, on either path: OpenBLAS's own threads would fight ours
     _openblas_single_thread()
-    if kept(w) and intgemm.available():  # decode's bits for each token (generic: sgemm, as for every type)
+    if kept(w) and intgemm.available(w.qtype):  # decode's bits for each token (generic: sgemm, as for every type)
         intgemm.Kept(w.qtype, [panels(w)], (batch or Batch(x)).ints(intgemm.wide(w.qtype)), out, [0])(
             x.shape[0], threads() == 1)
         return
-    if w.qtype in intgemm.KINDS and intgemm.available():  # every ISA: the same bits on each
+    if intgemm.available(w.qtype):  # every ISA: the same bits on each
         xq = (batch or Batch(x)).ints(intgemm.wide(w.qtype))
         intgemm.matmul(w.qtype, w.data, _TAB16, xq, out)
         return

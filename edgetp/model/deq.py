@@ -29,7 +29,8 @@ nibbles, value j<16 the low nibble of byte j, j>=16 the high nibble of byte j-16
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import errors, literally, njit, prange, types
+from numba.extending import overload
 
 _OPTS = dict(cache=True, nogil=True)
 
@@ -211,38 +212,69 @@ def _iq4_xs(ru, tab16, dst):
 
 
 @njit(**_OPTS)
+def _f32(ru, dst):
+    f = ru.view(np.float32)
+    for k in range(dst.shape[0]):  # a loop: `dst[:] = f` compiled numba's shape-mismatch message, ~3 s
+        dst[k] = f[k]
+
+
+@njit(**_OPTS)
+def _half(ru, tab, dst):  # F16 or BF16, through its exact table
+    h = ru.view(np.uint16)
+    for k in range(dst.shape[0]):
+        dst[k] = tab[h[k]]
+
+
+@njit(**_OPTS)
+def _q8(ru, tab16, dst):
+    qi = ru.view(np.int8)
+    for b in range(dst.shape[0] // 32):
+        d = _h(ru, b * 34, tab16)
+        for l in range(32):
+            dst[b * 32 + l] = np.float32(qi[b * 34 + 2 + l]) * d
+
+
+def _row(kind, ru, tab16, tabbf, dst):
+    """One row of GGML type `kind` (a literal): typed by _row_of."""
+    raise NotImplementedError
+
+
+@overload(_row, prefer_literal=True)
+def _row_of(kind, ru, tab16, tabbf, dst):
+    # one type's code alone: a kernel compiles the types it is called with, not all fifteen (an
+    # if-chain over a runtime kind compiled every type's rows, ~8 s at a process's first start)
+    if not isinstance(kind, types.IntegerLiteral):
+        return None
+    k = kind.literal_value
+    if k == 0:
+        return lambda kind, ru, tab16, tabbf, dst: _f32(ru, dst)
+    if k == 1:
+        return lambda kind, ru, tab16, tabbf, dst: _half(ru, tab16, dst)
+    if k == 30:
+        return lambda kind, ru, tab16, tabbf, dst: _half(ru, tabbf, dst)
+    if k == 8:
+        return lambda kind, ru, tab16, tabbf, dst: _q8(ru, tab16, dst)
+    if k in (2, 3):
+        m = k == 3
+        return lambda kind, ru, tab16, tabbf, dst: _q4(ru, tab16, dst, m)
+    if k in (6, 7):
+        m = k == 7
+        return lambda kind, ru, tab16, tabbf, dst: _q5(ru, tab16, dst, m)
+    if k in (12, 13):
+        five = k == 13
+        return lambda kind, ru, tab16, tabbf, dst: _q45_k(ru, tab16, dst, five)
+    one = {20: _iq4_nl, 10: _q2_k, 11: _q3_k, 14: _q6_k, 23: _iq4_xs}.get(k)
+    if one is None:
+        raise errors.TypingError(f"no dequantizer for GGML type {k}")
+    return lambda kind, ru, tab16, tabbf, dst: one(ru, tab16, dst)
+
+
+@njit(**_OPTS)
 def deq_row(kind, ru, tab16, tabbf, dst):
-    # ru: (row_bytes,) uint8 -> dst: (cols,) f32; kind is the GGML qtype code
-    cols = dst.shape[0]
-    if kind == 0:  # F32
-        dst[:] = ru.view(np.float32)
-    elif kind == 1 or kind == 30:  # F16 / BF16
-        tab = tab16 if kind == 1 else tabbf
-        h = ru.view(np.uint16)
-        for k in range(cols):
-            dst[k] = tab[h[k]]
-    elif kind == 8:  # Q8_0
-        qi = ru.view(np.int8)
-        for b in range(cols // 32):
-            d = _h(ru, b * 34, tab16)
-            for l in range(32):
-                dst[b * 32 + l] = np.float32(qi[b * 34 + 2 + l]) * d
-    elif kind == 2 or kind == 3:  # Q4_0 / Q4_1
-        _q4(ru, tab16, dst, kind == 3)
-    elif kind == 6 or kind == 7:  # Q5_0 / Q5_1
-        _q5(ru, tab16, dst, kind == 7)
-    elif kind == 20:  # IQ4_NL
-        _iq4_nl(ru, tab16, dst)
-    elif kind == 10:  # Q2_K
-        _q2_k(ru, tab16, dst)
-    elif kind == 11:  # Q3_K
-        _q3_k(ru, tab16, dst)
-    elif kind == 12 or kind == 13:  # Q4_K / Q5_K
-        _q45_k(ru, tab16, dst, kind == 13)
-    elif kind == 14:  # Q6_K
-        _q6_k(ru, tab16, dst)
-    elif kind == 23:  # IQ4_XS
-        _iq4_xs(ru, tab16, dst)
+    # ru: (row_bytes,) uint8 -> dst: (cols,) f32; kind is the GGML qtype code, compiled as a
+    # literal (its callers, called with a plain int, are compiled once for each type they see)
+    literally(kind)
+    _row(kind, ru, tab16, tabbf, dst)
 
 
 @njit(parallel=True, **_OPTS)

@@ -28,6 +28,9 @@ nibbles, value j<16 the low nibble of byte j, j>=16 the high nibble of byte j-16
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import numpy as np
 from numba import errors, literally, njit, prange, types
 from numba.extending import overload
@@ -278,23 +281,23 @@ def deq_row(kind, ru, tab16, tabbf, dst):
 
 
 @njit(parallel=True, **_OPTS)
-def dequant_rows(kind, w, tab16, tabbf, out):
+def _dequant_rows(kind, w, tab16, tabbf, out):
     # w: (n, row_bytes) uint8 -> out: (n, cols) f32
     for r in prange(w.shape[0]):
         deq_row(kind, w[r], tab16, tabbf, out[r])
 
 
 @njit(**_OPTS)
-def dequant_rows_serial(kind, w, tab16, tabbf, out):
-    # as dequant_rows, on the calling thread (prefill workers run one each)
+def _dequant_rows_serial(kind, w, tab16, tabbf, out):
+    # as _dequant_rows, on the calling thread (prefill workers run one each)
     for r in range(w.shape[0]):
         deq_row(kind, w[r], tab16, tabbf, out[r])
 
 
 @njit(**_OPTS)
-def exact_tokens(kind, w, x, tab16, tabbf, out):
-    # out[b, i] = exact_dots' value of row i of W against token x[b]: each row dequantized once for
-    # all n tokens, each sum taken as exact_dots takes it (the same bits). Four sums run side by
+def _exact_tokens(kind, w, x, tab16, tabbf, out):
+    # out[b, i] = _exact_dots' value of row i of W against token x[b]: each row dequantized once for
+    # all n tokens, each sum taken as _exact_dots takes it (the same bits). Four sums run side by
     # side, each still one float64 chain in column order, so that the chains do not wait on each
     # other's adds: four tokens of a row (a mixture's router over a 256-token prefill: 28 -> 21
     # ms), or, for fewer than four tokens (decode), four rows of each token.
@@ -303,7 +306,7 @@ def exact_tokens(kind, w, x, tab16, tabbf, out):
     if n < 4:
         rows = np.arange(w.shape[0])
         for b in range(n):
-            exact_dots(kind, w, rows, x[b], tab16, tabbf, out[b])
+            _exact_dots(kind, w, rows, x[b], tab16, tabbf, out[b])
         return
     scratch = np.empty(cols, np.float32)
     for i in range(w.shape[0]):
@@ -319,7 +322,7 @@ def exact_tokens(kind, w, x, tab16, tabbf, out):
 
 
 @njit(**_OPTS)
-def exact_dots(kind, w, rows, x, tab16, tabbf, out):
+def _exact_dots(kind, w, rows, x, tab16, tabbf, out):
     # out[i] = f32(sum_j f64(W[rows[i], j]) * f64(x[j])), the sum taken in column order in
     # float64 with nothing fused or reordered (no fastmath): the same bits on every CPU. Four
     # rows' chains run side by side (each its own chain: the same bits), where one chain waited
@@ -337,6 +340,66 @@ def exact_dots(kind, w, rows, x, tab16, tabbf, out):
     for i in range(i, k):
         deq_row(kind, w[rows[i]], tab16, tabbf, sc[0])
         out[i] = np.float32(_one_sum(sc[0], x))
+
+
+# ---------------------------------------------------------------- entry points, one type each
+
+
+class _Kernels(NamedTuple):
+    rows: object
+    rows_serial: object
+    tokens: object
+    dots: object
+
+
+@functools.cache
+def _kernels(kind: int) -> _Kernels:
+    """The row kernels of GGUF type `kind`, each calling its kernel above with kind a literal.
+    Called from Python with a plain int, a kernel that asks for a literal is dispatched afresh at
+    every call (~29 ms); these take no kind, so they dispatch as any kernel does (~1-3 us), and
+    numba caches each, keyed by KIND (a closure capturing only an int pickles the same in every
+    process)."""
+    KIND = kind
+
+    @njit(**_OPTS)
+    def rows(w, tab16, tabbf, out):
+        _dequant_rows(KIND, w, tab16, tabbf, out)
+
+    @njit(**_OPTS)
+    def rows_serial(w, tab16, tabbf, out):
+        _dequant_rows_serial(KIND, w, tab16, tabbf, out)
+
+    @njit(**_OPTS)
+    def tokens(w, x, tab16, tabbf, out):
+        _exact_tokens(KIND, w, x, tab16, tabbf, out)
+
+    @njit(**_OPTS)
+    def dots(w, rows, x, tab16, tabbf, out):
+        _exact_dots(KIND, w, rows, x, tab16, tabbf, out)
+
+    return _Kernels(rows, rows_serial, tokens, dots)
+
+
+def dequant_rows(kind: int, w: np.ndarray, tab16: np.ndarray, tabbf: np.ndarray, out: np.ndarray) -> None:
+    """w: (n, row_bytes) uint8 of GGUF type kind -> out: (n, cols) f32, rows in parallel."""
+    _kernels(kind).rows(w, tab16, tabbf, out)
+
+
+def dequant_rows_serial(kind: int, w: np.ndarray, tab16: np.ndarray, tabbf: np.ndarray, out: np.ndarray) -> None:
+    """As dequant_rows, on the calling thread (prefill workers run one each)."""
+    _kernels(kind).rows_serial(w, tab16, tabbf, out)
+
+
+def exact_tokens(kind: int, w: np.ndarray, x: np.ndarray, tab16: np.ndarray, tabbf: np.ndarray,
+                 out: np.ndarray) -> None:
+    """out[b, i] = exact_dots' value of row i of W against token x[b] (n, cols) -> out (n, rows)."""
+    _kernels(kind).tokens(w, x, tab16, tabbf, out)
+
+
+def exact_dots(kind: int, w: np.ndarray, rows: np.ndarray, x: np.ndarray, tab16: np.ndarray, tabbf: np.ndarray,
+               out: np.ndarray) -> None:
+    """out[i] = f32(sum_j f64(W[rows[i], j]) * f64(x[j])) in column order: the same bits on every CPU."""
+    _kernels(kind).dots(w, rows, x, tab16, tabbf, out)
 
 
 @njit(inline="always", **_OPTS)

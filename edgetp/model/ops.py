@@ -138,12 +138,11 @@ def attend_job(q, k_cache, v_cache, pos0, group, out, job, per_kv, scale=0.0, wi
     # job of `attention`: if per_kv, every query head of one (token, KV head), job = token * n_kv +
     # KV head (each key and value row read and decoded once for the group's heads); else one
     # (token, query head), job = token * n_heads + head
-    n_kv = k_cache.shape[0]
-    if per_kv:
-        attend_heads(q, k_cache, v_cache, pos0, group, out, job // n_kv, job % n_kv * group, group, scale, window, cap)
-    else:
-        n_heads = n_kv * group
-        attend_heads(q, k_cache, v_cache, pos0, group, out, job // n_heads, job % n_heads, 1, scale, window, cap)
+    # (one call site: with two, numba compiled attend_heads twice, once with count a literal 1: 3.3 s
+    # more at a process's first start)
+    per = k_cache.shape[0] if per_kv else k_cache.shape[0] * group  # jobs a token
+    h0 = job % per * group if per_kv else job % per
+    attend_heads(q, k_cache, v_cache, pos0, group, out, job // per, h0, group if per_kv else 1, scale, window, cap)
 
 
 @njit(**_JIT)
@@ -164,8 +163,9 @@ def attend_heads(q, k_cache, v_cache, pos0, group, out, t, h0, count, scale, win
     first = max(0, last - window + 1) if window > 0 else 0
     scores = np.empty((count, last + 1), dtype=np.float32)
     qh = np.empty((count, hd), dtype=np.float32)  # contiguous, for lanes.scores*
-    for g in range(count):
-        qh[g] = q[t, (h0 + g) * hd : (h0 + g) * hd + hd]
+    for g in range(count):  # (element by element here and below: a slice assignment compiles numba's
+        for d in range(hd):   # shape-mismatch message, 1.5-2.8 s at a process's first start)
+            qh[g, d] = q[t, (h0 + g) * hd + d]
     qa = qh.ctypes.data
     sa, span = scores.ctypes.data, (last + 1) * 4  # scores[g, s] at sa + g * span + s * 4
     kc, vc = k_cache[kv], v_cache[kv]
@@ -175,7 +175,9 @@ def attend_heads(q, k_cache, v_cache, pos0, group, out, t, h0, count, scale, win
         m = min(4, last + 1 - s0)
         keys = kv_rows(kc, s0, m, scratch)
         if keys.strides[1] != 4:  # a float32 cache whose rows are not contiguous
-            scratch[:m] = keys
+            for r in range(m):
+                for d in range(hd):
+                    scratch[r, d] = keys[r, d]
             keys = scratch[:m]
         for r in range(m):  # the group's heads 4, 2 and 1 at a time, each score the bits of its own lane dot * sc
             ka = keys.ctypes.data + r * keys.strides[0]

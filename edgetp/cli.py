@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 from edgetp import commands
-from edgetp.model import isa
 from edgetp.parallel.experts import MODES as EXPERT_MODES
 
 
@@ -207,12 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.command in ("worker", "serve") or getattr(args, "local", False):
+            from edgetp.model import isa  # noqa: PLC0415 - LLVM loads only for a command that runs the model
+
             isa.require()  # a forced ISA this CPU lacks stops here, not with SIGILL in a kernel
         return args.func(args)
     except commands.client.ClientError as exc:
         print(f"edgetp: {exc}", file=sys.stderr)
         return exc.exit_code
-    except commands.USER_ERRORS as exc:
+    except commands.user_errors() as exc:  # evaluated as the error passes
         print(f"edgetp: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

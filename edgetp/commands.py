@@ -11,55 +11,57 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from edgetp import client, store
-from edgetp.model import gguf, isa, quant, sampling
-from edgetp.model.batch import RunnerLost
-from edgetp.model.generate import ContextError, LocalRunner, generate
-from edgetp.model.llama import ContextFull
-from edgetp.model.kvcache import KVTypeError
-from edgetp.model.tokenizer import Tokenizer, UnsupportedTokenizer
+from edgetp.config import ConfigError
+from edgetp.params import ContextError, SamplingParams
 from edgetp.net import auth
 from edgetp.net.httpauth import Credentials
-from edgetp.net.link import LinkClosed, SpinError, check_env
-from edgetp.net.loopthread import LoopThread, in_daemon_thread
-from edgetp.cluster.discovery import DiscoveryError
-from edgetp.config import ConfigError
-from edgetp.parallel import pipeline, profile
-from edgetp.parallel.shard import local_slots
-from edgetp.parallel.plan import PlanError
-from edgetp.parallel.runner import ClusterRunner
-from edgetp.serve.worker import Worker
+from edgetp.net.link import check_env
+from edgetp.net.loopthread import in_daemon_thread
+
+if TYPE_CHECKING:
+    from edgetp.model.tokenizer import Tokenizer
+
+# What runs a model (numba, the kernels, the runners) is imported by the commands that run one:
+# `edgetp ask` of a cluster, `status` and `chat` start in half the time and memory without it
+# (a Pi pays seconds for numba's import alone).
 
 
 class WorkerError(OSError):
     """The worker could not start."""
 
 
-# Errors a user can cause; the CLI prints them as one line and exits non-zero.
-USER_ERRORS = (
-    isa.IsaError,
-    gguf.GGUFError,
-    store.StoreError,
-    quant.UnsupportedTensorType,
-    quant.ThreadCountError,
-    UnsupportedTokenizer,
-    sampling.SamplingError,
-    ContextError,
-    ContextFull,
-    auth.AuthError,
-    LinkClosed,  # WorkerLost is one
-    SpinError,
-    PlanError,
-    WorkerError,
-    ConfigError,
-    KVTypeError,
+# Errors a user can cause; the CLI prints them as one line and exits non-zero. Named by module: an
+# error's class exists only once its module is imported, so user_errors() imports nothing.
+_USER_ERRORS = (
+    ("edgetp.model.isa", "IsaError"),
+    ("edgetp.model.gguf", "GGUFError"),
+    ("edgetp.store", "StoreError"),
+    ("edgetp.model.quant", "UnsupportedTensorType"),
+    ("edgetp.model.quant", "ThreadCountError"),
+    ("edgetp.model.tokenizer", "UnsupportedTokenizer"),
+    ("edgetp.params", "SamplingError"),
+    ("edgetp.params", "ContextError"),
+    ("edgetp.model.llama", "ContextFull"),
+    ("edgetp.net.auth", "AuthError"),
+    ("edgetp.net.link", "LinkClosed"),  # WorkerLost is one
+    ("edgetp.net.link", "SpinError"),
+    ("edgetp.parallel.plan", "PlanError"),
+    ("edgetp.commands", "WorkerError"),
+    ("edgetp.config", "ConfigError"),
+    ("edgetp.model.kvcache", "KVTypeError"),
 )
 
 
-def sampling_params(args: argparse.Namespace) -> sampling.SamplingParams:
-    return sampling.SamplingParams(
+def user_errors() -> tuple[type[BaseException], ...]:
+    """The classes of _USER_ERRORS among the modules imported so far."""
+    return tuple(getattr(sys.modules[module], name) for module, name in _USER_ERRORS if module in sys.modules)
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
@@ -110,6 +112,20 @@ def ask(args: argparse.Namespace) -> int:
     check_env()  # EDGETP_SPIN_US and EDGETP_LINK_MODE checked before anything starts
     if not args.local:
         return asyncio.run(_ask_cluster(args))
+    return _ask_local(args)
+
+
+def _ask_local(args: argparse.Namespace) -> int:
+    """ask --local: this process runs the model, alone or with --workers."""
+    from edgetp.model import gguf, quant  # noqa: PLC0415 - numba and the kernels: only where a model runs
+    from edgetp.model.batch import RunnerLost  # noqa: PLC0415
+    from edgetp.model.generate import LocalRunner  # noqa: PLC0415
+    from edgetp.model.tokenizer import Tokenizer  # noqa: PLC0415
+    from edgetp.net.loopthread import LoopThread  # noqa: PLC0415
+    from edgetp.parallel import pipeline, profile  # noqa: PLC0415
+    from edgetp.parallel.runner import ClusterRunner  # noqa: PLC0415
+    from edgetp.parallel.shard import local_slots  # noqa: PLC0415
+
     params = sampling_params(args)
     prompt = read_prompt(args)
     key = auth.read_key(args.key) if args.key else None
@@ -343,6 +359,8 @@ def chat(args: argparse.Namespace) -> int:
 
 
 def _stream(runner, tok: Tokenizer, ids: list[int], params, args, ctx: int, t0: float, recover=None) -> int:
+    from edgetp.model.generate import generate  # noqa: PLC0415
+
     load_ms = (time.perf_counter() - t0) * 1000
     times = []
     reason = None
@@ -373,6 +391,8 @@ def worker(args: argparse.Namespace) -> int:
     node_id = args.node_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
     if key is None:
         print("edgetp: warning: no cluster key; any root that can reach this port may use it", file=sys.stderr)
+    from edgetp.serve.worker import Worker  # noqa: PLC0415
+
     if args.max_memory_mb:
         from edgetp.parallel import profile  # noqa: PLC0415
         profile.limit_memory(args.max_memory_mb * 2**20)
@@ -401,6 +421,7 @@ def worker(args: argparse.Namespace) -> int:
 def serve(args: argparse.Namespace) -> int:
     from edgetp import config, daemon  # noqa: PLC0415
     from edgetp.cluster import sdnotify  # noqa: PLC0415
+    from edgetp.cluster.discovery import DiscoveryError  # noqa: PLC0415
 
     flags = {name: getattr(args, name) for name in ("model", "key_file", "data_port", "node_id", "priority",
                                                     "no_root", "interfaces", "peers", "threads", "sync", "sync_pieces", "ctx", "slots", "kv_type",

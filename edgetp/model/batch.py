@@ -56,6 +56,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from edgetp.model import sampling
 from edgetp.model.llama import STEP_ROWS
+from edgetp.params import ContextError  # noqa: F401 (raised here; its home has no numba)
 from edgetp.model.sampling import Candidates, SamplingParams
 
 # Prompt tokens per prefill step; chunk boundaries sit at multiples of it. A step is never cut short,
@@ -66,10 +67,6 @@ from edgetp.model.sampling import Candidates, SamplingParams
 PREFILL_CHUNK = 64
 PATIENCE = 4         # steps a prompt may be passed over for shorter ones before it is read next
 MAX_RECOVERIES = 3
-
-
-class ContextError(ValueError):
-    """The prompt and answer do not fit the context."""
 
 
 class RunnerLost(Exception):

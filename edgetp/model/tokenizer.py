@@ -25,7 +25,6 @@ import heapq
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from enum import IntFlag
 from typing import Any
 
 import regex
@@ -41,8 +40,9 @@ class UnsupportedTokenizer(ValueError):
     """The GGUF names a tokenizer model or pre-tokenizer edgetp does not implement."""
 
 
-class Attr(IntFlag):
-    """llama.cpp's llama_token_attr bits."""
+class Attr:
+    """llama.cpp's llama_token_attr bits (plain ints: an IntFlag's & and | cost a 49k-token
+    vocabulary ~0.3 s at every start, a third of building its tokenizer)."""
 
     UNDEFINED = 0
     UNKNOWN = 1 << 0
@@ -122,6 +122,8 @@ def _bytes_to_unicode() -> list[str]:
 
 BYTE_ENCODER = _bytes_to_unicode()
 BYTE_DECODER = {c: b for b, c in enumerate(BYTE_ENCODER)}
+_BYTE_CHARS = frozenset(BYTE_DECODER)
+_TO_LATIN1 = str.maketrans({c: chr(b) for c, b in BYTE_DECODER.items()})  # GPT-2's alphabet -> its bytes as latin-1
 
 # -- token attributes llama.cpp infers from token text -----------------------------------------
 _EOT_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>",
@@ -137,6 +139,8 @@ _FIM_TEXTS = {
     "rep": {"<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"},
     "sep": {"<|file_sep|>"},
 }
+_FIM_BY_TEXT = {text: [f"fim_{part}" for part, texts in _FIM_TEXTS.items() if text in texts]
+                for text in set().union(*_FIM_TEXTS.values())}
 _EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
               "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
               "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
@@ -190,9 +194,8 @@ class _Vocab:
             if sp["eom"] is None and text == "<|eom_id|>":
                 sp["eom"] = tid
                 self._mark_control(tid)
-            for part, texts in _FIM_TEXTS.items():
-                name = f"fim_{part}"
-                if sp.get(name) is None and text in texts:
+            for name in _FIM_BY_TEXT.get(text, ()):
+                if sp.get(name) is None:
                     sp[name] = tid
                     self._mark_control(tid)
         for tid, text in enumerate(self.tokens):
@@ -484,6 +487,8 @@ class Tokenizer:
         if attr & Attr.NORMAL:
             if self.kind == "spm":
                 return text.replace(SPACE, " ").encode()
+            if _BYTE_CHARS.issuperset(text):
+                return text.translate(_TO_LATIN1).encode("latin-1")
             out = bytearray()
             for ch in text:
                 b = BYTE_DECODER.get(ch)

@@ -17,7 +17,7 @@ import aiohttp
 from aiohttp.http_exceptions import HttpProcessingError
 from yarl import URL
 
-from edgetp.cluster.discovery import browse, signature_error
+from edgetp.cluster.discovery import PeerAdvert, browse, signature_error
 from edgetp.cluster.membership import http_url
 from edgetp.net import auth
 from edgetp.net.httpauth import Credentials, ProofError, read_json
@@ -49,9 +49,11 @@ async def find_url(url: str | None, key: bytes | None, seconds: float = 2.0,
     a daemon of this machine at `local` (where multicast is filtered or no interface carries it)."""
     if url:
         return checked_url(url)
-    found = await browse(seconds, interfaces)
-    nodes = [n for n in found if key is None or (n.cluster_id == auth.cluster_id(key) and
-                                              signature_error(key, n) is None)]  # no forged adverts
+    def ours(n: PeerAdvert) -> bool:
+        return key is None or (n.cluster_id == auth.cluster_id(key) and signature_error(key, n) is None)  # no forgeries
+
+    found = await browse(seconds, interfaces, wanted=ours)  # done ~0.5 s after the last node answers
+    nodes = [n for n in found if ours(n)]
     if found and not nodes:
         raise KeyRefused(f"found {len(found)} edgetp node(s), none in the cluster of this key")
     if not nodes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -152,10 +153,21 @@ async def test_discovery_finds_the_daemon_and_tells_a_foreign_key_from_no_cluste
         await client.find_url(None, auth.generate_key(), interfaces=["127.0.0.1"])
 
 
+async def test_a_browse_ends_soon_after_a_node_of_the_cluster_answers(daemon):
+    # the window is a bound, not a wait (a shell's ask waited it out: 2 s before its request).
+    # Once a node of the key's cluster is heard and no new one for BROWSE_QUIET_S, it ends.
+    url, key = daemon
+    async with asyncio.timeout(20):
+        assert await client.find_url(None, auth.read_key(key), seconds=60, interfaces=["127.0.0.1"]) == url
+    with pytest.raises(TimeoutError):  # no node of a foreign key's cluster answers: the window runs out
+        async with asyncio.timeout(3):
+            await client.find_url(None, auth.generate_key(), seconds=60, interfaces=["127.0.0.1"])
+
+
 async def test_where_mdns_finds_nothing_the_node_of_this_machine_answers(daemon, monkeypatch):
     url, key = daemon
 
-    async def silent(seconds, interfaces):  # multicast filtered: the browse hears no advert
+    async def silent(seconds, interfaces, **_):  # multicast filtered: the browse hears no advert
         return []
 
     monkeypatch.setattr(client, "browse", silent)

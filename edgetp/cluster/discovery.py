@@ -61,6 +61,10 @@ BOOT_RE = re.compile(r"[0-9a-f]{16}")
 SIG_RE = re.compile(r"[0-9a-f]{64}")
 KNOWN = frozenset({"id", "pv", "cid", "dp", "hp", "spd", "mem", "mdl", "pri", "nr", "ep", "ldr", "bt", "sq", "sig"})
 RESOLVE_MS = 3000
+# A client's browse ends this long after the last new node it heard: every node answers a query
+# within 20-120 ms (RFC 6762 6), a Wi-Fi station's multicast can wait for a beacon or three
+# (~100-300 ms). Any node serves (it forwards to the root), so one heard late costs nothing.
+BROWSE_QUIET_S = 0.5
 # How long `start` asks, by multicast, whether another node already holds our name. It runs beside
 # zeroconf's own probe, which takes ~1.2 s on loopback (FACTS.md), so a start costs nothing more.
 TWIN_MS = 1000
@@ -598,27 +602,47 @@ def _keep_order(advert: PeerAdvert, old: Peer | None) -> PeerAdvert:
     return replace(advert, addresses=(first, *(a for a in advert.addresses if a != first)))
 
 
-async def browse(seconds: float = 2.0, interfaces: Sequence[str] | None = None) -> list[PeerAdvert]:
-    """The nodes answering on the network within `seconds` (a client's look: nothing is registered)."""
+async def browse(seconds: float = 2.0, interfaces: Sequence[str] | None = None, quiet: float = BROWSE_QUIET_S,
+                 wanted: Callable[[PeerAdvert], bool] = lambda advert: True) -> list[PeerAdvert]:
+    """The nodes answering on the network (a client's look: nothing is registered): once one
+    is `wanted`, those heard until `quiet` seconds pass without a new one; else all heard in
+    `seconds`."""
     aiozc = AsyncZeroconf(interfaces=list(interfaces) if interfaces else InterfaceChoice.All)
-    names: set[str] = set()
+    names: list[str] = []  # in the order heard
+    last = [0.0]  # when the latest new name was heard
 
     def seen(zeroconf: object, service_type: str, name: str, state_change: ServiceStateChange) -> None:
-        if state_change is not ServiceStateChange.Removed:
-            names.add(name)
+        if state_change is not ServiceStateChange.Removed and name not in names:
+            names.append(name)
+            last[0] = time.monotonic()
 
     browser = AsyncServiceBrowser(aiozc.zeroconf, SERVICE_TYPE, handlers=[seen], question_type=DNSQuestionType.QM)
+    found: dict[str, PeerAdvert | None] = {}  # None: heard but not an advert we read
     try:
-        await asyncio.sleep(seconds)
-        found = []
-        for name in sorted(names):
-            info = AsyncServiceInfo(SERVICE_TYPE, name)
-            if await info.async_request(aiozc.zeroconf, RESOLVE_MS, question_type=DNSQuestionType.QM):
-                try:
-                    found.append(parse_txt(info.properties, info.parsed_addresses()))
-                except DiscoveryError as exc:
-                    log.warning("ignoring %s: %s", name, exc)
-        return found
+        end = time.monotonic() + seconds
+        while (now := time.monotonic()) < end:  # at most seconds / 0.05 turns
+            if not (names and now - last[0] >= quiet and len(found) < len(names)):
+                await asyncio.sleep(0.05)
+                continue
+            for name in names[len(found):]:
+                found[name] = await _resolve(aiozc, name)
+            if any(a is not None and wanted(a) for a in found.values()):
+                break
+        for name in names[len(found):]:
+            found[name] = await _resolve(aiozc, name)
+        return [found[name] for name in sorted(found) if found[name] is not None]
     finally:
         await browser.async_cancel()
         await aiozc.async_close()
+
+
+async def _resolve(aiozc: AsyncZeroconf, name: str) -> PeerAdvert | None:
+    """The advert a browsed name carries (None: unanswered, or not one we read)."""
+    info = AsyncServiceInfo(SERVICE_TYPE, name)
+    if not await info.async_request(aiozc.zeroconf, RESOLVE_MS, question_type=DNSQuestionType.QM):
+        return None
+    try:
+        return parse_txt(info.properties, info.parsed_addresses())
+    except DiscoveryError as exc:
+        log.warning("ignoring %s: %s", name, exc)
+        return None

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from edgetp import commands
-from edgetp.parallel.experts import MODES as EXPERT_MODES
+from edgetp.parallel import EXPERT_MODES
 
 
 _PARALLEL_HELP = ("plan kind: auto (default: the cheapest plan the cost model finds from measured speeds and links, "

@@ -14,11 +14,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from edgetp import client, store
-from edgetp.config import ConfigError
 from edgetp.params import ContextError, SamplingParams
 from edgetp.net import auth
 from edgetp.net.httpauth import Credentials
-from edgetp.net.link import check_env
 from edgetp.net.loopthread import in_daemon_thread
 
 if TYPE_CHECKING:
@@ -109,7 +107,6 @@ def credentials(args: argparse.Namespace) -> Credentials:
 
 
 def ask(args: argparse.Namespace) -> int:
-    check_env()  # EDGETP_SPIN_US and EDGETP_LINK_MODE checked before anything starts
     if not args.local:
         return asyncio.run(_ask_cluster(args))
     return _ask_local(args)
@@ -121,11 +118,13 @@ def _ask_local(args: argparse.Namespace) -> int:
     from edgetp.model.batch import RunnerLost  # noqa: PLC0415
     from edgetp.model.generate import LocalRunner  # noqa: PLC0415
     from edgetp.model.tokenizer import Tokenizer  # noqa: PLC0415
+    from edgetp.net.link import check_env  # noqa: PLC0415
     from edgetp.net.loopthread import LoopThread  # noqa: PLC0415
     from edgetp.parallel import pipeline, profile  # noqa: PLC0415
     from edgetp.parallel.runner import ClusterRunner  # noqa: PLC0415
     from edgetp.parallel.shard import local_slots  # noqa: PLC0415
 
+    check_env()  # EDGETP_SPIN_US, EDGETP_LINK_MODE and EDGETP_INT8 checked before anything starts
     params = sampling_params(args)
     prompt = read_prompt(args)
     key = auth.read_key(args.key) if args.key else None
@@ -385,14 +384,15 @@ def _stream(runner, tok: Tokenizer, ids: list[int], params, args, ctx: int, t0: 
 
 
 def worker(args: argparse.Namespace) -> int:
+    from edgetp.net.link import check_env  # noqa: PLC0415
+    from edgetp.serve.worker import Worker  # noqa: PLC0415
+
     check_env()  # EDGETP_SPIN_US and EDGETP_LINK_MODE checked before anything starts
     key = auth.read_key(args.key) if args.key else None
     host, port = args.listen
     node_id = args.node_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
     if key is None:
         print("edgetp: warning: no cluster key; any root that can reach this port may use it", file=sys.stderr)
-    from edgetp.serve.worker import Worker  # noqa: PLC0415
-
     if args.max_memory_mb:
         from edgetp.parallel import profile  # noqa: PLC0415
         profile.limit_memory(args.max_memory_mb * 2**20)
@@ -422,6 +422,7 @@ def serve(args: argparse.Namespace) -> int:
     from edgetp import config, daemon  # noqa: PLC0415
     from edgetp.cluster import sdnotify  # noqa: PLC0415
     from edgetp.cluster.discovery import DiscoveryError  # noqa: PLC0415
+    from edgetp.net.link import check_env  # noqa: PLC0415
 
     flags = {name: getattr(args, name) for name in ("model", "key_file", "data_port", "node_id", "priority",
                                                     "no_root", "interfaces", "peers", "threads", "sync", "sync_pieces", "ctx", "slots", "kv_type",

@@ -2,7 +2,7 @@
 
 Each node registers one service instance named after its node id, with TXT records:
 
-    id   node id                  pv   protocol version (edgetp.net.frames.PROTOCOL_VERSION)
+    id   node id                  pv   protocol version (edgetp.net.PROTOCOL_VERSION)
     cid  cluster id (auth.cluster_id(key): a public digest, never the key)
     dp   data port (TCP links)    hp   HTTP port
     spd  measured speed, weight bytes/s       mem  free memory, bytes
@@ -50,7 +50,7 @@ from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZerocon
 from edgetp.cluster.election import Ballot
 from edgetp.events import NODE_ID_RE
 from edgetp.net.auth import cluster_id as cluster_id_of
-from edgetp.net.frames import PROTOCOL_VERSION
+from edgetp.net import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ import msgpack
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from edgetp.net.frames import KEY_BYTES as LINK_KEY_BYTES
+from edgetp.net import LINK_KEY_BYTES
 
 KEY_BYTES = 32
 NONCE_BYTES = 32

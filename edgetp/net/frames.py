@@ -39,10 +39,10 @@ import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
+from edgetp.net import LINK_KEY_BYTES as KEY_BYTES
+from edgetp.net import PROTOCOL_VERSION
+
 MAGIC = b"ETP1"
-# 2: sealed frames after the handshake, HELLO inside the proof; 3: pipeline stages (HIDDEN), a STEP
-# carrying decode rows and a prefill chunk together, several rows of one slot (a replay)
-PROTOCOL_VERSION = 3
 PREFIX = struct.Struct("!4sBBHII")
 MAX_FRAME = 64 * 2**20  # header + payload, default bound once a peer has authenticated
 PREAUTH_MAX_FRAME = 64 * 2**10  # header + payload, before it has
@@ -50,7 +50,6 @@ MAX_HEADER = 64 * 2**10
 FIRST_CHUNK = 64 * 2**10  # a payload's buffer starts this big and doubles as its bytes arrive
 SEALED = 0x1  # flags bit: header and payload are ChaCha20-Poly1305 ciphertext, a tag follows
 TAG_BYTES = 16
-KEY_BYTES = 32
 TENSOR_DTYPES = ("float32", "float16", "uint8", "int8", "int32", "int64")
 
 Buffer = Union[bytes, bytearray, memoryview]

@@ -33,13 +33,13 @@ import logging
 from dataclasses import replace
 from typing import Mapping, Sequence
 
-from edgetp.parallel import cost
+from edgetp.parallel import EXPERT_MODES, cost
 from edgetp.parallel.packing import _water_fill
 from edgetp.parallel.plan import Plan, PlanError, _placed
 
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "columns", "place", "mixed")  # who decides: the cost model, or forced
+MODES = EXPERT_MODES  # who decides: the cost model, or forced
 MAX_CANDIDATES = 256  # group layouts a stage's choice weighs at most (a stage of n nodes has 2^(n-1))
 
 

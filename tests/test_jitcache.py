@@ -118,3 +118,56 @@ def test_a_second_process_loads_every_kernel_the_first_compiled_and_compiles_non
     held = {int(t.tensor_type) for t in gguf.GGUFReader(model).tensors}
     assert int(GGMLQuantizationType.Q4_0) in {int(k) for k in kinds[0] if k.isdigit()}, kinds[0]
     assert set(kinds[0]) <= {str(t) for t in held}, (kinds[0], sorted(held))
+
+
+KINDS = """
+import functools
+from numba import njit
+
+
+@functools.cache
+def make(kind):
+    @njit(cache=True)
+    def f(x):
+        return x * 0 + kind
+    return f
+"""
+COMPILE = """
+import sys, time
+import edgetp.model  # numba's cache saves locked between processes, as in every edgetp process
+import kinds
+start = float(sys.argv[1])
+while time.time() < start:
+    time.sleep(0.001)
+for k in sys.argv[2].split(","):
+    assert kinds.make(int(k))(1) == int(k)
+"""
+LOAD = """
+import sys
+import edgetp.model
+import kinds
+for k in range(int(sys.argv[1])):
+    f = kinds.make(k)
+    print(k, f(1), sum(f.stats.cache_misses.values()))
+"""
+
+
+def test_processes_compiling_one_kernels_closures_at_once_each_find_their_own_code_later(tmp_path):
+    # closures of one function share numba's index (edgetp's kernels per GGUF type are such
+    # closures); numba's unlocked save let two processes take one data file name, and a later
+    # start then loaded another closure's code under a key (6 of 80 here on the tree before)
+    (tmp_path / "kinds.py").write_text(KINDS)
+    procs, kinds = 4, 120
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=os.pathsep.join((str(REPO), str(tmp_path))))
+    start = str(time.time() + 5)  # every child imported by then: their compiles overlap
+    children = [subprocess.Popen([sys.executable, "-c", COMPILE, start, ",".join(str(k) for k in range(p, kinds, procs))],
+                                 cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True) for p in range(procs)]
+    for c in children:
+        assert c.wait(timeout=child_timeout(300)) == 0, c.stderr.read()[-2000:]
+    res = subprocess.run([sys.executable, "-c", LOAD, str(kinds)], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=child_timeout(300))
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [tuple(map(int, line.split())) for line in res.stdout.split("\n") if line]
+    assert len(rows) == kinds
+    assert [(k, got) for k, got, _ in rows if got != k] == []  # each closure's own captured value
+    assert sum(m for _, _, m in rows) == 0  # and every one loaded from the cache, none lost

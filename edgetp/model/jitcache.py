@@ -15,6 +15,8 @@ decorator does, which is why the `edgetp.model` package runs it on import.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import os
 import shutil
@@ -59,3 +61,42 @@ def configure() -> None:
         from numba.core import config  # noqa: PLC0415
 
         config.CACHE_DIR = str(here)
+
+
+def lock_saves() -> None:
+    """Make numba's cache saves safe between processes that share the folder.
+
+    numba saves a compiled function by reading its index file, adding the key, taking the first
+    data file name the index does not list, writing the index, then the data, with no lock
+    between processes. Two processes compiling closures of one function at once (a root and a
+    worker on one machine, each building kernels for its GGUF types: the closures share an
+    index) lost each other's keys, and could take the same name: one key then named the other's
+    code, and a later start loaded a kernel of another type under it (seen here: 6 closures of
+    80 answered for another's captured value). Each save now holds an exclusive flock on
+    <index>.lock; a read needs none (the index and data files are replaced whole). Run after
+    numba's target is set: it imports numba."""
+    try:
+        import fcntl  # noqa: PLC0415 - POSIX
+    except ImportError:  # pragma: no cover - not POSIX: numba's own behaviour
+        return
+    from numba.core import caching  # noqa: PLC0415
+
+    cls = caching.IndexDataCacheFile
+    if getattr(cls.save, "edgetp_locked", False):
+        return
+
+    @contextlib.contextmanager
+    def held(index_path: str):
+        with open(index_path + ".lock", "ab") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # released when f closes
+            yield
+
+    def locked(method):
+        @functools.wraps(method)
+        def run(self, *args):
+            with held(self._index_path):
+                return method(self, *args)
+        run.edgetp_locked = True
+        return run
+
+    cls.save, cls.flush = locked(cls.save), locked(cls.flush)

@@ -279,3 +279,17 @@ def test_workers_without_local_are_refused_not_ignored():
     """Without --local, ask goes to a running server; a --workers list there was silently unused."""
     result = edgetp("ask", "--workers", "127.0.0.1:1", "hi", timeout=60)
     assert result.returncode == 2 and "--workers needs --local" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_every_user_error_the_cli_names_exists():
+    # the CLI finds them by module and name (a client command imports no model code): a name
+    # that is not there would turn a user's one-line error into a traceback
+    import importlib  # noqa: PLC0415
+
+    from edgetp import commands  # noqa: PLC0415
+
+    for module, _ in commands._USER_ERRORS:
+        importlib.import_module(module)
+    found = commands.user_errors()
+    assert len(found) == len(commands._USER_ERRORS)
+    assert all(isinstance(c, type) and issubclass(c, Exception) for c in found)

@@ -63,7 +63,7 @@ KNOWN = frozenset({"id", "pv", "cid", "dp", "hp", "spd", "mem", "mdl", "pri", "n
 RESOLVE_MS = 3000
 # A client's browse ends this long after the last new node it heard: every node answers a query
 # within 20-120 ms (RFC 6762 6), a Wi-Fi station's multicast can wait for a beacon or three
-# (~100-300 ms). Any node serves (it forwards to the root), so one heard late costs nothing.
+# (~100-300 ms). Any node serves (it forwards to the root): one heard late costs at most a hop.
 BROWSE_QUIET_S = 0.5
 # How long `start` asks, by multicast, whether another node already holds our name. It runs beside
 # zeroconf's own probe, which takes ~1.2 s on loopback (FACTS.md), so a start costs nothing more.

@@ -48,12 +48,17 @@ class FakeHub:
         self.drop_after: dict[str, int] = {}
         self.seen: list[Seen] = []
         self.base = ""
+        self.arrived = 0  # requests that reached the handler
+        self.hold: asyncio.Event | None = None  # set: requests wait for it before answering
 
     def url(self, name: str) -> str:
         return f"{self.base}/files/{name}"
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         name = request.match_info["name"]
+        self.arrived += 1
+        if self.hold is not None:
+            await asyncio.wait_for(self.hold.wait(), 30)
         if name not in self.files:
             raise web.HTTPNotFound()
         data = self.files[name]
@@ -140,6 +145,35 @@ async def test_pull_url_saves_exactly_the_served_bytes_and_checks_their_sha256(h
     assert path.read_bytes() == DATA
     assert not (models(env) / "tiny.gguf.part").exists()
     assert DATA_SHA256 in out.getvalue()
+
+
+@pytest.mark.asyncio
+async def test_two_pulls_of_one_file_at_once_fetch_it_once_and_both_get_it(hub, env):
+    # a daemon's first start beside `edgetp model pull`: both appended to one .part, and the one
+    # that lost the race to rename it stopped with a traceback. The second now waits for the first
+    # (a flock on the cache folder) and finds the file.
+    hub.files["tiny.gguf"] = DATA
+    hub.hold = asyncio.Event()
+    first, second = io.StringIO(), io.StringIO()
+    loop = asyncio.get_running_loop()
+
+    async def until(cond, seconds: float) -> None:
+        for _ in range(int(seconds / 0.02)):
+            if cond():
+                return
+            await asyncio.sleep(0.02)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        a = loop.run_in_executor(pool, functools.partial(store.pull, hub.url("tiny.gguf"), env=env, out=first))
+        await until(lambda: hub.arrived == 1, 20)  # the first pull's request is in, and held
+        b = loop.run_in_executor(pool, functools.partial(store.pull, hub.url("tiny.gguf"), env=env, out=second))
+        await until(lambda: "waiting for another pull" in second.getvalue() or hub.arrived > 1, 20)
+        hub.hold.set()
+        paths = await asyncio.gather(a, b)
+    assert paths == [models(env) / "tiny.gguf"] * 2 and paths[0].read_bytes() == DATA
+    assert hub.arrived == 1 and len(hub.seen) == 1  # fetched once
+    assert "waiting for another pull" in second.getvalue() and "already in the cache" in second.getvalue()
+    assert sorted(p.name for p in models(env).iterdir()) == ["tiny.gguf"]  # nothing else left behind
 
 
 @pytest.mark.asyncio

@@ -40,7 +40,7 @@ from edgetp.model.llama import ShardSpec
 from edgetp.net import httpauth
 from edgetp.parallel.shardfile import check_spec, shard_name, write_shard
 from edgetp.store import slices
-from edgetp.store.download import fetch_url
+from edgetp.store.download import fetch_url_once
 from edgetp.store.errors import DownloadError, DownloadInterrupted
 
 log = logging.getLogger(__name__)
@@ -316,7 +316,7 @@ async def fetch_shard(base_url: str, spec: ShardSpec, key: bytes, cache_dir: str
     path_qs = f"{SHARD_PATH}?{spec_query(spec, node_id)}"
     part = final.with_name(final.name + ".part")
     fetch = asyncio.ensure_future(asyncio.to_thread(
-        fetch_url, base_url.rstrip("/") + path_qs, final, sha256=info.sha256, out=_LogLines(),
+        fetch_url_once, base_url.rstrip("/") + path_qs, final, sha256=info.sha256, out=_LogLines(),
         headers=lambda: _proof_or_interrupted(base_url, key, path_qs)))
     try:
         while not fetch.done():

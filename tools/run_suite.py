@@ -8,8 +8,8 @@ CPU runs, the engine against exact math and llama.cpp; NUMBERS) use neither the 
 clock, so they run in a second pytest beside the rest:
   - at the lowest CPU priority (nice 19), so the tests of daemons, elections and timeouts keep
     their core whenever they want it;
-  - with a numba cache folder of its own, inside this source version's: numba's cache is not safe
-    for two processes that compile one function at once (tests/isas.py says why).
+  - with a numba cache folder of its own, inside this source version's (from before numba's saves
+    were locked between processes, jitcache.lock_saves; it keeps each lane's compiles apart).
 Each lane prints its own output whole, the rest's as it runs and the numbers' once it has ended.
 The exit status is pytest's first non-zero one (a lane the arguments leave no test in does not
 count). Extra arguments go to both pytest runs, and PYTEST_ADDOPTS reaches both. Stopped (Ctrl-C,

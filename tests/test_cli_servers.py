@@ -134,7 +134,10 @@ def test_a_server_told_to_stop_while_its_kernels_compile_stops_at_once(stories_p
     proc = subprocess.Popen([sys.executable, "-m", "edgetp", "-v", "serve", "--model", str(stories_path),
                              "--listen", "127.0.0.1:0", "--threads", "1"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True,
-                            env=os.environ | {"NUMBA_CACHE_DIR": str(tmp_path / "numba"), "PYTHONUNBUFFERED": "1"})
+                            env=os.environ | {"NUMBA_CACHE_DIR": str(tmp_path / "numba"), "PYTHONUNBUFFERED": "1"},
+                            # as a terminal's foreground job has it: a suite started in the background
+                            # of a script inherits SIGINT ignored (sh does that to `cmd &`), and so would this
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         seen = ""

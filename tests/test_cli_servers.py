@@ -131,13 +131,17 @@ def test_a_server_told_to_stop_while_its_kernels_compile_stops_at_once(stories_p
     """A cold start compiles every kernel for a minute or more (an empty numba cache here). systemd's
     stop, or Ctrl-C, then ended the process only once the compiles were done: asyncio.run waited for
     the executor thread they ran on."""
-    proc = subprocess.Popen([sys.executable, "-m", "edgetp", "-v", "serve", "--model", str(stories_path),
-                             "--listen", "127.0.0.1:0", "--threads", "1"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True,
-                            env=os.environ | {"NUMBA_CACHE_DIR": str(tmp_path / "numba"), "PYTHONUNBUFFERED": "1"},
-                            # as a terminal's foreground job has it: a suite started in the background
-                            # of a script inherits SIGINT ignored (sh does that to `cmd &`), and so would this
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # the server gets SIGINT as a terminal's foreground job has it: a suite started in the background
+    # of a script inherits it ignored (sh does that to `cmd &`), and so would the server. A handled
+    # signal is default again after exec; an ignored one stays ignored.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "edgetp", "-v", "serve", "--model", str(stories_path),
+                                 "--listen", "127.0.0.1:0", "--threads", "1"], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True,
+                                env=os.environ | {"NUMBA_CACHE_DIR": str(tmp_path / "numba"), "PYTHONUNBUFFERED": "1"})
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     try:
         deadline = time.monotonic() + 60
         seen = ""

@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     loads = []
     for name in args.models.split(","):
         path = store.resolve(MODELS.get(name, name))
-        build = lambda: Tokenizer.from_metadata(gguf.open_model(path, store.cache_dir() / "index").metadata)  # noqa: E731
-        load = lambda: llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)  # noqa: E731
+        build = lambda path=path: Tokenizer.from_metadata(gguf.open_model(path, store.cache_dir() / "index").metadata)  # noqa: E731
+        load = lambda path=path: llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)  # noqa: E731
         tok, ref = build(), load()
         loads.append((name, tok.vocab_size, best_of(build, args.reps), best_of(load, args.reps)))
         for n in (int(c) for c in args.chars.split(",")):

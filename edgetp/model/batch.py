@@ -56,8 +56,10 @@ from typing import Any, Callable, Iterator, Sequence
 
 from edgetp.model import sampling
 from edgetp.model.llama import STEP_ROWS
-from edgetp.params import ContextError  # noqa: F401 (raised here; its home has no numba)
 from edgetp.model.sampling import Candidates, SamplingParams
+
+# raised here; its home has no numba, for the client
+from edgetp.params import ContextError
 
 # Prompt tokens per prefill step; chunk boundaries sit at multiples of it. A step is never cut short,
 # so one chunk's time is what a request arriving meanwhile waits before its own prompt is read, and

@@ -219,10 +219,12 @@ async def cluster_view(url: str, creds: Credentials = Credentials()) -> dict[str
 
 @dataclass
 class TokenStats:
-    """Per-token records of one request, from the event stream."""
+    """Per-token records of one request, from the event stream, and the record of its end."""
 
     records: list[events.TokenRecord] = field(default_factory=list)
     unread: str | None = None  # why the event stream could not be read, if it could not
+    finished: events.RequestRecord | None = None  # published before the answer's last chunk is sent
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # set with `finished`
 
     def summary(self) -> str:
         if not self.records:
@@ -240,14 +242,29 @@ class TokenStats:
             sent = sum(r.links[name].sent for r in steps if name in r.links) / len(steps)
             got = sum(r.links[name].received for r in steps if name in r.links) / len(steps)
             lines.append(f"  link {name}: {sent:,.0f} B sent, {got:,.0f} B received per decoded token")
+        if (f := self.finished) is not None:
+            lines.append(f"  prompt {f.prompt_tokens} tokens, {f.cached_tokens} of them from the prefix cache"
+                         + (f" | slot {f.slot}" if f.slot is not None else "") + f" | finished: {f.finish_reason}")
         return "\n".join(lines)
+
+
+def _take(stats: TokenStats, pending: list, rid: str) -> None:
+    for r in pending:
+        if r.request_id != rid:
+            continue
+        if isinstance(r, events.TokenRecord):
+            stats.records.append(r)
+        elif r.state == "finished":
+            stats.finished = r
+            stats.ended.set()
+    pending.clear()
 
 
 async def watch_tokens(url: str, stats: TokenStats, request_id: asyncio.Future[str],
                        connected: asyncio.Event, creds: Credentials = Credentials()) -> None:
-    """Collect the token records of one request (its id arrives once the answer starts)."""
+    """Collect the token records of one request (its id arrives once the answer starts), until its end."""
     ws_url = url.replace("http://", "ws://").replace("https://", "wss://") + "/v1/events"
-    pending: list[events.TokenRecord] = []
+    pending: list[events.TokenRecord | events.RequestRecord] = []
     try:
         async with aiohttp.ClientSession() as session, \
                 session.ws_connect(ws_url, heartbeat=30,
@@ -260,11 +277,12 @@ async def watch_tokens(url: str, stats: TokenStats, request_id: asyncio.Future[s
                     record = events.from_dict(json.loads(msg.data))
                 except (events.EventError, ValueError):
                     continue
-                if isinstance(record, events.TokenRecord):
+                if isinstance(record, (events.TokenRecord, events.RequestRecord)):
                     pending.append(record)
                     if request_id.done():
-                        stats.records += [r for r in pending if r.request_id == request_id.result()]
-                        pending.clear()
+                        _take(stats, pending, request_id.result())
+                        if stats.ended.is_set():
+                            return
     except aiohttp.WSServerHandshakeError as exc:
         stats.unread = f"the event stream refused this client (HTTP {exc.status}: it carries every prompt, " \
                        "so beyond the node's own machine it needs --key or an --api-key)" \

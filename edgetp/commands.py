@@ -26,6 +26,10 @@ if TYPE_CHECKING:
 # `edgetp ask` of a cluster, `status` and `chat` only speak HTTP, and start in 0.4 s and 50 MB
 # without it, against 1.2 s and 140 MB with it (an AVX2 EPYC core; a Pi pays seconds).
 
+# `ask --stats` waits at most this long after the answer for the request's end record (published
+# before the last chunk, so it is normally a few ms behind it); an event stream that drops it costs this.
+STATS_TRAIL_S = 2.0
+
 
 class WorkerError(OSError):
     """The worker could not start."""
@@ -206,8 +210,10 @@ async def _ask_cluster(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         if reason == "context":
             print(f"edgetp: stopped: the context of {url} is full", file=sys.stderr)
-        if watcher:
-            await asyncio.sleep(0.5)  # the last records trail the last chunk
+        if watcher:  # the last records trail the last chunk: wait for the request's end record
+            ended = asyncio.ensure_future(stats.ended.wait())
+            await asyncio.wait((ended, watcher), timeout=STATS_TRAIL_S, return_when=asyncio.FIRST_COMPLETED)
+            ended.cancel()
     finally:
         if watcher:
             watcher.cancel()

@@ -33,15 +33,20 @@ def daemon(stories_path, tmp_path_factory):
 
 def test_ask_streams_what_the_openai_client_gets_and_stats_summarise_each_token(daemon):
     url, _ = daemon
-    expected = openai.OpenAI(base_url=f"{url}/v1", api_key="x").chat.completions.create(
+    reply = openai.OpenAI(base_url=f"{url}/v1", api_key="x").chat.completions.create(
         model="stories260K", messages=[{"role": "user", "content": "Once upon a time"}], max_tokens=30,
-        temperature=0).choices[0].message.content
+        temperature=0)
+    expected = reply.choices[0].message.content
     result = edgetp("ask", "--url", url, "--temperature", "0", "--max-tokens", "30", "--stats", "Once upon a time")
     assert result.returncode == 0, result.stderr
     assert result.stdout == expected + "\n" and len(expected) > 20
     summary = result.stderr
     assert "tok/s decode" in summary and "p50" in summary and "p95" in summary and "sync" in summary
     assert summary.split(" tokens,")[0].rsplit(" ", 1)[-1] == "30"  # one record per generated token
+    # the request's end record, awaited rather than slept for: its prompt as the API's usage counts it
+    # (shorter than one prefill chunk, so none of it comes from the prefix cache), its end as the API's
+    assert f"prompt {reply.usage.prompt_tokens} tokens, 0 of them from the prefix cache" in summary, summary
+    assert f"finished: {reply.choices[0].finish_reason}" in summary and reply.choices[0].finish_reason == "length"
 
 
 def test_ask_reads_the_prompt_from_stdin(daemon):

@@ -20,12 +20,14 @@ def parses(monkeypatch):
     """A weak reference to each gguf-py reader that edgetp.model.gguf builds, in order."""
     made = []
 
+    made_by = gg._Reader
+
     def counted(*args, **kwargs):
-        reader = GGUFReader(*args, **kwargs)
+        reader = made_by(*args, **kwargs)
         made.append(weakref.ref(reader))
         return reader
 
-    monkeypatch.setattr(gg, "GGUFReader", counted)
+    monkeypatch.setattr(gg, "_Reader", counted)
     return made
 
 
@@ -41,6 +43,27 @@ def test_an_indexed_open_gives_what_gguf_py_reads(smollm2_path, tmp_path, parses
         mine = again.tensors[t.name]
         assert (mine.tensor_type, mine.data_offset, mine.n_bytes) == (t.tensor_type, t.data_offset, t.n_bytes)
         assert np.asarray(mine.data).tobytes() == np.asarray(t.data).tobytes()
+
+
+@pytest.mark.parametrize("model", ["stories", "smollm2"])
+def test_edgetps_reader_parses_each_field_and_tensor_as_gguf_pys_own(model, stories_path, smollm2_path):
+    # edgetp's reader is gguf-py's over a plain view of the map (shard files copy its parts)
+    path = stories_path if model == "stories" else smollm2_path
+    mine, theirs = open_model(path).reader(), GGUFReader(path)
+    assert type(mine) is not GGUFReader and not isinstance(mine.data, np.memmap)
+    assert (mine.data_offset, mine.alignment, mine.byte_order) == (theirs.data_offset, theirs.alignment,
+                                                                   theirs.byte_order)
+    assert list(mine.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        other = mine.fields[name]
+        assert (other.offset, other.types, other.data) == (field.offset, field.types, field.data), name
+        assert [(p.dtype, p.tobytes()) for p in other.parts] == [(p.dtype, p.tobytes()) for p in field.parts], name
+        assert other.contents() == field.contents(), name
+    assert [(t.name, t.tensor_type, list(t.shape), t.data_offset, t.n_bytes, t.data.dtype, t.data.shape)
+            for t in mine.tensors] == [(t.name, t.tensor_type, list(t.shape), t.data_offset, t.n_bytes, t.data.dtype,
+                                        t.data.shape) for t in theirs.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(mine.tensors, theirs.tensors))
+    assert not mine.data.flags.writeable  # still the read-only map
 
 
 def test_a_changed_file_or_a_corrupt_index_means_a_fresh_parse(stories_path, tmp_path, parses):

@@ -18,6 +18,8 @@ few KiB.
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
@@ -225,6 +227,27 @@ def test_a_shard_write_from_an_indexed_open_parses_no_header(smollm2_path, tmp_p
     sf = gguf.ModelFile(path)
     assert {k: v for k, v in sf.metadata.items() if not k.startswith(("GGUF.", "edgetp."))} == \
         {k: v for k, v in mf.metadata.items() if not k.startswith("GGUF.")}
+
+
+def test_a_source_with_an_empty_array_key_still_gets_its_shards(stories_path, tmp_path):
+    # the format allows an empty array (until 7 Dec its shard write was refused as a "nested array");
+    # gguf-py's reader gives one no element type and its writer cannot write one, so a shard leaves
+    # it out. The key is put in by hand, as
+    # GGUF v3 lays a key out: name (u64 length, bytes), ARRAY (9), element type UINT32 (4), count 0;
+    # 32 bytes, the file's alignment, so every tensor's data stays where its offset says.
+    raw = stories_path.read_bytes()
+    magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", raw)
+    key = b"test.mty"
+    entry = struct.pack("<Q", len(key)) + key + struct.pack("<IIQ", 9, 4, 0)
+    assert len(entry) == 32 and version == 3
+    model = tmp_path / "with-empty.gguf"
+    model.write_bytes(struct.pack("<4sIQQ", magic, version, n_tensors, n_kv + 1) + entry + raw[24:])
+    mf = gguf.open_model(model)
+    assert mf.metadata["test.mty"] == [] and mf.value_types["test.mty"] == [9]  # as gguf-py reads it
+    cfg = mf.config
+    spec = llama.ShardSpec((0, cfg.n_kv_heads), (0, cfg.ffn), (0, cfg.vocab))
+    sf = gguf.ModelFile(write_shard(mf, spec, tmp_path / shard_name(mf.fingerprint, spec)))
+    assert "test.mty" not in sf.metadata and llama.stored_spec(sf) == spec
 
 
 def test_a_shard_file_loads_only_the_spec_it_holds(shard_files):

@@ -58,7 +58,8 @@ def stock_parse(path: Path) -> None:
     from gguf import GGUFReader  # noqa: PLC0415
 
     reader = GGUFReader(path)
-    {name: field.contents() for name, field in reader.fields.items()}
+    for field in reader.fields.values():  # what an index keeps of each
+        field.contents()
 
 
 def main(argv: list[str] | None = None) -> int:

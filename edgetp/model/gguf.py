@@ -155,9 +155,10 @@ class ModelFile:
 
     def reader(self) -> GGUFReader:
         """gguf-py's full reader, parsed afresh for each call and kept by no one here, for whoever needs
-        more than `metadata` and `value_types` (a shard's header is written from those). Its parse holds a numpy view per string of
-        the header: it raised RSS by 334 MB for Llama 3's 128,256-token vocabulary (150 MB since
-        _Reader's views are plain ndarrays), which a daemon that kept it would carry for its whole life."""
+        more than `metadata` and `value_types` (a shard's header is written from those). Its parse
+        holds a numpy view per string of the header: it raised RSS by 334 MB for Llama 3's 128,256-token
+        vocabulary (150 MB since _Reader's views are plain ndarrays), which a daemon that kept it would
+        carry for its whole life."""
         return _open_reader(self.path)
 
     def has(self, name: str) -> bool:

@@ -82,6 +82,8 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32", ctx: int = 256) -> 
       rope.scaling.original_context_length, and cos and sin times rope.scaling.attn_factor.
       Hugging Face picks the factors by the sequence's length; llama.cpp (and so this) by the
       context a sequence may fill, `ctx` (the tests run ours with 256 positions).
+    - smollm3 (modeling_smollm3): llama's, but every 4th layer (layer + 1 a multiple of 4) is
+      NoPE: neither q nor k rotates there (`no_rope_layer_interval` 4, which llama.cpp hard-codes).
     - llama 3.1's rope scaling, as its GGUF stores it (rope_freqs): every inverse frequency divided
       by its factor.
     - mixtures of experts (modeling_mixtral, modeling_qwen3_moe; mixtral is llama with
@@ -213,8 +215,9 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32", ctx: int = 256) -> 
         mask = np.where(seen, 0.0, -np.inf)
         h = norm(x, weight(p + "attn_norm.weight"))
         q, k, v = qkv(h, p)
-        q = rope(head_norm(q, nh, p + "attn_q_norm.weight"), nh, base, factor)
-        k = rope(head_norm(k, nkv, p + "attn_k_norm.weight"), nkv, base, factor)
+        q, k = head_norm(q, nh, p + "attn_q_norm.weight"), head_norm(k, nkv, p + "attn_k_norm.weight")
+        if arch != "smollm3" or (layer + 1) % 4:  # smollm3: every 4th layer is NoPE, neither q nor k rotates
+            q, k = rope(q, nh, base, factor), rope(k, nkv, base, factor)
         v = v.reshape(n, nkv, hd)
         if kv_type == "f16":
             k, v = (c.astype(np.float32).astype(np.float16).astype(np.float64) for c in (k, v))

@@ -80,6 +80,7 @@ ARCHS: dict[str, tuple[tuple[str, str], ...]] = {
     "qwen3moe": _QK,  # qwen3's attention, a mixture of experts for the FFN
     "mixtral": (),    # llama with a mixture of experts, written as general.architecture "llama"
     "qwen2moe": (),   # qwen2's attention (q/k/v biases), experts and a shared expert (SHARED)
+    "smollm3": (),    # llama's tensors; every 4th layer takes no rope (llama.cpp: hard-coded, no key)
 }
 MOE_ARCHS = ("qwen3moe", "mixtral", "qwen2moe")  # need --experts and --experts-used
 #: q, k and v with biases (qwen2's attention), and a shared expert every token goes through beside the
@@ -120,6 +121,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "phi3-1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64, ffn=8192, vocab=32064,
                     ctx=4096, rope_theta=10000.0, norm_eps=1e-5, tied=False, arch="phi3", rope_ctx_orig=4096,
                     name="synthetic-1b"),  # llama.cpp wants Phi-3's special tokens of a model named phi3
+    # SmolLM3-3B: llama's layers, every 4th without rope
+    "smollm3-3b": dict(dim=2048, n_layers=36, n_heads=16, n_kv_heads=4, head_dim=128, ffn=11008, vocab=128256,
+                       ctx=65536, rope_theta=5e6, norm_eps=1e-6, tied=True, arch="smollm3"),
     "smollm2-135m": dict(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn=1536, vocab=49152,
                          ctx=8192, rope_theta=100000.0, norm_eps=1e-5, tied=True),
     # Tiny shapes for tests.

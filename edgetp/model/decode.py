@@ -288,12 +288,13 @@ class Plan:
                 qn, kn = (_NO_NORM, _NO_NORM) if layer.q_norm is None else (layer.q_norm, layer.k_norm)
                 local = cfg.is_local(s.w.layer0 + i)
                 cos, sin = (s.cos_swa, s.sin_swa) if local else (s.cos, s.sin)
+                rope_dims = cfg.layer_rope_dims(s.w.layer0 + i)  # 0: a NoPE layer (smollm3)
                 # q, k and v are column views of qkv's rows, contiguous (typed "C") only for one row: passed
                 # as contiguous copies for more, numba compiles _attention once, not twice (24 s cold, of
                 # a 135M model's 170 s); the copy is 0.5% of a prefill chunk's layer
                 q, k, v = (np.ascontiguousarray(a[:n]) for a in (p.q, p.k, p.v))
                 _attention(q, k, v, s.k_bits[i], s.v_bits[i], slots, positions, qn, kn, eps,
-                           cos, sin, cfg.rope_dims, cfg.rope_neox, cfg.group_size, cfg.attn_scale,
+                           cos, sin, rope_dims, cfg.rope_neox, cfg.group_size, cfg.attn_scale,
                            cfg.swa_window if local else 0, cfg.attn_softcap, p.att[:n], threads, p.o.rounds, *ra,
                            p.o.rounds16, *wa)
                 partial, fill = p.o.out[:n], _start(p.o, n, serial, cuts is not None)

@@ -24,7 +24,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from edgetp.model import pages, quant
 
 GGUF_MAGIC = b"GGUF"
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "smollm3")
 # rope on pairs (i, i + d/2), as llama.cpp's LLAMA_ROPE_TYPE_NEOX
 NEOX_ARCHS = ("qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3")
 MOE_ARCHS = ("qwen2moe", "qwen3moe")  # always mixtures (llama is one when it has llama.expert_count)
@@ -79,10 +79,17 @@ class ModelConfig:
     expert_scale: float = 0.0       # then times this (expert_weights_scale; 0: not scaled)
     ffn_shared: int = 0             # the shared expert's width (qwen2moe: every token, gated); 0: none
     shared_block: int = 32          # columns a split of the shared expert keeps together (ffn_down_shexp's block)
+    # smollm3: every nope_step-th layer (layer + 1 a multiple of it) rotates neither q nor k (NoPE), as
+    # llama.cpp's n_no_rope_layer_step, which its loader sets to 4 for smollm3 and reads from no key; 0: none
+    nope_step: int = 0
 
     def is_local(self, layer: int) -> bool:
         """Whether layer `layer` attends over a sliding window (with rope_theta_swa)."""
         return self.swa_window > 0 and bool(self.swa_layers) and self.swa_layers[layer]
+
+    def layer_rope_dims(self, layer: int) -> int:
+        """The leading dims of each head that layer `layer` rotates: rope_dims, or 0 on a NoPE layer."""
+        return 0 if self.nope_step and (layer + 1) % self.nope_step == 0 else self.rope_dims
 
     @property
     def group_size(self) -> int:
@@ -429,6 +436,7 @@ def _read_config(path: Path, metadata: dict[str, Any], tensors: dict) -> ModelCo
         # llama.cpp: yarn_attn_factor *= rope.scaling.attn_factor, on every architecture
         rope_attn_factor=float(metadata.get(f"{arch}.rope.scaling.attn_factor") or 1.0),
         rope_ctx_orig=int(metadata.get(f"{arch}.rope.scaling.original_context_length") or ctx_train),
+        nope_step=4 if arch == "smollm3" else 0,
         **gemma,
         **moe,
     )

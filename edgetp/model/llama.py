@@ -488,8 +488,9 @@ class Shard:
         local = cfg.is_local(self.w.layer0 + i)  # i: this shard's layer, of a pipeline stage's range
         cos, sin = (self.cos_swa, self.sin_swa) if local else (self.cos, self.sin)
         window = cfg.swa_window if local else 0
-        ops.rope(q, self.n_heads, hd, cfg.rope_dims, pos, cos, sin, cfg.rope_neox)
-        ops.rope(k, self.n_kv, hd, cfg.rope_dims, pos, cos, sin, cfg.rope_neox)
+        rope_dims = cfg.layer_rope_dims(self.w.layer0 + i)  # 0: a NoPE layer (smollm3)
+        ops.rope(q, self.n_heads, hd, rope_dims, pos, cos, sin, cfg.rope_neox)
+        ops.rope(k, self.n_kv, hd, rope_dims, pos, cos, sin, cfg.rope_neox)
         kb, vb = self.k_bits[i][slot], self.v_bits[i][slot]
         kvcache.kv_write_rows(kb, pos, k.reshape(n, self.n_kv, hd))
         kvcache.kv_write_rows(vb, pos, v.reshape(n, self.n_kv, hd))

@@ -84,6 +84,10 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32", ctx: int = 256) -> 
       context a sequence may fill, `ctx` (the tests run ours with 256 positions).
     - smollm3 (modeling_smollm3): llama's, but every 4th layer (layer + 1 a multiple of 4) is
       NoPE: neither q nor k rotates there (`no_rope_layer_interval` 4, which llama.cpp hard-codes).
+    - YaRN rope scaling (rope.scaling.type "yarn", modeling_rope_utils): each inverse frequency
+      blended between itself and itself / factor, by a ramp over the pairs from the one that turns
+      32 times over the original context to the one that turns once; cos and sin times
+      0.1 ln(factor) + 1.
     - llama 3.1's rope scaling, as its GGUF stores it (rope_freqs): every inverse frequency divided
       by its factor.
     - mixtures of experts (modeling_mixtral, modeling_qwen3_moe; mixtral is llama with
@@ -128,6 +132,14 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32", ctx: int = 256) -> 
         long = ctx > key("rope.scaling.original_context_length", key("context_length"))
         factors = np.asarray(tensors[f"rope_factors_{'long' if long else 'short'}.weight"].data, np.float64).reshape(-1)
     mscale = key("rope.scaling.attn_factor", 1.0)
+    # YaRN (modeling_rope_utils' _compute_yarn_parameters, beta_fast 32 and beta_slow 1, as llama.cpp
+    # takes them): the inverse frequencies blended between themselves and themselves / factor by a
+    # ramp over the pairs, cos and sin times 0.1 ln(factor) + 1
+    yarn = key("rope.scaling.type", "linear") == "yarn"
+    yarn_factor = key("rope.scaling.factor", 1.0) if yarn else 1.0
+    yarn_ctx = key("rope.scaling.original_context_length", key("context_length"))
+    if yarn and yarn_factor > 1:
+        mscale *= 0.1 * np.log(yarn_factor) + 1
     big = gemma and n_layers == (46 if gemma2 else 62)  # gemma's 27B: queries scaled by its width per head
     scale = 1 / np.sqrt(dim / nh) if big else 1 / np.sqrt(hd)
     n = len(ids)
@@ -140,8 +152,18 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32", ctx: int = 256) -> 
     def norm(x, w):
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
+    def yarn_inv(inv, base):
+        def correction(rotations):  # the dimension whose pair turns `rotations` times over yarn_ctx
+            return rd * np.log(yarn_ctx / (rotations * 2 * np.pi)) / (2 * np.log(base))
+
+        low, high = max(np.floor(correction(32)), 0), min(np.ceil(correction(1)), rd - 1)
+        high = high + 0.001 if low == high else high
+        extrapolated = 1 - np.clip((np.arange(rd // 2) - low) / (high - low), 0, 1)
+        return inv / yarn_factor * (1 - extrapolated) + inv * extrapolated
+
     def rope(v, heads, base, factor):  # the first rd dims of each head rotate, the others pass
         inv = base ** (-np.arange(0, rd, 2) / rd) / (1.0 if factors is None else factors)
+        inv = yarn_inv(inv, base) if yarn else inv
         ang = (np.arange(n) / factor)[:, None] * inv[None, :]
         cos, sin = mscale * np.cos(ang)[:, None, :], mscale * np.sin(ang)[:, None, :]
         v = v.reshape(n, heads, hd)

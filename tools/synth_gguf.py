@@ -576,7 +576,8 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
                 tensor_types: dict[str, str] | None = None, swa_window: int | None = None,
                 swa_pattern: int | None = None, rope_theta_swa: float | None = None,
                 attn_softcap: float | None = None, final_softcap: float | None = None,
-                rope_scale_linear: float | None = None, rope_ctx_orig: int | None = None,
+                rope_scale_linear: float | None = None, rope_scale_yarn: float | None = None,
+                rope_ctx_orig: int | None = None,
                 rope_attn_factor: float | None = None, rope_dims: int | None = None,
                 rope_freqs: bool = False, n_experts: int = 0, n_experts_used: int = 0,
                 ffn_shared: int | None = None) -> Path:
@@ -585,7 +586,8 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
     Gemma keys, written only when given (llama.cpp then uses its defaults): `swa_window`
     (attention.sliding_window), `swa_pattern` (attention.sliding_window_pattern),
     `rope_theta_swa` (rope.freq_base_swa), `attn_softcap` and `final_softcap` (the logit
-    soft-caps); `rope_scale_linear`: linear rope scaling by that factor (any arch). gemma2 is always tied: llama.cpp reads its lm head from token_embd.
+    soft-caps); `rope_scale_linear`: linear rope scaling by that factor (any arch), `rope_scale_yarn`: YaRN
+    by that factor over `rope_ctx_orig` positions (any arch). gemma2 is always tied: llama.cpp reads its lm head from token_embd.
     `rope_dims`: the leading dims of each head that rotate (rope.dimension_count; default all,
     Phi-4-mini rotates 96 of 128); `rope_freqs`: llama 3.1's rope_freqs.weight factors. phi3 keys: `rope_ctx_orig` (rope.scaling.original_context_length: longer contexts take the
     long rope factors) and `rope_attn_factor` (rope.scaling.attn_factor); `swa_window` is
@@ -648,6 +650,11 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
             writer.add_attn_logit_softcapping(float(attn_softcap))
         if final_softcap is not None:
             writer.add_final_logit_softcapping(float(final_softcap))
+        if rope_scale_linear is not None and rope_scale_yarn is not None:
+            raise ValueError("rope scaling is linear or yarn, not both")
+        if rope_scale_yarn is not None:
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(float(rope_scale_yarn))
         if rope_scale_linear is not None:
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(float(rope_scale_linear))
@@ -753,7 +760,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attn-softcap", type=float, help="attention logit soft-cap (gemma2)")
     ap.add_argument("--final-softcap", type=float, help="final logit soft-cap (gemma2)")
     ap.add_argument("--rope-scale-linear", type=float, help="linear rope scaling factor (rope.scaling.factor)")
-    ap.add_argument("--rope-ctx-orig", type=int, help="original context: longer ones take the long rope factors (phi3)")
+    ap.add_argument("--rope-scale-yarn", type=float, help="YaRN rope scaling factor (rope.scaling.type yarn)")
+    ap.add_argument("--rope-ctx-orig", type=int, help="original context: longer ones take the long rope factors "
+                    "(phi3); YaRN's original context")
     ap.add_argument("--rope-attn-factor", type=float, help="rope's attention factor (rope.scaling.attn_factor)")
     ap.add_argument("--rope-dims", type=int, help="leading dims of each head that rotate (default: all)")
     ap.add_argument("--rope-freqs", action="store_true", default=None, help="write llama 3.1's rope_freqs factors")
@@ -781,7 +790,7 @@ def main(argv: list[str] | None = None) -> int:
         kw["name"] = args.preset
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn", "vocab", "ctx",
                 "rope_theta", "norm_eps", "tied", "swa_window", "swa_pattern", "rope_theta_swa",
-                "attn_softcap", "final_softcap", "rope_scale_linear", "rope_ctx_orig", "rope_attn_factor", "rope_dims",
+                "attn_softcap", "final_softcap", "rope_scale_linear", "rope_scale_yarn", "rope_ctx_orig", "rope_attn_factor", "rope_dims",
                 "rope_freqs", "n_experts", "n_experts_used", "ffn_shared"):
         val = getattr(args, key)
         if val is not None:

@@ -27,6 +27,7 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "smollm3")
 # rope on pairs (i, i + d/2), as llama.cpp's LLAMA_ROPE_TYPE_NEOX
 NEOX_ARCHS = ("qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3")
+ROPE_SCALINGS = ("none", "linear", "yarn", "longrope")  # rope.scaling.type, as llama.cpp reads it
 MOE_ARCHS = ("qwen2moe", "qwen3moe")  # always mixtures (llama is one when it has llama.expert_count)
 
 
@@ -64,7 +65,8 @@ class ModelConfig:
     swa_window: int = 0             # sliding-window layers see the keys p with pos - p < swa_window
     swa_layers: tuple[bool, ...] = ()  # per layer: a sliding-window (local) layer
     rope_theta_swa: float = 0.0     # rope base of the sliding-window layers
-    rope_scale: float = 1.0         # linear rope scaling: angles times this (1 / rope.scaling.factor)
+    rope_scale: float = 1.0         # rope scaling: angles times this (1 / rope.scaling.factor)
+    rope_yarn: bool = False         # ... by YaRN over rope_ctx_orig positions (rope.scaling.type "yarn")
     rope_scale_swa: float = 1.0     # the same for the sliding-window layers (gemma3: never scaled)
     # phi3, as llama.cpp reads it; the defaults are llama's
     fused_qkv: bool = False         # blk.N.attn_qkv holds the rows of q | k | v (no attn_q/k/v)
@@ -402,11 +404,15 @@ def _read_config(path: Path, metadata: dict[str, Any], tensors: dict) -> ModelCo
         raise GGUFError(f"{path}: tensor 'token_embd.weight' is missing")
     vocab = int(tensors["token_embd.weight"].shape[1])
     n_layers = int(get(f"{arch}.block_count"))
-    # llama.cpp: freq_scale = 1 / rope.scaling.factor; "linear" (also its default type) is that alone.
-    # (YaRN's other terms are not implemented: such files run without them, as before.)
+    # llama.cpp: freq_scale = 1 / rope.scaling.factor; "linear" (also its default type) is that alone,
+    # "yarn" blends it with the unscaled angles per pair (ops.rope_table); "none" and "longrope" (phi3's
+    # factors, read as tensors) scale no angle here. llama.cpp stops at any other type.
     factor = float(metadata.get(f"{arch}.rope.scaling.factor") or 0.0)
-    linear = metadata.get(f"{arch}.rope.scaling.type", "linear") == "linear"
-    rope_scale = 1.0 / factor if factor and linear else 1.0
+    scaling = metadata.get(f"{arch}.rope.scaling.type", "linear")
+    if scaling not in ROPE_SCALINGS:
+        raise GGUFError(f"{path}: rope scaling type {scaling!r} is not supported "
+                        f"({arch}.rope.scaling.type; supported: {', '.join(ROPE_SCALINGS)})")
+    rope_scale = 1.0 / factor if factor and scaling in ("linear", "yarn") else 1.0
     ctx_train = int(get(f"{arch}.context_length", 2048))
     fused_qkv = "blk.0.attn_qkv.weight" in tensors  # llama.cpp: attn_qkv where the file has it, else q, k, v
     gemma = _gemma(path, arch, metadata, n_layers, dim, n_heads, head_dim) if arch.startswith("gemma") else {}
@@ -431,6 +437,7 @@ def _read_config(path: Path, metadata: dict[str, Any], tensors: dict) -> ModelCo
         qkv_bias="blk.0.attn_q.bias" in tensors,
         qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
         rope_scale=rope_scale,
+        rope_yarn=scaling == "yarn",
         fused_qkv=fused_qkv,
         fused_gate_up=arch == "phi3",
         # llama.cpp: yarn_attn_factor *= rope.scaling.attn_factor, on every architecture

@@ -307,10 +307,12 @@ class Shard:
         self.k_bits = [kvcache.kernel_view(c) for c in self.k_cache]
         self.v_bits = [kvcache.kernel_view(c) for c in self.v_cache]
         freqs, mscale = rope_factors(self.w, self.ctx), cfg.rope_attn_factor
-        self.cos, self.sin = ops.rope_table(self.ctx, cfg.rope_dims, cfg.rope_theta, freqs, cfg.rope_scale, mscale)
+        yarn = cfg.rope_ctx_orig if cfg.rope_yarn else 0
+        self.cos, self.sin = ops.rope_table(self.ctx, cfg.rope_dims, cfg.rope_theta, freqs, cfg.rope_scale, mscale,
+                                            yarn)
         if any(cfg.is_local(i) for i in range(cfg.n_layers)):  # sliding-window layers' own rope
             self.cos_swa, self.sin_swa = ops.rope_table(self.ctx, cfg.rope_dims, cfg.rope_theta_swa, freqs,
-                                                        cfg.rope_scale_swa, mscale)
+                                                        cfg.rope_scale_swa, mscale, yarn)
 
     @property
     def max_rows(self) -> int:

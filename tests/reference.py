@@ -20,6 +20,9 @@ def load(path: str, n_ctx: int = 512, kv_type: str = "f32"):
     llm = llama_cpp.Llama(
         model_path=path, n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, verbose=False,
         n_threads=2, type_k=GGML_TYPES[kv_type], type_v=GGML_TYPES[kv_type], seed=0, flash_attn=kv_type == "q8_0",
+        # YaRN's magnitude and betas from the file, as llama.cpp's own tools take them (common.h: -1);
+        # llama-cpp-python's defaults (1, 32, 1) would override a mistral3 file's betas
+        yarn_attn_factor=-1.0, yarn_beta_fast=-1.0, yarn_beta_slow=-1.0,
     )
     _OPEN.add(llm)
     return llm
@@ -88,6 +91,9 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32", ctx: int = 256) -> 
       blended between itself and itself / factor, by a ramp over the pairs from the one that turns
       32 times over the original context to the one that turns once; cos and sin times
       0.1 ln(factor) + 1.
+    - mistral3 (modeling_ministral3): llama's layers; YaRN with the config's beta_fast, beta_slow and
+      mscale_all_dim (attention_factor get_mscale(factor) / get_mscale(factor, mscale_all_dim)); and
+      llama 4's query temperature, q times 1 + beta * ln(1 + floor(pos / original context)).
     - llama 3.1's rope scaling, as its GGUF stores it (rope_freqs): every inverse frequency divided
       by its factor.
     - mixtures of experts (modeling_mixtral, modeling_qwen3_moe; mixtral is llama with
@@ -138,8 +144,18 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32", ctx: int = 256) -> 
     yarn = key("rope.scaling.type", "linear") == "yarn"
     yarn_factor = key("rope.scaling.factor", 1.0) if yarn else 1.0
     yarn_ctx = key("rope.scaling.original_context_length", key("context_length"))
-    if yarn and yarn_factor > 1:
-        mscale *= 0.1 * np.log(yarn_factor) + 1
+    mistral3 = arch == "mistral3"  # modeling_ministral3: its config's betas and mscale_all_dim, llama 4's temperature
+    beta_fast, beta_slow = (key("rope.scaling.yarn_beta_fast", 32.0), key("rope.scaling.yarn_beta_slow", 1.0)) \
+        if mistral3 else (32.0, 1.0)
+    mscale_all_dim = key("rope.scaling.yarn_log_multiplier", 0.0) if mistral3 else 0.0
+    temperature = key("attention.temperature_scale", 0.0) if mistral3 else 0.0
+
+    def get_mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * np.log(scale) + 1.0
+
+    if yarn:  # attention_factor: mscale / mscale_all_dim where the config has both (mscale 1), else get_mscale
+        mscale *= get_mscale(yarn_factor) / get_mscale(yarn_factor, mscale_all_dim) if mscale_all_dim \
+            else get_mscale(yarn_factor)
     big = gemma and n_layers == (46 if gemma2 else 62)  # gemma's 27B: queries scaled by its width per head
     scale = 1 / np.sqrt(dim / nh) if big else 1 / np.sqrt(hd)
     n = len(ids)
@@ -156,7 +172,7 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32", ctx: int = 256) -> 
         def correction(rotations):  # the dimension whose pair turns `rotations` times over yarn_ctx
             return rd * np.log(yarn_ctx / (rotations * 2 * np.pi)) / (2 * np.log(base))
 
-        low, high = max(np.floor(correction(32)), 0), min(np.ceil(correction(1)), rd - 1)
+        low, high = max(np.floor(correction(beta_fast)), 0), min(np.ceil(correction(beta_slow)), rd - 1)
         high = high + 0.001 if low == high else high
         extrapolated = 1 - np.clip((np.arange(rd // 2) - low) / (high - low), 0, 1)
         return inv / yarn_factor * (1 - extrapolated) + inv * extrapolated
@@ -240,6 +256,8 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32", ctx: int = 256) -> 
         q, k = head_norm(q, nh, p + "attn_q_norm.weight"), head_norm(k, nkv, p + "attn_k_norm.weight")
         if arch != "smollm3" or (layer + 1) % 4:  # smollm3: every 4th layer is NoPE, neither q nor k rotates
             q, k = rope(q, nh, base, factor), rope(k, nkv, base, factor)
+        if temperature:  # ministral3: q times 1 + beta * ln(1 + floor(pos / original context))
+            q = q * (1 + temperature * np.log(1 + np.floor(pos / yarn_ctx)))[:, None, None]
         v = v.reshape(n, nkv, hd)
         if kv_type == "f16":
             k, v = (c.astype(np.float32).astype(np.float16).astype(np.float64) for c in (k, v))

@@ -349,7 +349,8 @@ run_tests() {
         /src/tests/test_batch_rows.py || failures=$((failures + 1))
     # the layers of the other families on the NEON kernels: int8 decode and the fused plan
     phase "model families" test_group families "${PI5[@]}" -- /src/tests/test_qwen3.py \
-        /src/tests/test_gemma.py /src/tests/test_phi3.py /src/tests/test_smollm3.py /src/tests/test_moe.py -k int8 \
+        /src/tests/test_gemma.py /src/tests/test_phi3.py /src/tests/test_smollm3.py /src/tests/test_mistral3.py \
+        /src/tests/test_moe.py -k int8 \
         || failures=$((failures + 1))
     return "$failures"
 }

@@ -81,7 +81,10 @@ ARCHS: dict[str, tuple[tuple[str, str], ...]] = {
     "mixtral": (),    # llama with a mixture of experts, written as general.architecture "llama"
     "qwen2moe": (),   # qwen2's attention (q/k/v biases), experts and a shared expert (SHARED)
     "smollm3": (),    # llama's tensors; every 4th layer takes no rope (llama.cpp: hard-coded, no key)
+    "mistral3": (),   # llama's tensors; YaRN and a query temperature (MISTRAL3_KEYS)
 }
+#: mistral3's keys beyond llama's, written only when given: YaRN's betas and log multiplier, the query temperature
+MISTRAL3_KEYS = ("yarn_beta_fast", "yarn_beta_slow", "yarn_log_mul", "attn_temp_scale")
 MOE_ARCHS = ("qwen3moe", "mixtral", "qwen2moe")  # need --experts and --experts-used
 #: q, k and v with biases (qwen2's attention), and a shared expert every token goes through beside the
 #: routed ones, gated per token by a sigmoid of ffn_gate_inp_shexp . h; llama.cpp requires output.weight
@@ -124,6 +127,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     # SmolLM3-3B: llama's layers, every 4th without rope
     "smollm3-3b": dict(dim=2048, n_layers=36, n_heads=16, n_kv_heads=4, head_dim=128, ffn=11008, vocab=128256,
                        ctx=65536, rope_theta=5e6, norm_eps=1e-6, tied=True, arch="smollm3"),
+    # Ministral-3-3B: llama's layers, YaRN 16x over 16,384 positions and a query temperature of 0.1
+    "ministral3-3b": dict(dim=3072, n_layers=26, n_heads=32, n_kv_heads=8, head_dim=128, ffn=9216, vocab=131072,
+                          ctx=262144, rope_theta=1e6, norm_eps=1e-5, tied=True, arch="mistral3",
+                          rope_scale_yarn=16.0, rope_ctx_orig=16384, yarn_beta_fast=32.0, yarn_beta_slow=1.0,
+                          yarn_log_mul=1.0, attn_temp_scale=0.1),
     "smollm2-135m": dict(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn=1536, vocab=49152,
                          ctx=8192, rope_theta=100000.0, norm_eps=1e-5, tied=True),
     # Tiny shapes for tests.
@@ -580,14 +588,17 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
                 rope_ctx_orig: int | None = None,
                 rope_attn_factor: float | None = None, rope_dims: int | None = None,
                 rope_freqs: bool = False, n_experts: int = 0, n_experts_used: int = 0,
-                ffn_shared: int | None = None) -> Path:
+                ffn_shared: int | None = None, yarn_beta_fast: float | None = None,
+                yarn_beta_slow: float | None = None, yarn_log_mul: float | None = None,
+                attn_temp_scale: float | None = None) -> Path:
     """Write a synthetic llama-family GGUF model to `path` (via path.part, then rename).
 
     Gemma keys, written only when given (llama.cpp then uses its defaults): `swa_window`
     (attention.sliding_window), `swa_pattern` (attention.sliding_window_pattern),
     `rope_theta_swa` (rope.freq_base_swa), `attn_softcap` and `final_softcap` (the logit
     soft-caps); `rope_scale_linear`: linear rope scaling by that factor (any arch), `rope_scale_yarn`: YaRN
-    by that factor over `rope_ctx_orig` positions (any arch). gemma2 is always tied: llama.cpp reads its lm head from token_embd.
+    by that factor over `rope_ctx_orig` positions (any arch); mistral3's MISTRAL3_KEYS (llama.cpp reads
+    them for mistral3 alone). gemma2 is always tied: llama.cpp reads its lm head from token_embd.
     `rope_dims`: the leading dims of each head that rotate (rope.dimension_count; default all,
     Phi-4-mini rotates 96 of 128); `rope_freqs`: llama 3.1's rope_freqs.weight factors. phi3 keys: `rope_ctx_orig` (rope.scaling.original_context_length: longer contexts take the
     long rope factors) and `rope_attn_factor` (rope.scaling.attn_factor); `swa_window` is
@@ -655,6 +666,12 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
         if rope_scale_yarn is not None:
             writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
             writer.add_rope_scaling_factor(float(rope_scale_yarn))
+        for value, add in ((yarn_beta_fast, writer.add_rope_scaling_yarn_beta_fast),
+                           (yarn_beta_slow, writer.add_rope_scaling_yarn_beta_slow),
+                           (yarn_log_mul, writer.add_rope_scaling_yarn_log_mul),
+                           (attn_temp_scale, writer.add_attn_temperature_scale)):
+            if value is not None:
+                add(float(value))
         if rope_scale_linear is not None:
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(float(rope_scale_linear))

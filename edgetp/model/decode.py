@@ -295,8 +295,8 @@ class Plan:
                 q, k, v = (np.ascontiguousarray(a[:n]) for a in (p.q, p.k, p.v))
                 _attention(q, k, v, s.k_bits[i], s.v_bits[i], slots, positions, qn, kn, eps,
                            cos, sin, rope_dims, cfg.rope_neox, cfg.group_size, cfg.attn_scale,
-                           cfg.swa_window if local else 0, cfg.attn_softcap, p.att[:n], threads, p.o.rounds, *ra,
-                           p.o.rounds16, *wa)
+                           cfg.swa_window if local else 0, cfg.attn_softcap, cfg.attn_temp_scale,
+                           max(cfg.rope_ctx_orig, 1), p.att[:n], threads, p.o.rounds, *ra, p.o.rounds16, *wa)
                 partial, fill = p.o.out[:n], _start(p.o, n, serial, cuts is not None)
             yield partial if cuts is None else passes.Pieces(partial, cuts, fill)
             post = _NO_NORM if layer.attn_post_norm is None else layer.attn_post_norm
@@ -363,9 +363,10 @@ def _add_norm(x, partial, post, w, eps, h, add, rnd, xq, dx, s4, s16, rnd16, q16
 
 @njit(parallel=True, **_JIT)
 def _attention(q, k, v, kc, vc, slots, positions, qn, kn, eps, cos, sin, rope_dims, neox, group, scale, window, cap,
-               att, threads, rnd, xq, dx, s4, s16, rnd16, q16, d16, m16):  # pragma: no cover - compiled
+               temp, floor, att, threads, rnd, xq, dx, s4, s16, rnd16, q16, d16, m16):  # pragma: no cover - compiled
     # q (n, heads*hd), k and v (n, kv*hd), row b a token at positions[b] of KV slot slots[b]: norm
-    # each head of its q and k by qn, kn (hd,) unless they are empty (qwen3), rope its q and k,
+    # each head of its q and k by qn, kn (hd,) unless they are empty (qwen3), rope its q and k, temper
+    # its q (ops.temper: temp, floor),
     # write its k and v there in the caches kc, vc (slots, kv, ctx, row: kvcache.kernel_view,
     # written by kvcache.kv_write as the per-op path writes them); att (n, heads*hd) = each row's
     # attention over its own slot (scale, window, cap, threads: ops.attention's); if rnd, each row of att
@@ -381,6 +382,7 @@ def _attention(q, k, v, kc, vc, slots, positions, qn, kn, eps, cos, sin, rope_di
             ops.rmsnorm_heads(k[b : b + 1], hd, kn, eps)
         ops.rope(q[b : b + 1], heads, hd, rope_dims, pos, cos, sin, neox)
         ops.rope(k[b : b + 1], n_kv, hd, rope_dims, pos, cos, sin, neox)
+        ops.temper(q[b : b + 1], pos, temp, floor)
         for g in range(n_kv):
             kvcache.kv_write(kc[sl, g, pos], k[b, g * hd : g * hd + hd])
             kvcache.kv_write(vc[sl, g, pos], v[b, g * hd : g * hd + hd])

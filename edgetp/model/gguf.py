@@ -9,6 +9,7 @@ numpy error deep inside the forward pass.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import dataclasses
 from dataclasses import dataclass
@@ -24,7 +25,8 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from edgetp.model import pages, quant
 
 GGUF_MAGIC = b"GGUF"
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "smollm3")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "smollm3",
+                   "mistral3")
 # rope on pairs (i, i + d/2), as llama.cpp's LLAMA_ROPE_TYPE_NEOX
 NEOX_ARCHS = ("qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3")
 ROPE_SCALINGS = ("none", "linear", "yarn", "longrope")  # rope.scaling.type, as llama.cpp reads it
@@ -84,10 +86,28 @@ class ModelConfig:
     # smollm3: every nope_step-th layer (layer + 1 a multiple of it) rotates neither q nor k (NoPE), as
     # llama.cpp's n_no_rope_layer_step, which its loader sets to 4 for smollm3 and reads from no key; 0: none
     nope_step: int = 0
+    # mistral3 (Ministral 3), as llama.cpp reads it; the defaults are everyone else's
+    yarn_beta_fast: float = 32.0    # YaRN's ramp: from the pair that turns this many times over rope_ctx_orig
+    yarn_beta_slow: float = 1.0     # ... to the one that turns this many times
+    yarn_log_mul: float = 0.0       # rope.scaling.yarn_log_multiplier: HF's mscale_all_dim (0: none)
+    attn_temp_scale: float = 0.0    # q times 1 + this * ln(floor(pos / rope_ctx_orig) + 1) (llama 4's; 0: none)
 
     def is_local(self, layer: int) -> bool:
         """Whether layer `layer` attends over a sliding window (with rope_theta_swa)."""
         return self.swa_window > 0 and bool(self.swa_layers) and self.swa_layers[layer]
+
+    def rope_mscale(self) -> float:
+        """What cos and sin are multiplied by before YaRN's own magnitude (ops.rope_table): llama.cpp's
+        yarn_attn_factor times rope.scaling.attn_factor (llama_context's cparams)."""
+        if not self.rope_yarn:
+            return self.rope_attn_factor
+        factor = 1.0 / self.rope_scale
+
+        def mscale(m: float) -> float:
+            return 1.0 if factor <= 1.0 else 0.1 * m * math.log(factor) + 1.0
+
+        attn = mscale(1.0) / mscale(self.yarn_log_mul) if self.yarn_log_mul else mscale(1.0)
+        return attn / (1.0 + 0.1 * math.log(factor)) * self.rope_attn_factor
 
     def layer_rope_dims(self, layer: int) -> int:
         """The leading dims of each head that layer `layer` rotates: rope_dims, or 0 on a NoPE layer."""
@@ -444,9 +464,23 @@ def _read_config(path: Path, metadata: dict[str, Any], tensors: dict) -> ModelCo
         rope_attn_factor=float(metadata.get(f"{arch}.rope.scaling.attn_factor") or 1.0),
         rope_ctx_orig=int(metadata.get(f"{arch}.rope.scaling.original_context_length") or ctx_train),
         nope_step=4 if arch == "smollm3" else 0,
+        **(_mistral3(arch, metadata) if arch == "mistral3" else {}),
         **gemma,
         **moe,
     )
+
+
+def _mistral3(arch: str, metadata: dict[str, Any]) -> dict[str, Any]:
+    """mistral3's keys as llama_model_mistral3 reads them: YaRN's betas and log multiplier, and the
+    query temperature scale (its positions counted in original contexts, rope_ctx_orig)."""
+    def value(key: str, default: float) -> float:
+        got = metadata.get(f"{arch}.{key}")
+        return default if got is None else float(got)
+
+    return dict(yarn_beta_fast=value("rope.scaling.yarn_beta_fast", 32.0),
+                yarn_beta_slow=value("rope.scaling.yarn_beta_slow", 1.0),
+                yarn_log_mul=value("rope.scaling.yarn_log_multiplier", 0.0),
+                attn_temp_scale=value("attention.temperature_scale", 0.0))
 
 
 def _moe(path: Path, arch: str, metadata: dict[str, Any], tensors: dict) -> dict[str, Any]:

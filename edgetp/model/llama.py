@@ -306,8 +306,8 @@ class Shard:
         self.v_cache = [kvcache.kv_cache(self.kv_type, shape) for _ in self.w.layers]
         self.k_bits = [kvcache.kernel_view(c) for c in self.k_cache]
         self.v_bits = [kvcache.kernel_view(c) for c in self.v_cache]
-        freqs, mscale = rope_factors(self.w, self.ctx), cfg.rope_attn_factor
-        yarn = cfg.rope_ctx_orig if cfg.rope_yarn else 0
+        freqs, mscale = rope_factors(self.w, self.ctx), cfg.rope_mscale()
+        yarn = (cfg.rope_ctx_orig, cfg.yarn_beta_fast, cfg.yarn_beta_slow) if cfg.rope_yarn else None
         self.cos, self.sin = ops.rope_table(self.ctx, cfg.rope_dims, cfg.rope_theta, freqs, cfg.rope_scale, mscale,
                                             yarn)
         if any(cfg.is_local(i) for i in range(cfg.n_layers)):  # sliding-window layers' own rope
@@ -493,6 +493,8 @@ class Shard:
         rope_dims = cfg.layer_rope_dims(self.w.layer0 + i)  # 0: a NoPE layer (smollm3)
         ops.rope(q, self.n_heads, hd, rope_dims, pos, cos, sin, cfg.rope_neox)
         ops.rope(k, self.n_kv, hd, rope_dims, pos, cos, sin, cfg.rope_neox)
+        if cfg.attn_temp_scale:  # mistral3's query temperature
+            ops.temper(q, pos, cfg.attn_temp_scale, max(cfg.rope_ctx_orig, 1))
         kb, vb = self.k_bits[i][slot], self.v_bits[i][slot]
         kvcache.kv_write_rows(kb, pos, k.reshape(n, self.n_kv, hd))
         kvcache.kv_write_rows(vb, pos, v.reshape(n, self.n_kv, hd))

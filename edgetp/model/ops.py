@@ -69,36 +69,46 @@ def rmsnorm_heads(x, head_dim, w, eps):  # pragma: no cover - compiled
                 x[i, base + j] = x[i, base + j] * scale * w[j]
 
 
-# YaRN's correction range, in rotations over the original context: llama.cpp's defaults, which it reads
-# from no key for the architectures here (hparams.yarn_beta_fast, yarn_beta_slow)
-YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0
-
-
 def rope_table(n_pos: int, rope_dims: int, theta: float, freq_factors: np.ndarray | None,
-               scale: float = 1.0, mscale: float = 1.0, yarn_ctx: int = 0) -> tuple[np.ndarray, np.ndarray]:
+               scale: float = 1.0, mscale: float = 1.0,
+               yarn: tuple[int, float, float] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin of every position and frequency: (n_pos, rope_dims // 2) each, f32; scale: linear
     rope scaling, every angle times it (llama.cpp's freq_scale); mscale: cos and sin times it, so
     the rotated values of q and k are too (llama.cpp's attn_factor).
 
-    yarn_ctx > 0: YaRN over an original context of yarn_ctx positions, as ggml's rope_yarn. The
-    pairs that turn more than YARN_BETA_FAST times over it keep their angle, those that turn fewer
-    than YARN_BETA_SLOW times take it times `scale`, and a linear ramp blends the ones between.
-    cos and sin are then also times 1 + 0.1 ln(1 / scale) where scale < 1."""
+    yarn (original context, beta_fast, beta_slow): YaRN, as ggml's rope_yarn. The pairs that turn
+    more than beta_fast times over the original context keep their angle, those that turn fewer than
+    beta_slow times take it times `scale`, and a linear ramp blends the ones between. cos and sin are
+    then also times 1 + 0.1 ln(1 / scale) (ModelConfig.rope_mscale gives the mscale that goes with it)."""
     inv = theta ** (-np.arange(0, rope_dims, 2, dtype=np.float64) / rope_dims)
     if freq_factors is not None:
         inv = inv / freq_factors[: rope_dims // 2].astype(np.float64)
-    if yarn_ctx > 0:
-        def corr(rotations: float) -> float:  # the pair that turns `rotations` times over yarn_ctx
-            return rope_dims * math.log(yarn_ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    if yarn is not None:
+        ctx, fast, slow = yarn
 
-        low, high = max(0.0, math.floor(corr(YARN_BETA_FAST))), min(rope_dims - 1.0, math.ceil(corr(YARN_BETA_SLOW)))
+        def corr(rotations: float) -> float:  # the pair that turns `rotations` times over ctx
+            return rope_dims * math.log(ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = max(0.0, math.floor(corr(fast))), min(rope_dims - 1.0, math.ceil(corr(slow)))
         pair = np.arange(rope_dims // 2, dtype=np.float64)
         keep = 1.0 - np.clip((pair - low) / max(0.001, high - low), 0.0, 1.0)  # 1: the angle as it is
         inv = inv * (scale * (1.0 - keep) + keep)
-        mscale *= 1.0 + 0.1 * math.log(1.0 / scale) if scale < 1.0 else 1.0
+        mscale *= 1.0 + 0.1 * math.log(1.0 / scale)
         scale = 1.0
     ang = (np.arange(n_pos, dtype=np.float64) * scale)[:, None] * inv[None, :]
     return (np.cos(ang) * mscale).astype(np.float32), (np.sin(ang) * mscale).astype(np.float32)
+
+
+@njit(**_JIT)
+def temper(x, pos0, temp, floor):  # pragma: no cover - compiled
+    # x: (n, width) f32, row t (position pos0 + t) times 1 + temp * ln(floor((pos0 + t) / floor) + 1),
+    # in place: llama 4's query temperature (llama.cpp's attn_temp input, for mistral3); temp 0: none
+    if temp == 0.0:
+        return
+    for t in range(x.shape[0]):
+        s = np.float32(math.log(math.floor((pos0 + t) / floor) + 1.0) * temp + 1.0)
+        for j in range(x.shape[1]):
+            x[t, j] = x[t, j] * s
 
 
 @njit(**_JIT)

@@ -37,9 +37,9 @@ Models (``--models``, comma separated; a path to any .gguf file also works):
                      to IQ4_NL)
 * ``moe16x4-q8_0``   synthetic mixture of experts, qwen3moe with 16 experts top-4 (0.5B), Q8_0
 * ``moe16x4-q4_0``   the same in Q4_0
-* ``qwen3-1.7b-q4_0``, ``gemma3-1b-q4_0``, ``phi3-1b-q4_0``, ``smollm3-3b-q4_0``  the other families, synthetic,
-                     Q4_0: Qwen3-1.7B's, Gemma-3-1B's and SmolLM3-3B's shapes, and phi3 at the Llama-3.2-1B shape
-                     (its smallest model is 3.8B)
+* ``qwen3-1.7b-q4_0``, ``gemma3-1b-q4_0``, ``phi3-1b-q4_0``, ``smollm3-3b-q4_0``, ``ministral3-3b-q4_0``  the
+                     other families, synthetic, Q4_0: Qwen3-1.7B's, Gemma-3-1B's, SmolLM3-3B's and Ministral-3-3B's
+                     shapes, and phi3 at the Llama-3.2-1B shape (its smallest model is 3.8B)
 
 Derived files are written once into ``<edgetp cache>/bench/`` (``$EDGETP_CACHE_DIR/bench``
 or ``~/.cache/edgetp/bench``; ``--cache-dir`` overrides) and reused afterwards.
@@ -122,10 +122,11 @@ BUILTIN = {
 BUILTIN |= {f"{preset}-q4_0": ModelSpec(f"{preset}-q4_0", f"{label} Q4_0 (synthetic)", preset, "q4_0")
             for preset, label in (("qwen3-1.7b", "Qwen3-1.7B-shape"), ("gemma3-1b", "Gemma-3-1B-shape"),
                                   ("gemma2-1b", "gemma2 at the Gemma-3-1B shape"),
-                                  ("phi3-1b", "phi3 at the Llama-3.2-1B shape"), ("smollm3-3b", "SmolLM3-3B-shape"))}
+                                  ("phi3-1b", "phi3 at the Llama-3.2-1B shape"), ("smollm3-3b", "SmolLM3-3B-shape"),
+                                  ("ministral3-3b", "Ministral-3-3B-shape"))}
 DEFAULT_MODELS = ("smollm2", "smollm2-q4_k_m", "llama1b-q8_0", "llama1b-q4_0", "llama1b-q4_k_m")
-FAMILY_MODELS = ("qwen3-1.7b-q4_0", "gemma3-1b-q4_0", "gemma2-1b-q4_0", "phi3-1b-q4_0", "smollm3-3b-q4_0", "moe16x4-q8_0",
-                 "moe16x4-q4_0")
+FAMILY_MODELS = ("qwen3-1.7b-q4_0", "gemma3-1b-q4_0", "gemma2-1b-q4_0", "phi3-1b-q4_0", "smollm3-3b-q4_0",
+                 "ministral3-3b-q4_0", "moe16x4-q8_0", "moe16x4-q4_0")
 
 
 # --------------------------------------------------------------------------- workers (subprocess side)

@@ -126,9 +126,26 @@ def assert_int8_decode_as_close_as_llamacpp(path, ids) -> None:
 @pytest.mark.parametrize("kv_type", ["f16", "f32"])
 def test_greedy_continuation_is_token_identical_to_llamacpp_for_64_tokens(llama_cpp, qwen3, kv_type):
     path = qwen3("f32")
-    ids = _ids(path)
+    assert_greedy_as_llamacpps(path, _ids(path), kv_type)
+
+
+def assert_greedy_as_llamacpps(path, ids, kv_type: str) -> None:
+    """64 greedy tokens after ids, one node with a cache of kv_type: llama.cpp's."""
     ours = greedy(LocalRunner(gguf.open_model(path), 256, kv_type=kv_type), ids, 64)
     assert ours == reference.greedy(path, ids, 64, kv_type)
+
+
+def assert_each_change_far_from_llamacpp(path, ids, changes) -> None:
+    """The file read with each config change of `changes` (what a reader that left a term out would
+    do) puts the logits far from llama.cpp's (100 times BOUND): the tests that hold them close can fail."""
+    from dataclasses import replace  # noqa: PLC0415
+
+    cpp = reference.logits(path, ids, "f32")
+    for change in changes:
+        mf = gguf.open_model(path)
+        mf.config = replace(mf.config, **change)
+        err = _error(LocalRunner(mf, 256, kv_type="f32").logits(ids, 0), cpp, _spread(cpp))
+        assert err.max() > 100 * BOUND["f32"], change
 
 
 @pytest.mark.parametrize("kind", ["q8_0", "q4_k"])

@@ -15,8 +15,6 @@ Bounds: test_engine_reference's (stated there), as in test_qwen3.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
 from edgetp.model import gguf
@@ -25,9 +23,10 @@ from edgetp.model.tokenizer import Tokenizer
 from edgetp.parallel.runner import ClusterRunner
 from tests import reference
 from tests.test_decode_fast import _same
-from tests.test_engine_reference import BOUND, FOX, _error, _spread
+from tests.test_engine_reference import FOX
 from tests.test_parallel import greedy
-from tests.test_qwen3 import (assert_exact_at_every_position, assert_int8_decode_as_close_as_llamacpp,
+from tests.test_qwen3 import (assert_each_change_far_from_llamacpp, assert_exact_at_every_position,
+                              assert_greedy_as_llamacpps, assert_int8_decode_as_close_as_llamacpp,
                               assert_never_further_from_llamacpp_than_it_is_from_exact, assert_processes_match,
                               control, float_kernels)  # noqa: F401 (fixtures)
 
@@ -70,14 +69,8 @@ def test_logits_are_never_further_from_llamacpp_than_llamacpp_is_from_exact(llam
 
 
 def test_rotating_every_layer_as_llama_does_would_be_far_from_llamacpp(llama_cpp, smollm3, float_kernels):
-    # the tests above can fail: the same weights with every layer rotated (read as llama) move the logits
     path = smollm3("f32")
-    ids = _ids(path)
-    cpp = reference.logits(path, ids, "f32")
-    mf = gguf.open_model(path)
-    mf.config = replace(mf.config, nope_step=0)
-    err = _error(LocalRunner(mf, 256, kv_type="f32").logits(ids, 0), cpp, _spread(cpp))
-    assert err.max() > 100 * BOUND["f32"]
+    assert_each_change_far_from_llamacpp(path, _ids(path), [dict(nope_step=0)])
 
 
 def test_int8_q4_0_decode_logits_are_as_close_to_exact_as_llamacpps(llama_cpp, smollm3, monkeypatch):
@@ -89,9 +82,7 @@ def test_int8_q4_0_decode_logits_are_as_close_to_exact_as_llamacpps(llama_cpp, s
 @pytest.mark.parametrize("kv_type", ["f16", "f32"])
 def test_greedy_continuation_is_token_identical_to_llamacpp_for_64_tokens(llama_cpp, smollm3, kv_type):
     path = smollm3("f32")
-    ids = _ids(path)
-    ours = greedy(LocalRunner(gguf.open_model(path), 256, kv_type=kv_type), ids, 64)
-    assert ours == reference.greedy(path, ids, 64, kv_type)
+    assert_greedy_as_llamacpps(path, _ids(path), kv_type)
 
 
 @pytest.mark.parametrize("wt", ["q8_0", "q4_k"])

@@ -13,19 +13,15 @@ far). Bounds: test_engine_reference's (stated there), as in test_qwen3.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
 from edgetp.model import gguf
-from edgetp.model.generate import LocalRunner
 from tests import reference
 from tests.test_cli_errors import ask, assert_one_line_error
-from tests.test_engine_reference import BOUND, FOX, _error, _spread
-from tests.test_parallel import greedy
-from tests.test_qwen3 import (_rewrite, assert_exact_at_every_position,
-                              assert_never_further_from_llamacpp_than_it_is_from_exact, assert_processes_match,
-                              control, float_kernels)  # noqa: F401 (fixtures)
+from tests.test_engine_reference import FOX
+from tests.test_qwen3 import (_rewrite, assert_each_change_far_from_llamacpp, assert_exact_at_every_position,
+                              assert_greedy_as_llamacpps, assert_never_further_from_llamacpp_than_it_is_from_exact,
+                              assert_processes_match, control, float_kernels)  # noqa: F401 (fixtures)
 
 YARN = dict(rope_scale_yarn=4.0, rope_ctx_orig=64)
 CASES = [("llama", "f32"), ("llama", "q8_0"), ("qwen3", "f32"), ("qwen3", "q4_k")]
@@ -69,24 +65,17 @@ def test_logits_are_never_further_from_llamacpp_than_llamacpp_is_from_exact(llam
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_no_scaling_as_before_or_linear_scaling_alone_would_be_far_from_llamacpp(llama_cpp, yarn, arch,
                                                                                  float_kernels):
-    # the tests above can fail: the file read as the tree before read it (no scaling at all), or
-    # scaled linearly by the same factor without the ramp and the magnitude, moves the logits
+    # the file read as the tree before read it (no scaling at all), or scaled linearly by the same
+    # factor without the ramp and the magnitude
     path = yarn(arch)
-    ids = _ids(path)
-    cpp = reference.logits(path, ids, "f32")
-    for change in (dict(rope_yarn=False, rope_scale=1.0), dict(rope_yarn=False)):
-        mf = gguf.open_model(path)
-        mf.config = replace(mf.config, **change)
-        err = _error(LocalRunner(mf, 256, kv_type="f32").logits(ids, 0), cpp, _spread(cpp))
-        assert err.max() > 100 * BOUND["f32"], change
+    assert_each_change_far_from_llamacpp(path, _ids(path), [dict(rope_yarn=False, rope_scale=1.0),
+                                                            dict(rope_yarn=False)])
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_greedy_continuation_is_token_identical_to_llamacpp_for_64_tokens(llama_cpp, yarn, arch):
     path = yarn(arch)
-    ids = _ids(path)
-    ours = greedy(LocalRunner(gguf.open_model(path), 256, kv_type="f16"), ids, 64)
-    assert ours == reference.greedy(path, ids, 64, "f16")
+    assert_greedy_as_llamacpps(path, _ids(path), "f16")
 
 
 def test_two_processes_with_uneven_weights_give_the_single_nodes_tokens_and_the_exact_logits(

@@ -123,7 +123,8 @@ def exact_logits(path, ids: list[int], kv_type: str = "f32", ctx: int = 256) -> 
     theta = key("rope.freq_base", 10000.0)
     # linear rope scaling: positions divided by rope.scaling.factor (HF's "linear" rope_scaling);
     # gemma3's sliding-window layers are never scaled (its local rope has no rope_scaling)
-    stretch = key("rope.scaling.factor", 1.0) if key("rope.scaling.type", "linear") == "linear" else 1.0
+    # (llama.cpp reads the factor so for every type but "none"; yarn's is below)
+    stretch = key("rope.scaling.factor", 1.0) if key("rope.scaling.type", "linear") not in ("none", "yarn") else 1.0
     gemma, gemma2 = arch in ("gemma2", "gemma3"), arch == "gemma2"
     halves = arch in ("qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3")
     window = key("attention.sliding_window", 4096 if gemma2 else 0) if gemma else 0

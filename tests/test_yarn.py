@@ -85,6 +85,17 @@ def test_two_processes_with_uneven_weights_give_the_single_nodes_tokens_and_the_
     assert_processes_match(control, path, float_workers, runs=((2, [1, 3]),))
 
 
+@pytest.mark.parametrize("kind,scaled", [("longrope", True), ("none", False)])
+def test_the_factor_scales_every_type_but_none_as_in_llamacpp(llama_cpp, synth_model, kind, scaled, tmp_path,
+                                                               float_kernels):
+    # llama.cpp: freq_scale = 1 / rope.scaling.factor unless the type is "none" (a longrope file's factor
+    # was left out before)
+    src = synth_model("tiny-headdim", "f32", rope_scale_linear=2.0)
+    path = _rewrite(src, tmp_path / f"{kind}.gguf", meta={"llama.rope.scaling.type": kind})
+    assert gguf.open_model(path).config.rope_scale == (0.5 if scaled else 1.0)
+    assert_never_further_from_llamacpp_than_it_is_from_exact(path, _ids(path), "f32")
+
+
 def test_an_unknown_rope_scaling_type_is_refused_in_one_line_naming_it(yarn, tmp_path):
     bad = _rewrite(yarn(), tmp_path / "dynamic.gguf", meta={"llama.rope.scaling.type": "dynamic"})
     assert_one_line_error(ask(bad), str(bad), "'dynamic'", "llama.rope.scaling.type")

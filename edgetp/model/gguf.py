@@ -424,15 +424,15 @@ def _read_config(path: Path, metadata: dict[str, Any], tensors: dict) -> ModelCo
         raise GGUFError(f"{path}: tensor 'token_embd.weight' is missing")
     vocab = int(tensors["token_embd.weight"].shape[1])
     n_layers = int(get(f"{arch}.block_count"))
-    # llama.cpp: freq_scale = 1 / rope.scaling.factor; "linear" (also its default type) is that alone,
-    # "yarn" blends it with the unscaled angles per pair (ops.rope_table); "none" and "longrope" (phi3's
-    # factors, read as tensors) scale no angle here. llama.cpp stops at any other type.
+    # llama.cpp: freq_scale = 1 / rope.scaling.factor for every type but "none"; "linear" (also its default
+    # type) and "longrope" (phi3's, whose factors are tensors) are that alone, "yarn" blends it with the
+    # unscaled angles per pair (ops.rope_table). llama.cpp stops at any other type.
     factor = float(metadata.get(f"{arch}.rope.scaling.factor") or 0.0)
     scaling = metadata.get(f"{arch}.rope.scaling.type", "linear")
     if scaling not in ROPE_SCALINGS:
         raise GGUFError(f"{path}: rope scaling type {scaling!r} is not supported "
                         f"({arch}.rope.scaling.type; supported: {', '.join(ROPE_SCALINGS)})")
-    rope_scale = 1.0 / factor if factor and scaling in ("linear", "yarn") else 1.0
+    rope_scale = 1.0 / factor if factor and scaling != "none" else 1.0
     ctx_train = int(get(f"{arch}.context_length", 2048))
     fused_qkv = "blk.0.attn_qkv.weight" in tensors  # llama.cpp: attn_qkv where the file has it, else q, k, v
     gemma = _gemma(path, arch, metadata, n_layers, dim, n_heads, head_dim) if arch.startswith("gemma") else {}

@@ -168,6 +168,8 @@ def test_synth_rejects_unquantizable_shapes(tmp_path):
     with pytest.raises(ValueError, match="n_kv_heads"):
         synth_gguf.write_model(tmp_path / "z.gguf", dim=96, n_layers=1, n_heads=6, n_kv_heads=4, ffn=128,
                                vocab=400)
+    with pytest.raises(ValueError, match="attn_temp_scale: mistral3's keys, not qwen3's"):  # llama.cpp reads them not
+        synth_gguf.write_preset(tmp_path / "w.gguf", "tiny-headdim", arch="qwen3", attn_temp_scale=0.1)
     assert list(tmp_path.iterdir()) == []  # nothing, not even a .part, is left behind
 
 

@@ -666,6 +666,10 @@ def write_model(path: str | os.PathLike[str], *, dim: int, n_layers: int, n_head
         if rope_scale_yarn is not None:
             writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
             writer.add_rope_scaling_factor(float(rope_scale_yarn))
+        given = [k for k, v in zip(MISTRAL3_KEYS, (yarn_beta_fast, yarn_beta_slow, yarn_log_mul, attn_temp_scale))
+                 if v is not None]
+        if given and arch != "mistral3":  # llama.cpp would not read them: a test of them would test nothing
+            raise ValueError(f"{', '.join(given)}: mistral3's keys, not {arch}'s")
         for value, add in ((yarn_beta_fast, writer.add_rope_scaling_yarn_beta_fast),
                            (yarn_beta_slow, writer.add_rope_scaling_yarn_beta_slow),
                            (yarn_log_mul, writer.add_rope_scaling_yarn_log_mul),
@@ -807,8 +811,8 @@ def main(argv: list[str] | None = None) -> int:
         kw["name"] = args.preset
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn", "vocab", "ctx",
                 "rope_theta", "norm_eps", "tied", "swa_window", "swa_pattern", "rope_theta_swa",
-                "attn_softcap", "final_softcap", "rope_scale_linear", "rope_scale_yarn", "rope_ctx_orig", "rope_attn_factor", "rope_dims",
-                "rope_freqs", "n_experts", "n_experts_used", "ffn_shared"):
+                "attn_softcap", "final_softcap", "rope_scale_linear", "rope_scale_yarn", "rope_ctx_orig",
+                "rope_attn_factor", "rope_dims", "rope_freqs", "n_experts", "n_experts_used", "ffn_shared"):
         val = getattr(args, key)
         if val is not None:
             kw[key] = val
